@@ -1,0 +1,32 @@
+# Every target installs what it needs first, so each works on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test bench lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch==2.13.0 exactly: its CPU wheel is what this project is tested with.
+	$(PY) -m pip install --quiet -e '.[torch,demo,dev]'
+	touch $(STAMP)
+
+demo: install
+	$(PY) examples/digits_demo.py
+
+test: install
+	$(PY) -m pytest -q
+
+bench: install
+	$(VENV)/bin/gradwire bench -n 4 -s 4 --sizes 4,16,64
+
+lint: install
+	$(VENV)/bin/ruff check src tests examples
+	$(VENV)/bin/ruff format --check src tests examples
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info

@@ -1,0 +1,253 @@
+"""All configuration of gradwire, read from the environment in one place.
+
+`Config.from_env()` is the only place that reads environment variables. Every variable, with its
+aliases (BytePS's ``DMLC_*`` and torchrun's ``RANK``/``WORLD_SIZE``/...), is listed in `ENV_VARS`; the
+table in docs/env.md is checked against it by a test. CLI flags are a thin layer that sets the same
+variables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from gradwire.errors import ConfigError
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One configuration variable: its name, the field it sets, aliases and a one-line meaning."""
+
+    name: str
+    field: str
+    aliases: tuple[str, ...]
+    default: str
+    doc: str
+
+
+ENV_VARS: tuple[EnvVar, ...] = (
+    EnvVar("GRADWIRE_ROLE", "role", ("DMLC_ROLE",), "worker", "`scheduler`, `server` or `worker`"),
+    EnvVar(
+        "GRADWIRE_SCHEDULER",
+        "scheduler",
+        (),
+        "127.0.0.1:0",
+        "scheduler address `host:port`; or give `DMLC_PS_ROOT_URI` and `DMLC_PS_ROOT_PORT`",
+    ),
+    EnvVar("GRADWIRE_NUM_WORKERS", "num_workers", ("DMLC_NUM_WORKER", "WORLD_SIZE"), "1", "workers in the job"),
+    EnvVar("GRADWIRE_NUM_SERVERS", "num_servers", ("DMLC_NUM_SERVER",), "1", "summation servers in the job"),
+    EnvVar(
+        "GRADWIRE_RANK",
+        "rank",
+        ("DMLC_WORKER_ID", "RANK"),
+        "",
+        "this node's rank within its role; empty: the scheduler assigns one in order of arrival",
+    ),
+    EnvVar("GRADWIRE_LOCAL_RANK", "local_rank", ("LOCAL_RANK",), "", "rank among the workers on this host"),
+    EnvVar("GRADWIRE_LOCAL_SIZE", "local_size", ("LOCAL_WORLD_SIZE",), "", "workers on this host"),
+    EnvVar(
+        "GRADWIRE_HOST",
+        "host",
+        (),
+        "127.0.0.1",
+        "address this node binds its data port to and advertises to the others",
+    ),
+    EnvVar(
+        "GRADWIRE_PARTITION_BYTES",
+        "partition_bytes",
+        ("BYTEPS_PARTITION_BYTES",),
+        str(4 * MiB),
+        "largest partition in bytes (element-aligned)",
+    ),
+    EnvVar(
+        "GRADWIRE_WINDOW",
+        "window",
+        (),
+        "4",
+        "unanswered partitions a worker keeps in flight per server",
+    ),
+    EnvVar(
+        "GRADWIRE_CREDIT_BYTES",
+        "credit_bytes",
+        (),
+        str(256 * MiB),
+        "bytes a worker keeps in flight over all servers",
+    ),
+    EnvVar(
+        "GRADWIRE_RING_SLOTS",
+        "ring_slots",
+        (),
+        "16",
+        "receive slots per server engine ring; a full ring is backpressure",
+    ),
+    EnvVar("GRADWIRE_ENGINES", "engines", (), "1", "engine threads per server (each owns a share of the keys)"),
+    EnvVar(
+        "GRADWIRE_SECRET",
+        "secret",
+        (),
+        "",
+        "job secret for the HMAC handshake; the launcher makes one per job",
+    ),
+    EnvVar("GRADWIRE_SECRET_FILE", "secret_file", (), "", "file holding the job secret"),
+    EnvVar(
+        "GRADWIRE_TIMEOUT",
+        "timeout",
+        (),
+        "300",
+        "seconds any blocking call (rendezvous, barrier, push_pull) waits before raising",
+    ),
+    EnvVar("GRADWIRE_MAX_FRAME_BYTES", "max_frame_bytes", (), str(64 * MiB), "largest frame accepted from a peer"),
+    EnvVar(
+        "GRADWIRE_SOCKET_BUFFER_BYTES",
+        "socket_buffer_bytes",
+        (),
+        "0",
+        "SO_SNDBUF/SO_RCVBUF for data connections; 0 leaves the kernel's autotuning",
+    ),
+    EnvVar(
+        "GRADWIRE_SWITCH_INTERVAL",
+        "switch_interval",
+        (),
+        "0.0005",
+        "sys.setswitchinterval for worker processes, so I/O threads get the GIL promptly; 0 leaves it",
+    ),
+    EnvVar("GRADWIRE_LOG_LEVEL", "log_level", (), "WARNING", "logging level of gradwire's loggers"),
+)
+
+_INT_FIELDS = {
+    "num_workers",
+    "num_servers",
+    "partition_bytes",
+    "window",
+    "credit_bytes",
+    "ring_slots",
+    "engines",
+    "max_frame_bytes",
+    "socket_buffer_bytes",
+}
+_FLOAT_FIELDS = {"timeout", "switch_interval"}
+_OPTIONAL_INT_FIELDS = {"rank", "local_rank", "local_size"}
+
+
+@dataclass(frozen=True)
+class Config:
+    """The configuration of one node. Immutable; build it with `from_env` or `dataclasses.replace`."""
+
+    role: str = "worker"
+    scheduler: str = "127.0.0.1:0"
+    num_workers: int = 1
+    num_servers: int = 1
+    rank: int | None = None
+    local_rank: int | None = None
+    local_size: int | None = None
+    host: str = "127.0.0.1"
+    partition_bytes: int = 4 * MiB
+    window: int = 4
+    credit_bytes: int = 256 * MiB
+    ring_slots: int = 16
+    engines: int = 1
+    secret: str = dataclasses.field(default="", repr=False)
+    secret_file: str = ""
+    timeout: float = 300.0
+    max_frame_bytes: int = 64 * MiB
+    socket_buffer_bytes: int = 0
+    switch_interval: float = 0.0005
+    log_level: str = "WARNING"
+
+    def __post_init__(self) -> None:
+        self._check()
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Config:
+        """Read every `ENV_VARS` entry (the GRADWIRE_ name first, then its aliases in order)."""
+        env = os.environ if env is None else env
+        values: dict[str, object] = {}
+        for var in ENV_VARS:
+            raw = _lookup(env, var)
+            if raw is None:
+                continue
+            values[var.field] = _parse(var, raw)
+        if "scheduler" not in values and env.get("DMLC_PS_ROOT_URI"):
+            values["scheduler"] = f"{env['DMLC_PS_ROOT_URI']}:{env.get('DMLC_PS_ROOT_PORT', '0')}"
+        values.update(overrides)
+        return cls(**values)  # type: ignore[arg-type]
+
+    @property
+    def scheduler_address(self) -> tuple[str, int]:
+        """The scheduler's (host, port)."""
+        host, _, port = self.scheduler.rpartition(":")
+        return host.strip("[]"), int(port)
+
+    def secret_bytes(self) -> bytes:
+        """The job secret: GRADWIRE_SECRET, else the contents of GRADWIRE_SECRET_FILE, else empty."""
+        if self.secret:
+            return self.secret.encode()
+        if self.secret_file:
+            try:
+                with open(self.secret_file, "rb") as f:
+                    return f.read().strip()
+            except OSError as e:
+                raise ConfigError(f"cannot read GRADWIRE_SECRET_FILE {self.secret_file!r}: {e}") from e
+        return b""
+
+    def _check(self) -> None:
+        if self.role not in ("scheduler", "server", "worker"):
+            raise ConfigError(f"GRADWIRE_ROLE must be scheduler, server or worker, not {self.role!r}")
+        if self.num_workers < 1 or self.num_servers < 1:
+            raise ConfigError(
+                f"need at least one worker and one server, got GRADWIRE_NUM_WORKERS={self.num_workers} "
+                f"GRADWIRE_NUM_SERVERS={self.num_servers}"
+            )
+        if self.partition_bytes < 8 or self.partition_bytes > self.max_frame_bytes:
+            raise ConfigError(
+                f"GRADWIRE_PARTITION_BYTES={self.partition_bytes} must lie in [8, "
+                f"GRADWIRE_MAX_FRAME_BYTES={self.max_frame_bytes}]"
+            )
+        for name in ("window", "ring_slots", "engines"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.credit_bytes < self.partition_bytes:
+            raise ConfigError(
+                f"GRADWIRE_CREDIT_BYTES={self.credit_bytes} must be at least one partition "
+                f"(GRADWIRE_PARTITION_BYTES={self.partition_bytes})"
+            )
+        if ":" not in self.scheduler:
+            raise ConfigError(f"GRADWIRE_SCHEDULER must be host:port, got {self.scheduler!r}")
+        if self.timeout <= 0:
+            raise ConfigError(f"GRADWIRE_TIMEOUT must be positive, got {self.timeout}")
+
+
+def _lookup(env: Mapping[str, str], var: EnvVar) -> str | None:
+    for name in (var.name, *var.aliases):
+        value = env.get(name)
+        if value is not None and value != "":
+            return value
+    return None
+
+
+def _parse(var: EnvVar, raw: str) -> object:
+    try:
+        if var.field in _INT_FIELDS or var.field in _OPTIONAL_INT_FIELDS:
+            return int(raw)
+        if var.field in _FLOAT_FIELDS:
+            return float(raw)
+    except ValueError:
+        raise ConfigError(f"{var.name} must be a number, got {raw!r}") from None
+    if var.field == "role":
+        return raw.strip().lower()
+    return raw
+
+
+def env_for(config: Config) -> dict[str, str]:
+    """The GRADWIRE_* variables that reproduce `config` in a child process (the launcher's hand-off)."""
+    out = {}
+    for var in ENV_VARS:
+        value = getattr(config, var.field)
+        if value is None or value == "":
+            continue
+        out[var.name] = str(value)
+    return out

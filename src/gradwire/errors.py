@@ -1,0 +1,59 @@
+"""The one exception hierarchy of gradwire.
+
+::
+
+    GradwireError                      base of everything gradwire raises
+    ├── ConfigError                    the environment or arguments are wrong (before any I/O)
+    ├── ProtocolError                  bytes on the wire broke the protocol
+    │   ├── LocalProtocolError         ...and it was our side (a bug, or misuse of an internal API)
+    │   └── RemoteProtocolError        ...and it was the peer (bad frame, wrong version, bad length)
+    ├── AuthenticationError            the peer does not know the job secret
+    ├── TensorError                    a tensor is declared or used inconsistently (name, shape, dtype)
+    ├── JobAborted                     another node failed; this call cannot finish (carries the reason)
+    └── GradwireTimeout                a blocking call ran past its deadline (also a TimeoutError)
+
+Every error carries what is known of where it happened (role, rank, tensor, key, round, peer), and its
+message states the values and, where one exists, the fix.
+"""
+
+from __future__ import annotations
+
+
+class GradwireError(Exception):
+    """Base class of every error gradwire raises."""
+
+    def __init__(self, message: str, **context: object) -> None:
+        self.context = {k: v for k, v in context.items() if v is not None}
+        super().__init__(message)
+
+
+class ConfigError(GradwireError):
+    """The configuration (environment, arguments) is invalid."""
+
+
+class ProtocolError(GradwireError):
+    """A frame or message violated the wire protocol."""
+
+
+class LocalProtocolError(ProtocolError):
+    """Our own side tried to do something the protocol forbids."""
+
+
+class RemoteProtocolError(ProtocolError):
+    """The peer sent something the protocol forbids; the connection is closed."""
+
+
+class AuthenticationError(GradwireError):
+    """The peer failed the HMAC challenge-response: it does not hold the job secret."""
+
+
+class TensorError(GradwireError):
+    """A tensor is declared or used inconsistently across workers or calls."""
+
+
+class JobAborted(GradwireError):
+    """The job was aborted by another node's failure; the reason names the node."""
+
+
+class GradwireTimeout(GradwireError, TimeoutError):
+    """A blocking call ran past its deadline."""

@@ -1,0 +1,40 @@
+"""Placement: which server sums each partition, balanced by bytes.
+
+The scheduler owns the one `Placement` of a job and assigns each tensor's partitions when the tensor is
+first declared, so every worker receives the same map whatever order it declares in. Each partition
+goes to the server that would finish it soonest: the one with the least (load + size) / weight, ties to
+the lowest rank. Weights (a server's share of the bandwidth) default to 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class Placement:
+    """Greedy weighted least-loaded assignment. Not thread-safe: the scheduler serialises calls."""
+
+    def __init__(self, num_servers: int, weights: Sequence[float] | None = None) -> None:
+        if num_servers < 1:
+            raise ValueError("need at least one server")
+        self.weights = list(weights) if weights is not None else [1.0] * num_servers
+        if len(self.weights) != num_servers or min(self.weights) <= 0:
+            raise ValueError(f"need {num_servers} positive weights, got {self.weights}")
+        self.loads = [0] * num_servers
+
+    def assign(self, sizes: Sequence[int]) -> list[int]:
+        """Assign partitions of the given byte sizes; returns a server rank for each, in order."""
+        out = []
+        for size in sizes:
+            server = min(
+                range(len(self.loads)), key=lambda s: ((self.loads[s] + size) / self.weights[s], s)
+            )
+            self.loads[server] += size
+            out.append(server)
+        return out
+
+    def imbalance(self) -> float:
+        """The most loaded server's weighted load over the mean (1.0 is perfect balance)."""
+        weighted = [load / w for load, w in zip(self.loads, self.weights, strict=True)]
+        mean = sum(weighted) / len(weighted)
+        return max(weighted) / mean if mean else 1.0

@@ -1,0 +1,120 @@
+"""The frame: a fixed little-endian header followed by a raw payload.
+
+Layout (40 bytes)::
+
+    magic u32 | version u8 | type u8 | flags u8 | dtype u8 | epoch u32 | sender u32
+    | key u64 | round u32 | status u32 | length u64
+
+A header is validated completely (`decode_header`) before any buffer is sized from it: the magic, the
+version, a known type, a known dtype for data frames, and the length against the receiver's maximum.
+Data frames (PUSHPULL, RESULT) carry raw array bytes; every other type carries a JSON body.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import struct
+from dataclasses import dataclass
+
+from gradwire.errors import RemoteProtocolError
+from gradwire.protocol import dtypes
+
+MAGIC = 0x31575247  # b"GRW1" little-endian
+VERSION = 1
+HEADER = struct.Struct("<IBBBBIIQIIQ")
+HEADER_SIZE = HEADER.size
+MAX_CONTROL_BYTES = 1 << 20
+
+
+class FrameType(enum.IntEnum):
+    """What a frame is. Data frames carry array bytes; the rest carry a JSON body."""
+
+    HELLO = 1  # handshake: role, rank, nonce
+    PROOF = 2  # handshake: HMAC over both nonces
+    CONTROL = 3  # a JSON message (register, address book, declare, barrier, ...)
+    PUSHPULL = 4  # worker -> server: one partition of one round; the reply is RESULT
+    RESULT = 5  # server -> worker: the sum of that partition and round
+    ERROR = 6  # JSON {"message": ..., "key": ...}: the request failed, the connection stays up
+    BYE = 7  # orderly close
+
+
+DATA_TYPES = frozenset({FrameType.PUSHPULL, FrameType.RESULT})
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    """A decoded, validated header."""
+
+    type: FrameType
+    flags: int
+    dtype: int
+    epoch: int
+    sender: int
+    key: int
+    round: int
+    status: int
+    length: int
+
+
+def encode_header(
+    ftype: int,
+    length: int,
+    *,
+    flags: int = 0,
+    dtype: int = 0,
+    epoch: int = 0,
+    sender: int = 0,
+    key: int = 0,
+    round: int = 0,
+    status: int = 0,
+) -> bytes:
+    """Pack a header (for control frames; the data path packs into preallocated buffers instead)."""
+    return HEADER.pack(MAGIC, VERSION, ftype, flags, dtype, epoch, sender, key, round, status, length)
+
+
+def pack_header_into(
+    buf: bytearray, ftype: int, length: int, dtype: int, epoch: int, sender: int, key: int, round: int
+) -> None:
+    """Pack a data-frame header into a preallocated buffer (no allocation on the hot path)."""
+    HEADER.pack_into(buf, 0, MAGIC, VERSION, ftype, 0, dtype, epoch, sender, key, round, 0, length)
+
+
+def decode_header(raw: bytes | bytearray | memoryview, max_payload: int) -> Header:
+    """Unpack and validate a header; raises RemoteProtocolError saying what was wrong."""
+    magic, version, ftype, flags, dtype, epoch, sender, key, rnd, status, length = HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise RemoteProtocolError(f"bad magic 0x{magic:08x} (expected 0x{MAGIC:08x}): not a gradwire peer")
+    if version != VERSION:
+        raise RemoteProtocolError(f"protocol version {version}, this node speaks {VERSION}")
+    try:
+        frame_type = FrameType(ftype)
+    except ValueError:
+        raise RemoteProtocolError(f"unknown frame type {ftype}") from None
+    if frame_type in DATA_TYPES:
+        if dtype not in dtypes.BY_CODE:
+            raise RemoteProtocolError(f"unknown dtype code {dtype} in a {frame_type.name} frame")
+        if length > max_payload:
+            raise RemoteProtocolError(f"payload of {length} bytes exceeds the maximum of {max_payload}")
+        if length % dtypes.BY_CODE[dtype].itemsize:
+            raise RemoteProtocolError(f"payload of {length} bytes is not a whole number of {dtype=} elements")
+    elif length > MAX_CONTROL_BYTES:
+        raise RemoteProtocolError(f"{frame_type.name} body of {length} bytes exceeds {MAX_CONTROL_BYTES}")
+    return Header(frame_type, flags, dtype, epoch, sender, key, rnd, status, length)
+
+
+def encode_json(ftype: int, body: dict, *, epoch: int = 0, sender: int = 0, key: int = 0) -> bytes:
+    """A whole control frame: header and JSON body."""
+    payload = json.dumps(body, separators=(",", ":")).encode()
+    return encode_header(ftype, len(payload), epoch=epoch, sender=sender, key=key) + payload
+
+
+def decode_json(payload: bytes) -> dict:
+    """Parse a control body; raises RemoteProtocolError if it is not a JSON object."""
+    try:
+        body = json.loads(payload)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RemoteProtocolError(f"control body is not JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise RemoteProtocolError(f"control body must be a JSON object, got {type(body).__name__}")
+    return body

@@ -1,0 +1,41 @@
+"""Control messages: JSON bodies of CONTROL frames, keyed by "op".
+
+Node -> scheduler: register, declare, barrier, bye. Scheduler -> node: address_book, reply (to a
+request id), abort, shutdown. Requests carry an "id"; the reply carries the same id and either the
+result fields or "error".
+"""
+
+from __future__ import annotations
+
+from gradwire.errors import RemoteProtocolError
+
+REGISTER = "register"
+ADDRESS_BOOK = "address_book"
+DECLARE = "declare"
+BARRIER = "barrier"
+BYE = "bye"
+REPLY = "reply"
+ABORT = "abort"
+SHUTDOWN = "shutdown"
+
+_REQUIRED = {
+    REGISTER: ("role", "host", "port"),
+    ADDRESS_BOOK: ("rank", "epoch", "num_workers", "servers"),
+    DECLARE: ("id", "name", "shape", "dtype"),
+    BARRIER: ("id",),
+    BYE: (),
+    REPLY: ("id",),
+    ABORT: ("message",),
+    SHUTDOWN: (),
+}
+
+
+def check(body: dict) -> str:
+    """Validate a control body's op and required fields; return the op."""
+    op = body.get("op")
+    if op not in _REQUIRED:
+        raise RemoteProtocolError(f"unknown control op {op!r}")
+    missing = [f for f in _REQUIRED[op] if f not in body]
+    if missing:
+        raise RemoteProtocolError(f"control op {op!r} lacks {', '.join(missing)}")
+    return op

@@ -1,0 +1,296 @@
+"""The scheduler: one per job. Control traffic only; it never touches tensor bytes.
+
+Life of a job, as seen here:
+1. rendezvous: every node connects, authenticates, and registers (role, requested rank, data address).
+   When all `num_workers + num_servers` are in, ranks are fixed and everyone gets the address book.
+2. service: workers declare tensors (the scheduler checks every worker declares the same shape and dtype,
+   and places partitions on servers), and meet at barriers.
+3. end: when every worker has said bye, servers are told to shut down. A worker or server whose
+   connection drops before its bye aborts the job: every node is told why, so nobody hangs.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from gradwire import partition
+from gradwire.config import Config
+from gradwire.errors import GradwireError, GradwireTimeout
+from gradwire.placement import Placement
+from gradwire.protocol import messages
+from gradwire.protocol.frames import FrameType
+from gradwire.transport import tcp
+
+log = logging.getLogger("gradwire.scheduler")
+
+
+@dataclass
+class Node:
+    """A registered node as the scheduler sees it."""
+
+    conn: tcp.Connection
+    role: str
+    requested_rank: int | None
+    host: str
+    port: int
+    slot_bytes: int = 0
+    rank: int = -1
+    said_bye: bool = False
+
+
+@dataclass
+class Declaration:
+    """The first declaration of a tensor, against which every other worker's is checked."""
+
+    shape: list[int]
+    dtype: str
+    rank: int
+    servers: list[int]
+    partition_bytes: int
+    keys: list[int] = field(default_factory=list)
+
+
+class Scheduler:
+    """Runs a job's rendezvous and control plane.
+
+    `start()` binds and returns at once (the address is then in `address`); `wait()` blocks until the
+    job ends and returns its outcome (None, or the abort reason). Thread-safe; one lock guards state.
+    """
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.epoch = 1
+        self._secret = config.secret_bytes()
+        self._lock = threading.Lock()
+        self._nodes: list[Node] = []
+        self._workers: list[Node] = []
+        self._servers: list[Node] = []
+        self._tensors: dict[str, Declaration] = {}
+        self._keys: dict[int, str] = {}
+        self._placement: Placement | None = None
+        self._barrier: list[tuple[Node, int]] = []
+        self._done = threading.Event()
+        self.abort_reason: str | None = None
+        host, port = config.scheduler_address
+        self._listener = tcp.listen(host, port)
+        self.address = f"{host}:{self._listener.getsockname()[1]}"
+
+    @property
+    def expected(self) -> int:
+        return self.config.num_workers + self.config.num_servers
+
+    def start(self) -> Scheduler:
+        """Start accepting connections in a background thread."""
+        threading.Thread(target=self._accept_loop, name="gw-sched-accept", daemon=True).start()
+        threading.Thread(target=self._rendezvous_deadline, name="gw-sched-deadline", daemon=True).start()
+        return self
+
+    def wait(self, timeout: float | None = None) -> str | None:
+        """Block until the job ends; returns None on a clean end, else the abort reason."""
+        self._done.wait(timeout)
+        return self.abort_reason
+
+    def stop(self) -> None:
+        """Close every connection and the listener."""
+        self._done.set()
+        self._listener.close()
+        for node in list(self._nodes):
+            node.conn.close()
+
+    # -- connections -----------------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        while not self._done.is_set():
+            try:
+                sock, addr = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(sock, addr), name="gw-sched-conn", daemon=True).start()
+
+    def _serve(self, sock, addr) -> None:
+        conn = tcp.Connection(sock, max_payload=0, peer=f"{addr[0]}:{addr[1]}")
+        sock.settimeout(self.config.timeout)
+        node = None
+        try:
+            conn.handshake(self._secret, "scheduler", 0, initiator=False)
+            sock.settimeout(None)
+            node = self._register(conn)
+            while True:
+                _, body = conn.recv_json(FrameType.CONTROL)
+                if self._handle(node, body):
+                    return
+        except Exception as e:  # one connection's failure never stops the scheduler
+            self._on_disconnect(node, conn, e)
+
+    def _register(self, conn: tcp.Connection) -> Node:
+        _, body = conn.recv_json(FrameType.CONTROL)
+        if messages.check(body) != messages.REGISTER:
+            raise GradwireError(f"first message from {conn.peer} must be register, got {body.get('op')}")
+        rank = body.get("rank")
+        node = Node(
+            conn, str(body["role"]), None if rank is None else int(rank), str(body["host"]), int(body["port"]),
+            slot_bytes=int(body.get("slot_bytes", 0)),
+        )
+        with self._lock:
+            if len(self._nodes) >= self.expected:
+                raise GradwireError(f"job is full: {self.expected} nodes registered already")
+            self._nodes.append(node)
+            log.info("registered %s from %s (%d/%d)", node.role, conn.peer, len(self._nodes), self.expected)
+            if len(self._nodes) == self.expected:
+                self._assign_ranks_locked()
+        return node
+
+    def _assign_ranks_locked(self) -> None:
+        try:
+            for role, count, group in (
+                ("worker", self.config.num_workers, self._workers),
+                ("server", self.config.num_servers, self._servers),
+            ):
+                group.extend(_rank(role, count, [n for n in self._nodes if n.role == role]))
+        except GradwireError as e:
+            self._abort_locked(str(e))
+            return
+        self._placement = Placement(len(self._servers))
+        servers = [[s.host, s.port, s.slot_bytes] for s in self._servers]
+        for node in self._nodes:
+            node.conn.send_json(FrameType.CONTROL, {
+                "op": messages.ADDRESS_BOOK, "rank": node.rank, "epoch": self.epoch,
+                "num_workers": len(self._workers), "servers": servers,
+                "workers": [w.host for w in self._workers],
+            })
+        log.info("rendezvous complete: %d workers, %d servers", len(self._workers), len(self._servers))
+
+    def _rendezvous_deadline(self) -> None:
+        deadline = time.monotonic() + self.config.timeout
+        while not self._done.wait(0.2):
+            with self._lock:
+                if self._workers or self._servers:
+                    return
+                if time.monotonic() > deadline:
+                    have = {r: sum(n.role == r for n in self._nodes) for r in ("worker", "server")}
+                    self._abort_locked(
+                        f"rendezvous timed out after {self.config.timeout}s: {have['worker']}/"
+                        f"{self.config.num_workers} workers and {have['server']}/{self.config.num_servers} "
+                        "servers registered"
+                    )
+                    return
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def _handle(self, node: Node, body: dict) -> bool:
+        """Serve one request; True when the node has said bye."""
+        op = messages.check(body)
+        if op == messages.DECLARE:
+            node.conn.send_json(FrameType.CONTROL, self._declare(node, body))
+        elif op == messages.BARRIER:
+            self._enter_barrier(node, int(body["id"]))
+        elif op == messages.BYE:
+            self._bye(node)
+            return True
+        else:
+            raise GradwireError(f"{node.role} {node.rank} sent unexpected op {op!r}")
+        return False
+
+    def _declare(self, node: Node, body: dict) -> dict:
+        name, shape, dtype = str(body["name"]), [int(d) for d in body["shape"]], str(body["dtype"])
+        reply = {"op": messages.REPLY, "id": body["id"]}
+        with self._lock:
+            known = self._tensors.get(name)
+            if known is None:
+                known = self._place(name, shape, dtype, node.rank, int(body["itemsize"]), int(body["partition_bytes"]))
+            if known.shape != shape or known.dtype != dtype:
+                message = (
+                    f"tensor {name!r} declared as {dtype}{shape} by worker {node.rank} but as "
+                    f"{known.dtype}{known.shape} by worker {known.rank}: every worker must declare the same "
+                    "shape and dtype"
+                )
+                self._abort_locked(message)
+                return reply | {"error": message}
+            return reply | {"servers": known.servers, "partition_bytes": known.partition_bytes}
+
+    def _place(self, name: str, shape: list[int], dtype: str, rank: int, itemsize: int, pbytes: int) -> Declaration:
+        num = 1
+        for d in shape:
+            num *= d
+        parts = partition.split(num, itemsize, pbytes)
+        assert self._placement is not None
+        servers = self._placement.assign([p.count * itemsize for p in parts])
+        keys = [partition.key_of(name, p.index) for p in parts]
+        for key in keys:
+            if key in self._keys:
+                raise GradwireError(f"key collision between {name!r} and {self._keys[key]!r}; rename one")
+            self._keys[key] = name
+        decl = Declaration(shape, dtype, rank, servers, pbytes, keys)
+        self._tensors[name] = decl
+        return decl
+
+    def _enter_barrier(self, node: Node, request_id: int) -> None:
+        with self._lock:
+            self._barrier.append((node, request_id))
+            if len(self._barrier) < len(self._workers):
+                return
+            waiting, self._barrier = self._barrier, []
+        for waiter, rid in waiting:
+            waiter.conn.send_json(FrameType.CONTROL, {"op": messages.REPLY, "id": rid})
+
+    def _bye(self, node: Node) -> None:
+        with self._lock:
+            node.said_bye = True
+            if not all(w.said_bye for w in self._workers) or node.role != "worker":
+                return
+            servers = list(self._servers)
+        for server in servers:
+            try:
+                server.conn.send_json(FrameType.CONTROL, {"op": messages.SHUTDOWN})
+            except GradwireError:
+                pass
+        log.info("every worker said bye; job complete")
+        self._done.set()
+
+    def _on_disconnect(self, node: Node | None, conn: tcp.Connection, error: Exception) -> None:
+        conn.close()
+        if node is None:
+            log.warning("dropped connection from %s before registration: %s", conn.peer, error)
+            return
+        with self._lock:
+            if node.said_bye or self._done.is_set():
+                return
+            self._abort_locked(f"lost {node.role} {node.rank} at {node.host}: {error}")
+
+    def _abort_locked(self, reason: str) -> None:
+        if self.abort_reason is None:
+            self.abort_reason = reason
+            log.error("aborting the job: %s", reason)
+        for node in self._nodes:
+            try:
+                node.conn.send_json(FrameType.CONTROL, {"op": messages.ABORT, "message": reason})
+            except GradwireError:
+                pass
+        self._done.set()
+
+
+def _rank(role: str, count: int, nodes: list[Node]) -> list[Node]:
+    """Fix ranks: requested ones are honoured, the rest fill the gaps in order of arrival."""
+    if len(nodes) != count:
+        raise GradwireError(f"expected {count} {role}s, {len(nodes)} registered")
+    ranks: dict[int, Node] = {}
+    for node in nodes:
+        r = node.requested_rank
+        if r is None:
+            continue
+        if not 0 <= r < count:
+            raise GradwireError(f"{role} asked for rank {r}, outside [0, {count})")
+        if r in ranks:
+            raise GradwireError(f"two {role}s asked for rank {r} ({ranks[r].conn.peer} and {node.conn.peer})")
+        ranks[r] = node
+    free = iter(r for r in range(count) if r not in ranks)
+    for node in nodes:
+        if node.requested_rank is None:
+            ranks[next(free)] = node
+    for r, node in ranks.items():
+        node.rank = r
+        node.conn.peer_rank = r
+    return [ranks[r] for r in range(count)]

@@ -1,0 +1,5 @@
+"""The summation server role."""
+
+from gradwire.server.server import Server
+
+__all__ = ["Server"]

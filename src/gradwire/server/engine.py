@@ -1,0 +1,126 @@
+"""The engine: a thread that owns a share of the keys and sums their partitions.
+
+Each engine consumes one ring (ring.py) in batches. For each slot it adds the contribution into the
+key's accumulator for that round, and when all n workers are in it hands the finished sum to every
+worker's reply queue. Decisions and why:
+
+- Copy the first contribution, add the rest in place: one pass over memory per contribution, no zeroing.
+- Double-buffered rounds (`acc[round % 2]`): a worker pushes round r+1 of a key only after it received
+  the sum of round r, and round r+1 completes only when every worker has pushed it, hence received round
+  r. So when round r+2 starts writing `acc[r % 2]`, every reply of round r has been handed to the kernel.
+  A fast worker's round r+1 lands in the other buffer and never corrupts round r.
+- One buffer is sent to every worker, so all receive bit-identical bytes.
+- float16/bfloat16 accumulate in float32 and are narrowed once, into a wire-typed output buffer.
+- Accumulators are allocated once per key (on its first push), never per message.
+- Exceptions in handling one slot are reported to that worker as an ERROR for the key; the engine keeps
+  running (an event loop never dies silently).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from gradwire.errors import TensorError
+from gradwire.protocol import dtypes
+from gradwire.ring import Ring, RingClosed, Slot
+
+log = logging.getLogger("gradwire.server")
+
+
+class KeyState:
+    """The accumulators and round bookkeeping of one key."""
+
+    __slots__ = ("acc", "count", "dtype", "length", "narrow", "out", "pushed", "round", "scratch")
+
+    def __init__(self, dtype: dtypes.DType, length: int) -> None:
+        self.dtype = dtype
+        self.length = length
+        n = length // dtype.itemsize
+        self.narrow = dtype.accumulate != dtype.wire
+        self.acc = [np.empty(n, dtype.accumulate) for _ in range(2)]
+        self.out = [np.empty(n, dtype.wire) for _ in range(2)] if self.narrow else self.acc
+        self.scratch = np.empty(n, dtype.accumulate) if dtype is dtypes.BFLOAT16 else self.acc[0]
+        self.round = [-1, -1]
+        self.count = [0, 0]
+        self.pushed = [0, 0]  # bitmask of ranks that pushed the round in this buffer
+
+
+# reply(key, round, dtype code, payload view) -> None: queue the sum for every worker
+Reply = Callable[[int, int, int, memoryview], None]
+# fail(slot, message) -> None: send an ERROR for the slot's key to its sender
+Fail = Callable[[Slot, str], None]
+
+
+class Engine:
+    """Sums the keys of one ring. Thread-safety: only the engine's own thread touches key state."""
+
+    def __init__(self, index: int, ring: Ring, num_workers: int, reply: Reply, fail: Fail) -> None:
+        self.index = index
+        self.ring = ring
+        self.num_workers = num_workers
+        self._reply = reply
+        self._fail = fail
+        self.keys: dict[int, KeyState] = {}
+        self.rounds_completed = 0
+        self._thread = threading.Thread(target=self._run, name=f"gw-engine-{index}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        next_seq = 0
+        while True:
+            try:
+                available = self.ring.wait(next_seq - 1)
+            except RingClosed:
+                return
+            for seq in range(next_seq, available + 1):
+                slot = self.ring.slot(seq)
+                if not slot.valid:
+                    continue
+                try:
+                    self.on_event(slot)
+                except Exception as e:  # noqa: BLE001 - reported to the pusher, the engine goes on
+                    log.exception("engine %d: key %016x round %d from worker %d", self.index, slot.key, slot.round, slot.sender)
+                    self._fail(slot, f"server failed to sum key {slot.key:016x}: {e}")
+            self.ring.release(available)
+            next_seq = available + 1
+
+    def on_event(self, slot: Slot) -> None:
+        """Add one contribution; publish the sum when the round is complete."""
+        state = self.keys.get(slot.key)
+        dtype = dtypes.BY_CODE[slot.dtype]
+        if state is None:
+            state = self.keys[slot.key] = KeyState(dtype, slot.length)
+        elif state.dtype is not dtype or state.length != slot.length:
+            raise TensorError(
+                f"worker {slot.sender} pushed {slot.length} bytes of {dtype.name} but the key holds "
+                f"{state.length} bytes of {state.dtype.name}"
+            )
+        i = slot.round & 1
+        bit = 1 << slot.sender
+        if state.round[i] != slot.round:
+            if 0 < state.count[i] < self.num_workers:
+                raise TensorError(f"round {slot.round} arrived while round {state.round[i]} is unfinished")
+            state.round[i], state.count[i], state.pushed[i] = slot.round, 0, 0
+        if state.pushed[i] & bit:
+            raise TensorError(f"worker {slot.sender} pushed round {slot.round} twice")
+        wire = np.frombuffer(slot.buffer[: slot.length], dtype=dtype.wire)
+        if state.count[i] == 0:
+            dtypes.widen(dtype, wire, state.acc[i])
+        else:
+            dtypes.add_into(dtype, state.acc[i], wire, state.scratch)
+        state.count[i] += 1
+        state.pushed[i] |= bit
+        if state.count[i] == self.num_workers:
+            if state.narrow:
+                dtypes.narrow(dtype, state.acc[i], state.out[i])
+            self.rounds_completed += 1
+            self._reply(slot.key, slot.round, slot.dtype, memoryview(state.out[i]).cast("B"))

@@ -1,0 +1,202 @@
+"""The summation server: receives partitions, sums them in engines, returns the sum to every worker.
+
+Threads: one acceptor; per worker connection a reader (claims a ring slot, `recv_into` it, publishes)
+and a replier (sends finished sums from a queue, so an engine never blocks on a slow socket); one thread
+per engine; one on the scheduler connection (shutdown, abort).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+from gradwire.config import Config
+from gradwire.errors import GradwireError, RemoteProtocolError
+from gradwire.protocol import frames, messages
+from gradwire.protocol.frames import FrameType
+from gradwire.ring import Ring, RingClosed, Slot
+from gradwire.server.engine import Engine
+from gradwire.transport import tcp
+
+log = logging.getLogger("gradwire.server")
+
+
+class WorkerLink:
+    """A server's connection to one worker: the reader thread and the reply queue with its thread."""
+
+    def __init__(self, conn: tcp.Connection) -> None:
+        self.conn = conn
+        self.replies: queue.SimpleQueue = queue.SimpleQueue()
+        self._header = bytearray(frames.HEADER_SIZE)
+
+    def reply_loop(self, epoch: int, sender: int) -> None:
+        """Send queued sums until a None arrives or the connection breaks."""
+        while (item := self.replies.get()) is not None:
+            key, rnd, dtype, payload = item
+            frames.pack_header_into(self._header, FrameType.RESULT, len(payload), dtype, epoch, sender, key, rnd)
+            try:
+                self.conn.send([self._header, payload])
+            except GradwireError as e:
+                log.warning("cannot reply to worker %d: %s", self.conn.peer_rank, e)
+                return
+
+
+class Server:
+    """One summation server. `start()` registers with the scheduler and returns once serving."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.rank = -1
+        self.epoch = 0
+        self.num_workers = 0
+        self._secret = config.secret_bytes()
+        self._listener = tcp.listen(config.host, 0)
+        self.port = self._listener.getsockname()[1]
+        self._links: dict[int, WorkerLink] = {}
+        self._engines: list[Engine] = []
+        self._done = threading.Event()
+        self.error: str | None = None
+        self._scheduler: tcp.Connection | None = None
+
+    def start(self) -> Server:
+        """Rendezvous with the scheduler, then serve in background threads."""
+        self._scheduler = tcp.connect(
+            self.config.scheduler_address, secret=self._secret, role="server", rank=self.config.rank or 0,
+            max_payload=0, timeout=self.config.timeout,
+        )
+        self._scheduler.send_json(FrameType.CONTROL, {
+            "op": messages.REGISTER, "role": "server", "rank": self.config.rank, "host": self.config.host,
+            "port": self.port, "slot_bytes": self.config.partition_bytes,
+        })
+        self._scheduler.sock.settimeout(self.config.timeout)
+        _, book = self._scheduler.recv_json(FrameType.CONTROL)
+        self._scheduler.sock.settimeout(None)
+        if messages.check(book) == messages.ABORT:
+            raise GradwireError(f"job aborted during rendezvous: {book['message']}")
+        self.rank, self.epoch, self.num_workers = book["rank"], book["epoch"], book["num_workers"]
+        for i in range(self.config.engines):
+            ring = Ring(self.config.ring_slots, self.config.partition_bytes)
+            self._engines.append(Engine(i, ring, self.num_workers, self._queue_reply, self._fail))
+        for engine in self._engines:
+            engine.start()
+        threading.Thread(target=self._accept_loop, name="gw-server-accept", daemon=True).start()
+        threading.Thread(target=self._control_loop, name="gw-server-control", daemon=True).start()
+        log.info("server %d serving on %s:%d", self.rank, self.config.host, self.port)
+        return self
+
+    def wait(self, timeout: float | None = None) -> str | None:
+        """Block until told to shut down; returns None, or the reason the job ended badly."""
+        self._done.wait(timeout)
+        return self.error
+
+    def stop(self) -> None:
+        """Stop serving and close every connection."""
+        self._done.set()
+        self._listener.close()
+        for engine in self._engines:
+            engine.ring.close()
+        for link in list(self._links.values()):
+            link.replies.put(None)
+            link.conn.close()
+        if self._scheduler is not None:
+            self._scheduler.close()
+
+    @property
+    def rounds_completed(self) -> int:
+        return sum(e.rounds_completed for e in self._engines)
+
+    # -- connections -----------------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        while not self._done.is_set():
+            try:
+                sock, addr = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(sock, addr), name="gw-server-conn", daemon=True).start()
+
+    def _serve(self, sock, addr) -> None:
+        tcp.configure(sock, self.config.socket_buffer_bytes)
+        conn = tcp.Connection(sock, self.config.partition_bytes, peer=f"{addr[0]}:{addr[1]}")
+        sock.settimeout(self.config.timeout)
+        try:
+            conn.handshake(self._secret, "server", self.rank, initiator=False)
+            if conn.peer_role != "worker" or not 0 <= conn.peer_rank < self.num_workers:
+                raise RemoteProtocolError(f"only workers 0..{self.num_workers - 1} may connect")
+            if conn.peer_rank in self._links:
+                raise RemoteProtocolError(f"worker {conn.peer_rank} is connected already")
+        except Exception as e:  # noqa: BLE001
+            log.warning("refused connection from %s: %s", conn.peer, e)
+            conn.close()
+            return
+        sock.settimeout(None)
+        link = self._links[conn.peer_rank] = WorkerLink(conn)
+        threading.Thread(
+            target=link.reply_loop, args=(self.epoch, self.rank), name="gw-server-reply", daemon=True
+        ).start()
+        try:
+            self._read_loop(conn)
+        except (GradwireError, RingClosed) as e:
+            if not self._done.is_set():
+                log.warning("closing connection to worker %d (%s): %s", conn.peer_rank, conn.peer, e)
+        finally:
+            link.replies.put(None)
+            conn.close()
+            if self._links.get(conn.peer_rank) is link:
+                del self._links[conn.peer_rank]
+
+    def _read_loop(self, conn: tcp.Connection) -> None:
+        engines = self._engines
+        while True:
+            header = conn.recv_header()
+            if header.type == FrameType.BYE:
+                return
+            if header.type != FrameType.PUSHPULL:
+                raise RemoteProtocolError(f"unexpected {header.type.name} frame")
+            if header.sender != conn.peer_rank or header.epoch != self.epoch:
+                raise RemoteProtocolError(
+                    f"frame claims sender {header.sender} epoch {header.epoch}; connection is worker "
+                    f"{conn.peer_rank} in epoch {self.epoch}"
+                )
+            ring = engines[header.key % len(engines)].ring
+            seq = ring.claim()
+            slot = ring.slot(seq)
+            slot.valid = False
+            try:
+                conn.recv_into(slot.buffer[: header.length])
+                slot.valid = True
+            finally:  # published even if the read failed (else the ring stalls); invalid slots are skipped
+                slot.conn, slot.key, slot.round, slot.dtype = conn, header.key, header.round, header.dtype
+                slot.length, slot.sender = header.length, header.sender
+                ring.publish(seq)
+
+    def _queue_reply(self, key: int, rnd: int, dtype: int, payload: memoryview) -> None:
+        for rank in range(self.num_workers):
+            link = self._links.get(rank)
+            if link is not None:
+                link.replies.put((key, rnd, dtype, payload))
+
+    def _fail(self, slot: Slot, message: str) -> None:
+        conn = slot.conn
+        if isinstance(conn, tcp.Connection):
+            try:
+                conn.send_json(FrameType.ERROR, {"message": message}, key=slot.key)
+            except GradwireError:
+                pass
+
+    def _control_loop(self) -> None:
+        assert self._scheduler is not None
+        try:
+            while True:
+                _, body = self._scheduler.recv_json(FrameType.CONTROL)
+                op = messages.check(body)
+                if op == messages.SHUTDOWN:
+                    break
+                if op == messages.ABORT:
+                    self.error = body["message"]
+                    break
+        except GradwireError as e:
+            if not self._done.is_set():
+                self.error = f"lost the scheduler: {e}"
+        self.stop()

@@ -1,0 +1,66 @@
+"""Test helpers shipped with the package: a whole cluster in one process.
+
+`LocalCluster` runs the scheduler and the servers as threads of this process over real loopback TCP, and
+starts `num_workers` `Worker` objects (each in its own thread, since `start` blocks in rendezvous). It is
+what most of gradwire's own tests use, and it suits users' tests of code that calls gradwire.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from gradwire.config import Config
+from gradwire.scheduler import Scheduler
+from gradwire.server import Server
+from gradwire.worker import Worker
+
+T = TypeVar("T")
+
+
+class LocalCluster:
+    """A scheduler, `num_servers` servers and `num_workers` workers in this process. A context manager."""
+
+    def __init__(self, num_workers: int = 2, num_servers: int = 1, **config: object) -> None:
+        base = Config(num_workers=num_workers, num_servers=num_servers, timeout=30.0, switch_interval=0, **config)  # type: ignore[arg-type]
+        self.scheduler = Scheduler(dataclasses.replace(base, role="scheduler")).start()
+        base = dataclasses.replace(base, scheduler=self.scheduler.address)
+        self.config = base
+        self.servers: list[Server] = []
+        self.workers: list[Worker] = []
+        starters = [
+            threading.Thread(target=self._start_server, args=(dataclasses.replace(base, role="server"),))
+            for _ in range(num_servers)
+        ]
+        for t in starters:
+            t.start()
+        with ThreadPoolExecutor(num_workers) as pool:
+            self.workers = list(pool.map(lambda r: Worker(dataclasses.replace(base, rank=r)).start(), range(num_workers)))
+        for t in starters:
+            t.join()
+        self.servers.sort(key=lambda s: s.rank)
+
+    def _start_server(self, config: Config) -> None:
+        self.servers.append(Server(config).start())
+
+    def run(self, fn: Callable[[Worker], T]) -> list[T]:
+        """Call fn(worker) on every worker at once (one thread each); returns results in rank order."""
+        with ThreadPoolExecutor(len(self.workers)) as pool:
+            return list(pool.map(fn, self.workers))
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.shutdown()
+        self.scheduler.wait(5)
+        for server in self.servers:
+            server.stop()
+        self.scheduler.stop()
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,62 @@
+"""The handle of one asynchronous push_pull: completes when every partition's sum is back."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from gradwire.errors import GradwireError, GradwireTimeout
+
+
+class Handle:
+    """Returned by `push_pull_async`. Thread-safe. `wait` blocks; `done` never does."""
+
+    def __init__(self, name: str, output: np.ndarray, parts: int, on_done: Callable[[Handle], None]) -> None:
+        self.name = name
+        self.output = output
+        self.error: BaseException | None = None
+        self._remaining = parts
+        self._lock = threading.Lock()
+        self._event = threading.Event()
+        self._on_done = on_done
+        if parts == 0:
+            self._finish()
+
+    def __repr__(self) -> str:
+        state = "failed" if self.error else "done" if self.done() else f"{self._remaining} partitions out"
+        return f"<Handle {self.name!r} {state}>"
+
+    def done(self) -> bool:
+        """True once the result (or an error) is in; never blocks."""
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None, describe: Callable[[], str] | None = None) -> np.ndarray:
+        """Block until complete; return the output array or raise the error."""
+        if not self._event.wait(timeout):
+            detail = describe() if describe else ""
+            raise GradwireTimeout(f"push_pull of {self.name!r} did not complete in {timeout}s{detail}", tensor=self.name)
+        if self.error is not None:
+            raise self.error
+        return self.output
+
+    def part_done(self) -> None:
+        """One partition's sum has arrived (called by receiver threads)."""
+        with self._lock:
+            self._remaining -= 1
+            last = self._remaining == 0
+        if last:
+            self._finish()
+
+    def fail(self, error: GradwireError) -> None:
+        """Complete with an error (the first error wins)."""
+        with self._lock:
+            if self._event.is_set():
+                return
+            self.error = error
+        self._finish()
+
+    def _finish(self) -> None:
+        self._event.set()
+        self._on_done(self)

@@ -1,0 +1,284 @@
+"""The worker: one per training process. Owns the links to every server and the scheduler connection."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import sys
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gradwire import partition
+from gradwire.config import Config
+from gradwire.errors import ConfigError, GradwireError, GradwireTimeout, JobAborted, TensorError
+from gradwire.protocol import dtypes, messages
+from gradwire.protocol.frames import FrameType, encode_header
+from gradwire.transport import tcp
+from gradwire.worker.handle import Handle
+from gradwire.worker.link import Credit, ServerLink, Work
+
+log = logging.getLogger("gradwire.worker")
+
+
+@dataclass
+class Tensor:
+    """A declared tensor: its partitions, their keys and servers, and its round counter."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: dtypes.DType
+    parts: list[partition.Partition]
+    keys: list[int]
+    servers: list[int]
+    round: int = 0
+    in_flight: Handle | None = field(default=None, repr=False)
+
+
+class Worker:
+    """A worker's connection to the job.
+
+    Blocking: `start`, `declare`, `barrier`, `synchronize` and `push_pull` block (each at most
+    `config.timeout`); `push_pull_async` and `poll` do not. Thread-safe, but one tensor name may have
+    only one push_pull in flight at a time.
+    """
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.rank = -1
+        self.size = 0
+        self.local_rank = 0
+        self.local_size = 1
+        self.epoch = 0
+        self._secret = config.secret_bytes()
+        self._scheduler: tcp.Connection | None = None
+        self._links: list[ServerLink] = []
+        self._tensors: dict[str, Tensor] = {}
+        self._lock = threading.Lock()
+        self._requests: dict[int, list] = {}
+        self._ids = itertools.count(1)
+        self._partition_bytes = config.partition_bytes
+        self._abort: JobAborted | None = None
+        self._closed = False
+
+    # -- life cycle ------------------------------------------------------------------------------
+
+    def start(self) -> Worker:
+        """Rendezvous, connect to every server, and pass the first barrier."""
+        if self.config.switch_interval > 0:
+            # I/O threads wait up to one switch interval (default 5 ms) for the GIL while the training
+            # thread runs Python: 3x to 60x slower messages, measured (shared/MEASUREMENTS.md).
+            sys.setswitchinterval(self.config.switch_interval)
+        book = self._rendezvous()
+        self.rank, self.size, self.epoch = book["rank"], book["num_workers"], book["epoch"]
+        hosts = book.get("workers") or []
+        same_host = [r for r, h in enumerate(hosts) if h == hosts[self.rank]] if hosts else [self.rank]
+        self.local_rank = self.config.local_rank if self.config.local_rank is not None else same_host.index(self.rank)
+        self.local_size = self.config.local_size if self.config.local_size is not None else len(same_host)
+        servers = book["servers"]
+        self._partition_bytes = min([self.config.partition_bytes] + [int(s[2]) for s in servers if s[2]])
+        credit = Credit(self.config.credit_bytes)
+        for index, (host, port, _) in enumerate(servers):
+            conn = tcp.connect(
+                (host, int(port)), secret=self._secret, role="worker", rank=self.rank, max_payload=self._partition_bytes,
+                timeout=self.config.timeout, buffer_bytes=self.config.socket_buffer_bytes,
+            )
+            self._links.append(ServerLink(conn, index, self.rank, self.epoch, self.config.window, credit))
+        for link in self._links:
+            link.start()
+        threading.Thread(target=self._control_loop, name="gw-worker-control", daemon=True).start()
+        self.barrier()
+        log.info("worker %d/%d ready with %d servers", self.rank, self.size, len(self._links))
+        return self
+
+    def _rendezvous(self) -> dict:
+        self._scheduler = tcp.connect(
+            self.config.scheduler_address, secret=self._secret, role="worker", rank=self.config.rank or 0,
+            max_payload=0, timeout=self.config.timeout,
+        )
+        self._scheduler.send_json(FrameType.CONTROL, {
+            "op": messages.REGISTER, "role": "worker", "rank": self.config.rank, "host": self.config.host, "port": 0,
+        })
+        self._scheduler.sock.settimeout(self.config.timeout)
+        try:
+            _, book = self._scheduler.recv_json(FrameType.CONTROL)
+        except GradwireTimeout:
+            raise GradwireTimeout(
+                f"rendezvous with the scheduler at {self.config.scheduler} timed out after {self.config.timeout}s: "
+                f"are all {self.config.num_workers} workers and {self.config.num_servers} servers started?"
+            ) from None
+        self._scheduler.sock.settimeout(None)
+        if messages.check(book) == messages.ABORT:
+            raise JobAborted(f"job aborted during rendezvous: {book['message']}")
+        return book
+
+    def shutdown(self) -> None:
+        """Say bye to the servers and the scheduler and close everything. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for link in self._links:
+            try:
+                link.conn.send([_bye()])
+            except GradwireError:
+                pass
+            link.close(JobAborted("worker shut down"))
+        if self._scheduler is not None:
+            try:
+                self._scheduler.send_json(FrameType.CONTROL, {"op": messages.BYE})
+            except GradwireError:
+                pass
+            self._scheduler.close()
+
+    # -- tensors ---------------------------------------------------------------------------------
+
+    def declare(self, name: str, shape: tuple[int, ...] | list[int], dtype: object) -> Tensor:
+        """Declare a tensor (idempotent). Every worker must declare `name` with the same shape and dtype."""
+        shape = tuple(int(d) for d in shape)
+        wire = dtypes.from_numpy(dtype)
+        with self._lock:
+            known = self._tensors.get(name)
+        if known is not None:
+            if known.shape != shape or known.dtype is not wire:
+                raise TensorError(
+                    f"worker {self.rank} declared {name!r} as {known.dtype.name}{list(known.shape)} and now uses "
+                    f"it as {wire.name}{list(shape)}; use another name for another tensor",
+                    tensor=name, rank=self.rank,
+                )
+            return known
+        reply = self._request({
+            "op": messages.DECLARE, "name": name, "shape": list(shape), "dtype": wire.name,
+            "itemsize": wire.itemsize, "partition_bytes": self._partition_bytes,
+        })
+        if "error" in reply:
+            raise TensorError(reply["error"], tensor=name, rank=self.rank)
+        num = int(np.prod(shape, dtype=np.int64))
+        # the first declarer's partition size is the job's, so every worker cuts the tensor the same way
+        parts = partition.split(num, wire.itemsize, int(reply["partition_bytes"]))
+        tensor = Tensor(name, shape, wire, parts, [partition.key_of(name, p.index) for p in parts], reply["servers"])
+        with self._lock:
+            return self._tensors.setdefault(name, tensor)
+
+    def push_pull_async(
+        self, array: np.ndarray, name: str, average: bool = False, priority: int = 0, out: np.ndarray | None = None,
+        dtype: object = None,
+    ) -> Handle:
+        """Start summing `array` across workers; the sum (or average) lands in `out` (a new array if None).
+
+        `out` may be `array` itself (in place). Neither may be modified until the handle completes.
+        `dtype` overrides the wire dtype name (e.g. "bfloat16" for uint16-held bfloat16 bits).
+        """
+        self._check_usable()
+        if not isinstance(array, np.ndarray):
+            raise TensorError(f"push_pull of {name!r} needs a numpy array, got {type(array).__name__}", tensor=name)
+        src = np.ascontiguousarray(array)
+        if out is None:
+            out = np.empty_like(src)
+        elif out.shape != src.shape or out.dtype != src.dtype or not out.flags.c_contiguous:
+            raise TensorError(f"out for {name!r} must be C-contiguous {src.dtype}{list(src.shape)}", tensor=name)
+        tensor = self.declare(name, src.shape, dtype or src.dtype)
+        handle = self._begin(tensor, out)
+        flat_in, flat_out = src.reshape(-1), out.reshape(-1)
+        n = self.size if average else 1
+        for part, key, server in zip(tensor.parts, tensor.keys, tensor.servers, strict=True):
+            sl = slice(part.start, part.start + part.count)
+            work = Work(name, key, tensor.round, tensor.dtype.code, flat_in[sl], flat_out[sl], n, handle)
+            self._links[server].submit(work, priority)
+        return handle
+
+    def _begin(self, tensor: Tensor, out: np.ndarray) -> Handle:
+        with self._lock:
+            if tensor.in_flight is not None:
+                raise TensorError(
+                    f"a push_pull of {tensor.name!r} is already in flight on worker {self.rank}: synchronize its "
+                    "handle before pushing the tensor again",
+                    tensor=tensor.name, rank=self.rank,
+                )
+            tensor.round += 1
+            handle = Handle(tensor.name, out, len(tensor.parts), self._finished)
+            tensor.in_flight = handle if not handle.done() else None
+        return handle
+
+    def _finished(self, handle: Handle) -> None:
+        with self._lock:
+            tensor = self._tensors.get(handle.name)
+            if tensor is not None and tensor.in_flight is handle:
+                tensor.in_flight = None
+
+    def synchronize(self, handle: Handle) -> np.ndarray:
+        """Wait for a handle; returns the output array, raises the error that failed it."""
+        return handle.wait(self.config.timeout, describe=lambda: self._describe_outstanding(handle.name))
+
+    def push_pull(self, array: np.ndarray, name: str, average: bool = False, priority: int = 0) -> np.ndarray:
+        """Sum `array` across workers (blocking); returns a new array."""
+        return self.synchronize(self.push_pull_async(array, name, average, priority))
+
+    def push_pull_inplace(self, array: np.ndarray, name: str, average: bool = False, priority: int = 0) -> np.ndarray:
+        """Sum `array` across workers into itself (blocking); returns `array`."""
+        if not array.flags.c_contiguous:
+            raise TensorError(f"in-place push_pull of {name!r} needs a C-contiguous array", tensor=name)
+        return self.synchronize(self.push_pull_async(array, name, average, priority, out=array))
+
+    def _describe_outstanding(self, name: str) -> str:
+        busy = [f"server {link.server} ({link.conn.peer})" for link in self._links if name in link.outstanding()]
+        return f"; partitions still out on {', '.join(busy)}" if busy else ""
+
+    # -- control ---------------------------------------------------------------------------------
+
+    def barrier(self) -> None:
+        """Block until every worker has entered the barrier."""
+        self._request({"op": messages.BARRIER})
+
+    def _request(self, body: dict) -> dict:
+        self._check_usable()
+        rid = next(self._ids)
+        waiter: list = [threading.Event(), None]
+        with self._lock:
+            self._requests[rid] = waiter
+        assert self._scheduler is not None
+        self._scheduler.send_json(FrameType.CONTROL, body | {"id": rid})
+        if not waiter[0].wait(self.config.timeout):
+            raise GradwireTimeout(f"worker {self.rank}: scheduler did not answer {body['op']} in {self.config.timeout}s")
+        self._check_usable()
+        return waiter[1]
+
+    def _control_loop(self) -> None:
+        assert self._scheduler is not None
+        try:
+            while True:
+                _, body = self._scheduler.recv_json(FrameType.CONTROL)
+                op = messages.check(body)
+                if op == messages.REPLY:
+                    with self._lock:
+                        waiter = self._requests.pop(int(body["id"]), None)
+                    if waiter is not None:
+                        waiter[1] = body
+                        waiter[0].set()
+                elif op == messages.ABORT:
+                    self._fail_all(JobAborted(f"job aborted: {body['message']}", rank=self.rank))
+                    return
+        except GradwireError as e:
+            if not self._closed:
+                self._fail_all(JobAborted(f"worker {self.rank} lost the scheduler: {e}", rank=self.rank))
+
+    def _fail_all(self, error: JobAborted) -> None:
+        self._abort = error
+        log.error("%s", error)
+        with self._lock:
+            waiters = list(self._requests.values())
+            self._requests.clear()
+        for waiter in waiters:
+            waiter[0].set()
+        for link in self._links:
+            link.close(error)
+
+    def _check_usable(self) -> None:
+        if self._abort is not None:
+            raise self._abort
+        if self._closed:
+            raise ConfigError("this worker has been shut down; call init() again to start a new job")
+
+
+def _bye() -> bytes:
+    return encode_header(FrameType.BYE, 0)
