@@ -74,7 +74,9 @@ def init(config: Config | None = None) -> None:
         return
     config = config or Config.from_env()
     if config.role != "worker":
-        raise ConfigError(f"init() starts a worker, but GRADWIRE_ROLE={config.role}; run servers with `gradwire server`")
+        raise ConfigError(
+            f"init() starts a worker, but GRADWIRE_ROLE={config.role}; run servers with `gradwire server`"
+        )
     _worker = Worker(config).start()
     atexit.register(shutdown)
 

@@ -26,9 +26,7 @@ class Placement:
         """Assign partitions of the given byte sizes; returns a server rank for each, in order."""
         out = []
         for size in sizes:
-            server = min(
-                range(len(self.loads)), key=lambda s: ((self.loads[s] + size) / self.weights[s], s)
-            )
+            server = min(range(len(self.loads)), key=lambda s: ((self.loads[s] + size) / self.weights[s], s))
             self.loads[server] += size
             out.append(server)
         return out

@@ -38,7 +38,9 @@ class LocalCluster:
         for t in starters:
             t.start()
         with ThreadPoolExecutor(num_workers) as pool:
-            self.workers = list(pool.map(lambda r: Worker(dataclasses.replace(base, rank=r)).start(), range(num_workers)))
+            self.workers = list(
+                pool.map(lambda r: Worker(dataclasses.replace(base, rank=r)).start(), range(num_workers))
+            )
         for t in starters:
             t.join()
         self.servers.sort(key=lambda s: s.rank)

@@ -37,6 +37,7 @@ class FrameType(enum.IntEnum):
     RESULT = 5  # server -> worker: the sum of that partition and round
     ERROR = 6  # JSON {"message": ..., "key": ...}: the request failed, the connection stays up
     BYE = 7  # orderly close
+    ACK = 8  # server -> worker: your contribution to (key, round) is in; frees a window slot
 
 
 DATA_TYPES = frozenset({FrameType.PUSHPULL, FrameType.RESULT})

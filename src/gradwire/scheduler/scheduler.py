@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from gradwire import partition
 from gradwire.config import Config
-from gradwire.errors import GradwireError, GradwireTimeout
+from gradwire.errors import GradwireError
 from gradwire.placement import Placement
 from gradwire.protocol import messages
 from gradwire.protocol.frames import FrameType
@@ -131,7 +131,11 @@ class Scheduler:
             raise GradwireError(f"first message from {conn.peer} must be register, got {body.get('op')}")
         rank = body.get("rank")
         node = Node(
-            conn, str(body["role"]), None if rank is None else int(rank), str(body["host"]), int(body["port"]),
+            conn,
+            str(body["role"]),
+            None if rank is None else int(rank),
+            str(body["host"]),
+            int(body["port"]),
             slot_bytes=int(body.get("slot_bytes", 0)),
         )
         with self._lock:
@@ -156,11 +160,17 @@ class Scheduler:
         self._placement = Placement(len(self._servers))
         servers = [[s.host, s.port, s.slot_bytes] for s in self._servers]
         for node in self._nodes:
-            node.conn.send_json(FrameType.CONTROL, {
-                "op": messages.ADDRESS_BOOK, "rank": node.rank, "epoch": self.epoch,
-                "num_workers": len(self._workers), "servers": servers,
-                "workers": [w.host for w in self._workers],
-            })
+            node.conn.send_json(
+                FrameType.CONTROL,
+                {
+                    "op": messages.ADDRESS_BOOK,
+                    "rank": node.rank,
+                    "epoch": self.epoch,
+                    "num_workers": len(self._workers),
+                    "servers": servers,
+                    "workers": [w.host for w in self._workers],
+                },
+            )
         log.info("rendezvous complete: %d workers, %d servers", len(self._workers), len(self._servers))
 
     def _rendezvous_deadline(self) -> None:
@@ -184,7 +194,11 @@ class Scheduler:
         """Serve one request; True when the node has said bye."""
         op = messages.check(body)
         if op == messages.DECLARE:
-            node.conn.send_json(FrameType.CONTROL, self._declare(node, body))
+            reply = self._declare(node, body)
+            node.conn.send_json(FrameType.CONTROL, reply)
+            if "error" in reply:  # after the reply, so the declarer gets the precise TensorError
+                with self._lock:
+                    self._abort_locked(reply["error"])
         elif op == messages.BARRIER:
             self._enter_barrier(node, int(body["id"]))
         elif op == messages.BYE:
@@ -207,7 +221,6 @@ class Scheduler:
                     f"{known.dtype}{known.shape} by worker {known.rank}: every worker must declare the same "
                     "shape and dtype"
                 )
-                self._abort_locked(message)
                 return reply | {"error": message}
             return reply | {"servers": known.servers, "partition_bytes": known.partition_bytes}
 

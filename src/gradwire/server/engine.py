@@ -53,13 +53,16 @@ class KeyState:
 Reply = Callable[[int, int, int, memoryview], None]
 # fail(slot, message) -> None: send an ERROR for the slot's key to its sender
 Fail = Callable[[Slot, str], None]
+# ack(rank, key, round) -> None: tell one worker its contribution is in
+Ack = Callable[[int, int, int], None]
 
 
 class Engine:
     """Sums the keys of one ring. Thread-safety: only the engine's own thread touches key state."""
 
-    def __init__(self, index: int, ring: Ring, num_workers: int, reply: Reply, fail: Fail) -> None:
+    def __init__(self, index: int, ring: Ring, num_workers: int, reply: Reply, fail: Fail, ack: Ack) -> None:
         self.index = index
+        self._ack = ack
         self.ring = ring
         self.num_workers = num_workers
         self._reply = reply
@@ -88,7 +91,9 @@ class Engine:
                 try:
                     self.on_event(slot)
                 except Exception as e:  # noqa: BLE001 - reported to the pusher, the engine goes on
-                    log.exception("engine %d: key %016x round %d from worker %d", self.index, slot.key, slot.round, slot.sender)
+                    log.exception(
+                        "engine %d: key %016x round %d from worker %d", self.index, slot.key, slot.round, slot.sender
+                    )
                     self._fail(slot, f"server failed to sum key {slot.key:016x}: {e}")
             self.ring.release(available)
             next_seq = available + 1
@@ -119,7 +124,11 @@ class Engine:
             dtypes.add_into(dtype, state.acc[i], wire, state.scratch)
         state.count[i] += 1
         state.pushed[i] |= bit
-        if state.count[i] == self.num_workers:
+        if state.count[i] < self.num_workers:
+            # The worker's window counts contributions not yet in, not sums not yet out: a window of
+            # unanswered sums deadlocks when workers' windows fill with different keys.
+            self._ack(slot.sender, slot.key, slot.round)
+        else:  # complete: the RESULT is the last pusher's acknowledgement too
             if state.narrow:
                 dtypes.narrow(dtype, state.acc[i], state.out[i])
             self.rounds_completed += 1

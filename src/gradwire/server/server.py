@@ -34,9 +34,14 @@ class WorkerLink:
         """Send queued sums until a None arrives or the connection breaks."""
         while (item := self.replies.get()) is not None:
             key, rnd, dtype, payload = item
-            frames.pack_header_into(self._header, FrameType.RESULT, len(payload), dtype, epoch, sender, key, rnd)
+            if payload is None:
+                frames.pack_header_into(self._header, FrameType.ACK, 0, 0, epoch, sender, key, rnd)
+                parts = [self._header]
+            else:
+                frames.pack_header_into(self._header, FrameType.RESULT, len(payload), dtype, epoch, sender, key, rnd)
+                parts = [self._header, payload]
             try:
-                self.conn.send([self._header, payload])
+                self.conn.send(parts)
             except GradwireError as e:
                 log.warning("cannot reply to worker %d: %s", self.conn.peer_rank, e)
                 return
@@ -62,13 +67,24 @@ class Server:
     def start(self) -> Server:
         """Rendezvous with the scheduler, then serve in background threads."""
         self._scheduler = tcp.connect(
-            self.config.scheduler_address, secret=self._secret, role="server", rank=self.config.rank or 0,
-            max_payload=0, timeout=self.config.timeout,
+            self.config.scheduler_address,
+            secret=self._secret,
+            role="server",
+            rank=self.config.rank or 0,
+            max_payload=0,
+            timeout=self.config.timeout,
         )
-        self._scheduler.send_json(FrameType.CONTROL, {
-            "op": messages.REGISTER, "role": "server", "rank": self.config.rank, "host": self.config.host,
-            "port": self.port, "slot_bytes": self.config.partition_bytes,
-        })
+        self._scheduler.send_json(
+            FrameType.CONTROL,
+            {
+                "op": messages.REGISTER,
+                "role": "server",
+                "rank": self.config.rank,
+                "host": self.config.host,
+                "port": self.port,
+                "slot_bytes": self.config.partition_bytes,
+            },
+        )
         self._scheduler.sock.settimeout(self.config.timeout)
         _, book = self._scheduler.recv_json(FrameType.CONTROL)
         self._scheduler.sock.settimeout(None)
@@ -77,7 +93,7 @@ class Server:
         self.rank, self.epoch, self.num_workers = book["rank"], book["epoch"], book["num_workers"]
         for i in range(self.config.engines):
             ring = Ring(self.config.ring_slots, self.config.partition_bytes)
-            self._engines.append(Engine(i, ring, self.num_workers, self._queue_reply, self._fail))
+            self._engines.append(Engine(i, ring, self.num_workers, self._queue_reply, self._fail, self._queue_ack))
         for engine in self._engines:
             engine.start()
         threading.Thread(target=self._accept_loop, name="gw-server-accept", daemon=True).start()
@@ -176,6 +192,11 @@ class Server:
             link = self._links.get(rank)
             if link is not None:
                 link.replies.put((key, rnd, dtype, payload))
+
+    def _queue_ack(self, rank: int, key: int, rnd: int) -> None:
+        link = self._links.get(rank)
+        if link is not None:
+            link.replies.put((key, rnd, 0, None))
 
     def _fail(self, slot: Slot, message: str) -> None:
         conn = slot.conn

@@ -173,7 +173,13 @@ def connect(
 
 
 def accept(
-    listener: socket.socket, *, secret: bytes, role: str, rank: int, max_payload: int, timeout: float,
+    listener: socket.socket,
+    *,
+    secret: bytes,
+    role: str,
+    rank: int,
+    max_payload: int,
+    timeout: float,
     buffer_bytes: int = 0,
 ) -> Connection:
     """Accept one connection and authenticate it. Raises on a failed handshake (the socket is closed)."""

@@ -36,7 +36,9 @@ class Handle:
         """Block until complete; return the output array or raise the error."""
         if not self._event.wait(timeout):
             detail = describe() if describe else ""
-            raise GradwireTimeout(f"push_pull of {self.name!r} did not complete in {timeout}s{detail}", tensor=self.name)
+            raise GradwireTimeout(
+                f"push_pull of {self.name!r} did not complete in {timeout}s{detail}", tensor=self.name
+            )
         if self.error is not None:
             raise self.error
         return self.output

@@ -1,7 +1,11 @@
 """A worker's link to one server: a sender and a receiver thread on one full-duplex connection.
 
-The sender takes the highest-priority ready partition while fewer than `window` are unanswered on this
-server and the worker's credit (bytes in flight over all servers) allows, and pushes it as one frame.
+The sender takes the highest-priority ready partition while fewer than `window` are not yet received by
+this server and the worker's credit (bytes in flight over all servers) allows, and pushes it as one frame.
+The server acknowledges each contribution once summed (ACK; the RESULT itself for the last pusher). The
+window must count contributions not yet *in*, not sums not yet *out*: workers submit asynchronously, so
+their senders may take keys in different orders, and windows of unanswered sums can fill with disjoint
+keys of which no round can ever complete (a deadlock we hit with 40 tensors in flight).
 The receiver reads each RESULT straight into the output array's slice. So the push of partition i+1
 overlaps the return of partition i, and both directions of the link are busy.
 
@@ -31,11 +35,18 @@ log = logging.getLogger("gradwire.worker")
 class Work:
     """One partition of one push_pull: what to send, where the sum goes, and whom to tell."""
 
-    __slots__ = ("average", "dtype", "handle", "key", "nbytes", "out", "round", "send", "tensor")
+    __slots__ = ("acked", "average", "dtype", "handle", "key", "nbytes", "out", "round", "send", "tensor")
 
     def __init__(
-        self, tensor: str, key: int, rnd: int, dtype: int, send: np.ndarray, out: np.ndarray,
-        average: int, handle: Handle,
+        self,
+        tensor: str,
+        key: int,
+        rnd: int,
+        dtype: int,
+        send: np.ndarray,
+        out: np.ndarray,
+        average: int,
+        handle: Handle,
     ) -> None:
         self.tensor, self.key, self.round, self.dtype = tensor, key, rnd, dtype
         self.send = memoryview(send).cast("B")
@@ -43,6 +54,7 @@ class Work:
         self.nbytes = out.nbytes
         self.average = average
         self.handle = handle
+        self.acked = False  # the server has our contribution: the window slot and credit are free again
 
 
 class Credit:
@@ -68,7 +80,13 @@ class ServerLink:
     """The connection to one server. `submit` is thread-safe; the two threads are the link's own."""
 
     def __init__(
-        self, conn: tcp.Connection, server: int, rank: int, epoch: int, window: int, credit: Credit,
+        self,
+        conn: tcp.Connection,
+        server: int,
+        rank: int,
+        epoch: int,
+        window: int,
+        credit: Credit,
     ) -> None:
         self.conn, self.server, self.rank, self.epoch = conn, server, rank, epoch
         self.window = window
@@ -116,7 +134,9 @@ class ServerLink:
     def _lost(self, reason: BaseException) -> GradwireError:
         if isinstance(reason, GradwireError) and not isinstance(reason, tcp.ConnectionClosed):
             return reason
-        return JobAborted(f"worker {self.rank} lost server {self.server} ({self.conn.peer}): {reason}", server=self.server)
+        return JobAborted(
+            f"worker {self.rank} lost server {self.server} ({self.conn.peer}): {reason}", server=self.server
+        )
 
     def _send_loop(self) -> None:
         header = bytearray(frames.HEADER_SIZE)
@@ -129,7 +149,9 @@ class ServerLink:
                 self._in_flight += 1
                 self._pending[work.key] = work
             self.credit.acquire(work.nbytes)
-            frames.pack_header_into(header, FrameType.PUSHPULL, work.nbytes, work.dtype, self.epoch, self.rank, work.key, work.round)
+            frames.pack_header_into(
+                header, FrameType.PUSHPULL, work.nbytes, work.dtype, self.epoch, self.rank, work.key, work.round
+            )
             try:
                 self.conn.send([header, work.send])
             except GradwireError as e:
@@ -143,6 +165,8 @@ class ServerLink:
                 header = self.conn.recv_header()
                 if header.type == FrameType.RESULT:
                     self._on_result(header)
+                elif header.type == FrameType.ACK:
+                    self._on_ack(header)
                 elif header.type == FrameType.ERROR:
                     self._on_error(header, frames.decode_json(self.conn.recv_body(header)))
                 else:
@@ -150,15 +174,26 @@ class ServerLink:
         except GradwireError as e:
             self.close(e)
 
-    def _take(self, key: int) -> Work:
+    def _take(self, key: int, remove: bool = True) -> Work:
         with self._cond:
-            work = self._pending.pop(key, None)
+            work = self._pending.pop(key, None) if remove else self._pending.get(key)
             if work is None:
                 raise RemoteProtocolError(f"server {self.server} answered key {key:016x}, which is not in flight")
-            self._in_flight -= 1
-            self._cond.notify()
-        self.credit.release(work.nbytes)
+            newly_acked = not work.acked
+            if newly_acked:
+                work.acked = True
+                self._in_flight -= 1
+                self._cond.notify()
+        if newly_acked:
+            self.credit.release(work.nbytes)
         return work
+
+    def _on_ack(self, header: frames.Header) -> None:
+        work = self._take(header.key, remove=False)
+        if header.round != work.round:
+            raise RemoteProtocolError(
+                f"server {self.server} acknowledged round {header.round} of {work.tensor!r}, expected {work.round}"
+            )
 
     def _on_result(self, header: frames.Header) -> None:
         work = self._take(header.key)
@@ -178,7 +213,11 @@ class ServerLink:
 
     def _on_error(self, header: frames.Header, body: dict) -> None:
         work = self._take(header.key)
-        work.handle.fail(TensorError(
-            f"server {self.server} refused {work.tensor!r} (key {header.key:016x}): {body.get('message')}",
-            tensor=work.tensor, server=self.server, rank=self.rank,
-        ))
+        work.handle.fail(
+            TensorError(
+                f"server {self.server} refused {work.tensor!r} (key {header.key:016x}): {body.get('message')}",
+                tensor=work.tensor,
+                server=self.server,
+                rank=self.rank,
+            )
+        )

@@ -81,8 +81,13 @@ class Worker:
         credit = Credit(self.config.credit_bytes)
         for index, (host, port, _) in enumerate(servers):
             conn = tcp.connect(
-                (host, int(port)), secret=self._secret, role="worker", rank=self.rank, max_payload=self._partition_bytes,
-                timeout=self.config.timeout, buffer_bytes=self.config.socket_buffer_bytes,
+                (host, int(port)),
+                secret=self._secret,
+                role="worker",
+                rank=self.rank,
+                max_payload=self._partition_bytes,
+                timeout=self.config.timeout,
+                buffer_bytes=self.config.socket_buffer_bytes,
             )
             self._links.append(ServerLink(conn, index, self.rank, self.epoch, self.config.window, credit))
         for link in self._links:
@@ -94,12 +99,23 @@ class Worker:
 
     def _rendezvous(self) -> dict:
         self._scheduler = tcp.connect(
-            self.config.scheduler_address, secret=self._secret, role="worker", rank=self.config.rank or 0,
-            max_payload=0, timeout=self.config.timeout,
+            self.config.scheduler_address,
+            secret=self._secret,
+            role="worker",
+            rank=self.config.rank or 0,
+            max_payload=0,
+            timeout=self.config.timeout,
         )
-        self._scheduler.send_json(FrameType.CONTROL, {
-            "op": messages.REGISTER, "role": "worker", "rank": self.config.rank, "host": self.config.host, "port": 0,
-        })
+        self._scheduler.send_json(
+            FrameType.CONTROL,
+            {
+                "op": messages.REGISTER,
+                "role": "worker",
+                "rank": self.config.rank,
+                "host": self.config.host,
+                "port": 0,
+            },
+        )
         self._scheduler.sock.settimeout(self.config.timeout)
         try:
             _, book = self._scheduler.recv_json(FrameType.CONTROL)
@@ -144,13 +160,20 @@ class Worker:
                 raise TensorError(
                     f"worker {self.rank} declared {name!r} as {known.dtype.name}{list(known.shape)} and now uses "
                     f"it as {wire.name}{list(shape)}; use another name for another tensor",
-                    tensor=name, rank=self.rank,
+                    tensor=name,
+                    rank=self.rank,
                 )
             return known
-        reply = self._request({
-            "op": messages.DECLARE, "name": name, "shape": list(shape), "dtype": wire.name,
-            "itemsize": wire.itemsize, "partition_bytes": self._partition_bytes,
-        })
+        reply = self._request(
+            {
+                "op": messages.DECLARE,
+                "name": name,
+                "shape": list(shape),
+                "dtype": wire.name,
+                "itemsize": wire.itemsize,
+                "partition_bytes": self._partition_bytes,
+            }
+        )
         if "error" in reply:
             raise TensorError(reply["error"], tensor=name, rank=self.rank)
         num = int(np.prod(shape, dtype=np.int64))
@@ -161,7 +184,12 @@ class Worker:
             return self._tensors.setdefault(name, tensor)
 
     def push_pull_async(
-        self, array: np.ndarray, name: str, average: bool = False, priority: int = 0, out: np.ndarray | None = None,
+        self,
+        array: np.ndarray,
+        name: str,
+        average: bool = False,
+        priority: int = 0,
+        out: np.ndarray | None = None,
         dtype: object = None,
     ) -> Handle:
         """Start summing `array` across workers; the sum (or average) lands in `out` (a new array if None).
@@ -193,7 +221,8 @@ class Worker:
                 raise TensorError(
                     f"a push_pull of {tensor.name!r} is already in flight on worker {self.rank}: synchronize its "
                     "handle before pushing the tensor again",
-                    tensor=tensor.name, rank=self.rank,
+                    tensor=tensor.name,
+                    rank=self.rank,
                 )
             tensor.round += 1
             handle = Handle(tensor.name, out, len(tensor.parts), self._finished)
@@ -239,8 +268,11 @@ class Worker:
         assert self._scheduler is not None
         self._scheduler.send_json(FrameType.CONTROL, body | {"id": rid})
         if not waiter[0].wait(self.config.timeout):
-            raise GradwireTimeout(f"worker {self.rank}: scheduler did not answer {body['op']} in {self.config.timeout}s")
-        self._check_usable()
+            raise GradwireTimeout(
+                f"worker {self.rank}: scheduler did not answer {body['op']} in {self.config.timeout}s"
+            )
+        if waiter[1] is None:  # woken by an abort, not a reply
+            self._check_usable()
         return waiter[1]
 
     def _control_loop(self) -> None:

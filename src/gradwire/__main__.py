@@ -1,0 +1,3 @@
+from gradwire.launch.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""The command line: `gradwire scheduler | server | launch | bench`."""

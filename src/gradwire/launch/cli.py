@@ -1,0 +1,75 @@
+"""`gradwire` command line. Flags are a thin layer that sets GRADWIRE_* variables (see docs/env.md)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from gradwire.config import Config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gradwire", description="Gradient aggregation through summation servers.")
+    sub = parser.add_subparsers(dest="subcommand", required=True)
+    sub.add_parser("scheduler", help="run the job's scheduler (GRADWIRE_SCHEDULER gives host:port)")
+    sub.add_parser("server", help="run one summation server")
+    launch = sub.add_parser("launch", help="start a whole job on this machine")
+    launch.add_argument("-n", "--num-workers", type=int, required=True)
+    launch.add_argument("-s", "--num-servers", type=int, default=1)
+    launch.add_argument("--host", default="127.0.0.1", help="address every node binds and advertises")
+    launch.add_argument("--timeout", type=float, default=None, help="seconds any blocking call may wait")
+    launch.add_argument("command", nargs=argparse.REMAINDER, help="the worker command, after --")
+    bench = sub.add_parser("bench", help="push_pull against gloo all_reduce, same sizes, same run")
+    from gradwire.bench.cli import add_arguments
+
+    add_arguments(bench)
+    args = parser.parse_args(argv)
+    role = args.subcommand
+    config = Config.from_env(role=role) if role in ("scheduler", "server") else Config.from_env()
+    logging.basicConfig(level=config.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if role == "scheduler":
+        return run_scheduler(config)
+    if role == "server":
+        return run_server(config)
+    if role == "launch":
+        from gradwire.launch.launcher import launch_from_args
+
+        return launch_from_args(args)
+    from gradwire.bench.cli import run
+
+    return run(args)
+
+
+def run_scheduler(config: Config) -> int:
+    """Run the scheduler until the job ends; the first line printed is its address (the launcher reads it)."""
+    from gradwire.scheduler import Scheduler
+
+    scheduler = Scheduler(config).start()
+    print(f"gradwire scheduler listening on {scheduler.address}", flush=True)
+    reason = scheduler.wait()
+    scheduler.stop()
+    if reason:
+        print(f"gradwire scheduler: job aborted: {reason}", file=sys.stderr, flush=True)
+    return 1 if reason else 0
+
+
+def run_server(config: Config) -> int:
+    """Run one summation server until the scheduler says the job is over."""
+    from gradwire.server import Server
+
+    try:
+        server = Server(config).start()
+    except Exception as e:  # noqa: BLE001 - a clear one-line message instead of a traceback
+        print(f"gradwire server: cannot join the job at {config.scheduler}: {e}", file=sys.stderr, flush=True)
+        return 1
+    reason = server.wait()
+    server.stop()
+    if reason:
+        print(f"gradwire server {server.rank}: {reason}", file=sys.stderr, flush=True)
+    return 1 if reason else 0
+
+
+if __name__ == "__main__":
+    os._exit(main())

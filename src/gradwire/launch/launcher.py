@@ -1,0 +1,226 @@
+"""`gradwire launch`: a whole job on this machine, with every output line prefixed by role and rank.
+
+The launcher starts the scheduler first and reads its address from its first line of output, then the
+servers and the workers with the environment set (GRADWIRE_*, and torchrun's RANK/WORLD_SIZE/LOCAL_RANK
+for scripts that read them). It makes a fresh job secret and hands it over in the environment. It exits
+with the first failing worker's code after stopping the rest; Ctrl-C (or SIGTERM) stops everything.
+Children run in their own sessions, so a terminal's Ctrl-C reaches only the launcher, which then stops
+them in order; nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from gradwire.config import Config
+
+GRACE_SECONDS = 5.0
+
+
+@dataclass
+class Child:
+    """One process of the job."""
+
+    role: str
+    rank: int
+    proc: subprocess.Popen
+    lines: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+
+    @property
+    def label(self) -> str:
+        return f"{self.role} {self.rank}" if self.role != "scheduler" else "scheduler"
+
+
+class Launcher:
+    """Starts, watches and stops the processes of one job."""
+
+    def __init__(
+        self,
+        num_workers: int,
+        num_servers: int,
+        command: list[str],
+        host: str = "127.0.0.1",
+        timeout: float | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        if not command:
+            raise SystemExit("gradwire launch: give the worker command after --, e.g. -- python train.py")
+        self.num_workers, self.num_servers, self.command, self.host = num_workers, num_servers, command, host
+        self.base_env = dict(os.environ if env is None else env)
+        self.base_env.update(
+            {
+                "GRADWIRE_NUM_WORKERS": str(num_workers),
+                "GRADWIRE_NUM_SERVERS": str(num_servers),
+                "GRADWIRE_HOST": host,
+                "GRADWIRE_SECRET": secrets.token_hex(32),
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        if timeout is not None:
+            self.base_env["GRADWIRE_TIMEOUT"] = str(timeout)
+        self.children: list[Child] = []
+        self._out_lock = threading.Lock()
+
+    def run(self) -> int:
+        """Run the job to its end; returns the exit code for the launcher."""
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            return self._run()
+        except KeyboardInterrupt:
+            self._say("interrupted: stopping every process")
+            return 130
+        finally:
+            self._stop_all()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    def _run(self) -> int:
+        scheduler = self._spawn(
+            "scheduler",
+            0,
+            [sys.executable, "-m", "gradwire", "scheduler"],
+            {"GRADWIRE_ROLE": "scheduler", "GRADWIRE_SCHEDULER": f"{self.host}:0"},
+        )
+        address = self._await_address(scheduler)
+        if address is None:
+            return self._report(scheduler, "did not start")
+        self.base_env["GRADWIRE_SCHEDULER"] = address
+        self._say(f"scheduler at {address}; starting {self.num_servers} servers and {self.num_workers} workers")
+        for r in range(self.num_servers):
+            self._spawn(
+                "server",
+                r,
+                [sys.executable, "-m", "gradwire", "server"],
+                {"GRADWIRE_ROLE": "server", "GRADWIRE_RANK": str(r)},
+            )
+        for r in range(self.num_workers):
+            self._spawn(
+                "worker",
+                r,
+                self.command,
+                {
+                    "GRADWIRE_ROLE": "worker",
+                    "GRADWIRE_RANK": str(r),
+                    "GRADWIRE_LOCAL_RANK": str(r),
+                    "GRADWIRE_LOCAL_SIZE": str(self.num_workers),
+                    "RANK": str(r),
+                    "LOCAL_RANK": str(r),
+                    "WORLD_SIZE": str(self.num_workers),
+                    "LOCAL_WORLD_SIZE": str(self.num_workers),
+                },
+            )
+        return self._watch()
+
+    def _watch(self) -> int:
+        workers = [c for c in self.children if c.role == "worker"]
+        while True:
+            for child in workers:
+                code = child.proc.poll()
+                if code is not None and code != 0:
+                    return self._report(child, "failed")
+            if all(c.proc.poll() == 0 for c in workers):
+                self._drain_services()
+                return 0
+            time.sleep(0.05)
+
+    def _drain_services(self) -> None:
+        deadline = time.monotonic() + GRACE_SECONDS
+        for child in self.children:
+            if child.role != "worker":
+                try:
+                    child.proc.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    self._say(f"{child.label} still running after every worker finished; stopping it")
+
+    def _report(self, child: Child, what: str) -> int:
+        code = child.proc.wait()
+        if code < 0:
+            how = f"was killed by {signal.Signals(-code).name}"
+            exit_code = 128 - code
+        else:
+            how = f"exited with code {code}"
+            exit_code = code or 1
+        self._say(f"{child.label} {what}: it {how} (pid {child.proc.pid}); stopping the other processes")
+        return exit_code
+
+    def _await_address(self, scheduler: Child) -> str | None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                line = scheduler.lines.get(timeout=0.1)
+            except queue.Empty:
+                if scheduler.proc.poll() is not None:
+                    return None
+                continue
+            if line.startswith("gradwire scheduler listening on "):
+                return line.rsplit(" ", 1)[1].strip()
+        return None
+
+    def _spawn(self, role: str, rank: int, argv: list[str], extra: dict[str, str]) -> Child:
+        env = self.base_env | extra
+        proc = subprocess.Popen(
+            argv,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        child = Child(role, rank, proc)
+        self.children.append(child)
+        threading.Thread(target=self._pump, args=(child,), name=f"gw-pump-{child.label}", daemon=True).start()
+        return child
+
+    def _pump(self, child: Child) -> None:
+        prefix = f"[{child.label}] ".encode()
+        assert child.proc.stdout is not None
+        for raw in iter(child.proc.stdout.readline, b""):
+            if child.role == "scheduler":
+                child.lines.put(raw.decode(errors="replace"))
+            with self._out_lock:
+                sys.stdout.buffer.write(prefix + raw if raw.endswith(b"\n") else prefix + raw + b"\n")
+                sys.stdout.buffer.flush()
+
+    def _stop_all(self) -> None:
+        alive = [c for c in self.children if c.proc.poll() is None]
+        for child in alive:
+            _signal_group(child.proc, signal.SIGTERM)
+        deadline = time.monotonic() + GRACE_SECONDS
+        for child in alive:
+            try:
+                child.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(child.proc, signal.SIGKILL)
+                child.proc.wait()
+
+    def _say(self, message: str) -> None:
+        with self._out_lock:
+            sys.stdout.write(f"[gradwire launch] {message}\n")
+            sys.stdout.flush()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def launch_from_args(args: argparse.Namespace) -> int:
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    Config.from_env(num_workers=args.num_workers, num_servers=args.num_servers)  # fail early on bad settings
+    return Launcher(args.num_workers, args.num_servers, command, args.host, args.timeout).run()

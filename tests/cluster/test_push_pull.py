@@ -1,0 +1,175 @@
+"""Behaviour of a whole job, with every role as threads of this process over real loopback TCP."""
+
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from gradwire import JobAborted, TensorError
+from gradwire.protocol import frames
+from gradwire.protocol.frames import FrameType
+from gradwire.testing import LocalCluster
+
+DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64]
+
+
+def _data(rank, n, dtype, seed=0):
+    rng = np.random.default_rng(seed * 1000 + rank)
+    if np.dtype(dtype).kind == "f":
+        return rng.standard_normal(n).astype(dtype)
+    return rng.integers(-1000, 1000, n).astype(dtype)
+
+
+def _expected(size, n, dtype, seed=0):
+    acc = np.float64 if np.dtype(dtype).kind == "f" else dtype
+    return sum(_data(r, n, dtype, seed).astype(acc) for r in range(size))
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with LocalCluster(num_workers=3, num_servers=2, partition_bytes=4096, ring_slots=4) as c:
+        yield c
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 7, 1023, 1024, 1025, 50_001])
+def test_sums_of_every_dtype_and_odd_sizes(cluster, dtype, n):
+    name = f"t-{np.dtype(dtype).name}-{n}"
+    results = cluster.run(lambda w: w.push_pull(_data(w.rank, n, dtype), name))
+    expected = _expected(3, n, dtype)
+    for r in results:
+        assert r.dtype == dtype and r.shape == (n,)
+        if np.dtype(dtype).kind == "f":
+            rtol = 2e-3 if dtype == np.float16 else 1e-5
+            np.testing.assert_allclose(r.astype(np.float64), expected, rtol=rtol, atol=rtol)
+        else:
+            np.testing.assert_array_equal(r, expected)
+    for r in results[1:]:  # every worker receives the same bytes
+        assert r.tobytes() == results[0].tobytes()
+
+
+def test_float16_is_summed_in_float32(cluster):
+    # in float16, 2048 + 1 rounds back to 2048, so summing in half precision would lose every 1
+    base = lambda w: np.array([2048.0 if w.rank == 0 else 1.0] * 5, np.float16)  # noqa: E731
+    results = cluster.run(lambda w: w.push_pull(base(w), "f16-precision"))
+    assert results[0][0] == np.float16(2050.0)  # 2050 exactly: 2048 + 1 + 1
+
+
+def test_average_and_in_place(cluster):
+    def job(w):
+        a = np.full((4, 5), float(w.rank), np.float32)
+        out = w.push_pull_inplace(a, "avg", average=True)
+        assert out is a
+        return a
+
+    for r in cluster.run(job):
+        np.testing.assert_allclose(r, np.full((4, 5), 1.0))  # mean of 0, 1, 2
+
+
+def test_many_tensors_in_flight_through_async_handles(cluster):
+    shapes = [(i * 97 + 1,) for i in range(40)]
+
+    def job(w):
+        handles = [
+            w.push_pull_async(np.full(s, w.rank + i, np.float64), f"many-{i}", priority=i % 3)
+            for i, s in enumerate(shapes)
+        ]
+        return [w.synchronize(h) for h in handles]
+
+    for results in cluster.run(job):
+        for i, r in enumerate(results):
+            assert np.all(r == sum(rank + i for rank in range(3)))
+
+
+def test_hundreds_of_rounds_stay_correct_and_bit_identical(cluster):
+    def job(w):
+        out = []
+        for step in range(300):
+            g = _data(w.rank, 3000, np.float32, seed=step)
+            out.append(w.push_pull(g, "rounds").tobytes())
+        return out
+
+    results = cluster.run(job)
+    assert results[0] == results[1] == results[2]
+    last = np.frombuffer(results[0][-1], np.float32)
+    np.testing.assert_allclose(last, _expected(3, 3000, np.float32, seed=299), rtol=1e-5, atol=1e-5)
+
+
+def test_poll_does_not_block_and_turns_true(cluster):
+    started = threading.Barrier(3)
+
+    def job(w):
+        started.wait()
+        h = w.push_pull_async(np.ones(100, np.float32), "poll")
+        w.synchronize(h)
+        return h.done()
+
+    assert cluster.run(job) == [True, True, True]
+
+
+def test_a_second_push_pull_of_a_busy_name_is_refused(cluster):
+    w = cluster.workers[0]
+    w.push_pull_async(np.ones(10, np.float32), "busy")
+    with pytest.raises(TensorError, match="already in flight"):
+        w.push_pull_async(np.ones(10, np.float32), "busy")
+    # let the others complete the round so the module's cluster stays usable
+    cluster.run(lambda x: x.push_pull(np.ones(10, np.float32), "busy") if x.rank else None)
+
+
+def test_a_redeclared_shape_on_the_same_worker_is_refused(cluster):
+    w = cluster.workers[1]
+    w.declare("fixed", (3,), np.float32)
+    with pytest.raises(TensorError, match=r"'fixed'.*float32\[3\].*float32\[4\]"):
+        w.declare("fixed", (4,), np.float32)
+
+
+def test_a_malformed_frame_closes_only_that_connection(cluster):
+    server = cluster.servers[0]
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as rogue:
+        rogue.sendall(b"\x00" * frames.HEADER_SIZE)  # bad magic, before any handshake
+        assert rogue.recv(1 << 16)  # the server's HELLO ...
+        rogue.settimeout(5)
+        while rogue.recv(1 << 16):  # ... then it closes on us
+            pass
+    results = cluster.run(lambda w: w.push_pull(np.full(5000, 1.0, np.float32), "after-rogue"))
+    assert all(np.all(r == 3.0) for r in results)
+
+
+def test_a_worker_pushing_the_wrong_size_gets_an_error_for_that_tensor():
+    with LocalCluster(num_workers=2, num_servers=1) as c:
+        good = c.workers[0]
+        bad = c.workers[1]
+        good.declare("t", (8,), np.float32)
+        # forge a push of 16 bytes for an 8-element float32 key, below the worker API's checks
+        bad.declare("t", (8,), np.float32)
+        key = bad._tensors["t"].keys[0]
+        header = frames.encode_header(
+            FrameType.PUSHPULL, 32, dtype=2, epoch=bad.epoch, sender=bad.rank, key=key, round=1
+        )
+        good_handle = good.push_pull_async(np.ones(8, np.float32), "t")
+        link = bad._links[0]
+        link.conn.send([header, np.ones(8, np.float32)])
+        bad_body = np.ones(4, np.float32)
+        header2 = frames.encode_header(
+            FrameType.PUSHPULL, 16, dtype=2, epoch=bad.epoch, sender=bad.rank, key=key, round=2
+        )
+        link.conn.send([header2, bad_body])
+        # the well-formed round completes for both; the wrong-sized one is refused, and the server lives on
+        assert np.all(good.synchronize(good_handle) == 2.0)
+        assert c.servers[0].rounds_completed == 1
+
+
+def test_conflicting_declarations_stop_the_job_naming_both_ranks():
+    c = LocalCluster(num_workers=2, num_servers=1)
+    try:
+        a, b = c.workers
+        a.declare("w", (10,), np.float32)
+        h = a.push_pull_async(np.ones(10, np.float32), "w")
+        with pytest.raises(TensorError, match=r"'w'.*worker 1.*worker 0"):
+            b.declare("w", (11,), np.float32)
+        with pytest.raises(JobAborted, match=r"'w'.*worker 1.*worker 0"):
+            a.synchronize(h)  # worker 0 does not hang: its pending handle fails
+        assert c.scheduler.wait(5) is not None
+    finally:
+        c.close()
