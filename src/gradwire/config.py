@@ -102,6 +102,13 @@ ENV_VARS: tuple[EnvVar, ...] = (
     ),
     EnvVar("GRADWIRE_MAX_FRAME_BYTES", "max_frame_bytes", (), str(64 * MiB), "largest frame accepted from a peer"),
     EnvVar(
+        "GRADWIRE_TRANSPORT",
+        "transport",
+        (),
+        "auto",
+        "`auto`: Unix sockets to servers on the same host and network namespace, TCP otherwise; `tcp`: always TCP",
+    ),
+    EnvVar(
         "GRADWIRE_SOCKET_BUFFER_BYTES",
         "socket_buffer_bytes",
         (),
@@ -154,6 +161,7 @@ class Config:
     secret_file: str = ""
     timeout: float = 300.0
     max_frame_bytes: int = 64 * MiB
+    transport: str = "auto"
     socket_buffer_bytes: int = 0
     switch_interval: float = 0.0005
     log_level: str = "WARNING"
@@ -217,6 +225,8 @@ class Config:
             )
         if ":" not in self.scheduler:
             raise ConfigError(f"GRADWIRE_SCHEDULER must be host:port, got {self.scheduler!r}")
+        if self.transport not in ("auto", "tcp"):
+            raise ConfigError(f"GRADWIRE_TRANSPORT must be auto or tcp, got {self.transport!r}")
         if self.timeout <= 0:
             raise ConfigError(f"GRADWIRE_TIMEOUT must be positive, got {self.timeout}")
 

@@ -1,9 +1,89 @@
-"""Placeholder replaced below."""
+"""`gradwire bench`: gradwire push_pull against torch.distributed gloo all_reduce, same sizes, same run.
+
+Jobs alternate (gradwire, gloo, gradwire over TCP only, and again) so that the machine's drift hits both alike; the
+median over every timed call of every round is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+from gradwire.bench.runner import MiB, Timing, run_gloo, run_gradwire
 
 
-def add_arguments(p):
-    pass
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-n", "--num-workers", type=int, default=4)
+    parser.add_argument("-s", "--num-servers", type=int, default=4)
+    parser.add_argument("--sizes", default="4,16,64", help="MiB per tensor, comma-separated")
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls per size and round")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2, help="alternations of gradwire and gloo jobs")
+    parser.add_argument("--partition-bytes", type=int, default=None)
+    parser.add_argument("--json", action="store_true", help="one JSON object per measurement")
 
 
-def run(args):
+def run(args: argparse.Namespace) -> int:
+    sizes = [int(float(s) * MiB) for s in args.sizes.split(",")]
+    env = {"GRADWIRE_PARTITION_BYTES": str(args.partition_bytes)} if args.partition_bytes else {}
+    n, k = args.num_workers, args.num_servers
+    results: dict[tuple[str, int], list[Timing]] = {}
+    for _ in range(args.rounds):
+        timings = run_gradwire(n, k, sizes, args.repeats, args.warmup, env)
+        timings += run_gloo(n, sizes, args.repeats, args.warmup)
+        for t in run_gradwire(n, k, sizes, args.repeats, args.warmup, env | {"GRADWIRE_TRANSPORT": "tcp"}):
+            t.system = "gradwire-tcp"  # the same job over TCP loopback only, as across machines
+            timings.append(t)
+        for timing in timings:
+            results.setdefault((timing.system, timing.bytes), []).append(timing)
+    merged = {key: _merge(ts) for key, ts in results.items()}
+    if args.json:
+        for t in merged.values():
+            print(json.dumps(_record(t)))
+    else:
+        print(table(merged, sizes, n, k))
     return 0
+
+
+def _merge(timings: list[Timing]) -> Timing:
+    first = timings[0]
+    times = [x for t in timings for x in t.times]
+    peak = max(t.server_peak_rss for t in timings)
+    return Timing(first.system, first.workers, first.servers, first.bytes, times, peak)
+
+
+def _record(t: Timing) -> dict:
+    return {
+        "system": t.system,
+        "workers": t.workers,
+        "servers": t.servers,
+        "bytes": t.bytes,
+        "seconds_median": t.median,
+        "seconds_stdev": statistics.pstdev(t.times),
+        "samples": len(t.times),
+        "throughput_bytes_per_s": t.bytes / t.median,
+        "server_peak_rss_bytes": t.server_peak_rss or None,
+    }
+
+
+def table(merged: dict[tuple[str, int], Timing], sizes: list[int], n: int, k: int) -> str:
+    """A markdown table: per size, both systems' median time, per-worker throughput, and the ratio."""
+    lines = [
+        f"n={n} workers, k={k} servers, loopback",
+        "",
+        "| size | gradwire s | gradwire-tcp s | gloo s | gradwire MB/s per worker | gloo MB/s per worker "
+        "| gradwire/gloo throughput | gradwire-tcp/gloo |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for size in sizes:
+        gw, tcp, gl = merged[("gradwire", size)], merged[("gradwire-tcp", size)], merged[("gloo", size)]
+        lines.append(
+            f"| {size / MiB:g} MiB | {gw.median:.4f} | {tcp.median:.4f} | {gl.median:.4f} | "
+            f"{size / gw.median / 1e6:.0f} | {size / gl.median / 1e6:.0f} | {gl.median / gw.median:.2f}x "
+            f"| {gl.median / tcp.median:.2f}x |"
+        )
+    peak = max(merged[("gradwire", s)].server_peak_rss for s in sizes)
+    lines.append("")
+    lines.append(f"largest server peak RSS: {peak / MiB:.0f} MiB")
+    return "\n".join(lines)

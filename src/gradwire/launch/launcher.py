@@ -68,6 +68,7 @@ class Launcher:
         if timeout is not None:
             self.base_env["GRADWIRE_TIMEOUT"] = str(timeout)
         self.children: list[Child] = []
+        self._exits: queue.SimpleQueue[Child] = queue.SimpleQueue()
         self._out_lock = threading.Lock()
 
     def run(self) -> int:
@@ -124,16 +125,21 @@ class Launcher:
         return self._watch()
 
     def _watch(self) -> int:
-        workers = [c for c in self.children if c.role == "worker"]
-        while True:
-            for child in workers:
-                code = child.proc.poll()
-                if code is not None and code != 0:
-                    return self._report(child, "failed")
-            if all(c.proc.poll() == 0 for c in workers):
-                self._drain_services()
-                return 0
-            time.sleep(0.05)
+        # Exits arrive in the order they happened (a waiter thread per child), so the worker named is the
+        # one that failed first, not the survivors that exited a moment later because it was gone.
+        running = {id(c) for c in self.children if c.role == "worker"}
+        while running:
+            try:
+                child = self._exits.get(timeout=0.5)  # a timeout keeps Ctrl-C deliverable
+            except queue.Empty:
+                continue
+            if child.role != "worker":
+                continue
+            running.discard(id(child))
+            if child.proc.returncode != 0:
+                return self._report(child, "failed")
+        self._drain_services()
+        return 0
 
     def _drain_services(self) -> None:
         deadline = time.monotonic() + GRACE_SECONDS
@@ -181,7 +187,12 @@ class Launcher:
         child = Child(role, rank, proc)
         self.children.append(child)
         threading.Thread(target=self._pump, args=(child,), name=f"gw-pump-{child.label}", daemon=True).start()
+        threading.Thread(target=self._reap, args=(child,), name=f"gw-reap-{child.label}", daemon=True).start()
         return child
+
+    def _reap(self, child: Child) -> None:
+        child.proc.wait()
+        self._exits.put(child)
 
     def _pump(self, child: Child) -> None:
         prefix = f"[{child.label}] ".encode()

@@ -37,6 +37,8 @@ class Node:
     host: str
     port: int
     slot_bytes: int = 0
+    unix: str = ""
+    host_id: str = ""
     rank: int = -1
     said_bye: bool = False
 
@@ -137,6 +139,8 @@ class Scheduler:
             str(body["host"]),
             int(body["port"]),
             slot_bytes=int(body.get("slot_bytes", 0)),
+            unix=str(body.get("unix", "")),
+            host_id=str(body.get("host_id", "")),
         )
         with self._lock:
             if len(self._nodes) >= self.expected:
@@ -158,7 +162,10 @@ class Scheduler:
             self._abort_locked(str(e))
             return
         self._placement = Placement(len(self._servers))
-        servers = [[s.host, s.port, s.slot_bytes] for s in self._servers]
+        servers = [
+            {"host": s.host, "port": s.port, "slot_bytes": s.slot_bytes, "unix": s.unix, "host_id": s.host_id}
+            for s in self._servers
+        ]
         for node in self._nodes:
             node.conn.send_json(
                 FrameType.CONTROL,

@@ -58,6 +58,7 @@ class Server:
         self._secret = config.secret_bytes()
         self._listener = tcp.listen(config.host, 0)
         self.port = self._listener.getsockname()[1]
+        self._unix_listener, self.unix_name = tcp.listen_unix()
         self._links: dict[int, WorkerLink] = {}
         self._engines: list[Engine] = []
         self._done = threading.Event()
@@ -96,7 +97,8 @@ class Server:
             self._engines.append(Engine(i, ring, self.num_workers, self._queue_reply, self._fail, self._queue_ack))
         for engine in self._engines:
             engine.start()
-        threading.Thread(target=self._accept_loop, name="gw-server-accept", daemon=True).start()
+        for listener in (self._listener, self._unix_listener):
+            threading.Thread(target=self._accept_loop, args=(listener,), name="gw-server-accept", daemon=True).start()
         threading.Thread(target=self._control_loop, name="gw-server-control", daemon=True).start()
         log.info("server %d serving on %s:%d", self.rank, self.config.host, self.port)
         return self
@@ -110,6 +112,7 @@ class Server:
         """Stop serving and close every connection."""
         self._done.set()
         self._listener.close()
+        self._unix_listener.close()
         for engine in self._engines:
             engine.ring.close()
         for link in list(self._links.values()):
@@ -124,17 +127,18 @@ class Server:
 
     # -- connections -----------------------------------------------------------------------------
 
-    def _accept_loop(self) -> None:
+    def _accept_loop(self, listener) -> None:
         while not self._done.is_set():
             try:
-                sock, addr = self._listener.accept()
+                sock, addr = listener.accept()
             except OSError:
                 return
             threading.Thread(target=self._serve, args=(sock, addr), name="gw-server-conn", daemon=True).start()
 
     def _serve(self, sock, addr) -> None:
         tcp.configure(sock, self.config.socket_buffer_bytes)
-        conn = tcp.Connection(sock, self.config.partition_bytes, peer=f"{addr[0]}:{addr[1]}")
+        peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else "unix"
+        conn = tcp.Connection(sock, self.config.partition_bytes, peer=peer)
         sock.settimeout(self.config.timeout)
         try:
             conn.handshake(self._secret, "server", self.rank, initiator=False)
@@ -206,6 +210,14 @@ class Server:
             except GradwireError:
                 pass
 
+    def _tell_workers(self, message: str) -> None:
+        """Pass an abort's reason on before closing, so workers report the cause, not a closed socket."""
+        for link in list(self._links.values()):
+            try:
+                link.conn.send_json(FrameType.ERROR, {"message": message, "abort": True})
+            except GradwireError:
+                pass
+
     def _control_loop(self) -> None:
         assert self._scheduler is not None
         try:
@@ -216,6 +228,7 @@ class Server:
                     break
                 if op == messages.ABORT:
                     self.error = body["message"]
+                    self._tell_workers(f"job aborted: {self.error}")
                     break
         except GradwireError as e:
             if not self._done.is_set():

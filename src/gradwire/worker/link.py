@@ -212,6 +212,8 @@ class ServerLink:
         work.handle.part_done()
 
     def _on_error(self, header: frames.Header, body: dict) -> None:
+        if body.get("abort"):
+            raise JobAborted(str(body.get("message")), server=self.server, rank=self.rank)
         work = self._take(header.key)
         work.handle.fail(
             TensorError(
