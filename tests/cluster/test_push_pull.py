@@ -175,3 +175,9 @@ def test_conflicting_declarations_stop_the_job_naming_both_ranks():
         assert c.scheduler.wait(5) is not None
     finally:
         c.close()
+
+
+def test_overflow_gives_inf_not_an_error(cluster):
+    big = np.finfo(np.float32).max
+    results = cluster.run(lambda w: w.push_pull(np.array([big, 1.0], np.float32), "overflow"))
+    assert np.isinf(results[0][0]) and results[0][1] == 3.0

@@ -78,6 +78,9 @@ class Engine:
         self._thread.join(timeout)
 
     def _run(self) -> None:
+        # Sums follow IEEE arithmetic (an overflow is inf, which AMP's loss scaling looks for), whatever the
+        # process's warning filters say. numpy's error state is per thread: set once, no per-message cost.
+        np.seterr(all="ignore")
         next_seq = 0
         while True:
             try:

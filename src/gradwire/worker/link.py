@@ -160,6 +160,7 @@ class ServerLink:
             self.bytes_pushed += work.nbytes
 
     def _recv_loop(self) -> None:
+        np.seterr(all="ignore")  # averaging inf or nan gives inf or nan, as in the sum (see server/engine.py)
         try:
             while True:
                 header = self.conn.recv_header()
