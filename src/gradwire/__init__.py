@@ -16,6 +16,9 @@ own `Worker` objects instead (see `gradwire.testing.LocalCluster`).
 from __future__ import annotations
 
 import atexit
+import contextlib
+import threading
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -49,6 +52,7 @@ __all__ = [
     "TensorError",
     "Worker",
     "barrier",
+    "current_worker",
     "declare",
     "init",
     "is_initialized",
@@ -62,9 +66,22 @@ __all__ = [
     "shutdown",
     "size",
     "synchronize",
+    "use_worker",
 ]
 
 _worker: Worker | None = None
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def use_worker(worker: Worker) -> Iterator[Worker]:
+    """Make `worker` this thread's current worker (for in-process clusters: a thread per worker)."""
+    previous = getattr(_local, "worker", None)
+    _local.worker = worker
+    try:
+        yield worker
+    finally:
+        _local.worker = previous
 
 
 def init(config: Config | None = None) -> None:
@@ -94,52 +111,54 @@ def is_initialized() -> bool:
     return _worker is not None
 
 
-def _current() -> Worker:
-    if _worker is None:
+def current_worker() -> Worker:
+    """The worker this thread acts for: the one set by `use_worker`, else the one `init()` made."""
+    worker = getattr(_local, "worker", None) or _worker
+    if worker is None:
         raise ConfigError("gradwire is not initialized: call gradwire.init() first")
-    return _worker
+    return worker
 
 
 def rank() -> int:
     """This worker's rank in [0, size())."""
-    return _current().rank
+    return current_worker().rank
 
 
 def size() -> int:
     """The number of workers."""
-    return _current().size
+    return current_worker().size
 
 
 def local_rank() -> int:
     """This worker's rank among the workers on its host."""
-    return _current().local_rank
+    return current_worker().local_rank
 
 
 def local_size() -> int:
     """The number of workers on this host."""
-    return _current().local_size
+    return current_worker().local_size
 
 
 def declare(name: str, shape: tuple[int, ...], dtype: object) -> None:
     """Declare a tensor ahead of its first push_pull (optional; push_pull declares on first use)."""
-    _current().declare(name, shape, dtype)
+    current_worker().declare(name, shape, dtype)
 
 
 def push_pull(array: np.ndarray, name: str, average: bool = False, priority: int = 0) -> np.ndarray:
     """Sum (or average) `array` across all workers; returns a new array. Blocks."""
-    return _current().push_pull(array, name, average, priority)
+    return current_worker().push_pull(array, name, average, priority)
 
 
 def push_pull_inplace(array: np.ndarray, name: str, average: bool = False, priority: int = 0) -> np.ndarray:
     """Sum (or average) `array` across all workers into itself. Blocks."""
-    return _current().push_pull_inplace(array, name, average, priority)
+    return current_worker().push_pull_inplace(array, name, average, priority)
 
 
 def push_pull_async(
     array: np.ndarray, name: str, average: bool = False, priority: int = 0, out: np.ndarray | None = None
 ) -> Handle:
     """Start a push_pull; returns a handle for `poll` and `synchronize`. Higher priority leaves first."""
-    return _current().push_pull_async(array, name, average, priority, out)
+    return current_worker().push_pull_async(array, name, average, priority, out)
 
 
 def poll(handle: Handle) -> bool:
@@ -149,9 +168,9 @@ def poll(handle: Handle) -> bool:
 
 def synchronize(handle: Handle) -> np.ndarray:
     """Wait for a handle and return its output array."""
-    return _current().synchronize(handle)
+    return current_worker().synchronize(handle)
 
 
 def barrier() -> None:
     """Block until every worker reaches the barrier."""
-    _current().barrier()
+    current_worker().barrier()

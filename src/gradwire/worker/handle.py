@@ -21,6 +21,7 @@ class Handle:
         self._lock = threading.Lock()
         self._event = threading.Event()
         self._on_done = on_done
+        self._callbacks: list[Callable[[Handle], None]] = []
         if parts == 0:
             self._finish()
 
@@ -59,6 +60,18 @@ class Handle:
             self.error = error
         self._finish()
 
+    def add_done_callback(self, fn: Callable[[Handle], None]) -> None:
+        """Call fn(handle) once complete (at once if it is); runs on the completing thread, so keep it short."""
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
     def _finish(self) -> None:
-        self._event.set()
+        with self._lock:
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
         self._on_done(self)
+        for fn in callbacks:
+            fn(self)
