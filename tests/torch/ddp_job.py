@@ -3,12 +3,12 @@
 import copy
 import sys
 
-import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradwire.torch as gwt
+import torch
 
 torch.set_num_threads(1)
 gwt.init()

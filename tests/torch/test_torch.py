@@ -1,10 +1,10 @@
 """The PyTorch integration on an in-process cluster: one thread (and one Worker) per rank."""
 
 import pytest
-import torch
 
 import gradwire
 import gradwire.torch as gwt
+import torch
 from gradwire.testing import LocalCluster
 
 N = 2

@@ -11,9 +11,8 @@ Or keep DDP and swap its all-reduce: `model.register_comm_hook(gw.PushPullHookSt
 
 from __future__ import annotations
 
-import torch
-
 import gradwire
+import torch
 from gradwire import barrier, init, is_initialized, local_rank, local_size, rank, shutdown, size
 
 from .broadcast import broadcast_, broadcast_object, broadcast_optimizer_state, broadcast_parameters

@@ -11,9 +11,9 @@ from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
-import torch
 
 import gradwire
+import torch
 from gradwire.worker import Worker
 
 from .ops import push_pull_async

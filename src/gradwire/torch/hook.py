@@ -9,10 +9,10 @@ tensor on the servers.
 # No `from __future__ import annotations`: DDP checks `bucket: dist.GradBucket` at runtime.
 import hashlib
 
-import torch
 import torch.distributed as dist
 
 import gradwire
+import torch
 from gradwire.worker import Worker
 
 from .compression import Compression, Compressor

@@ -9,9 +9,9 @@ device), since the servers are CPU processes.
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 import gradwire
+import torch
 from gradwire.worker import Handle, Worker
 
 from .compression import Compression, Compressor

@@ -11,9 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-import torch
-
 import gradwire
+import torch
 from gradwire.errors import TensorError
 
 from .compression import Compression, Compressor

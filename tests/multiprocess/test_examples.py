@@ -1,0 +1,60 @@
+"""The examples the docs quote, run as users run them, so they never rot."""
+
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from gradwire.config import Config
+from gradwire.scheduler import Scheduler
+from tests.multiprocess.harness import ROOT, launch, leftover_processes
+
+pytestmark = pytest.mark.multiprocess
+
+
+def test_sum_numpy_example():
+    result = launch(4, 2, str(ROOT / "examples" / "sum_numpy.py"))
+    assert result.code == 0, result.output
+    assert len(result.lines("[worker")) == 4 and "sum 10 (expected 10), mean 2.50" in result.output
+
+
+def test_digits_training_example_learns():
+    result = launch(2, 1, str(ROOT / "examples" / "digits_train.py"), "--epochs", "3", timeout=180)
+    assert result.code == 0, result.output
+    line = result.lines("[worker 0] [gradwire] test accuracy")
+    assert line and float(line[0].split()[-1]) > 0.5, result.output
+
+
+def test_workers_started_with_torchrun_variables():
+    """torchrun gives RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE; the scheduler comes from GRADWIRE_*."""
+    marker = uuid.uuid4().hex
+    scheduler = Scheduler(Config(role="scheduler", num_workers=2, num_servers=1, timeout=30, secret=marker)).start()
+    common = {"GRADWIRE_SCHEDULER": scheduler.address, "GRADWIRE_NUM_SERVERS": "1", "GRADWIRE_SECRET": marker}
+    for key in [k for k in os.environ if k.startswith(("GRADWIRE_", "DMLC_"))]:
+        common[key] = ""
+    env = {k: v for k, v in (os.environ | common).items() if v != ""}
+    server = subprocess.Popen([sys.executable, "-m", "gradwire", "server"], env=env | {"WORLD_SIZE": "2"}, cwd=ROOT)
+    workers = [
+        subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "multiprocess" / "job.py"), "ok", marker],
+            env=env | {"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "2"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+        )
+        for r in range(2)
+    ]
+    try:
+        outputs = [w.communicate(timeout=60)[0] for w in workers]
+        assert [w.returncode for w in workers] == [0, 0], outputs
+        assert "DONE rank 0 of 2" in outputs[0] and "DONE rank 1 of 2" in outputs[1]
+        assert server.wait(10) == 0
+    finally:
+        for proc in [server, *workers]:
+            if proc.poll() is None:
+                proc.kill()
+        scheduler.stop()
+    assert not leftover_processes(marker)
