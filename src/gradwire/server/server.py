@@ -16,6 +16,7 @@ from gradwire.errors import GradwireError, RemoteProtocolError
 from gradwire.protocol import frames, messages
 from gradwire.protocol.frames import FrameType
 from gradwire.ring import Ring, RingClosed, Slot
+from gradwire.scheduler.client import join
 from gradwire.server.engine import Engine
 from gradwire.transport import tcp
 
@@ -67,30 +68,14 @@ class Server:
 
     def start(self) -> Server:
         """Rendezvous with the scheduler, then serve in background threads."""
-        self._scheduler = tcp.connect(
-            self.config.scheduler_address,
-            secret=self._secret,
-            role="server",
-            rank=self.config.rank or 0,
-            max_payload=0,
-            timeout=self.config.timeout,
+        self._scheduler, book = join(
+            self.config,
+            "server",
+            port=self.port,
+            slot_bytes=self.config.partition_bytes,
+            unix=self.unix_name,
+            host_id=tcp.host_identity(),
         )
-        self._scheduler.send_json(
-            FrameType.CONTROL,
-            {
-                "op": messages.REGISTER,
-                "role": "server",
-                "rank": self.config.rank,
-                "host": self.config.host,
-                "port": self.port,
-                "slot_bytes": self.config.partition_bytes,
-            },
-        )
-        self._scheduler.sock.settimeout(self.config.timeout)
-        _, book = self._scheduler.recv_json(FrameType.CONTROL)
-        self._scheduler.sock.settimeout(None)
-        if messages.check(book) == messages.ABORT:
-            raise GradwireError(f"job aborted during rendezvous: {book['message']}")
         self.rank, self.epoch, self.num_workers = book["rank"], book["epoch"], book["num_workers"]
         for i in range(self.config.engines):
             ring = Ring(self.config.ring_slots, self.config.partition_bytes)

@@ -15,6 +15,7 @@ from gradwire.config import Config
 from gradwire.errors import ConfigError, GradwireError, GradwireTimeout, JobAborted, TensorError
 from gradwire.protocol import dtypes, messages
 from gradwire.protocol.frames import FrameType, encode_header
+from gradwire.scheduler.client import join
 from gradwire.transport import tcp
 from gradwire.worker.handle import Handle
 from gradwire.worker.link import Credit, ServerLink, Work
@@ -108,35 +109,7 @@ class Worker:
         return tcp.connect((server["host"], int(server["port"])), **options)  # type: ignore[arg-type]
 
     def _rendezvous(self) -> dict:
-        self._scheduler = tcp.connect(
-            self.config.scheduler_address,
-            secret=self._secret,
-            role="worker",
-            rank=self.config.rank or 0,
-            max_payload=0,
-            timeout=self.config.timeout,
-        )
-        self._scheduler.send_json(
-            FrameType.CONTROL,
-            {
-                "op": messages.REGISTER,
-                "role": "worker",
-                "rank": self.config.rank,
-                "host": self.config.host,
-                "port": 0,
-            },
-        )
-        self._scheduler.sock.settimeout(self.config.timeout)
-        try:
-            _, book = self._scheduler.recv_json(FrameType.CONTROL)
-        except GradwireTimeout:
-            raise GradwireTimeout(
-                f"rendezvous with the scheduler at {self.config.scheduler} timed out after {self.config.timeout}s: "
-                f"are all {self.config.num_workers} workers and {self.config.num_servers} servers started?"
-            ) from None
-        self._scheduler.sock.settimeout(None)
-        if messages.check(book) == messages.ABORT:
-            raise JobAborted(f"job aborted during rendezvous: {book['message']}")
+        self._scheduler, book = join(self.config, "worker", port=0)
         return book
 
     def shutdown(self) -> None:
