@@ -97,12 +97,23 @@ class ServerLink:
         self._in_flight = 0
         self._closed: BaseException | None = None
         self._cond = threading.Condition()
+        self._threads: list[threading.Thread] = []
         self.bytes_pushed = 0
         self.bytes_pulled = 0
 
     def start(self) -> None:
-        threading.Thread(target=self._send_loop, name=f"gw-send-{self.server}", daemon=True).start()
-        threading.Thread(target=self._recv_loop, name=f"gw-recv-{self.server}", daemon=True).start()
+        self._threads = [
+            threading.Thread(target=self._send_loop, name=f"gw-send-{self.server}", daemon=True),
+            threading.Thread(target=self._recv_loop, name=f"gw-recv-{self.server}", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def join(self, timeout: float) -> None:
+        """Wait for both threads to end (after `close`)."""
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout)
 
     def submit(self, work: Work, priority: int) -> None:
         """Queue a partition; higher priority leaves first, equal priorities in submission order."""

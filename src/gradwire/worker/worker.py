@@ -21,6 +21,7 @@ from gradwire.worker.handle import Handle
 from gradwire.worker.link import Credit, ServerLink, Work
 
 log = logging.getLogger("gradwire.worker")
+SHUTDOWN_JOIN_SECONDS = 5.0
 
 
 @dataclass
@@ -62,6 +63,7 @@ class Worker:
         self._partition_bytes = config.partition_bytes
         self._abort: JobAborted | None = None
         self._closed = False
+        self._control_thread: threading.Thread | None = None
 
     # -- life cycle ------------------------------------------------------------------------------
 
@@ -85,7 +87,8 @@ class Worker:
             self._links.append(ServerLink(conn, index, self.rank, self.epoch, self.config.window, credit))
         for link in self._links:
             link.start()
-        threading.Thread(target=self._control_loop, name="gw-worker-control", daemon=True).start()
+        self._control_thread = threading.Thread(target=self._control_loop, name="gw-worker-control", daemon=True)
+        self._control_thread.start()
         self.barrier()
         log.info("worker %d/%d ready with %d servers", self.rank, self.size, len(self._links))
         return self
@@ -113,7 +116,11 @@ class Worker:
         return book
 
     def shutdown(self) -> None:
-        """Say bye to the servers and the scheduler and close everything. Idempotent."""
+        """Say bye to the servers and the scheduler, close everything, and join this worker's threads. Idempotent.
+
+        Joining matters: daemon threads still alive when the interpreter finalizes have been seen to abort the
+        process ("terminate called without an active exception") once PyTorch is loaded.
+        """
         if self._closed:
             return
         self._closed = True
@@ -129,6 +136,10 @@ class Worker:
             except GradwireError:
                 pass
             self._scheduler.close()
+        for link in self._links:
+            link.join(SHUTDOWN_JOIN_SECONDS)
+        if self._control_thread is not None and self._control_thread is not threading.current_thread():
+            self._control_thread.join(SHUTDOWN_JOIN_SECONDS)
 
     # -- tensors ---------------------------------------------------------------------------------
 
