@@ -78,6 +78,13 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "bytes a worker keeps in flight over all servers",
     ),
     EnvVar(
+        "GRADWIRE_FUSION_BYTES",
+        "fusion_bytes",
+        (),
+        str(1 * MiB),
+        "gradients under 64 KiB are fused into messages of up to this many bytes (torch); 0 turns fusion off",
+    ),
+    EnvVar(
         "GRADWIRE_RING_SLOTS",
         "ring_slots",
         (),
@@ -131,6 +138,7 @@ _INT_FIELDS = {
     "partition_bytes",
     "window",
     "credit_bytes",
+    "fusion_bytes",
     "ring_slots",
     "engines",
     "max_frame_bytes",
@@ -155,6 +163,7 @@ class Config:
     partition_bytes: int = 4 * MiB
     window: int = 4
     credit_bytes: int = 256 * MiB
+    fusion_bytes: int = 1 * MiB
     ring_slots: int = 16
     engines: int = 1
     secret: str = dataclasses.field(default="", repr=False)

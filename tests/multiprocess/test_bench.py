@@ -11,9 +11,29 @@ pytestmark = pytest.mark.multiprocess
 
 def test_bench_json_has_both_systems_and_the_documented_fields():
     out = subprocess.run(
-        [sys.executable, "-m", "gradwire", "bench", "-n", "2", "-s", "1", "--sizes", "0.25", "--rounds", "1",
-         "--repeats", "2", "--warmup", "1", "--json"],
-        cwd=ROOT, capture_output=True, text=True, timeout=180,
+        [
+            sys.executable,
+            "-m",
+            "gradwire",
+            "bench",
+            "-n",
+            "2",
+            "-s",
+            "1",
+            "--sizes",
+            "0.25",
+            "--rounds",
+            "1",
+            "--repeats",
+            "2",
+            "--warmup",
+            "1",
+            "--json",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert out.returncode == 0, out.stderr
     records = [json.loads(line) for line in out.stdout.splitlines()]

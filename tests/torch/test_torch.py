@@ -190,3 +190,33 @@ def test_ddp_hook_matches_allreduce_hook(tmp_path):
     result = launch(2, 1, str(ROOT / "tests" / "torch" / "ddp_job.py"), str(tmp_path / "store"), timeout=120)
     assert result.code == 0, result.output
     assert len(result.lines("[worker 0] DDP-HOOK-MATCH")) == 1, result.output
+
+
+def test_small_gradients_are_fused_and_results_unchanged(cluster):
+    data, batch = _data(4, 8), 8
+    models = {fb: [_model() for _ in range(N)] for fb in (0, 1 << 20)}
+
+    def train(fusion_bytes):
+        def worker(rank):
+            model = models[fusion_bytes][rank]
+            opt = gwt.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                named_parameters=model.named_parameters(),
+                fusion_bytes=fusion_bytes,
+            )
+            for x, y in data:
+                opt.zero_grad()
+                sl = slice(rank * batch, (rank + 1) * batch)
+                torch.nn.functional.cross_entropy(model(x[sl]), y[sl]).backward()
+                opt.step()
+            return model, len({g.name for g in opt._groups.values()})
+
+        return run(cluster, worker)
+
+    unfused, fused = train(0), train(1 << 20)
+    assert unfused[0][1] == 0 and fused[0][1] == 1  # all four parameters are small: one group
+    declared = cluster.workers[0]._tensors
+    assert any(name.startswith("grad.fused.") for name in declared)
+    for (a, _), (b, _) in zip(unfused, fused, strict=True):
+        for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+            torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)

@@ -15,6 +15,7 @@ import gradwire
 import torch
 from gradwire.errors import TensorError
 
+from . import fusion
 from .compression import Compression, Compressor
 from .ops import TorchHandle, push_pull_async
 
@@ -31,6 +32,7 @@ class _DistributedOptimizer:
         compression: type[Compressor],
         backward_passes_per_step: int,
         op: str,
+        fusion_bytes: int,
     ) -> None:
         self._worker = gradwire.current_worker()
         params = [p for group in self.param_groups for p in group["params"]]  # type: ignore[attr-defined]
@@ -55,13 +57,15 @@ class _DistributedOptimizer:
         self._compression = compression
         self._passes = backward_passes_per_step
         self._average = op == Average
-        self._handles: dict[int, TorchHandle] = {}
+        self._handles: dict[int, TorchHandle | None] = {}  # None: in flight inside its fusion group
         self._counts: dict[int, int] = {}
         self._synchronized = False
         self._skip = False
         order = {id(p): i for i, p in enumerate(params)}
         self._priority = {pid: len(params) - i for pid, i in order.items()}  # first layers first
         self._params = [p for p in params if p.requires_grad]
+        self._groups = fusion.plan(self._params, by_id, fusion_bytes)
+        self._group_handles: dict[str, tuple[fusion.FusionGroup, TorchHandle]] = {}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
 
     def _on_grad(self, param: torch.Tensor) -> None:
@@ -83,6 +87,21 @@ class _DistributedOptimizer:
         assert grad is not None
         if self._passes > 1:
             grad.div_(self._passes)
+        group = self._groups.get(pid)
+        if group is not None:
+            self._handles[pid] = None
+            if group.add(param, grad):
+                priority = max(self._priority[id(p)] for p in group.params)
+                handle = push_pull_async(
+                    group.buffer,
+                    average=self._average,
+                    name=f"grad.{group.name}",
+                    priority=priority,
+                    compression=self._compression,
+                    worker=self._worker,
+                )
+                self._group_handles[group.name] = (group, handle)
+            return
         self._handles[pid] = push_pull_async(
             grad,
             average=self._average,
@@ -102,8 +121,13 @@ class _DistributedOptimizer:
                     p.grad = torch.zeros_like(p)
                 self._push(p)
         for handle in self._handles.values():
+            if handle is not None:
+                handle.result(self._worker)
+        for group, handle in self._group_handles.values():
             handle.result(self._worker)
+            group.scatter()
         self._handles.clear()
+        self._group_handles.clear()
         self._counts.clear()
         self._synchronized = True
 
@@ -145,12 +169,19 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     compression: type[Compressor] = Compression.none,
     backward_passes_per_step: int = 1,
     op: str = Average,
+    fusion_bytes: int | None = None,
 ) -> torch.optim.Optimizer:
-    """Wrap `optimizer` so that step() uses gradients averaged (or summed) over all workers."""
+    """Wrap `optimizer` so that step() uses gradients averaged (or summed) over all workers.
+
+    Parameters under 64 KiB are fused into groups of up to `fusion_bytes` (default GRADWIRE_FUSION_BYTES, 1 MiB;
+    0 turns fusion off) that travel as one message.
+    """
+    if fusion_bytes is None:
+        fusion_bytes = gradwire.current_worker().config.fusion_bytes
     if backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
     cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
-    wrapped._gradwire_setup(named_parameters, compression, backward_passes_per_step, op)
+    wrapped._gradwire_setup(named_parameters, compression, backward_passes_per_step, op, fusion_bytes)
     return wrapped
