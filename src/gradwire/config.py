@@ -113,7 +113,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "transport",
         (),
         "auto",
-        "`auto`: Unix sockets to servers on the same host and network namespace, TCP otherwise; `tcp`: always TCP",
+        "`auto`: shared memory (over a Unix socket) to servers on the same host and network namespace, TCP "
+        "otherwise; `unix`: Unix sockets without shared memory; `tcp`: always TCP",
     ),
     EnvVar(
         "GRADWIRE_SOCKET_BUFFER_BYTES",
@@ -234,8 +235,8 @@ class Config:
             )
         if ":" not in self.scheduler:
             raise ConfigError(f"GRADWIRE_SCHEDULER must be host:port, got {self.scheduler!r}")
-        if self.transport not in ("auto", "tcp"):
-            raise ConfigError(f"GRADWIRE_TRANSPORT must be auto or tcp, got {self.transport!r}")
+        if self.transport not in ("auto", "unix", "tcp"):
+            raise ConfigError(f"GRADWIRE_TRANSPORT must be auto, unix or tcp, got {self.transport!r}")
         if self.timeout <= 0:
             raise ConfigError(f"GRADWIRE_TIMEOUT must be positive, got {self.timeout}")
 

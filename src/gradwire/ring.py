@@ -25,10 +25,13 @@ from gradwire.errors import GradwireTimeout
 class Slot:
     """One preallocated receive buffer and the header fields of the frame it holds."""
 
-    __slots__ = ("buffer", "conn", "dtype", "key", "length", "round", "sender", "valid")
+    __slots__ = ("array", "buffer", "conn", "data", "dtype", "key", "length", "pull", "round", "sender", "valid")
 
-    def __init__(self, buffer: memoryview) -> None:
-        self.buffer = buffer
+    def __init__(self, buffer: memoryview, array: np.ndarray) -> None:
+        self.buffer = buffer  # the slot's own memory, for recv_into
+        self.array = array  # the same memory as uint8
+        self.data: np.ndarray = array  # where this event's payload lies: the slot, or a shared-memory slot
+        self.pull = 0xFFFF  # the worker's shared pull slot for the sum (transport/shm.py), or none
         self.conn: object = None
         self.key = 0
         self.round = 0
@@ -52,7 +55,10 @@ class Ring:
         self.capacity = capacity
         self._memory = np.empty(capacity * slot_bytes, dtype=np.uint8)
         view = memoryview(self._memory)
-        self.slots = [Slot(view[i * slot_bytes : (i + 1) * slot_bytes]) for i in range(capacity)]
+        self.slots = [
+            Slot(view[i * slot_bytes : (i + 1) * slot_bytes], self._memory[i * slot_bytes : (i + 1) * slot_bytes])
+            for i in range(capacity)
+        ]
         self._published = [-1] * capacity  # the sequence last published in each slot
         self._next = 0  # next sequence to claim
         self._cursor = -1  # highest contiguous published sequence

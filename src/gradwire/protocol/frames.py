@@ -38,6 +38,7 @@ class FrameType(enum.IntEnum):
     ERROR = 6  # JSON {"message": ..., "key": ...}: the request failed, the connection stays up
     BYE = 7  # orderly close
     ACK = 8  # server -> worker: your contribution to (key, round) is in; frees a window slot
+    SHM_ATTACH = 9  # worker -> server {path, push, pull, slot_bytes}; the reply {ok} (transport/shm.py)
 
 
 DATA_TYPES = frozenset({FrameType.PUSHPULL, FrameType.RESULT})
@@ -75,10 +76,19 @@ def encode_header(
 
 
 def pack_header_into(
-    buf: bytearray, ftype: int, length: int, dtype: int, epoch: int, sender: int, key: int, round: int
+    buf: bytearray,
+    ftype: int,
+    length: int,
+    dtype: int,
+    epoch: int,
+    sender: int,
+    key: int,
+    round: int,
+    flags: int = 0,
+    status: int = 0,
 ) -> None:
     """Pack a data-frame header into a preallocated buffer (no allocation on the hot path)."""
-    HEADER.pack_into(buf, 0, MAGIC, VERSION, ftype, 0, dtype, epoch, sender, key, round, 0, length)
+    HEADER.pack_into(buf, 0, MAGIC, VERSION, ftype, flags, dtype, epoch, sender, key, round, status, length)
 
 
 def decode_header(raw: bytes | bytearray | memoryview, max_payload: int) -> Header:

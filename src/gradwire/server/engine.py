@@ -27,6 +27,7 @@ import numpy as np
 from gradwire.errors import TensorError
 from gradwire.protocol import dtypes
 from gradwire.ring import Ring, RingClosed, Slot
+from gradwire.transport.shm import NO_SLOT
 
 log = logging.getLogger("gradwire.server")
 
@@ -34,9 +35,9 @@ log = logging.getLogger("gradwire.server")
 class KeyState:
     """The accumulators and round bookkeeping of one key."""
 
-    __slots__ = ("acc", "count", "dtype", "length", "narrow", "out", "pushed", "round", "scratch")
+    __slots__ = ("acc", "count", "dtype", "length", "narrow", "out", "pulls", "pushed", "round", "scratch")
 
-    def __init__(self, dtype: dtypes.DType, length: int) -> None:
+    def __init__(self, dtype: dtypes.DType, length: int, num_workers: int) -> None:
         self.dtype = dtype
         self.length = length
         n = length // dtype.itemsize
@@ -47,10 +48,11 @@ class KeyState:
         self.round = [-1, -1]
         self.count = [0, 0]
         self.pushed = [0, 0]  # bitmask of ranks that pushed the round in this buffer
+        self.pulls = [[NO_SLOT] * num_workers for _ in range(2)]  # each worker's shared pull slot, per buffer
 
 
-# reply(key, round, dtype code, payload view) -> None: queue the sum for every worker
-Reply = Callable[[int, int, int, memoryview], None]
+# reply(key, round, dtype code, payload view, pull slot per rank) -> None: queue the sum for every worker
+Reply = Callable[[int, int, int, memoryview, list[int]], None]
 # fail(slot, message) -> None: send an ERROR for the slot's key to its sender
 Fail = Callable[[Slot, str], None]
 # ack(rank, key, round) -> None: tell one worker its contribution is in
@@ -106,7 +108,7 @@ class Engine:
         state = self.keys.get(slot.key)
         dtype = dtypes.BY_CODE[slot.dtype]
         if state is None:
-            state = self.keys[slot.key] = KeyState(dtype, slot.length)
+            state = self.keys[slot.key] = KeyState(dtype, slot.length, self.num_workers)
         elif state.dtype is not dtype or state.length != slot.length:
             raise TensorError(
                 f"worker {slot.sender} pushed {slot.length} bytes of {dtype.name} but the key holds "
@@ -120,7 +122,8 @@ class Engine:
             state.round[i], state.count[i], state.pushed[i] = slot.round, 0, 0
         if state.pushed[i] & bit:
             raise TensorError(f"worker {slot.sender} pushed round {slot.round} twice")
-        wire = np.frombuffer(slot.buffer[: slot.length], dtype=dtype.wire)
+        wire = slot.data.view(dtype.wire)
+        state.pulls[i][slot.sender] = slot.pull
         if state.count[i] == 0:
             dtypes.widen(dtype, wire, state.acc[i])
         else:
@@ -135,4 +138,4 @@ class Engine:
             if state.narrow:
                 dtypes.narrow(dtype, state.acc[i], state.out[i])
             self.rounds_completed += 1
-            self._reply(slot.key, slot.round, slot.dtype, memoryview(state.out[i]).cast("B"))
+            self._reply(slot.key, slot.round, slot.dtype, memoryview(state.out[i]).cast("B"), state.pulls[i])

@@ -11,6 +11,8 @@ import logging
 import queue
 import threading
 
+import numpy as np
+
 from gradwire.config import Config
 from gradwire.errors import GradwireError, RemoteProtocolError
 from gradwire.protocol import frames, messages
@@ -18,7 +20,7 @@ from gradwire.protocol.frames import FrameType
 from gradwire.ring import Ring, RingClosed, Slot
 from gradwire.scheduler.client import join
 from gradwire.server.engine import Engine
-from gradwire.transport import tcp
+from gradwire.transport import shm, tcp
 
 log = logging.getLogger("gradwire.server")
 
@@ -29,18 +31,27 @@ class WorkerLink:
     def __init__(self, conn: tcp.Connection) -> None:
         self.conn = conn
         self.replies: queue.SimpleQueue = queue.SimpleQueue()
+        self.arena: shm.Arena | None = None  # shared slots, when the worker is on this host
         self._header = bytearray(frames.HEADER_SIZE)
 
     def reply_loop(self, epoch: int, sender: int) -> None:
-        """Send queued sums until a None arrives or the connection breaks."""
+        """Send queued sums (and ACKs) until a None arrives or the connection breaks."""
+        header = self._header
         while (item := self.replies.get()) is not None:
-            key, rnd, dtype, payload = item
+            key, rnd, dtype, payload, pull = item
             if payload is None:
-                frames.pack_header_into(self._header, FrameType.ACK, 0, 0, epoch, sender, key, rnd)
-                parts = [self._header]
+                frames.pack_header_into(header, FrameType.ACK, 0, 0, epoch, sender, key, rnd)
+                parts = [header]
+            elif pull != shm.NO_SLOT and self.arena is not None:
+                # the worker offered a shared pull slot: one memcpy here, none through the kernel
+                np.copyto(self.arena.pull_slot(pull, len(payload)), np.frombuffer(payload, np.uint8))
+                frames.pack_header_into(
+                    header, FrameType.RESULT, len(payload), dtype, epoch, sender, key, rnd, shm.SHM_PAYLOAD, pull
+                )
+                parts = [header]
             else:
-                frames.pack_header_into(self._header, FrameType.RESULT, len(payload), dtype, epoch, sender, key, rnd)
-                parts = [self._header, payload]
+                frames.pack_header_into(header, FrameType.RESULT, len(payload), dtype, epoch, sender, key, rnd)
+                parts = [header, payload]
             try:
                 self.conn.send(parts)
             except GradwireError as e:
@@ -141,22 +152,27 @@ class Server:
             target=link.reply_loop, args=(self.epoch, self.rank), name="gw-server-reply", daemon=True
         ).start()
         try:
-            self._read_loop(conn)
+            self._read_loop(link)
         except (GradwireError, RingClosed) as e:
             if not self._done.is_set():
                 log.warning("closing connection to worker %d (%s): %s", conn.peer_rank, conn.peer, e)
         finally:
             link.replies.put(None)
             conn.close()
+            if link.arena is not None:
+                link.arena.close()
             if self._links.get(conn.peer_rank) is link:
                 del self._links[conn.peer_rank]
 
-    def _read_loop(self, conn: tcp.Connection) -> None:
-        engines = self._engines
+    def _read_loop(self, link: WorkerLink) -> None:
+        conn, engines = link.conn, self._engines
         while True:
             header = conn.recv_header()
             if header.type == FrameType.BYE:
                 return
+            if header.type == FrameType.SHM_ATTACH:
+                self._attach(link, frames.decode_json(conn.recv_body(header)))
+                continue
             if header.type != FrameType.PUSHPULL:
                 raise RemoteProtocolError(f"unexpected {header.type.name} frame")
             if header.sender != conn.peer_rank or header.epoch != self.epoch:
@@ -164,28 +180,61 @@ class Server:
                     f"frame claims sender {header.sender} epoch {header.epoch}; connection is worker "
                     f"{conn.peer_rank} in epoch {self.epoch}"
                 )
+            in_shm = header.flags & shm.SHM_PAYLOAD
+            if in_shm:
+                push, pull = self._check_slots(link, header)
             ring = engines[header.key % len(engines)].ring
             seq = ring.claim()
             slot = ring.slot(seq)
             slot.valid = False
             try:
-                conn.recv_into(slot.buffer[: header.length])
+                if in_shm:  # the payload already lies in the worker's push slot: the engine sums from there
+                    assert link.arena is not None
+                    slot.data, slot.pull = link.arena.push_slot(push, header.length), pull
+                else:
+                    conn.recv_into(slot.buffer[: header.length])
+                    slot.data, slot.pull = slot.array[: header.length], shm.NO_SLOT
                 slot.valid = True
             finally:  # published even if the read failed (else the ring stalls); invalid slots are skipped
                 slot.conn, slot.key, slot.round, slot.dtype = conn, header.key, header.round, header.dtype
                 slot.length, slot.sender = header.length, header.sender
                 ring.publish(seq)
 
-    def _queue_reply(self, key: int, rnd: int, dtype: int, payload: memoryview) -> None:
+    def _attach(self, link: WorkerLink, body: dict) -> None:
+        """Map the worker's shared slots (transport/shm.py) and say whether it worked."""
+        try:
+            push, pull, slot_bytes = int(body["push"]), int(body["pull"]), int(body["slot_bytes"])
+            path = str(body["path"])
+            if link.arena is not None or not path.startswith(shm.SHM_DIR + "/gradwire-") or "/" in path[9:]:
+                raise RemoteProtocolError(f"refusing shared memory at {path!r}")
+            if slot_bytes > self.config.max_frame_bytes or push + pull > 1024:
+                raise RemoteProtocolError(f"shared memory of {push}+{pull} slots of {slot_bytes} bytes is too large")
+            link.arena = shm.Arena(path, push, pull, slot_bytes, create=False)
+            link.conn.send_json(FrameType.SHM_ATTACH, {"ok": True})
+        except (KeyError, ValueError, OSError, RemoteProtocolError) as e:
+            log.info("worker %d: shared memory not used: %s", link.conn.peer_rank, e)
+            link.conn.send_json(FrameType.SHM_ATTACH, {"ok": False, "error": str(e)})
+
+    @staticmethod
+    def _check_slots(link: WorkerLink, header: frames.Header) -> tuple[int, int]:
+        arena = link.arena
+        push, pull = header.status & 0xFFFF, header.status >> 16
+        if arena is None or push >= arena.push or header.length > arena.slot_bytes:
+            raise RemoteProtocolError(f"bad shared push slot {push} for {header.length} bytes")
+        if pull != shm.NO_SLOT and pull >= arena.pull:
+            raise RemoteProtocolError(f"bad shared pull slot {pull}")
+        return push, pull
+
+    def _queue_reply(self, key: int, rnd: int, dtype: int, payload: memoryview, pulls: list[int]) -> None:
         for rank in range(self.num_workers):
             link = self._links.get(rank)
             if link is not None:
-                link.replies.put((key, rnd, dtype, payload))
+                link.replies.put((key, rnd, dtype, payload, pulls[rank]))
 
     def _queue_ack(self, rank: int, key: int, rnd: int) -> None:
         link = self._links.get(rank)
         if link is not None:
-            link.replies.put((key, rnd, 0, None))
+            link.replies.put((key, rnd, 0, None, shm.NO_SLOT))
 
     def _fail(self, slot: Slot, message: str) -> None:
         conn = slot.conn

@@ -26,7 +26,7 @@ import numpy as np
 from gradwire.errors import GradwireError, JobAborted, RemoteProtocolError, TensorError
 from gradwire.protocol import frames
 from gradwire.protocol.frames import FrameType
-from gradwire.transport import tcp
+from gradwire.transport import shm, tcp
 from gradwire.worker.handle import Handle
 
 log = logging.getLogger("gradwire.worker")
@@ -35,7 +35,20 @@ log = logging.getLogger("gradwire.worker")
 class Work:
     """One partition of one push_pull: what to send, where the sum goes, and whom to tell."""
 
-    __slots__ = ("acked", "average", "dtype", "handle", "key", "nbytes", "out", "round", "send", "tensor")
+    __slots__ = (
+        "acked",
+        "average",
+        "dtype",
+        "handle",
+        "key",
+        "nbytes",
+        "out",
+        "pull_slot",
+        "push_slot",
+        "round",
+        "send",
+        "tensor",
+    )
 
     def __init__(
         self,
@@ -55,6 +68,8 @@ class Work:
         self.average = average
         self.handle = handle
         self.acked = False  # the server has our contribution: the window slot and credit are free again
+        self.push_slot = shm.NO_SLOT  # shared slots in use (same-host links only)
+        self.pull_slot = shm.NO_SLOT
 
 
 class Credit:
@@ -87,6 +102,7 @@ class ServerLink:
         epoch: int,
         window: int,
         credit: Credit,
+        arena: shm.Arena | None = None,
     ) -> None:
         self.conn, self.server, self.rank, self.epoch = conn, server, rank, epoch
         self.window = window
@@ -98,6 +114,9 @@ class ServerLink:
         self._closed: BaseException | None = None
         self._cond = threading.Condition()
         self._threads: list[threading.Thread] = []
+        self.arena = arena  # one push slot per window place, so a free one always exists when the window allows
+        self._free_push = list(range(arena.push)) if arena else []
+        self._free_pull = list(range(arena.pull)) if arena else []
         self.bytes_pushed = 0
         self.bytes_pulled = 0
 
@@ -141,6 +160,8 @@ class ServerLink:
         for work in failed:
             work.handle.fail(self._lost(reason))
         self.conn.close()
+        if self.arena is not None and threading.current_thread() not in self._threads:
+            self.arena.close()
 
     def _lost(self, reason: BaseException) -> GradwireError:
         if isinstance(reason, GradwireError) and not isinstance(reason, tcp.ConnectionClosed):
@@ -159,7 +180,13 @@ class ServerLink:
                 _, _, work = heapq.heappop(self._heap)
                 self._in_flight += 1
                 self._pending[work.key] = work
+                if self.arena is not None:
+                    work.push_slot = self._free_push.pop()
+                    work.pull_slot = self._free_pull.pop() if self._free_pull else shm.NO_SLOT
             self.credit.acquire(work.nbytes)
+            if self.arena is not None:
+                self._push_shared(header, work)
+                continue
             frames.pack_header_into(
                 header, FrameType.PUSHPULL, work.nbytes, work.dtype, self.epoch, self.rank, work.key, work.round
             )
@@ -169,6 +196,27 @@ class ServerLink:
                 self.close(e)
                 return
             self.bytes_pushed += work.nbytes
+
+    def _push_shared(self, header: bytearray, work: Work) -> None:
+        """Copy the partition into its push slot and send the header alone (transport/shm.py)."""
+        assert self.arena is not None
+        np.copyto(self.arena.push_slot(work.push_slot, work.nbytes), np.frombuffer(work.send, np.uint8))
+        frames.pack_header_into(
+            header,
+            FrameType.PUSHPULL,
+            work.nbytes,
+            work.dtype,
+            self.epoch,
+            self.rank,
+            work.key,
+            work.round,
+            shm.SHM_PAYLOAD,
+            work.push_slot | (work.pull_slot << 16),
+        )
+        try:
+            self.conn.send([header])
+        except GradwireError as e:
+            self.close(e)
 
     def _recv_loop(self) -> None:
         np.seterr(all="ignore")  # averaging inf or nan gives inf or nan, as in the sum (see server/engine.py)
@@ -195,6 +243,9 @@ class ServerLink:
             if newly_acked:
                 work.acked = True
                 self._in_flight -= 1
+                if work.push_slot != shm.NO_SLOT:  # the server has summed it: the slot may take the next push
+                    self._free_push.append(work.push_slot)
+                    work.push_slot = shm.NO_SLOT
                 self._cond.notify()
         if newly_acked:
             self.credit.release(work.nbytes)
@@ -214,7 +265,16 @@ class ServerLink:
                 f"server {self.server} answered {work.tensor!r} round {header.round} with {header.length} bytes; "
                 f"expected round {work.round} with {work.nbytes}"
             )
-        self.conn.recv_into(memoryview(work.out).cast("B"))
+        if header.flags & shm.SHM_PAYLOAD:
+            if self.arena is None or header.status != work.pull_slot:
+                raise RemoteProtocolError(f"server {self.server} answered in pull slot {header.status}, not ours")
+            np.copyto(work.out.reshape(-1).view(np.uint8), self.arena.pull_slot(work.pull_slot, work.nbytes))
+        else:
+            self.conn.recv_into(memoryview(work.out).cast("B"))
+        if work.pull_slot != shm.NO_SLOT:
+            with self._cond:
+                self._free_pull.append(work.pull_slot)
+            work.pull_slot = shm.NO_SLOT
         self.bytes_pulled += work.nbytes
         if work.average > 1:
             if work.out.dtype.kind == "f":

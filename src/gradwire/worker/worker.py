@@ -16,7 +16,7 @@ from gradwire.errors import ConfigError, GradwireError, GradwireTimeout, JobAbor
 from gradwire.protocol import dtypes, messages
 from gradwire.protocol.frames import FrameType, encode_header
 from gradwire.scheduler.client import join
-from gradwire.transport import tcp
+from gradwire.transport import shm, tcp
 from gradwire.worker.handle import Handle
 from gradwire.worker.link import Credit, ServerLink, Work
 
@@ -83,8 +83,8 @@ class Worker:
         self._partition_bytes = min([self.config.partition_bytes] + [int(s["slot_bytes"]) for s in servers])
         credit = Credit(self.config.credit_bytes)
         for index, server in enumerate(servers):
-            conn = self._connect_server(server)
-            self._links.append(ServerLink(conn, index, self.rank, self.epoch, self.config.window, credit))
+            conn, arena = self._connect_server(server)
+            self._links.append(ServerLink(conn, index, self.rank, self.epoch, self.config.window, credit, arena))
         for link in self._links:
             link.start()
         self._control_thread = threading.Thread(target=self._control_loop, name="gw-worker-control", daemon=True)
@@ -93,8 +93,8 @@ class Worker:
         log.info("worker %d/%d ready with %d servers", self.rank, self.size, len(self._links))
         return self
 
-    def _connect_server(self, server: dict) -> tcp.Connection:
-        """A Unix socket to a server on this host and network namespace (faster), else TCP."""
+    def _connect_server(self, server: dict) -> tuple[tcp.Connection, shm.Arena | None]:
+        """To a server on this host and network namespace a Unix socket with shared slots; else TCP."""
         options = dict(
             secret=self._secret,
             role="worker",
@@ -104,12 +104,36 @@ class Worker:
             buffer_bytes=self.config.socket_buffer_bytes,
         )
         local = server.get("host_id") and server["host_id"] == tcp.host_identity()
-        if self.config.transport == "auto" and local and server.get("unix"):
+        if self.config.transport in ("auto", "unix") and local and server.get("unix"):
             try:
-                return tcp.connect(server["unix"], **options)  # type: ignore[arg-type]
+                conn = tcp.connect(server["unix"], **options)  # type: ignore[arg-type]
             except OSError as e:
                 log.info("Unix socket to server at %s failed (%s); using TCP", server["host"], e)
-        return tcp.connect((server["host"], int(server["port"])), **options)  # type: ignore[arg-type]
+            else:
+                return conn, self._attach_shared(conn) if self.config.transport == "auto" else None
+        return tcp.connect((server["host"], int(server["port"])), **options), None  # type: ignore[arg-type]
+
+    def _attach_shared(self, conn: tcp.Connection) -> shm.Arena | None:
+        """Offer the server shared slots; None (plain socket transfers) if either side cannot."""
+        window = self.config.window
+        try:
+            arena = shm.Arena.create(window, 2 * window, self._partition_bytes)
+        except (OSError, ValueError) as e:
+            log.info("no shared memory (%s); using the socket", e)
+            return None
+        try:
+            body = {"path": arena.path, "push": arena.push, "pull": arena.pull, "slot_bytes": arena.slot_bytes}
+            conn.send_json(FrameType.SHM_ATTACH, body)
+            conn.sock.settimeout(self.config.timeout)
+            _, reply = conn.recv_json(FrameType.SHM_ATTACH)
+            conn.sock.settimeout(None)
+        finally:
+            arena.unlink()  # mapped on both sides now (or refused): nothing stays in /dev/shm
+        if not reply.get("ok"):
+            log.info("server refused shared memory: %s", reply.get("error"))
+            arena.close()
+            return None
+        return arena
 
     def _rendezvous(self) -> dict:
         self._scheduler, book = join(self.config, "worker", port=0)

@@ -1,0 +1,82 @@
+"""Every transport gives the same sums: shared memory (same host), Unix sockets, TCP."""
+
+import os
+
+import numpy as np
+import pytest
+
+from gradwire.protocol.frames import FrameType
+from gradwire.server.server import WorkerLink
+from gradwire.testing import LocalCluster
+from gradwire.transport import shm
+
+
+def _ours():
+    return {f for f in os.listdir(shm.SHM_DIR) if f.startswith(f"gradwire-{os.getpid()}-")}
+
+
+@pytest.mark.parametrize("transport,shared,unix", [("auto", True, True), ("unix", False, True), ("tcp", False, False)])
+def test_sums_over_every_transport(transport, shared, unix):
+    # window 1: two pull slots per link, so most of the 12 tensors in flight take the inline fallback
+    with LocalCluster(num_workers=3, num_servers=2, transport=transport, window=1, partition_bytes=8192) as c:
+        links = [link for w in c.workers for link in w._links]
+        assert all((link.arena is not None) == shared for link in links)
+        assert all(link.conn.peer.startswith("unix:") == unix for link in links)
+        assert not _ours()  # attached and unlinked: nothing left in /dev/shm
+
+        def job(w):
+            handles = [w.push_pull_async(np.full(5000 + i, w.rank + i, np.float64), f"t{i}") for i in range(12)]
+            return [w.synchronize(h) for h in handles]
+
+        for results in c.run(job):
+            for i, r in enumerate(results):
+                assert np.all(r == sum(rank + i for rank in range(3)))
+
+
+class _Recorder:
+    """Stands in for a server's connection to a worker: records what the server sends."""
+
+    peer_rank = 0
+
+    def __init__(self):
+        self.sent = []
+
+    def send_json(self, ftype, body, **fields):
+        self.sent.append((ftype, body))
+
+
+@pytest.mark.parametrize("where", ["tmp", "shm-other-name", "shm-subdir-escape"])
+def test_the_server_refuses_shared_memory_outside_its_own_files(tmp_path, where):
+    # real files of exactly the offered size: only the path check stands between them and the server
+    name = f"other-{os.getpid()}"
+    target = {
+        "tmp": tmp_path / "f",
+        "shm-other-name": f"{shm.SHM_DIR}/{name}",
+        "shm-subdir-escape": f"{shm.SHM_DIR}/{name}",
+    }[where]
+    path = {"shm-subdir-escape": f"{shm.SHM_DIR}/gradwire-x/../{name}"}.get(where, str(target))
+    with open(target, "wb") as f:
+        f.write(b"\0" * 16)
+    try:
+        with LocalCluster(num_workers=1, num_servers=1) as c:
+            link = WorkerLink(_Recorder())
+            c.servers[0]._attach(link, {"path": path, "push": 1, "pull": 1, "slot_bytes": 8})
+            assert link.arena is None
+            assert link.conn.sent[0][1]["ok"] is False and "refusing" in link.conn.sent[0][1]["error"]
+    finally:
+        os.unlink(target)
+
+
+def test_the_server_maps_a_well_formed_offer():
+    arena = shm.Arena.create(2, 2, 64)
+    try:
+        with LocalCluster(num_workers=1, num_servers=1) as c:
+            link = WorkerLink(_Recorder())
+            c.servers[0]._attach(link, {"path": arena.path, "push": 2, "pull": 2, "slot_bytes": 64})
+            assert link.conn.sent == [(FrameType.SHM_ATTACH, {"ok": True})]
+            arena.push_slot(1, 4)[:] = [1, 2, 3, 4]  # the same memory on both sides
+            assert list(link.arena.push_slot(1, 4)) == [1, 2, 3, 4]
+            link.arena.close()
+    finally:
+        arena.unlink()
+        arena.close()
