@@ -22,11 +22,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=2, help="alternations of gradwire and gloo jobs")
     parser.add_argument("--partition-bytes", type=int, default=None)
     parser.add_argument("--json", action="store_true", help="one JSON object per measurement")
+    parser.add_argument(
+        "--netem",
+        action="store_true",
+        help="across an emulated network (root): the issue-4 matrix, gloo in the same cluster",
+    )
+    parser.add_argument(
+        "--configs", default=None, help="with --netem: n:k:worker_rate:server_rate,... (default: the full matrix)"
+    )
+    parser.add_argument("--window", type=int, default=None, help="GRADWIRE_WINDOW for the gradwire jobs")
+    parser.add_argument("--plot", default=None, help="with --netem: write a PNG of time against n")
+    parser.add_argument("--write-docs", default=None, help="with --netem: replace the netem section of this file")
 
 
 def run(args: argparse.Namespace) -> int:
     sizes = [int(float(s) * MiB) for s in args.sizes.split(",")]
     env = {"GRADWIRE_PARTITION_BYTES": str(args.partition_bytes)} if args.partition_bytes else {}
+    if args.window:
+        env["GRADWIRE_WINDOW"] = str(args.window)
+    if args.netem:
+        from gradwire.bench.netem_cli import run_netem
+
+        return run_netem(args, sizes, env)
     n, k = args.num_workers, args.num_servers
     results: dict[tuple[str, int], list[Timing]] = {}
     for _ in range(args.rounds):

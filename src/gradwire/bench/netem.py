@@ -1,0 +1,160 @@
+"""`gradwire bench --netem`: gradwire push_pull against gloo's ring all_reduce across emulated links.
+
+For each configuration both systems run in the same emulated cluster, one after the other, with the same sizes.
+Each measurement is reported beside its theoretical bound (topology.py) and the CPU use of the whole machine
+during the job, so that a result limited by this machine's two cores rather than by the links is visible.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+from gradwire.netem import EmulatedCluster, Topology, parse_rate
+from gradwire.netem.jobs import start_gloo, start_gradwire
+
+MiB = 1 << 20
+# The matrix of issue 4: n = k at equal rates, n = 4 with k = 2, and servers at a quarter of the workers' rate.
+DEFAULT_CONFIGS = [
+    (2, 2, "100mbit", "100mbit"),
+    (4, 4, "100mbit", "100mbit"),
+    (8, 8, "100mbit", "100mbit"),
+    (4, 2, "100mbit", "100mbit"),
+    (4, 4, "100mbit", "25mbit"),
+]
+
+
+@dataclass
+class Record:
+    system: str
+    workers: int
+    servers: int
+    worker_rate_bps: float
+    server_rate_bps: float
+    bytes: int
+    seconds_median: float
+    bound_seconds: float
+    seconds_all: list[float]
+    cpu_utilization: float  # CPU seconds of the job's processes over (wall seconds x cores)
+
+    @property
+    def ratio_to_bound(self) -> float:
+        return self.seconds_median / self.bound_seconds
+
+
+def _worker_argv(system: str, sizes: list[int], repeats: int, warmup: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "gradwire.bench.workers",
+        system,
+        ",".join(map(str, sizes)),
+        str(repeats),
+        str(warmup),
+    ]
+
+
+def _timed(job_start, timeout: float) -> tuple[list[dict], float]:
+    before, t0 = os.times(), time.monotonic()
+    job = job_start()
+    outputs = job.wait(timeout)
+    after, wall = os.times(), time.monotonic() - t0
+    cpu = (after.children_user - before.children_user) + (after.children_system - before.children_system)
+    rows = [json.loads(line) for line in outputs[0].splitlines() if line.startswith("{")]
+    return rows, cpu / (wall * (os.cpu_count() or 1))
+
+
+def run_config(
+    topo: Topology, sizes: list[int], repeats: int, warmup: int, env: dict[str, str], timeout: float = 1800
+) -> list[Record]:
+    """Both systems, all sizes, in one emulated cluster built for `topo`."""
+    records = []
+    with EmulatedCluster(topo) as cluster:
+        for system, start in (("gradwire", start_gradwire), ("gloo", start_gloo)):
+            argv = _worker_argv(system, sizes, repeats, warmup)
+            rows, cpu = _timed(lambda start=start, argv=argv: start(cluster, argv, os.environ | env), timeout)
+            for row in rows:
+                bound = topo.service_bound(row["bytes"]) if system == "gradwire" else topo.ring_bound(row["bytes"])
+                records.append(
+                    Record(
+                        system,
+                        topo.workers,
+                        topo.servers if system == "gradwire" else 0,
+                        parse_rate(topo.worker_rate),
+                        parse_rate(topo.server_rate),
+                        row["bytes"],
+                        statistics.median(row["times"]),
+                        bound,
+                        row["times"],
+                        cpu,
+                    )
+                )
+    return records
+
+
+def to_json(record: Record) -> str:
+    return json.dumps(asdict(record) | {"ratio_to_bound": record.ratio_to_bound})
+
+
+def table(configs: list[list[Record]]) -> str:
+    """Markdown: per configuration and size, both systems' time, bound and ratio, and gloo's time over ours."""
+    lines = [
+        "| n | k | worker / server rate | size | gradwire s | x its bound | gloo s | x its bound "
+        "| gloo / gradwire | CPU use (gradwire, gloo) |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for records in configs:
+        gloo = {r.bytes: r for r in records if r.system == "gloo"}
+        for r in (r for r in records if r.system == "gradwire"):
+            g = gloo[r.bytes]
+            lines.append(
+                f"| {r.workers} | {r.servers} | {r.worker_rate_bps / 1e6:g} / {r.server_rate_bps / 1e6:g} Mbit/s "
+                f"| {r.bytes / MiB:g} MiB | {r.seconds_median:.2f} | {r.ratio_to_bound:.2f} | {g.seconds_median:.2f} "
+                f"| {g.ratio_to_bound:.2f} | {g.seconds_median / r.seconds_median:.2f}x "
+                f"| {r.cpu_utilization:.0%}, {g.cpu_utilization:.0%} |"
+            )
+    return "\n".join(lines)
+
+
+def plot(records: list[Record], path: str) -> None:
+    """Time against n for both systems and both bounds (equal-rate configurations with k = n), per size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = sorted({r.bytes for r in records})
+    fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 4), squeeze=False)
+    for ax, size in zip(axes[0], sizes, strict=True):
+        equal = [
+            r
+            for r in records
+            if r.bytes == size
+            and r.worker_rate_bps == r.server_rate_bps
+            and (r.system == "gloo" or r.servers == r.workers)
+        ]
+        for system, style in (("gradwire", "o-"), ("gloo", "s-")):
+            pts = sorted((r.workers, r.seconds_median, r.bound_seconds) for r in equal if r.system == system)
+            if not pts:
+                continue
+            ns = [p[0] for p in pts]
+            ax.plot(ns, [p[1] for p in pts], style, label=f"{system} measured")
+            ax.plot(
+                ns,
+                [p[2] for p in pts],
+                style[0] + "--",
+                alpha=0.5,
+                label="S/B (service bound)" if system == "gradwire" else "2(n-1)/n S/B (ring bound)",
+            )
+        ax.set_title(f"{size / MiB:g} MiB per worker, k = n, equal rates")
+        ax.set_xlabel("workers n")
+        ax.set_ylabel("seconds per push_pull / all_reduce")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,125 @@
+"""Running gradwire's roles, or a gloo job, on the hosts of an emulated cluster."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import IO
+
+from gradwire.errors import GradwireError
+from gradwire.netem.cluster import EmulatedCluster
+
+
+@dataclass
+class Job:
+    """The processes of one job; `workers` in rank order."""
+
+    services: list[subprocess.Popen]
+    workers: list[subprocess.Popen]
+
+    def wait(self, timeout: float) -> list[str]:
+        """Wait for every worker; returns their outputs in rank order. Raises naming the first that failed."""
+        deadline = time.monotonic() + timeout
+        outputs = []
+        for rank, proc in enumerate(self.workers):
+            try:
+                out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.kill()
+                raise GradwireError(f"worker {rank} did not finish within {timeout}s") from None
+            if proc.returncode != 0:
+                self.kill()
+                raise GradwireError(f"worker {rank} exited with {proc.returncode}:\n{(out or '')[-3000:]}")
+            outputs.append(out or "")
+        for proc in self.services:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        return outputs
+
+    def kill(self) -> None:
+        for proc in self.services + self.workers:
+            if proc.poll() is None:
+                proc.kill()
+
+
+def start_gradwire(cluster: EmulatedCluster, argv: Sequence[str], env: Mapping[str, str] | None = None) -> Job:
+    """Scheduler, servers and workers (running `argv`) each on their own emulated host."""
+    topo = cluster.topology
+    sched = topo.of("scheduler")[0]
+    base = dict(env or os.environ) | {
+        "GRADWIRE_NUM_WORKERS": str(topo.workers),
+        "GRADWIRE_NUM_SERVERS": str(topo.servers),
+        "GRADWIRE_SECRET": secrets.token_hex(32),
+        "PYTHONUNBUFFERED": "1",
+    }
+    scheduler = cluster.spawn(
+        sched,
+        [sys.executable, "-m", "gradwire", "scheduler"],
+        base | {"GRADWIRE_SCHEDULER": f"{sched.address}:0", "GRADWIRE_HOST": sched.address},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert scheduler.stdout is not None
+    first = scheduler.stdout.readline()
+    if not first.startswith("gradwire scheduler listening on "):
+        scheduler.kill()
+        raise GradwireError(f"the scheduler did not start: {first!r}")
+    base["GRADWIRE_SCHEDULER"] = first.rsplit(" ", 1)[1].strip()
+    # keep reading, or a chatty scheduler would block on a full pipe
+    threading.Thread(target=_drain, args=(scheduler.stdout,), daemon=True).start()
+    services = [scheduler] + [
+        cluster.spawn(
+            h,
+            [sys.executable, "-m", "gradwire", "server"],
+            base | {"GRADWIRE_HOST": h.address, "GRADWIRE_RANK": str(h.index)},
+            stdout=subprocess.DEVNULL,
+        )
+        for h in topo.of("server")
+    ]
+    workers = [
+        cluster.spawn(
+            h,
+            list(argv),
+            base | {"GRADWIRE_HOST": h.address, "GRADWIRE_RANK": str(h.index)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for h in topo.of("worker")
+    ]
+    return Job(services, workers)
+
+
+def _drain(stream: IO[str]) -> None:
+    with stream:
+        for _ in stream:
+            pass
+
+
+def start_gloo(cluster: EmulatedCluster, argv: Sequence[str], env: Mapping[str, str] | None = None) -> Job:
+    """A torch.distributed job on the worker hosts; rendezvous through a file, traffic over the emulated links."""
+    topo = cluster.topology
+    tmp = tempfile.mkdtemp(prefix="gradwire-gloo-")
+    base = dict(env or os.environ) | {
+        "WORLD_SIZE": str(topo.workers),
+        "GLOO_SOCKET_IFNAME": "eth0",
+        "GRADWIRE_BENCH_INIT": f"file://{tmp}/rendezvous",
+        "PYTHONUNBUFFERED": "1",
+    }
+    workers = [
+        cluster.spawn(
+            h, list(argv), base | {"RANK": str(h.index)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for h in topo.of("worker")
+    ]
+    return Job([], workers)
