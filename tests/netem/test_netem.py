@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from gradwire.netem import EmulatedCluster, NetemUnavailable, Topology
+from gradwire.netem.cli import measure_link
 from gradwire.netem.cluster import check_available
 from gradwire.netem.jobs import start_gradwire
 from tests.multiprocess.harness import ROOT
@@ -17,34 +18,41 @@ except NetemUnavailable as e:
 
 pytestmark = pytest.mark.netem
 
-RECEIVER = """
-import socket, sys, time
-s = socket.socket(); s.bind((sys.argv[1], 0)); s.listen(1)
-print(s.getsockname()[1], flush=True)
-c, _ = s.accept(); n = 0; first = None
-while True:
-    d = c.recv(1 << 20)
-    if not d:
-        break
-    first = first or time.monotonic()
-    n += len(d)
-print(n * 8 / (time.monotonic() - first), flush=True)
-"""
-SENDER = (
-    "import socket, sys; s = socket.create_connection((sys.argv[1], int(sys.argv[2]))); s.sendall(b'x' * (6 << 20))"
-)
-
 
 def test_a_shaped_link_runs_at_its_configured_rate():
-    topo = Topology(workers=1, servers=1, worker_rate="20mbit", server_rate="20mbit")
-    with EmulatedCluster(topo) as c:
-        worker, server = topo.of("worker")[0], topo.of("server")[0]
-        rx = c.spawn(server, [sys.executable, "-c", RECEIVER, server.address], stdout=subprocess.PIPE, text=True)
-        port = rx.stdout.readline().strip()
-        tx = c.spawn(worker, [sys.executable, "-c", SENDER, server.address, port])
-        assert tx.wait(30) == 0
-        bits_per_s = float(rx.communicate(timeout=30)[0].strip())
+    bits_per_s = measure_link("20mbit", 6 << 20)
     assert 0.8 * 20e6 <= bits_per_s <= 1.2 * 20e6, bits_per_s
+
+
+def test_netem_run_runs_a_job_and_cleans_up():
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gradwire",
+            "netem",
+            "run",
+            "-n",
+            "2",
+            "-s",
+            "1",
+            "--worker-rate",
+            "200mbit",
+            "--server-rate",
+            "200mbit",
+            "--",
+            sys.executable,
+            str(ROOT / "examples" / "sum_numpy.py"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "[worker 1] rank 1/2: sum 3 (expected 3)" in out.stdout
+    run_id = out.stdout.split("run ", 1)[1].split(":", 1)[0]
+    assert run_id not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
 
 
 def test_a_gradwire_job_across_emulated_hosts_sums_correctly():

@@ -40,6 +40,7 @@ class Record:
     bound_seconds: float
     seconds_all: list[float]
     cpu_utilization: float  # CPU seconds of the job's processes over (wall seconds x cores)
+    window: int = 0  # gradwire's GRADWIRE_WINDOW (0 for gloo)
 
     @property
     def ratio_to_bound(self) -> float:
@@ -103,9 +104,9 @@ def to_json(record: Record) -> str:
 def table(configs: list[list[Record]]) -> str:
     """Markdown: per configuration and size, both systems' time, bound and ratio, and gloo's time over ours."""
     lines = [
-        "| n | k | worker / server rate | size | gradwire s | x its bound | gloo s | x its bound "
+        "| n | k | worker / server rate | window | size | gradwire s | x its bound | gloo s | x its bound "
         "| gloo / gradwire | CPU use (gradwire, gloo) |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---|",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for records in configs:
         gloo = {r.bytes: r for r in records if r.system == "gloo"}
@@ -113,8 +114,8 @@ def table(configs: list[list[Record]]) -> str:
             g = gloo[r.bytes]
             lines.append(
                 f"| {r.workers} | {r.servers} | {r.worker_rate_bps / 1e6:g} / {r.server_rate_bps / 1e6:g} Mbit/s "
-                f"| {r.bytes / MiB:g} MiB | {r.seconds_median:.2f} | {r.ratio_to_bound:.2f} | {g.seconds_median:.2f} "
-                f"| {g.ratio_to_bound:.2f} | {g.seconds_median / r.seconds_median:.2f}x "
+                f"| {r.window} | {r.bytes / MiB:g} MiB | {r.seconds_median:.2f} | {r.ratio_to_bound:.2f} "
+                f"| {g.seconds_median:.2f} | {g.ratio_to_bound:.2f} | {g.seconds_median / r.seconds_median:.2f}x "
                 f"| {r.cpu_utilization:.0%}, {g.cpu_utilization:.0%} |"
             )
     return "\n".join(lines)

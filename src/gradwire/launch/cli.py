@@ -21,6 +21,10 @@ def main(argv: list[str] | None = None) -> int:
     launch.add_argument("--host", default="127.0.0.1", help="address every node binds and advertises")
     launch.add_argument("--timeout", type=float, default=None, help="seconds any blocking call may wait")
     launch.add_argument("command", nargs=argparse.REMAINDER, help="the worker command, after --")
+    netem = sub.add_parser("netem", help="an emulated cluster on this machine (root): run a job, check a link")
+    from gradwire.netem.cli import add_arguments as add_netem_arguments
+
+    add_netem_arguments(netem)
     bench = sub.add_parser("bench", help="push_pull against gloo all_reduce, same sizes, same run")
     from gradwire.bench.cli import add_arguments
 
@@ -37,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
         from gradwire.launch.launcher import launch_from_args
 
         return launch_from_args(args)
+    if role == "netem":
+        from gradwire.netem.cli import main as netem_main
+
+        return netem_main(args)
     from gradwire.bench.cli import run
 
     return run(args)

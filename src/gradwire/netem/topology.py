@@ -63,6 +63,16 @@ class Topology:
     def of(self, role: str) -> list[Host]:
         return [h for h in self.hosts if h.role == role]
 
+    def window_for(self, partition_bytes: int, queue_seconds: float = 0.05) -> int:
+        """The largest window (1-4) such that what all workers keep in flight toward one server fits its queue.
+
+        n x window x partition beyond the bottleneck's queue (rate x tbf latency) means drops and TCP's unfair
+        fan-in, and a key's sum waits for its slowest pusher: at n = 4 and 100 Mbit/s, window 4 measured 1.28x the
+        bound S/B, window 2 1.12x (docs/netem.md).
+        """
+        queue = parse_rate(self.server_rate) / 8 * queue_seconds
+        return max(1, min(4, int(queue // (self.workers * partition_bytes))))
+
     # -- the model (docs/architecture.md, shared/DESIGN.md) ----------------------------------------
 
     def service_bound(self, nbytes: int) -> float:
