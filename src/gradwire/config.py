@@ -109,6 +109,34 @@ ENV_VARS: tuple[EnvVar, ...] = (
     ),
     EnvVar("GRADWIRE_MAX_FRAME_BYTES", "max_frame_bytes", (), str(64 * MiB), "largest frame accepted from a peer"),
     EnvVar(
+        "GRADWIRE_MAX_DECLARED_BYTES",
+        "max_declared_bytes",
+        (),
+        str(64 * 1024 * MiB),
+        "most tensor bytes a job may declare (bounds the servers' accumulators)",
+    ),
+    EnvVar(
+        "GRADWIRE_HANDSHAKE_TIMEOUT",
+        "handshake_timeout",
+        (),
+        "10",
+        "seconds a new connection has to authenticate before it is dropped",
+    ),
+    EnvVar(
+        "GRADWIRE_FRAME_TIMEOUT",
+        "frame_timeout",
+        (),
+        "60",
+        "seconds a frame, once begun, has to arrive whole (a stalled peer cannot hold a server's slot)",
+    ),
+    EnvVar(
+        "GRADWIRE_MAX_PENDING_HANDSHAKES",
+        "max_pending_handshakes",
+        (),
+        "64",
+        "connections a server or scheduler authenticates at once; more are closed at once",
+    ),
+    EnvVar(
         "GRADWIRE_TRANSPORT",
         "transport",
         (),
@@ -143,9 +171,11 @@ _INT_FIELDS = {
     "ring_slots",
     "engines",
     "max_frame_bytes",
+    "max_declared_bytes",
+    "max_pending_handshakes",
     "socket_buffer_bytes",
 }
-_FLOAT_FIELDS = {"timeout", "switch_interval"}
+_FLOAT_FIELDS = {"timeout", "switch_interval", "handshake_timeout", "frame_timeout"}
 _OPTIONAL_INT_FIELDS = {"rank", "local_rank", "local_size"}
 
 
@@ -171,6 +201,10 @@ class Config:
     secret_file: str = ""
     timeout: float = 300.0
     max_frame_bytes: int = 64 * MiB
+    max_declared_bytes: int = 64 * 1024 * MiB
+    handshake_timeout: float = 10.0
+    frame_timeout: float = 60.0
+    max_pending_handshakes: int = 64
     transport: str = "auto"
     socket_buffer_bytes: int = 0
     switch_interval: float = 0.0005

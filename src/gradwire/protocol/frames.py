@@ -123,7 +123,7 @@ def encode_json(ftype: int, body: dict, *, epoch: int = 0, sender: int = 0, key:
 def decode_json(payload: bytes) -> dict:
     """Parse a control body; raises RemoteProtocolError if it is not a JSON object."""
     try:
-        body = json.loads(payload)
+        body = json.loads(payload.decode("utf-8"))  # UTF-8 only: json.loads on bytes would guess UTF-16 or 32
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise RemoteProtocolError(f"control body is not JSON: {e}") from None
     if not isinstance(body, dict):

@@ -17,6 +17,7 @@ BYE = "bye"
 REPLY = "reply"
 ABORT = "abort"
 SHUTDOWN = "shutdown"
+KEYS = "keys"  # scheduler -> server: the keys it owns, with dtype and bytes; the server replies when ready
 
 _REQUIRED = {
     REGISTER: ("role", "host", "port"),
@@ -27,6 +28,7 @@ _REQUIRED = {
     REPLY: ("id",),
     ABORT: ("message",),
     SHUTDOWN: (),
+    KEYS: ("id", "keys"),
 }
 
 

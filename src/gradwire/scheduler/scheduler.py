@@ -11,6 +11,7 @@ Life of a job, as seen here:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -18,10 +19,11 @@ from dataclasses import dataclass, field
 
 from gradwire import partition
 from gradwire.config import Config
-from gradwire.errors import GradwireError
+from gradwire.errors import GradwireError, TensorError
 from gradwire.placement import Placement
-from gradwire.protocol import messages
+from gradwire.protocol import dtypes, messages
 from gradwire.protocol.frames import FrameType
+from gradwire.throttle import Throttle
 from gradwire.transport import tcp
 
 log = logging.getLogger("gradwire.scheduler")
@@ -53,6 +55,9 @@ class Declaration:
     servers: list[int]
     partition_bytes: int
     keys: list[int] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+    ready: threading.Event = field(default_factory=threading.Event)  # set once every owning server knows its keys
+    error: str | None = None
 
 
 class Scheduler:
@@ -74,8 +79,18 @@ class Scheduler:
         self._keys: dict[int, str] = {}
         self._placement: Placement | None = None
         self._barrier: list[tuple[Node, int]] = []
+        self._declared_bytes = 0
+        self._acks: dict[int, threading.Event] = {}
+        self._ids = itertools.count(1)
         self._done = threading.Event()
+        self._handshaking = threading.BoundedSemaphore(config.max_pending_handshakes)
+        self.refusals = Throttle()
         self.abort_reason: str | None = None
+        if not self._secret:
+            log.warning(
+                "no job secret (GRADWIRE_SECRET): any process that can reach the scheduler can join the job; "
+                "`gradwire launch` makes one for you"
+            )
         host, port = config.scheduler_address
         self._listener = tcp.listen(host, port)
         self.address = f"{host}:{self._listener.getsockname()[1]}"
@@ -114,12 +129,25 @@ class Scheduler:
 
     def _serve(self, sock, addr) -> None:
         conn = tcp.Connection(sock, max_payload=0, peer=f"{addr[0]}:{addr[1]}")
-        sock.settimeout(self.config.timeout)
         node = None
+        if not self._handshaking.acquire(blocking=False):
+            if self.refusals.allow():
+                log.warning(
+                    "refused connection from %s: %d handshakes pending (%d refused so far)",
+                    conn.peer,
+                    self.config.max_pending_handshakes,
+                    self.refusals.count,
+                )
+            conn.close()
+            return
         try:
-            conn.handshake(self._secret, "scheduler", 0, initiator=False)
-            sock.settimeout(None)
-            node = self._register(conn)
+            try:  # authenticate and register within the handshake timeout
+                sock.settimeout(self.config.handshake_timeout)
+                conn.handshake(self._secret, "scheduler", 0, initiator=False)
+                node = self._register(conn)
+                sock.settimeout(None)
+            finally:
+                self._handshaking.release()
             while True:
                 _, body = conn.recv_json(FrameType.CONTROL)
                 if self._handle(node, body):
@@ -203,9 +231,13 @@ class Scheduler:
         if op == messages.DECLARE:
             reply = self._declare(node, body)
             node.conn.send_json(FrameType.CONTROL, reply)
-            if "error" in reply:  # after the reply, so the declarer gets the precise TensorError
+            if "error" in reply and reply.pop("abort", True):  # after the reply: the declarer gets the TensorError
                 with self._lock:
                     self._abort_locked(reply["error"])
+        elif op == messages.REPLY and node.role == "server":
+            event = self._acks.get(int(body["id"]))
+            if event is not None:
+                event.set()
         elif op == messages.BARRIER:
             self._enter_barrier(node, int(body["id"]))
         elif op == messages.BYE:
@@ -218,10 +250,16 @@ class Scheduler:
     def _declare(self, node: Node, body: dict) -> dict:
         name, shape, dtype = str(body["name"]), [int(d) for d in body["shape"]], str(body["dtype"])
         reply = {"op": messages.REPLY, "id": body["id"]}
+        if dtype not in dtypes.BY_NAME or any(d < 0 for d in shape) or len(shape) > 32:
+            return reply | {"error": f"tensor {name!r}: bad declaration {dtype}{shape}", "abort": False}
         with self._lock:
             known = self._tensors.get(name)
+            new = known is None
             if known is None:
-                known = self._place(name, shape, dtype, node.rank, int(body["itemsize"]), int(body["partition_bytes"]))
+                try:
+                    known = self._place(name, shape, dtype, node.rank, int(body["partition_bytes"]))
+                except TensorError as e:
+                    return reply | {"error": str(e), "abort": False}
             if known.shape != shape or known.dtype != dtype:
                 message = (
                     f"tensor {name!r} declared as {dtype}{shape} by worker {node.rank} but as "
@@ -229,21 +267,59 @@ class Scheduler:
                     "shape and dtype"
                 )
                 return reply | {"error": message}
-            return reply | {"servers": known.servers, "partition_bytes": known.partition_bytes}
+        if new:
+            self._register_keys(name, known)
+        elif not known.ready.wait(self.config.timeout):
+            known.error = known.error or f"servers did not confirm the keys of {name!r} in {self.config.timeout}s"
+        if known.error:
+            return reply | {"error": known.error}
+        return reply | {"servers": known.servers, "partition_bytes": known.partition_bytes}
 
-    def _place(self, name: str, shape: list[int], dtype: str, rank: int, itemsize: int, pbytes: int) -> Declaration:
+    def _register_keys(self, name: str, decl: Declaration) -> None:
+        """Tell each owning server its keys (it allocates their accumulators then) and wait for every answer."""
+        code = dtypes.BY_NAME[decl.dtype].code
+        waits = []
+        for server in sorted(set(decl.servers)):
+            owned = [[k, code, n] for k, n, s in zip(decl.keys, decl.sizes, decl.servers, strict=True) if s == server]
+            rid = next(self._ids)
+            event = threading.Event()
+            self._acks[rid] = event
+            self._servers[server].conn.send_json(FrameType.CONTROL, {"op": messages.KEYS, "id": rid, "keys": owned})
+            waits.append((server, rid, event))
+        for server, rid, event in waits:
+            if not event.wait(self.config.timeout):
+                decl.error = f"server {server} did not confirm the keys of {name!r} in {self.config.timeout}s"
+            self._acks.pop(rid, None)
+        decl.ready.set()
+
+    def _place(self, name: str, shape: list[int], dtype: str, rank: int, pbytes: int) -> Declaration:
+        itemsize = dtypes.BY_NAME[dtype].itemsize  # our own table, not the peer's word
+        slot = min(s.slot_bytes for s in self._servers)
+        if not itemsize <= pbytes <= slot:
+            raise TensorError(
+                f"tensor {name!r}: partitions of {pbytes} bytes do not fit the servers' {slot}-byte slots"
+            )
         num = 1
         for d in shape:
             num *= d
+        total = num * itemsize
+        if self._declared_bytes + total > self.config.max_declared_bytes:
+            raise TensorError(
+                f"tensor {name!r} of {total} bytes would take the job past GRADWIRE_MAX_DECLARED_BYTES="
+                f"{self.config.max_declared_bytes} ({self._declared_bytes} declared so far)"
+            )
         parts = partition.split(num, itemsize, pbytes)
         assert self._placement is not None
-        servers = self._placement.assign([p.count * itemsize for p in parts])
+        sizes = [p.count * itemsize for p in parts]
         keys = [partition.key_of(name, p.index) for p in parts]
         for key in keys:
             if key in self._keys:
-                raise GradwireError(f"key collision between {name!r} and {self._keys[key]!r}; rename one")
+                raise TensorError(f"key collision between {name!r} and {self._keys[key]!r}; rename one")
+        servers = self._placement.assign(sizes)
+        for key in keys:
             self._keys[key] = name
-        decl = Declaration(shape, dtype, rank, servers, pbytes, keys)
+        self._declared_bytes += total
+        decl = Declaration(shape, dtype, rank, servers, pbytes, keys, sizes)
         self._tensors[name] = decl
         return decl
 
@@ -273,7 +349,13 @@ class Scheduler:
     def _on_disconnect(self, node: Node | None, conn: tcp.Connection, error: Exception) -> None:
         conn.close()
         if node is None:
-            log.warning("dropped connection from %s before registration: %s", conn.peer, error)
+            if self.refusals.allow():
+                log.warning(
+                    "dropped connection from %s before registration: %s (%d so far)",
+                    conn.peer,
+                    error,
+                    self.refusals.count,
+                )
             return
         with self._lock:
             if node.said_bye or self._done.is_set():

@@ -103,17 +103,31 @@ class Engine:
             self.ring.release(available)
             next_seq = available + 1
 
+    def declare(self, key: int, dtype: dtypes.DType, length: int) -> None:
+        """Allocate a key's accumulators (called by the scheduler link when the key is declared).
+
+        From another thread: a whole KeyState is built first and then published by one dict assignment, which
+        is atomic, so the engine sees either no state or a complete one. Redeclaring the same key is a no-op.
+        """
+        if key not in self.keys:
+            self.keys[key] = KeyState(dtype, length, self.num_workers)
+
+    def check(self, key: int, dtype: int, length: int) -> str | None:
+        """Why a frame for `key` cannot be summed here, or None if it can (called by readers, before a slot)."""
+        state = self.keys.get(key)
+        if state is None:
+            return f"key {key:016x} is not declared on this server"
+        if state.dtype.code != dtype or state.length != length:
+            wire = dtypes.BY_CODE[dtype].name
+            return f"{length} bytes of {wire} pushed, but the key is {state.length} bytes of {state.dtype.name}"
+        return None
+
     def on_event(self, slot: Slot) -> None:
         """Add one contribution; publish the sum when the round is complete."""
         state = self.keys.get(slot.key)
         dtype = dtypes.BY_CODE[slot.dtype]
-        if state is None:
-            state = self.keys[slot.key] = KeyState(dtype, slot.length, self.num_workers)
-        elif state.dtype is not dtype or state.length != slot.length:
-            raise TensorError(
-                f"worker {slot.sender} pushed {slot.length} bytes of {dtype.name} but the key holds "
-                f"{state.length} bytes of {state.dtype.name}"
-            )
+        if state is None or state.dtype is not dtype or state.length != slot.length:  # readers check first
+            raise TensorError(f"worker {slot.sender} pushed an undeclared or inconsistent key")
         i = slot.round & 1
         bit = 1 << slot.sender
         if state.round[i] != slot.round:

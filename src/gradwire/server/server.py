@@ -15,11 +15,12 @@ import numpy as np
 
 from gradwire.config import Config
 from gradwire.errors import GradwireError, RemoteProtocolError
-from gradwire.protocol import frames, messages
+from gradwire.protocol import dtypes, frames, messages
 from gradwire.protocol.frames import FrameType
 from gradwire.ring import Ring, RingClosed, Slot
 from gradwire.scheduler.client import join
 from gradwire.server.engine import Engine
+from gradwire.throttle import Throttle
 from gradwire.transport import shm, tcp
 
 log = logging.getLogger("gradwire.server")
@@ -72,6 +73,15 @@ class Server:
         self.port = self._listener.getsockname()[1]
         self._unix_listener, self.unix_name = tcp.listen_unix()
         self._links: dict[int, WorkerLink] = {}
+        self._scratch = bytearray(1 << 16)  # where refused payloads are read and dropped
+        self._handshaking = threading.BoundedSemaphore(config.max_pending_handshakes)
+        self._links_lock = threading.Lock()
+        self.refusals = Throttle()
+        if not self._secret:
+            log.warning(
+                "no job secret (GRADWIRE_SECRET): any process that can reach this server can join the job and change "
+                "its sums; `gradwire launch` makes one for you"
+            )
         self._engines: list[Engine] = []
         self._done = threading.Event()
         self.error: str | None = None
@@ -135,19 +145,11 @@ class Server:
         tcp.configure(sock, self.config.socket_buffer_bytes)
         peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else "unix"
         conn = tcp.Connection(sock, self.config.partition_bytes, peer=peer)
-        sock.settimeout(self.config.timeout)
-        try:
-            conn.handshake(self._secret, "server", self.rank, initiator=False)
-            if conn.peer_role != "worker" or not 0 <= conn.peer_rank < self.num_workers:
-                raise RemoteProtocolError(f"only workers 0..{self.num_workers - 1} may connect")
-            if conn.peer_rank in self._links:
-                raise RemoteProtocolError(f"worker {conn.peer_rank} is connected already")
-        except Exception as e:  # noqa: BLE001
-            log.warning("refused connection from %s: %s", conn.peer, e)
-            conn.close()
+        link = self._authenticate(conn)
+        if link is None:
             return
-        sock.settimeout(None)
-        link = self._links[conn.peer_rank] = WorkerLink(conn)
+        # from here a frame, once begun, must arrive whole within the frame timeout; idle between frames is fine
+        sock.settimeout(self.config.frame_timeout)
         threading.Thread(
             target=link.reply_loop, args=(self.epoch, self.rank), name="gw-server-reply", daemon=True
         ).start()
@@ -164,10 +166,40 @@ class Server:
             if self._links.get(conn.peer_rank) is link:
                 del self._links[conn.peer_rank]
 
+    def _authenticate(self, conn: tcp.Connection) -> WorkerLink | None:
+        """The handshake, within the handshake timeout and the cap on pending handshakes; None if refused."""
+        if not self._handshaking.acquire(blocking=False):
+            if self.refusals.allow():
+                log.warning(
+                    "refused connection from %s: %d handshakes pending (%d refused so far)",
+                    conn.peer,
+                    self.config.max_pending_handshakes,
+                    self.refusals.count,
+                )
+            conn.close()
+            return None
+        try:
+            conn.sock.settimeout(self.config.handshake_timeout)
+            conn.handshake(self._secret, "server", self.rank, initiator=False)
+            if conn.peer_role != "worker" or not 0 <= conn.peer_rank < self.num_workers:
+                raise RemoteProtocolError(f"only workers 0..{self.num_workers - 1} may connect")
+            with self._links_lock:
+                if conn.peer_rank in self._links:
+                    raise RemoteProtocolError(f"worker {conn.peer_rank} is connected already")
+                link = self._links[conn.peer_rank] = WorkerLink(conn)
+            return link
+        except Exception as e:  # noqa: BLE001 - whatever the peer did, it is refused and the server goes on
+            if self.refusals.allow():
+                log.warning("refused connection from %s: %s (%d refused so far)", conn.peer, e, self.refusals.count)
+            conn.close()
+            return None
+        finally:
+            self._handshaking.release()
+
     def _read_loop(self, link: WorkerLink) -> None:
         conn, engines = link.conn, self._engines
         while True:
-            header = conn.recv_header()
+            header = conn.recv_header(idle_ok=True)
             if header.type == FrameType.BYE:
                 return
             if header.type == FrameType.SHM_ATTACH:
@@ -180,6 +212,12 @@ class Server:
                     f"frame claims sender {header.sender} epoch {header.epoch}; connection is worker "
                     f"{conn.peer_rank} in epoch {self.epoch}"
                 )
+            problem = engines[header.key % len(engines)].check(header.key, header.dtype, header.length)
+            if problem is not None:  # the tensor's error, not the server's: refuse it, keep the stream in sync
+                if not header.flags & shm.SHM_PAYLOAD:
+                    self._discard(conn, header.length)
+                conn.send_json(FrameType.ERROR, {"message": problem}, key=header.key)
+                continue
             in_shm = header.flags & shm.SHM_PAYLOAD
             if in_shm:
                 push, pull = self._check_slots(link, header)
@@ -199,6 +237,13 @@ class Server:
                 slot.conn, slot.key, slot.round, slot.dtype = conn, header.key, header.round, header.dtype
                 slot.length, slot.sender = header.length, header.sender
                 ring.publish(seq)
+
+    def _discard(self, conn: tcp.Connection, length: int) -> None:
+        scratch = memoryview(self._scratch)
+        while length > 0:
+            chunk = min(length, len(scratch))
+            conn.recv_into(scratch[:chunk])
+            length -= chunk
 
     def _attach(self, link: WorkerLink, body: dict) -> None:
         """Map the worker's shared slots (transport/shm.py) and say whether it worked."""
@@ -244,6 +289,16 @@ class Server:
             except GradwireError:
                 pass
 
+    def _declare_keys(self, body: dict) -> None:
+        """Allocate the accumulators of keys this server owns, then tell the scheduler they are ready."""
+        for key, code, length in body["keys"]:
+            dtype = dtypes.BY_CODE[int(code)]
+            if not 0 < int(length) <= self.config.partition_bytes or int(length) % dtype.itemsize:
+                raise RemoteProtocolError(f"scheduler declared key {int(key):016x} with {length} bytes")
+            self._engines[int(key) % len(self._engines)].declare(int(key), dtype, int(length))
+        assert self._scheduler is not None
+        self._scheduler.send_json(FrameType.CONTROL, {"op": messages.REPLY, "id": body["id"]})
+
     def _tell_workers(self, message: str) -> None:
         """Pass an abort's reason on before closing, so workers report the cause, not a closed socket."""
         for link in list(self._links.values()):
@@ -264,6 +319,8 @@ class Server:
                     self.error = body["message"]
                     self._tell_workers(f"job aborted: {self.error}")
                     break
+                if op == messages.KEYS:
+                    self._declare_keys(body)
         except GradwireError as e:
             if not self._done.is_set():
                 self.error = f"lost the scheduler: {e}"

@@ -61,10 +61,26 @@ class Connection:
 
     # -- receiving (one thread) ------------------------------------------------------------------
 
-    def recv_header(self) -> Header:
-        """Read and validate the next header. Raises ConnectionClosed or RemoteProtocolError."""
-        self.recv_into(self._header_view)
-        return frames.decode_header(self._header_view, self.max_payload)
+    def recv_header(self, idle_ok: bool = False) -> Header:
+        """Read and validate the next header. Raises ConnectionClosed or RemoteProtocolError.
+
+        With a socket timeout set and `idle_ok`, a timeout before the first byte of a frame is idleness and the
+        wait goes on; a timeout once the frame has begun raises GradwireTimeout.
+        """
+        view = self._header_view
+        got = 0
+        while idle_ok and got == 0:
+            try:
+                got = self.sock.recv_into(view)
+            except TimeoutError:
+                continue
+            except OSError as e:
+                raise ConnectionClosed(f"connection to {self.peer_role} {self.peer_rank} broke: {e}") from None
+            if got == 0:
+                raise ConnectionClosed(f"{self.peer_role} {self.peer_rank} at {self.peer} closed the connection")
+        if got < len(view):
+            self.recv_into(view[got:])
+        return frames.decode_header(view, self.max_payload)
 
     def recv_into(self, view: memoryview) -> None:
         """Fill `view` completely from the socket."""
