@@ -71,6 +71,13 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "unanswered partitions a worker keeps in flight per server",
     ),
     EnvVar(
+        "GRADWIRE_UNANSWERED",
+        "unanswered",
+        (),
+        "8",
+        "partitions a worker may have pushed to one server whose sum has not come back (0: no cap)",
+    ),
+    EnvVar(
         "GRADWIRE_CREDIT_BYTES",
         "credit_bytes",
         (),
@@ -159,9 +166,33 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "sys.setswitchinterval for worker processes, so I/O threads get the GIL promptly; 0 leaves it",
     ),
     EnvVar("GRADWIRE_LOG_LEVEL", "log_level", (), "WARNING", "logging level of gradwire's loggers"),
+    EnvVar("GRADWIRE_ADMIN_HOST", "admin_host", (), "127.0.0.1", "address of every node's admin HTTP endpoint"),
+    EnvVar(
+        "GRADWIRE_ADMIN_PORT",
+        "admin_port",
+        (),
+        "0",
+        "port of the admin endpoint (/metrics, /status, /healthz); 0 picks a free one, -1 turns it off",
+    ),
+    EnvVar(
+        "GRADWIRE_HEARTBEAT_INTERVAL",
+        "heartbeat_interval",
+        (),
+        "5",
+        "seconds between a node's heartbeats to the scheduler (they carry its counters for /status)",
+    ),
+    EnvVar(
+        "GRADWIRE_TIMELINE",
+        "timeline",
+        (),
+        "",
+        "write each worker's Chrome-trace timeline here (`{rank}` is replaced, else `.rank<r>` is added)",
+    ),
+    EnvVar("GRADWIRE_TIMELINE_STEPS", "timeline_steps", (), "20", "steps the timeline keeps (the most recent)"),
 )
 
 _INT_FIELDS = {
+    "unanswered",
     "num_workers",
     "num_servers",
     "partition_bytes",
@@ -173,9 +204,11 @@ _INT_FIELDS = {
     "max_frame_bytes",
     "max_declared_bytes",
     "max_pending_handshakes",
+    "admin_port",
+    "timeline_steps",
     "socket_buffer_bytes",
 }
-_FLOAT_FIELDS = {"timeout", "switch_interval", "handshake_timeout", "frame_timeout"}
+_FLOAT_FIELDS = {"timeout", "switch_interval", "handshake_timeout", "frame_timeout", "heartbeat_interval"}
 _OPTIONAL_INT_FIELDS = {"rank", "local_rank", "local_size"}
 
 
@@ -193,6 +226,7 @@ class Config:
     host: str = "127.0.0.1"
     partition_bytes: int = 4 * MiB
     window: int = 4
+    unanswered: int = 8
     credit_bytes: int = 256 * MiB
     fusion_bytes: int = 1 * MiB
     ring_slots: int = 16
@@ -209,6 +243,11 @@ class Config:
     socket_buffer_bytes: int = 0
     switch_interval: float = 0.0005
     log_level: str = "WARNING"
+    admin_host: str = "127.0.0.1"
+    admin_port: int = 0
+    heartbeat_interval: float = 5.0
+    timeline: str = ""
+    timeline_steps: int = 20
 
     def __post_init__(self) -> None:
         self._check()

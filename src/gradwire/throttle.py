@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import threading
+
+from gradwire.transport import tcp
 
 
 class Throttle:
@@ -17,3 +20,30 @@ class Throttle:
         with self._lock:
             self.count += 1
             return self.count <= self.first or self.count % self.every == 0
+
+
+class HandshakeGate:
+    """The cap on connections being authenticated at once, and throttled logging of every refusal."""
+
+    def __init__(self, limit: int, log: logging.Logger) -> None:
+        self.limit, self.log = limit, log
+        self.refusals = Throttle()
+        self._slots = threading.BoundedSemaphore(limit)
+
+    def enter(self, conn: tcp.Connection) -> bool:
+        """Take a handshake slot; when none is free the connection is refused and closed (False)."""
+        if self._slots.acquire(blocking=False):
+            return True
+        self.refuse(conn, f"{self.limit} handshakes pending")
+        conn.close()
+        return False
+
+    def leave(self) -> None:
+        self._slots.release()
+
+    def refuse(self, conn: tcp.Connection, reason: object) -> None:
+        """Log a refusal: the first ten, then every thousandth, with the running count."""
+        if self.refusals.allow():
+            self.log.warning(
+                "refused connection from %s: %s (%d refused so far)", conn.peer, reason, self.refusals.count
+            )

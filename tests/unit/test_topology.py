@@ -26,9 +26,7 @@ def test_hosts_have_distinct_addresses_in_the_benchmark_range():
     assert len(set(addresses)) == 17 and all(a.startswith("198.18.") for a in addresses)
 
 
-def test_window_keeps_what_is_in_flight_toward_a_server_within_its_queue():
-    pb = 64 << 10
-    assert Topology(workers=2, servers=2).window_for(pb) == 4
-    assert Topology(workers=4, servers=4).window_for(pb) == 2  # 4 x 2 x 64 KiB = 512 KiB <= 625 KB
-    assert Topology(workers=8, servers=8).window_for(pb) == 1
-    assert Topology(workers=4, servers=4, server_rate="25mbit").window_for(pb) == 1  # never below 1
+def test_tuning_gives_more_and_smaller_partitions_in_flight_to_larger_clusters():
+    small, large = Topology(workers=4, servers=4).tuning(), Topology(workers=8, servers=8).tuning()
+    assert int(small["GRADWIRE_PARTITION_BYTES"]) > int(large["GRADWIRE_PARTITION_BYTES"])
+    assert int(small["GRADWIRE_UNANSWERED"]) < int(large["GRADWIRE_UNANSWERED"])

@@ -41,6 +41,7 @@ class Record:
     seconds_all: list[float]
     cpu_utilization: float  # CPU seconds of the job's processes over (wall seconds x cores)
     window: int = 0  # gradwire's GRADWIRE_WINDOW (0 for gloo)
+    partition_bytes: int = 0
 
     @property
     def ratio_to_bound(self) -> float:
@@ -93,6 +94,7 @@ def run_config(
                         row["times"],
                         cpu,
                         int(env.get("GRADWIRE_WINDOW", "4")) if system == "gradwire" else 0,
+                        int(env.get("GRADWIRE_PARTITION_BYTES", "0")) if system == "gradwire" else 0,
                     )
                 )
     return records
@@ -105,7 +107,7 @@ def to_json(record: Record) -> str:
 def table(configs: list[list[Record]]) -> str:
     """Markdown: per configuration and size, both systems' time, bound and ratio, and gloo's time over ours."""
     lines = [
-        "| n | k | worker / server rate | window | size | gradwire s | x its bound | gloo s | x its bound "
+        "| n | k | worker / server rate | partition, window | size | gradwire s | x its bound | gloo s | x its bound "
         "| gloo / gradwire | CPU use (gradwire, gloo) |",
         "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
@@ -115,7 +117,8 @@ def table(configs: list[list[Record]]) -> str:
             g = gloo[r.bytes]
             lines.append(
                 f"| {r.workers} | {r.servers} | {r.worker_rate_bps / 1e6:g} / {r.server_rate_bps / 1e6:g} Mbit/s "
-                f"| {r.window} | {r.bytes / MiB:g} MiB | {r.seconds_median:.2f} | {r.ratio_to_bound:.2f} "
+                f"| {r.partition_bytes // 1024} KiB, {r.window} | {r.bytes / MiB:g} MiB "
+                f"| {r.seconds_median:.2f} | {r.ratio_to_bound:.2f} "
                 f"| {g.seconds_median:.2f} | {g.ratio_to_bound:.2f} | {g.seconds_median / r.seconds_median:.2f}x "
                 f"| {r.cpu_utilization:.0%}, {g.cpu_utilization:.0%} |"
             )

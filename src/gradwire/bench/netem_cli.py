@@ -13,9 +13,6 @@ from gradwire.netem import NetemUnavailable, Topology
 from gradwire.netem.cluster import check_available
 
 BEGIN, END = "<!-- netem:begin -->", "<!-- netem:end -->"
-# On links of ~100 Mbit/s, 64 KiB partitions keep the pipeline full (shared/MEASUREMENTS.md); the window follows
-# Topology.window_for unless --window is given.
-PARTITION_BYTES = 65536
 
 
 def parse_configs(text: str | None) -> list[tuple[int, int, str, str]]:
@@ -34,12 +31,10 @@ def run_netem(args: argparse.Namespace, sizes: list[int], env: dict[str, str]) -
     except NetemUnavailable as e:
         print(f"gradwire bench --netem: {e}", file=sys.stderr)
         return 2
-    env = {"GRADWIRE_PARTITION_BYTES": str(PARTITION_BYTES)} | env
     results: list[list[Record]] = []
     for n, k, worker_rate, server_rate in parse_configs(args.configs):
         topo = Topology(n, k, worker_rate, server_rate)
-        window = str(topo.window_for(int(env["GRADWIRE_PARTITION_BYTES"])))
-        records = run_config(topo, sizes, args.repeats, args.warmup, {"GRADWIRE_WINDOW": window} | env)
+        records = run_config(topo, sizes, args.repeats, args.warmup, topo.tuning() | env)
         results.append(records)
         if args.json:
             for r in records:
@@ -60,8 +55,10 @@ def run_netem(args: argparse.Namespace, sizes: list[int], env: dict[str, str]) -
 def _write_docs(path: str, text: str, plot_path: str | None, env: dict[str, str]) -> None:
     command = "sudo .venv/bin/gradwire " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     settings = ", ".join(f"{k}={v}" for k, v in sorted(env.items()))
-    if "GRADWIRE_WINDOW" not in env:
-        settings += ", GRADWIRE_WINDOW per configuration by Topology.window_for (the window column)"
+    settings += (
+        ", and per configuration Topology.tuning(): 64 KiB partitions, window 4, at most 4 unanswered "
+        "per server below 8 workers; 16 KiB, window 8, 16 unanswered from 8 workers (the window column)"
+    )
     section = (
         f"{BEGIN}\n```bash\n{command}\n```\nMeasured {datetime.date.today()}, gradwire settings: {settings}.\n\n"
         f"{text}\n" + ("\n![time against n](netem.png)\n" if plot_path else "") + f"{END}"

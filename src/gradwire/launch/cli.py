@@ -25,6 +25,10 @@ def main(argv: list[str] | None = None) -> int:
     from gradwire.netem.cli import add_arguments as add_netem_arguments
 
     add_netem_arguments(netem)
+    top = sub.add_parser("top", help="a refreshing view of a running job (the scheduler's /status)")
+    top.add_argument("url", help="the scheduler's admin URL, as printed at its start")
+    top.add_argument("--interval", type=float, default=1.0)
+    top.add_argument("--once", action="store_true", help="print one view and exit")
     bench = sub.add_parser("bench", help="push_pull against gloo all_reduce, same sizes, same run")
     from gradwire.bench.cli import add_arguments
 
@@ -41,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
         from gradwire.launch.launcher import launch_from_args
 
         return launch_from_args(args)
+    if role == "top":
+        from gradwire.admin.top import main as top_main
+
+        return top_main(args.url, args.interval, args.once)
     if role == "netem":
         from gradwire.netem.cli import main as netem_main
 
@@ -56,6 +64,8 @@ def run_scheduler(config: Config) -> int:
 
     scheduler = Scheduler(config).start()
     print(f"gradwire scheduler listening on {scheduler.address}", flush=True)
+    if scheduler.admin_url:
+        print(f"gradwire scheduler admin on {scheduler.admin_url} (/status, /metrics)", flush=True)
     reason = scheduler.wait()
     scheduler.stop()
     if reason:

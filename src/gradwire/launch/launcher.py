@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from gradwire.config import Config
 
 GRACE_SECONDS = 5.0
+PROGRESS_SECONDS = 2.0
 
 
 @dataclass
@@ -68,6 +69,9 @@ class Launcher:
         if timeout is not None:
             self.base_env["GRADWIRE_TIMEOUT"] = str(timeout)
         self.children: list[Child] = []
+        self.admin_url: str | None = None
+        self._tty = sys.stdout.isatty()
+        self._finished = threading.Event()
         self._exits: queue.SimpleQueue[Child] = queue.SimpleQueue()
         self._out_lock = threading.Lock()
 
@@ -99,6 +103,12 @@ class Launcher:
             return self._report(scheduler, "did not start")
         self.base_env["GRADWIRE_SCHEDULER"] = address
         self._say(f"scheduler at {address}; starting {self.num_servers} servers and {self.num_workers} workers")
+        if self.admin_url:
+            self._say(
+                f"status: {self.admin_url}/status  metrics: {self.admin_url}/metrics  "
+                f"watch: gradwire top {self.admin_url}"
+            )
+            threading.Thread(target=self._progress, name="gw-progress", daemon=True).start()
         for r in range(self.num_servers):
             self._spawn(
                 "server",
@@ -171,7 +181,14 @@ class Launcher:
                     return None
                 continue
             if line.startswith("gradwire scheduler listening on "):
-                return line.rsplit(" ", 1)[1].strip()
+                address = line.rsplit(" ", 1)[1].strip()
+                try:  # the admin URL follows on the next line, unless the endpoint is off
+                    admin = scheduler.lines.get(timeout=2)
+                except queue.Empty:
+                    admin = ""
+                if admin.startswith("gradwire scheduler admin on "):
+                    self.admin_url = admin.split(" on ", 1)[1].split()[0]
+                return address
         return None
 
     def _spawn(self, role: str, rank: int, argv: list[str], extra: dict[str, str]) -> Child:
@@ -195,7 +212,8 @@ class Launcher:
         self._exits.put(child)
 
     def _pump(self, child: Child) -> None:
-        prefix = f"[{child.label}] ".encode()
+        # on a terminal, clear the progress line first so the child's line does not land on it
+        prefix = ("\r\x1b[K" if self._tty else "").encode() + f"[{child.label}] ".encode()
         assert child.proc.stdout is not None
         for raw in iter(child.proc.stdout.readline, b""):
             if child.role == "scheduler":
@@ -204,7 +222,26 @@ class Launcher:
                 sys.stdout.buffer.write(prefix + raw if raw.endswith(b"\n") else prefix + raw + b"\n")
                 sys.stdout.buffer.flush()
 
+    def _progress(self) -> None:
+        """A live progress line: rewritten in place on a terminal, a plain line every 10 s otherwise."""
+        from gradwire.admin.top import fetch
+
+        tty = sys.stdout.isatty()
+        previous, last = None, time.monotonic()
+        while not self._finished.wait(PROGRESS_SECONDS if tty else 10 * PROGRESS_SECONDS):
+            try:
+                status = fetch(self.admin_url or "", timeout=2)
+            except OSError:
+                continue
+            now = time.monotonic()
+            line = _progress_line(status, previous, now - last)
+            previous, last = status, now
+            with self._out_lock:
+                sys.stdout.write(f"\r\x1b[K[gradwire launch] {line}" if tty else f"[gradwire launch] {line}\n")
+                sys.stdout.flush()
+
     def _stop_all(self) -> None:
+        self._finished.set()
         alive = [c for c in self.children if c.proc.poll() is None]
         for child in alive:
             _signal_group(child.proc, signal.SIGTERM)
@@ -220,6 +257,21 @@ class Launcher:
         with self._out_lock:
             sys.stdout.write(f"[gradwire launch] {message}\n")
             sys.stdout.flush()
+
+
+def _progress_line(status: dict, previous: dict | None, elapsed: float) -> str:
+    workers = [n for n in status["nodes"] if n["role"] == "worker"]
+    alive = sum(n["state"] == "alive" for n in workers)
+    rounds = sum((n.get("stats") or {}).get("rounds", 0) for n in workers)
+    before = sum(
+        (n.get("stats") or {}).get("rounds", 0) for n in (previous or {}).get("nodes", []) if n["role"] == "worker"
+    )
+    rate = sum(n["throughput_bytes_per_s"] for n in workers) / 1e6
+    per_s = (rounds - before) / max(elapsed, 1e-6) / max(len(workers), 1) if previous else 0.0
+    return (
+        f"{status['phase']}: workers {alive}/{status['expected']['workers']} alive, "
+        f"{per_s:.1f} push_pulls/s per worker, {rate:.1f} MB/s over all workers"
+    )
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

@@ -63,15 +63,19 @@ class Topology:
     def of(self, role: str) -> list[Host]:
         return [h for h in self.hosts if h.role == role]
 
-    def window_for(self, partition_bytes: int, queue_seconds: float = 0.05) -> int:
-        """The largest window (1-4) such that what all workers keep in flight toward one server fits its queue.
+    def tuning(self) -> dict[str, str]:
+        """gradwire's settings for links of 25-100 Mbit/s, by the number of workers (measured, 16 MiB per worker).
 
-        n x window x partition beyond the bottleneck's queue (rate x tbf latency) means drops and TCP's unfair
-        fan-in, and a key's sum waits for its slowest pusher: at n = 4 and 100 Mbit/s, window 4 measured 1.28x the
-        bound S/B, window 2 1.12x (docs/netem.md).
+        What mattered, in order: a cap on unanswered partitions per server (n = 4, window 4: 1.28x the bound S/B
+        without it, 1.11x with 4), then enough partitions per worker-server pair that rounds keep completing while
+        the next are pushed. At n = 8 on 50 Mbit/s: 64 KiB partitions 1.42-1.47x S/B whatever the window; 32 KiB,
+        window 8, cap 8: 1.29x; 16 KiB, window 8, cap 16: 1.22x. At n = 4 on 100 Mbit/s, 64 KiB with window 4 and
+        cap 4: 1.11x. A window alone sized to the link's queue (what we tried first) starved the pipeline:
+        window 1 measured 1.53x at n = 8 and 1.65x with 25 Mbit/s servers. docs/netem.md has the sweeps.
         """
-        queue = parse_rate(self.server_rate) / 8 * queue_seconds
-        return max(1, min(4, int(queue // (self.workers * partition_bytes))))
+        if self.workers >= 8:
+            return {"GRADWIRE_PARTITION_BYTES": "16384", "GRADWIRE_WINDOW": "8", "GRADWIRE_UNANSWERED": "16"}
+        return {"GRADWIRE_PARTITION_BYTES": "65536", "GRADWIRE_WINDOW": "4", "GRADWIRE_UNANSWERED": "4"}
 
     # -- the model (docs/architecture.md, shared/DESIGN.md) ----------------------------------------
 

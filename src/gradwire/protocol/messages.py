@@ -17,6 +17,7 @@ BYE = "bye"
 REPLY = "reply"
 ABORT = "abort"
 SHUTDOWN = "shutdown"
+HEARTBEAT = "heartbeat"  # node -> scheduler, every GRADWIRE_HEARTBEAT_INTERVAL: {stats} for /status
 KEYS = "keys"  # scheduler -> server: the keys it owns, with dtype and bytes; the server replies when ready
 
 _REQUIRED = {
@@ -29,6 +30,7 @@ _REQUIRED = {
     ABORT: ("message",),
     SHUTDOWN: (),
     KEYS: ("id", "keys"),
+    HEARTBEAT: ("stats",),
 }
 
 

@@ -18,12 +18,15 @@ import time
 from dataclasses import dataclass, field
 
 from gradwire import partition
+from gradwire.admin.http import AdminServer, json_handler
+from gradwire.admin.metrics import Metrics
 from gradwire.config import Config
 from gradwire.errors import GradwireError, TensorError
 from gradwire.placement import Placement
 from gradwire.protocol import dtypes, messages
 from gradwire.protocol.frames import FrameType
-from gradwire.throttle import Throttle
+from gradwire.scheduler.status import cluster_status, node_families
+from gradwire.throttle import HandshakeGate
 from gradwire.transport import tcp
 
 log = logging.getLogger("gradwire.scheduler")
@@ -43,6 +46,12 @@ class Node:
     host_id: str = ""
     rank: int = -1
     said_bye: bool = False
+    lost: bool = False
+    admin: int = -1  # its admin endpoint's port (-1: none), on admin_host
+    admin_host: str = ""
+    last_seen: float = field(default_factory=time.monotonic)
+    stats: dict = field(default_factory=dict)  # the counters of its last heartbeat
+    rate: float = 0.0  # bytes per second pushed and pulled, between its last two heartbeats
 
 
 @dataclass
@@ -80,11 +89,14 @@ class Scheduler:
         self._placement: Placement | None = None
         self._barrier: list[tuple[Node, int]] = []
         self._declared_bytes = 0
+        self._ending = False  # every worker said bye; servers are being shut down
         self._acks: dict[int, threading.Event] = {}
         self._ids = itertools.count(1)
         self._done = threading.Event()
-        self._handshaking = threading.BoundedSemaphore(config.max_pending_handshakes)
-        self.refusals = Throttle()
+        self._gate = HandshakeGate(config.max_pending_handshakes, log)
+        self.refusals = self._gate.refusals
+        self.metrics = Metrics("scheduler")
+        self.admin: AdminServer | None = None
         self.abort_reason: str | None = None
         if not self._secret:
             log.warning(
@@ -100,7 +112,11 @@ class Scheduler:
         return self.config.num_workers + self.config.num_servers
 
     def start(self) -> Scheduler:
-        """Start accepting connections in a background thread."""
+        """Start accepting connections in a background thread, and the admin endpoint (see `admin_url`)."""
+        if self.config.admin_port >= 0:
+            routes = {"/metrics": self.metrics.exposition, "/status": json_handler(lambda: cluster_status(self))}
+            self.admin = AdminServer(self.config.admin_host, self.config.admin_port, routes)
+            self.metrics.collector(lambda: node_families(self))
         threading.Thread(target=self._accept_loop, name="gw-sched-accept", daemon=True).start()
         threading.Thread(target=self._rendezvous_deadline, name="gw-sched-deadline", daemon=True).start()
         return self
@@ -110,9 +126,16 @@ class Scheduler:
         self._done.wait(timeout)
         return self.abort_reason
 
+    @property
+    def admin_url(self) -> str | None:
+        return self.admin.url if self.admin else None
+
     def stop(self) -> None:
         """Close every connection and the listener."""
         self._done.set()
+        if self.admin is not None:
+            self.admin.stop()
+            self.admin = None
         self._listener.close()
         for node in list(self._nodes):
             node.conn.close()
@@ -130,15 +153,7 @@ class Scheduler:
     def _serve(self, sock, addr) -> None:
         conn = tcp.Connection(sock, max_payload=0, peer=f"{addr[0]}:{addr[1]}")
         node = None
-        if not self._handshaking.acquire(blocking=False):
-            if self.refusals.allow():
-                log.warning(
-                    "refused connection from %s: %d handshakes pending (%d refused so far)",
-                    conn.peer,
-                    self.config.max_pending_handshakes,
-                    self.refusals.count,
-                )
-            conn.close()
+        if not self._gate.enter(conn):
             return
         try:
             try:  # authenticate and register within the handshake timeout
@@ -147,7 +162,7 @@ class Scheduler:
                 node = self._register(conn)
                 sock.settimeout(None)
             finally:
-                self._handshaking.release()
+                self._gate.leave()
             while True:
                 _, body = conn.recv_json(FrameType.CONTROL)
                 if self._handle(node, body):
@@ -169,6 +184,8 @@ class Scheduler:
             slot_bytes=int(body.get("slot_bytes", 0)),
             unix=str(body.get("unix", "")),
             host_id=str(body.get("host_id", "")),
+            admin=int(body.get("admin", -1)),
+            admin_host=str(body.get("admin_host", "")) or conn.peer.rsplit(":", 1)[0],
         )
         with self._lock:
             if len(self._nodes) >= self.expected:
@@ -234,6 +251,8 @@ class Scheduler:
             if "error" in reply and reply.pop("abort", True):  # after the reply: the declarer gets the TensorError
                 with self._lock:
                     self._abort_locked(reply["error"])
+        elif op == messages.HEARTBEAT:
+            self._heartbeat(node, body["stats"])
         elif op == messages.REPLY and node.role == "server":
             event = self._acks.get(int(body["id"]))
             if event is not None:
@@ -323,6 +342,19 @@ class Scheduler:
         self._tensors[name] = decl
         return decl
 
+    def _heartbeat(self, node: Node, stats: dict) -> None:
+        now = time.monotonic()
+        if not isinstance(stats, dict):
+            raise GradwireError(f"{node.role} {node.rank} sent a malformed heartbeat")
+        try:
+            moved = (stats["bytes_pushed"] + stats["bytes_pulled"]) - (
+                node.stats.get("bytes_pushed", 0) + node.stats.get("bytes_pulled", 0)
+            )
+            node.rate = max(0.0, moved / max(now - node.last_seen, 1e-6)) if node.stats else 0.0
+        except (KeyError, TypeError):
+            raise GradwireError(f"{node.role} {node.rank} sent a malformed heartbeat") from None
+        node.stats, node.last_seen = stats, now
+
     def _enter_barrier(self, node: Node, request_id: int) -> None:
         with self._lock:
             self._barrier.append((node, request_id))
@@ -338,6 +370,8 @@ class Scheduler:
             if not all(w.said_bye for w in self._workers) or node.role != "worker":
                 return
             servers = list(self._servers)
+            # before the shutdowns go out: a server that closes on receiving one has not been lost
+            self._ending = True
         for server in servers:
             try:
                 server.conn.send_json(FrameType.CONTROL, {"op": messages.SHUTDOWN})
@@ -349,17 +383,12 @@ class Scheduler:
     def _on_disconnect(self, node: Node | None, conn: tcp.Connection, error: Exception) -> None:
         conn.close()
         if node is None:
-            if self.refusals.allow():
-                log.warning(
-                    "dropped connection from %s before registration: %s (%d so far)",
-                    conn.peer,
-                    error,
-                    self.refusals.count,
-                )
+            self._gate.refuse(conn, f"dropped before registration: {error}")
             return
         with self._lock:
-            if node.said_bye or self._done.is_set():
+            if node.said_bye or self._ending or self._done.is_set():
                 return
+            node.lost = True
             self._abort_locked(f"lost {node.role} {node.rank} at {node.host}: {error}")
 
     def _abort_locked(self, reason: str) -> None:

@@ -13,6 +13,8 @@ import threading
 
 import numpy as np
 
+from gradwire.admin.metrics import Metrics
+from gradwire.admin.node import NodeAdmin
 from gradwire.config import Config
 from gradwire.errors import GradwireError, RemoteProtocolError
 from gradwire.protocol import dtypes, frames, messages
@@ -20,7 +22,7 @@ from gradwire.protocol.frames import FrameType
 from gradwire.ring import Ring, RingClosed, Slot
 from gradwire.scheduler.client import join
 from gradwire.server.engine import Engine
-from gradwire.throttle import Throttle
+from gradwire.throttle import HandshakeGate
 from gradwire.transport import shm, tcp
 
 log = logging.getLogger("gradwire.server")
@@ -29,8 +31,9 @@ log = logging.getLogger("gradwire.server")
 class WorkerLink:
     """A server's connection to one worker: the reader thread and the reply queue with its thread."""
 
-    def __init__(self, conn: tcp.Connection) -> None:
+    def __init__(self, conn: tcp.Connection, metrics: Metrics | None = None) -> None:
         self.conn = conn
+        self.metrics = metrics or Metrics("server")
         self.replies: queue.SimpleQueue = queue.SimpleQueue()
         self.arena: shm.Arena | None = None  # shared slots, when the worker is on this host
         self._header = bytearray(frames.HEADER_SIZE)
@@ -58,6 +61,8 @@ class WorkerLink:
             except GradwireError as e:
                 log.warning("cannot reply to worker %d: %s", self.conn.peer_rank, e)
                 return
+            if payload is not None:
+                self.metrics.pulled(len(payload))
 
 
 class Server:
@@ -74,9 +79,11 @@ class Server:
         self._unix_listener, self.unix_name = tcp.listen_unix()
         self._links: dict[int, WorkerLink] = {}
         self._scratch = bytearray(1 << 16)  # where refused payloads are read and dropped
-        self._handshaking = threading.BoundedSemaphore(config.max_pending_handshakes)
+        self._gate = HandshakeGate(config.max_pending_handshakes, log)
         self._links_lock = threading.Lock()
-        self.refusals = Throttle()
+        self.metrics = Metrics("server")
+        self.admin: NodeAdmin | None = None
+        self.refusals = self._gate.refusals
         if not self._secret:
             log.warning(
                 "no job secret (GRADWIRE_SECRET): any process that can reach this server can join the job and change "
@@ -89,9 +96,12 @@ class Server:
 
     def start(self) -> Server:
         """Rendezvous with the scheduler, then serve in background threads."""
+        self.admin = NodeAdmin(self.config, self.metrics, self.status)
         self._scheduler, book = join(
             self.config,
             "server",
+            admin=self.admin.port,
+            admin_host=self.admin.advertised_host,
             port=self.port,
             slot_bytes=self.config.partition_bytes,
             unix=self.unix_name,
@@ -106,6 +116,14 @@ class Server:
         for listener in (self._listener, self._unix_listener):
             threading.Thread(target=self._accept_loop, args=(listener,), name="gw-server-accept", daemon=True).start()
         threading.Thread(target=self._control_loop, name="gw-server-control", daemon=True).start()
+        self.admin.start_heartbeat(self._scheduler)
+        self.metrics.gauge(
+            "gradwire_ring_occupancy",
+            "Ring slots claimed and not yet released",
+            lambda: sum(e.ring.occupancy for e in self._engines),
+        )
+        self.metrics.gauge("gradwire_keys", "Keys this server sums", lambda: sum(len(e.keys) for e in self._engines))
+        self.metrics.gauge("gradwire_workers_connected", "Workers connected to this server", lambda: len(self._links))
         log.info("server %d serving on %s:%d", self.rank, self.config.host, self.port)
         return self
 
@@ -114,9 +132,30 @@ class Server:
         self._done.wait(timeout)
         return self.error
 
+    def status(self) -> dict:
+        """This server's view, for its /status."""
+        workers = {
+            rank: {"peer": link.conn.peer, "shared_memory": link.arena is not None}
+            for rank, link in list(self._links.items())
+        }
+        return {
+            "role": "server",
+            "rank": self.rank,
+            "epoch": self.epoch,
+            "workers": workers,
+            "keys": sum(len(e.keys) for e in self._engines),
+            "rounds_completed": self.rounds_completed,
+            "ring_occupancy": sum(e.ring.occupancy for e in self._engines),
+            "error": self.error,
+            "refused_connections": self.refusals.count,
+            **self.metrics.snapshot(),
+        }
+
     def stop(self) -> None:
         """Stop serving and close every connection."""
         self._done.set()
+        if self.admin is not None:
+            self.admin.stop()
         self._listener.close()
         self._unix_listener.close()
         for engine in self._engines:
@@ -168,15 +207,7 @@ class Server:
 
     def _authenticate(self, conn: tcp.Connection) -> WorkerLink | None:
         """The handshake, within the handshake timeout and the cap on pending handshakes; None if refused."""
-        if not self._handshaking.acquire(blocking=False):
-            if self.refusals.allow():
-                log.warning(
-                    "refused connection from %s: %d handshakes pending (%d refused so far)",
-                    conn.peer,
-                    self.config.max_pending_handshakes,
-                    self.refusals.count,
-                )
-            conn.close()
+        if not self._gate.enter(conn):
             return None
         try:
             conn.sock.settimeout(self.config.handshake_timeout)
@@ -186,15 +217,14 @@ class Server:
             with self._links_lock:
                 if conn.peer_rank in self._links:
                     raise RemoteProtocolError(f"worker {conn.peer_rank} is connected already")
-                link = self._links[conn.peer_rank] = WorkerLink(conn)
+                link = self._links[conn.peer_rank] = WorkerLink(conn, self.metrics)
             return link
         except Exception as e:  # noqa: BLE001 - whatever the peer did, it is refused and the server goes on
-            if self.refusals.allow():
-                log.warning("refused connection from %s: %s (%d refused so far)", conn.peer, e, self.refusals.count)
+            self._gate.refuse(conn, e)
             conn.close()
             return None
         finally:
-            self._handshaking.release()
+            self._gate.leave()
 
     def _read_loop(self, link: WorkerLink) -> None:
         conn, engines = link.conn, self._engines
@@ -233,6 +263,7 @@ class Server:
                     conn.recv_into(slot.buffer[: header.length])
                     slot.data, slot.pull = slot.array[: header.length], shm.NO_SLOT
                 slot.valid = True
+                self.metrics.pushed(header.length)
             finally:  # published even if the read failed (else the ring stalls); invalid slots are skipped
                 slot.conn, slot.key, slot.round, slot.dtype = conn, header.key, header.round, header.dtype
                 slot.length, slot.sender = header.length, header.sender
@@ -271,6 +302,7 @@ class Server:
         return push, pull
 
     def _queue_reply(self, key: int, rnd: int, dtype: int, payload: memoryview, pulls: list[int]) -> None:
+        self.metrics.round_done()
         for rank in range(self.num_workers):
             link = self._links.get(rank)
             if link is not None:

@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gradwire import partition
+from gradwire.admin import timeline
+from gradwire.admin.metrics import Metrics
+from gradwire.admin.node import NodeAdmin
+from gradwire.admin.timeline import Timeline
 from gradwire.config import Config
 from gradwire.errors import ConfigError, GradwireError, GradwireTimeout, JobAborted, TensorError
 from gradwire.protocol import dtypes, messages
@@ -64,6 +68,11 @@ class Worker:
         self._abort: JobAborted | None = None
         self._closed = False
         self._control_thread: threading.Thread | None = None
+        self._active = 0  # push_pull handles in flight
+        self.metrics = Metrics("worker")
+        self.timeline: Timeline | None = None
+        self.credit: Credit | None = None
+        self.admin: NodeAdmin | None = None  # type: ignore[assignment]
 
     # -- life cycle ------------------------------------------------------------------------------
 
@@ -73,6 +82,7 @@ class Worker:
             # I/O threads wait up to one switch interval (default 5 ms) for the GIL while the training
             # thread runs Python: 3x to 60x slower messages, measured (shared/MEASUREMENTS.md).
             sys.setswitchinterval(self.config.switch_interval)
+        self.admin = NodeAdmin(self.config, self.metrics, self.status)
         book = self._rendezvous()
         self.rank, self.size, self.epoch = book["rank"], book["num_workers"], book["epoch"]
         hosts = book.get("workers") or []
@@ -81,14 +91,38 @@ class Worker:
         self.local_size = self.config.local_size if self.config.local_size is not None else len(same_host)
         servers = book["servers"]
         self._partition_bytes = min([self.config.partition_bytes] + [int(s["slot_bytes"]) for s in servers])
-        credit = Credit(self.config.credit_bytes)
+        self.credit = credit = Credit(self.config.credit_bytes)
+        if self.config.timeline:
+            tracks = {i: f"server {i}" for i in range(len(servers))}
+            self.timeline = Timeline(
+                timeline.path_for(self.config.timeline, self.rank), self.rank, self.config.timeline_steps, tracks
+            )
         for index, server in enumerate(servers):
             conn, arena = self._connect_server(server)
-            self._links.append(ServerLink(conn, index, self.rank, self.epoch, self.config.window, credit, arena))
+            self._links.append(
+                ServerLink(
+                    conn,
+                    index,
+                    self.rank,
+                    self.epoch,
+                    self.config.window,
+                    credit,
+                    arena,
+                    self.metrics,
+                    self.timeline,
+                    self.config.unanswered,
+                )
+            )
+        self.metrics.gauge(
+            "gradwire_credit_in_flight_bytes", "Bytes pushed and not yet acknowledged", lambda: credit.used
+        )
+        self.metrics.gauge("gradwire_push_pulls_in_flight", "push_pull handles not yet complete", lambda: self._active)
         for link in self._links:
             link.start()
         self._control_thread = threading.Thread(target=self._control_loop, name="gw-worker-control", daemon=True)
         self._control_thread.start()
+        assert self._scheduler is not None
+        self.admin.start_heartbeat(self._scheduler)
         self.barrier()
         log.info("worker %d/%d ready with %d servers", self.rank, self.size, len(self._links))
         return self
@@ -136,8 +170,34 @@ class Worker:
         return arena
 
     def _rendezvous(self) -> dict:
-        self._scheduler, book = join(self.config, "worker", port=0)
+        self._scheduler, book = join(
+            self.config, "worker", port=0, admin=self.admin.port, admin_host=self.admin.advertised_host
+        )
         return book
+
+    def status(self) -> dict:
+        """This worker's view, for its /status."""
+        links = [
+            {
+                "server": link.server,
+                "peer": link.conn.peer,
+                "transport": link.transport,
+                "outstanding_tensors": len(link.outstanding()),
+            }
+            for link in self._links
+        ]
+        return {
+            "role": "worker",
+            "rank": self.rank,
+            "size": self.size,
+            "epoch": self.epoch,
+            "tensors": len(self._tensors),
+            "push_pulls_in_flight": self._active,
+            "credit_in_flight_bytes": self.credit.used if self.credit else 0,
+            "servers": links,
+            "aborted": str(self._abort) if self._abort else None,
+            **self.metrics.snapshot(),
+        }
 
     def shutdown(self) -> None:
         """Say bye to the servers and the scheduler, close everything, and join this worker's threads. Idempotent.
@@ -164,6 +224,10 @@ class Worker:
             link.join(SHUTDOWN_JOIN_SECONDS)
         if self._control_thread is not None and self._control_thread is not threading.current_thread():
             self._control_thread.join(SHUTDOWN_JOIN_SECONDS)
+        if self.admin is not None:
+            self.admin.stop()
+        if self.timeline is not None:
+            self.timeline.close()
 
     # -- tensors ---------------------------------------------------------------------------------
 
@@ -243,12 +307,17 @@ class Worker:
                     rank=self.rank,
                 )
             tensor.round += 1
+            if self._active == 0 and self.timeline:
+                self.timeline.new_step()  # a step: from no push_pull in flight to one
+            self._active += 1
             handle = Handle(tensor.name, out, len(tensor.parts), self._finished)
             tensor.in_flight = handle if not handle.done() else None
         return handle
 
     def _finished(self, handle: Handle) -> None:
+        self.metrics.round_done()
         with self._lock:
+            self._active -= 1
             tensor = self._tensors.get(handle.name)
             if tensor is not None and tensor.in_flight is handle:
                 tensor.in_flight = None

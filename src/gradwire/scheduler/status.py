@@ -1,0 +1,88 @@
+"""The scheduler's view of the cluster: /status JSON and the node gauges of /metrics."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from gradwire.admin.metrics import prom
+
+if TYPE_CHECKING:
+    from gradwire.scheduler.scheduler import Node, Scheduler
+
+
+def node_state(node: Node) -> str:
+    """alive, left (said bye) or lost (dropped without a bye)."""
+    return "left" if node.said_bye else "lost" if node.lost else "alive"
+
+
+def heartbeat_age(node: Node, now: float) -> float:
+    return now - node.last_seen
+
+
+def describe(node: Node, now: float) -> dict:
+    return {
+        "role": node.role,
+        "rank": node.rank,
+        "host": node.host,
+        "port": node.port or None,
+        "admin": f"http://{node.admin_host}:{node.admin}" if node.admin >= 0 else None,
+        "state": node_state(node),
+        "heartbeat_age_seconds": round(heartbeat_age(node, now), 3),
+        "throughput_bytes_per_s": round(node.rate, 1),
+        "stats": node.stats,
+    }
+
+
+def cluster_status(s: Scheduler) -> dict:
+    """The whole job: nodes with roles, addresses and admin ports, epoch, health, per-server load and throughput."""
+    now = time.monotonic()
+    with s._lock:
+        nodes = sorted(s._nodes, key=lambda n: (n.role, n.rank))
+        loads = list(s._placement.loads) if s._placement else []
+        servers = [
+            {
+                "rank": n.rank,
+                "placed_bytes": loads[n.rank] if n.rank < len(loads) else 0,
+                "throughput_bytes_per_s": round(n.rate, 1),
+                "state": node_state(n),
+            }
+            for n in s._servers
+        ]
+        phase = (
+            "aborted" if s.abort_reason else "done" if s._done.is_set() else "running" if s._workers else "rendezvous"
+        )
+        return {
+            "phase": phase,
+            "epoch": s.epoch,
+            "abort_reason": s.abort_reason,
+            "expected": {"workers": s.config.num_workers, "servers": s.config.num_servers},
+            "healthy": not s.abort_reason and all(node_state(n) != "lost" for n in nodes),
+            "nodes": [describe(n, now) for n in nodes],
+            "servers": servers,
+            "tensors": len(s._tensors),
+            "declared_bytes": s._declared_bytes,
+            "refused_connections": s.refusals.count,
+        }
+
+
+def node_families(s: Scheduler) -> list:
+    """gradwire_nodes{role,state} and gradwire_heartbeat_age_seconds{role,rank}, computed when scraped."""
+    if prom is None:
+        return []
+    from prometheus_client.core import GaugeMetricFamily
+
+    now = time.monotonic()
+    counts = GaugeMetricFamily("gradwire_nodes", "Nodes by role and state", labels=["role", "state"])
+    ages = GaugeMetricFamily(
+        "gradwire_heartbeat_age_seconds", "Seconds since each node was last heard from", labels=["role", "rank"]
+    )
+    with s._lock:
+        nodes = list(s._nodes)
+    tally: dict[tuple[str, str], int] = {}
+    for n in nodes:
+        tally[(n.role, node_state(n))] = tally.get((n.role, node_state(n)), 0) + 1
+        ages.add_metric([n.role, str(n.rank)], heartbeat_age(n, now))
+    for (role, state), count in sorted(tally.items()):
+        counts.add_metric([role, state], count)
+    return [counts, ages]
