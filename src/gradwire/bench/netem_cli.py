@@ -54,10 +54,10 @@ def run_netem(args: argparse.Namespace, sizes: list[int], env: dict[str, str]) -
 
 def _write_docs(path: str, text: str, plot_path: str | None, env: dict[str, str]) -> None:
     command = "sudo .venv/bin/gradwire " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    settings = ", ".join(f"{k}={v}" for k, v in sorted(env.items()))
-    settings += (
-        ", and per configuration Topology.tuning(): 64 KiB partitions, window 4, at most 4 unanswered "
-        "per server below 8 workers; 16 KiB, window 8, 16 unanswered from 8 workers (the window column)"
+    overrides = ", ".join(f"{k}={v}" for k, v in sorted(env.items()))
+    settings = (("overrides " + overrides + "; otherwise ") if overrides else "") + (
+        "per configuration Topology.tuning(): 64 KiB partitions, window 4, at most 4 unanswered per server below "
+        "8 workers; 16 KiB, window 8, 16 unanswered from 8 workers (the partition, window column)"
     )
     section = (
         f"{BEGIN}\n```bash\n{command}\n```\nMeasured {datetime.date.today()}, gradwire settings: {settings}.\n\n"

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 from gradwire.config import Config
+from gradwire.launch.output import make_output
 
 GRACE_SECONDS = 5.0
 PROGRESS_SECONDS = 2.0
@@ -70,10 +71,9 @@ class Launcher:
             self.base_env["GRADWIRE_TIMEOUT"] = str(timeout)
         self.children: list[Child] = []
         self.admin_url: str | None = None
-        self._tty = sys.stdout.isatty()
         self._finished = threading.Event()
         self._exits: queue.SimpleQueue[Child] = queue.SimpleQueue()
-        self._out_lock = threading.Lock()
+        self.out = make_output()
 
     def run(self) -> int:
         """Run the job to its end; returns the exit code for the launcher."""
@@ -212,23 +212,20 @@ class Launcher:
         self._exits.put(child)
 
     def _pump(self, child: Child) -> None:
-        # on a terminal, clear the progress line first so the child's line does not land on it
-        prefix = ("\r\x1b[K" if self._tty else "").encode() + f"[{child.label}] ".encode()
+        prefix = f"[{child.label}] "
         assert child.proc.stdout is not None
         for raw in iter(child.proc.stdout.readline, b""):
+            text = raw.decode(errors="replace")
             if child.role == "scheduler":
-                child.lines.put(raw.decode(errors="replace"))
-            with self._out_lock:
-                sys.stdout.buffer.write(prefix + raw if raw.endswith(b"\n") else prefix + raw + b"\n")
-                sys.stdout.buffer.flush()
+                child.lines.put(text)
+            self.out.line(prefix + text)
 
     def _progress(self) -> None:
-        """A live progress line: rewritten in place on a terminal, a plain line every 10 s otherwise."""
+        """The live progress line, from the scheduler's /status every PROGRESS_SECONDS (see output.py)."""
         from gradwire.admin.top import fetch
 
-        tty = sys.stdout.isatty()
         previous, last = None, time.monotonic()
-        while not self._finished.wait(PROGRESS_SECONDS if tty else 10 * PROGRESS_SECONDS):
+        while not self._finished.wait(PROGRESS_SECONDS):
             try:
                 status = fetch(self.admin_url or "", timeout=2)
             except OSError:
@@ -236,12 +233,11 @@ class Launcher:
             now = time.monotonic()
             line = _progress_line(status, previous, now - last)
             previous, last = status, now
-            with self._out_lock:
-                sys.stdout.write(f"\r\x1b[K[gradwire launch] {line}" if tty else f"[gradwire launch] {line}\n")
-                sys.stdout.flush()
+            self.out.progress(f"[gradwire launch] {line}")
 
     def _stop_all(self) -> None:
         self._finished.set()
+        self.out.close()
         alive = [c for c in self.children if c.proc.poll() is None]
         for child in alive:
             _signal_group(child.proc, signal.SIGTERM)
@@ -254,9 +250,7 @@ class Launcher:
                 child.proc.wait()
 
     def _say(self, message: str) -> None:
-        with self._out_lock:
-            sys.stdout.write(f"[gradwire launch] {message}\n")
-            sys.stdout.flush()
+        self.out.line(f"[gradwire launch] {message}")
 
 
 def _progress_line(status: dict, previous: dict | None, elapsed: float) -> str:

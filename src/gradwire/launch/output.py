@@ -1,0 +1,77 @@
+"""The launcher's output: children's lines, prefixed, and a live progress line.
+
+On a terminal with rich installed (the `cli` extra), the progress line is a rich status line that stays at the
+bottom while the children's lines scroll above it. On a terminal without rich it is rewritten in place with a
+carriage return; when the output goes to a file or a pipe it is a plain line every `PLAIN_EVERY` updates.
+Thread-safe: children's pump threads and the progress thread write concurrently.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+PLAIN_EVERY = 10  # with output to a file, one progress line per this many updates (20 s at 2 s each)
+
+
+class Output:
+    """Plain output: prefixed lines; the progress line rewritten in place on a terminal, else now and then."""
+
+    def __init__(self) -> None:
+        self.tty = sys.stdout.isatty()
+        self._lock = threading.Lock()
+        self._updates = 0
+
+    def line(self, text: str) -> None:
+        with self._lock:
+            sys.stdout.write(("\r\x1b[K" if self.tty else "") + text.rstrip("\n") + "\n")
+            sys.stdout.flush()
+
+    def progress(self, text: str) -> None:
+        with self._lock:
+            self._updates += 1
+            if self.tty:
+                sys.stdout.write(f"\r\x1b[K{text}")
+            elif self._updates % PLAIN_EVERY == 1:
+                sys.stdout.write(text + "\n")
+            sys.stdout.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            with self._lock:
+                sys.stdout.write("\r\x1b[K")
+                sys.stdout.flush()
+
+
+class RichOutput(Output):
+    """On a terminal with rich: the progress line is a status line pinned below the scrolling output."""
+
+    def __init__(self) -> None:
+        from rich.console import Console
+
+        super().__init__()
+        self.console = Console(highlight=False)
+        self.status = self.console.status("[gradwire launch] starting", spinner="dots")
+        self.status.start()
+
+    def line(self, text: str) -> None:
+        from rich.text import Text
+
+        self.console.print(Text(text.rstrip("\n")), soft_wrap=True)
+
+    def progress(self, text: str) -> None:
+        from rich.text import Text
+
+        self.status.update(Text(text))
+
+    def close(self) -> None:
+        self.status.stop()
+
+
+def make_output() -> Output:
+    if sys.stdout.isatty():
+        try:
+            return RichOutput()
+        except ImportError:
+            pass
+    return Output()
