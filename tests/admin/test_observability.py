@@ -1,7 +1,9 @@
 """The admin endpoint, metrics, cluster status and the timeline, on an in-process cluster."""
 
 import json
+import urllib.error
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -39,6 +41,7 @@ def test_healthz_and_unknown_paths(cluster):
     assert _get(base + "/healthz")[2] == "ok\n"
     with pytest.raises(urllib.error.HTTPError) as e:
         _get(base + "/nope")
+    e.value.close()
     assert e.value.code == 404
 
 
@@ -97,7 +100,7 @@ def test_timeline_is_valid_json_with_every_stage(cluster):
     cluster.run(lambda w: w.push_pull(np.ones(100_000, np.float32), "tl"))
     for w in cluster.workers:
         w.timeline.flush()
-        trace = json.load(open(w.timeline.path))
+        trace = json.loads(Path(w.timeline.path).read_text())
         events = trace["traceEvents"]
         stages = {e["name"] for e in events if e["ph"] == "X"}
         assert stages == {"queued", "push", "wait", "pull"}
@@ -113,7 +116,7 @@ def test_timeline_keeps_only_the_last_steps_and_stays_valid(tmp_path):
         tl.new_step()
         tl.complete("push", step, step + 0.5, 0, {"step": step})
     tl.flush()
-    kept = [e["args"]["step"] for e in json.load(open(path))["traceEvents"] if e["ph"] == "X"]
+    kept = [e["args"]["step"] for e in json.loads(Path(path).read_text())["traceEvents"] if e["ph"] == "X"]
     assert kept == [3, 4]
     tl.close()
     assert path_for("out/{rank}.json", 2) == "out/2.json" and path_for("trace.json", 1) == "trace.rank1.json"

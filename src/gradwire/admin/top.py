@@ -19,9 +19,8 @@ def fetch(url: str, timeout: float = 5.0) -> dict:
         return json.loads(r.read())
 
 
-def render(status: dict, previous: dict | None, elapsed: float) -> str:
-    """The screen: the job's phase, then a line per node with rounds/s and MB/s since the last refresh."""
-    old = {(n["role"], n["rank"]): n for n in (previous or {}).get("nodes", [])}
+def render(status: dict) -> str:
+    """The screen: the job's phase, then a line per node with rounds/s and MB/s (between its last two heartbeats)."""
     head = (
         f"gradwire  phase {status['phase']}  epoch {status['epoch']}  "
         f"{'healthy' if status['healthy'] else 'UNHEALTHY'}  tensors {status['tensors']}  "
@@ -33,8 +32,7 @@ def render(status: dict, previous: dict | None, elapsed: float) -> str:
     lines.append(f"{'node':<10} {'state':<6} {'rounds/s':>9} {'MB/s':>9} {'placed MB':>10} {'hb age':>7}  admin")
     placed = {s["rank"]: s["placed_bytes"] for s in status.get("servers", [])}
     for n in status["nodes"]:
-        stats, before = n.get("stats") or {}, (old.get((n["role"], n["rank"])) or {}).get("stats") or {}
-        rounds = (stats.get("rounds", 0) - before.get("rounds", 0)) / elapsed if before else 0.0
+        rounds = n["rounds_per_s"]  # between the node's last two heartbeats
         load = f"{placed.get(n['rank'], 0) / MB:10.1f}" if n["role"] == "server" else " " * 10
         lines.append(
             f"{n['role'] + ' ' + str(n['rank']):<10} {n['state']:<6} {rounds:9.1f} "
@@ -45,21 +43,18 @@ def render(status: dict, previous: dict | None, elapsed: float) -> str:
 
 
 def main(url: str, interval: float = 1.0, once: bool = False) -> int:
-    previous, last = None, time.monotonic()
     while True:
         try:
             status = fetch(url)
         except (urllib.error.URLError, OSError) as e:
             print(f"gradwire top: cannot read {url}/status: {e}", file=sys.stderr)
             return 1
-        now = time.monotonic()
-        screen = render(status, previous, max(now - last, 1e-6))
+        screen = render(status)
         if once:
             print(screen)
             return 0
         sys.stdout.write("\x1b[H\x1b[2J" + screen + "\n")
         sys.stdout.flush()
-        previous, last = status, now
         if status["phase"] in ("done", "aborted"):
             return 0
         try:

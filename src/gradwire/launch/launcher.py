@@ -224,16 +224,12 @@ class Launcher:
         """The live progress line, from the scheduler's /status every PROGRESS_SECONDS (see output.py)."""
         from gradwire.admin.top import fetch
 
-        previous, last = None, time.monotonic()
         while not self._finished.wait(PROGRESS_SECONDS):
             try:
                 status = fetch(self.admin_url or "", timeout=2)
             except OSError:
                 continue
-            now = time.monotonic()
-            line = _progress_line(status, previous, now - last)
-            previous, last = status, now
-            self.out.progress(f"[gradwire launch] {line}")
+            self.out.progress(f"[gradwire launch] {_progress_line(status)}")
 
     def _stop_all(self) -> None:
         self._finished.set()
@@ -253,15 +249,11 @@ class Launcher:
         self.out.line(f"[gradwire launch] {message}")
 
 
-def _progress_line(status: dict, previous: dict | None, elapsed: float) -> str:
+def _progress_line(status: dict) -> str:
     workers = [n for n in status["nodes"] if n["role"] == "worker"]
     alive = sum(n["state"] == "alive" for n in workers)
-    rounds = sum((n.get("stats") or {}).get("rounds", 0) for n in workers)
-    before = sum(
-        (n.get("stats") or {}).get("rounds", 0) for n in (previous or {}).get("nodes", []) if n["role"] == "worker"
-    )
     rate = sum(n["throughput_bytes_per_s"] for n in workers) / 1e6
-    per_s = (rounds - before) / max(elapsed, 1e-6) / max(len(workers), 1) if previous else 0.0
+    per_s = sum(n["rounds_per_s"] for n in workers) / max(len(workers), 1)  # from heartbeats, not our polls
     return (
         f"{status['phase']}: workers {alive}/{status['expected']['workers']} alive, "
         f"{per_s:.1f} push_pulls/s per worker, {rate:.1f} MB/s over all workers"

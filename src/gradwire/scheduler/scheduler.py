@@ -52,6 +52,7 @@ class Node:
     last_seen: float = field(default_factory=time.monotonic)
     stats: dict = field(default_factory=dict)  # the counters of its last heartbeat
     rate: float = 0.0  # bytes per second pushed and pulled, between its last two heartbeats
+    round_rate: float = 0.0  # rounds per second, likewise
 
 
 @dataclass
@@ -350,7 +351,9 @@ class Scheduler:
             moved = (stats["bytes_pushed"] + stats["bytes_pulled"]) - (
                 node.stats.get("bytes_pushed", 0) + node.stats.get("bytes_pulled", 0)
             )
-            node.rate = max(0.0, moved / max(now - node.last_seen, 1e-6)) if node.stats else 0.0
+            elapsed = max(now - node.last_seen, 1e-6)
+            node.rate = max(0.0, moved / elapsed) if node.stats else 0.0
+            node.round_rate = max(0.0, (stats["rounds"] - node.stats.get("rounds", 0)) / elapsed) if node.stats else 0.0
         except (KeyError, TypeError):
             raise GradwireError(f"{node.role} {node.rank} sent a malformed heartbeat") from None
         node.stats, node.last_seen = stats, now

@@ -30,6 +30,7 @@ def describe(node: Node, now: float) -> dict:
         "state": node_state(node),
         "heartbeat_age_seconds": round(heartbeat_age(node, now), 3),
         "throughput_bytes_per_s": round(node.rate, 1),
+        "rounds_per_s": round(node.round_rate, 2),
         "stats": node.stats,
     }
 
