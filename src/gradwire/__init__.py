@@ -33,6 +33,7 @@ from gradwire.errors import (
     ProtocolError,
     RemoteProtocolError,
     TensorError,
+    WorkerLost,
 )
 from gradwire.worker import Handle, Worker
 
@@ -51,6 +52,7 @@ __all__ = [
     "RemoteProtocolError",
     "TensorError",
     "Worker",
+    "WorkerLost",
     "barrier",
     "current_worker",
     "declare",

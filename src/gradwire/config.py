@@ -182,6 +182,13 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "seconds between a node's heartbeats to the scheduler (they carry its counters for /status)",
     ),
     EnvVar(
+        "GRADWIRE_HEARTBEAT_TIMEOUT",
+        "heartbeat_timeout",
+        (),
+        "30",
+        "a node the scheduler has not heard from for this long is lost and the job aborts; 0: off",
+    ),
+    EnvVar(
         "GRADWIRE_TIMELINE",
         "timeline",
         (),
@@ -189,6 +196,13 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "write each worker's Chrome-trace timeline here (`{rank}` is replaced, else `.rank<r>` is added)",
     ),
     EnvVar("GRADWIRE_TIMELINE_STEPS", "timeline_steps", (), "20", "steps the timeline keeps (the most recent)"),
+    EnvVar(
+        "GRADWIRE_STALL_SECONDS",
+        "stall_seconds",
+        (),
+        "60",
+        "a round waiting this long is logged by its server (which ranks have not pushed which tensor); 0: off",
+    ),
 )
 
 _INT_FIELDS = {
@@ -208,7 +222,15 @@ _INT_FIELDS = {
     "timeline_steps",
     "socket_buffer_bytes",
 }
-_FLOAT_FIELDS = {"timeout", "switch_interval", "handshake_timeout", "frame_timeout", "heartbeat_interval"}
+_FLOAT_FIELDS = {
+    "timeout",
+    "switch_interval",
+    "handshake_timeout",
+    "frame_timeout",
+    "heartbeat_interval",
+    "heartbeat_timeout",
+    "stall_seconds",
+}
 _OPTIONAL_INT_FIELDS = {"rank", "local_rank", "local_size"}
 
 
@@ -246,8 +268,10 @@ class Config:
     admin_host: str = "127.0.0.1"
     admin_port: int = 0
     heartbeat_interval: float = 5.0
+    heartbeat_timeout: float = 30.0
     timeline: str = ""
     timeline_steps: int = 20
+    stall_seconds: float = 60.0
 
     def __post_init__(self) -> None:
         self._check()

@@ -10,6 +10,7 @@
     ├── AuthenticationError            the peer does not know the job secret
     ├── TensorError                    a tensor is declared or used inconsistently (name, shape, dtype)
     ├── JobAborted                     another node failed; this call cannot finish (carries the reason)
+    │   └── WorkerLost                 ...because a worker died or dropped out (carries its rank)
     └── GradwireTimeout                a blocking call ran past its deadline (also a TimeoutError)
 
 Every error carries what is known of where it happened (role, rank, tensor, key, round, peer), and its
@@ -53,6 +54,22 @@ class TensorError(GradwireError):
 
 class JobAborted(GradwireError):
     """The job was aborted by another node's failure; the reason names the node."""
+
+
+class WorkerLost(JobAborted):
+    """A worker of the job died or dropped out mid-job; `lost_rank` says which. Sync rounds cannot finish."""
+
+    def __init__(self, message: str, lost_rank: int, **context: object) -> None:
+        self.lost_rank = lost_rank
+        super().__init__(message, lost_rank=lost_rank, **context)
+
+
+def abort_error(body: dict, **context: object) -> JobAborted:
+    """The error an abort message means: WorkerLost when it names a lost worker, else JobAborted."""
+    message = f"job aborted: {body.get('message')}"
+    if body.get("lost_role") == "worker" and isinstance(body.get("lost_rank"), int):
+        return WorkerLost(message, body["lost_rank"], **context)
+    return JobAborted(message, **context)
 
 
 class GradwireTimeout(GradwireError, TimeoutError):

@@ -21,12 +21,28 @@ from gradwire.worker import Worker
 T = TypeVar("T")
 
 
+class FakeClock:
+    """A clock for tests: `clock()` returns the time, `advance(s)` moves it. Thread-safe enough for reads."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 class LocalCluster:
     """A scheduler, `num_servers` servers and `num_workers` workers in this process. A context manager."""
 
-    def __init__(self, num_workers: int = 2, num_servers: int = 1, **config: object) -> None:
+    def __init__(
+        self, num_workers: int = 2, num_servers: int = 1, clock: Callable[[], float] | None = None, **config: object
+    ) -> None:
         base = Config(num_workers=num_workers, num_servers=num_servers, timeout=30.0, switch_interval=0, **config)  # type: ignore[arg-type]
-        self.scheduler = Scheduler(dataclasses.replace(base, role="scheduler")).start()
+        scheduler_config = dataclasses.replace(base, role="scheduler")
+        self.scheduler = (Scheduler(scheduler_config, clock) if clock else Scheduler(scheduler_config)).start()
         base = dataclasses.replace(base, scheduler=self.scheduler.address)
         self.config = base
         self.servers: list[Server] = []

@@ -15,6 +15,7 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gradwire import partition
@@ -49,7 +50,8 @@ class Node:
     lost: bool = False
     admin: int = -1  # its admin endpoint's port (-1: none), on admin_host
     admin_host: str = ""
-    last_seen: float = field(default_factory=time.monotonic)
+    last_seen: float = field(default_factory=time.monotonic)  # of its last heartbeat (the scheduler's clock)
+    heard: float = field(default_factory=time.monotonic)  # of its last message of any kind
     stats: dict = field(default_factory=dict)  # the counters of its last heartbeat
     rate: float = 0.0  # bytes per second pushed and pulled, between its last two heartbeats
     round_rate: float = 0.0  # rounds per second, likewise
@@ -77,7 +79,8 @@ class Scheduler:
     job ends and returns its outcome (None, or the abort reason). Thread-safe; one lock guards state.
     """
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock  # injected: tests drive failure detection with a fake clock, not sleeps
         self.config = config
         self.epoch = 1
         self._secret = config.secret_bytes()
@@ -120,6 +123,8 @@ class Scheduler:
             self.metrics.collector(lambda: node_families(self))
         threading.Thread(target=self._accept_loop, name="gw-sched-accept", daemon=True).start()
         threading.Thread(target=self._rendezvous_deadline, name="gw-sched-deadline", daemon=True).start()
+        if self.config.heartbeat_timeout > 0:
+            threading.Thread(target=self._monitor, name="gw-sched-monitor", daemon=True).start()
         return self
 
     def wait(self, timeout: float | None = None) -> str | None:
@@ -188,6 +193,7 @@ class Scheduler:
             admin=int(body.get("admin", -1)),
             admin_host=str(body.get("admin_host", "")) or conn.peer.rsplit(":", 1)[0],
         )
+        node.heard = node.last_seen = self.clock()
         with self._lock:
             if len(self._nodes) >= self.expected:
                 raise GradwireError(f"job is full: {self.expected} nodes registered already")
@@ -246,6 +252,7 @@ class Scheduler:
     def _handle(self, node: Node, body: dict) -> bool:
         """Serve one request; True when the node has said bye."""
         op = messages.check(body)
+        node.heard = self.clock()
         if op == messages.DECLARE:
             reply = self._declare(node, body)
             node.conn.send_json(FrameType.CONTROL, reply)
@@ -304,7 +311,8 @@ class Scheduler:
             rid = next(self._ids)
             event = threading.Event()
             self._acks[rid] = event
-            self._servers[server].conn.send_json(FrameType.CONTROL, {"op": messages.KEYS, "id": rid, "keys": owned})
+            body = {"op": messages.KEYS, "id": rid, "keys": owned, "name": name}
+            self._servers[server].conn.send_json(FrameType.CONTROL, body)
             waits.append((server, rid, event))
         for server, rid, event in waits:
             if not event.wait(self.config.timeout):
@@ -344,7 +352,7 @@ class Scheduler:
         return decl
 
     def _heartbeat(self, node: Node, stats: dict) -> None:
-        now = time.monotonic()
+        now = self.clock()
         if not isinstance(stats, dict):
             raise GradwireError(f"{node.role} {node.rank} sent a malformed heartbeat")
         try:
@@ -357,6 +365,33 @@ class Scheduler:
         except (KeyError, TypeError):
             raise GradwireError(f"{node.role} {node.rank} sent a malformed heartbeat") from None
         node.stats, node.last_seen = stats, now
+
+    def _monitor(self) -> None:
+        while not self._done.wait(self.config.heartbeat_interval):
+            self.check_heartbeats()
+
+    def check_heartbeats(self, now: float | None = None) -> list[Node]:
+        """Declare lost every running node silent for longer than GRADWIRE_HEARTBEAT_TIMEOUT (aborts the job).
+
+        Catches what a closed connection does not: a hung process, a host that vanished, a network partition.
+        """
+        now = self.clock() if now is None else now
+        with self._lock:
+            if not (self._workers or self._servers) or self._ending or self._done.is_set():
+                return []
+            silent = [
+                n for n in self._nodes if not (n.said_bye or n.lost) and now - n.heard > self.config.heartbeat_timeout
+            ]
+            for node in silent:
+                node.lost = True
+            if silent:
+                first = silent[0]
+                self._abort_locked(
+                    f"lost {first.role} {first.rank} at {first.host}: silent for {now - first.heard:.0f}s "
+                    f"(GRADWIRE_HEARTBEAT_TIMEOUT={self.config.heartbeat_timeout:g})",
+                    lost=(first.role, first.rank),
+                )
+        return silent
 
     def _enter_barrier(self, node: Node, request_id: int) -> None:
         with self._lock:
@@ -392,15 +427,18 @@ class Scheduler:
             if node.said_bye or self._ending or self._done.is_set():
                 return
             node.lost = True
-            self._abort_locked(f"lost {node.role} {node.rank} at {node.host}: {error}")
+            self._abort_locked(f"lost {node.role} {node.rank} at {node.host}: {error}", lost=(node.role, node.rank))
 
-    def _abort_locked(self, reason: str) -> None:
+    def _abort_locked(self, reason: str, lost: tuple[str, int] | None = None) -> None:
         if self.abort_reason is None:
             self.abort_reason = reason
             log.error("aborting the job: %s", reason)
+        body = {"op": messages.ABORT, "message": reason}
+        if lost is not None:
+            body |= {"lost_role": lost[0], "lost_rank": lost[1]}
         for node in self._nodes:
             try:
-                node.conn.send_json(FrameType.CONTROL, {"op": messages.ABORT, "message": reason})
+                node.conn.send_json(FrameType.CONTROL, body)
             except GradwireError:
                 pass
         self._done.set()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
 from gradwire.admin.metrics import prom
@@ -37,7 +36,7 @@ def describe(node: Node, now: float) -> dict:
 
 def cluster_status(s: Scheduler) -> dict:
     """The whole job: nodes with roles, addresses and admin ports, epoch, health, per-server load and throughput."""
-    now = time.monotonic()
+    now = s.clock()
     with s._lock:
         nodes = sorted(s._nodes, key=lambda n: (n.role, n.rank))
         loads = list(s._placement.loads) if s._placement else []
@@ -73,7 +72,7 @@ def node_families(s: Scheduler) -> list:
         return []
     from prometheus_client.core import GaugeMetricFamily
 
-    now = time.monotonic()
+    now = s.clock()
     counts = GaugeMetricFamily("gradwire_nodes", "Nodes by role and state", labels=["role", "state"])
     ages = GaugeMetricFamily(
         "gradwire_heartbeat_age_seconds", "Seconds since each node was last heard from", labels=["role", "rank"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -35,9 +36,24 @@ log = logging.getLogger("gradwire.server")
 class KeyState:
     """The accumulators and round bookkeeping of one key."""
 
-    __slots__ = ("acc", "count", "dtype", "length", "narrow", "out", "pulls", "pushed", "round", "scratch")
+    __slots__ = (
+        "acc",
+        "count",
+        "dtype",
+        "length",
+        "name",
+        "narrow",
+        "out",
+        "pulls",
+        "pushed",
+        "round",
+        "scratch",
+        "started",
+    )
 
-    def __init__(self, dtype: dtypes.DType, length: int, num_workers: int) -> None:
+    def __init__(self, dtype: dtypes.DType, length: int, num_workers: int, name: str = "?") -> None:
+        self.name = name  # the tensor's, for stall reports
+        self.started = [0.0, 0.0]  # when each buffer's round got its first contribution (the engine's clock)
         self.dtype = dtype
         self.length = length
         n = length // dtype.itemsize
@@ -62,8 +78,18 @@ Ack = Callable[[int, int, int], None]
 class Engine:
     """Sums the keys of one ring. Thread-safety: only the engine's own thread touches key state."""
 
-    def __init__(self, index: int, ring: Ring, num_workers: int, reply: Reply, fail: Fail, ack: Ack) -> None:
+    def __init__(
+        self,
+        index: int,
+        ring: Ring,
+        num_workers: int,
+        reply: Reply,
+        fail: Fail,
+        ack: Ack,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.index = index
+        self.clock = clock
         self._ack = ack
         self.ring = ring
         self.num_workers = num_workers
@@ -103,14 +129,14 @@ class Engine:
             self.ring.release(available)
             next_seq = available + 1
 
-    def declare(self, key: int, dtype: dtypes.DType, length: int) -> None:
+    def declare(self, key: int, dtype: dtypes.DType, length: int, name: str = "?") -> None:
         """Allocate a key's accumulators (called by the scheduler link when the key is declared).
 
         From another thread: a whole KeyState is built first and then published by one dict assignment, which
         is atomic, so the engine sees either no state or a complete one. Redeclaring the same key is a no-op.
         """
         if key not in self.keys:
-            self.keys[key] = KeyState(dtype, length, self.num_workers)
+            self.keys[key] = KeyState(dtype, length, self.num_workers, name)
 
     def check(self, key: int, dtype: int, length: int) -> str | None:
         """Why a frame for `key` cannot be summed here, or None if it can (called by readers, before a slot)."""
@@ -121,6 +147,21 @@ class Engine:
             wire = dtypes.BY_CODE[dtype].name
             return f"{length} bytes of {wire} pushed, but the key is {state.length} bytes of {state.dtype.name}"
         return None
+
+    def stalled(self, now: float, threshold: float) -> list[tuple[str, int, int, float, list[int]]]:
+        """Rounds begun more than `threshold` seconds ago and still missing workers.
+
+        Returns (tensor, key, round, seconds waited, ranks that have not pushed). Read from another thread for a
+        report: it only reads counters the engine writes, so at worst a round is reported a moment late.
+        """
+        out = []
+        for key, state in list(self.keys.items()):
+            for i in (0, 1):
+                count = state.count[i]
+                if 0 < count < self.num_workers and now - state.started[i] > threshold:
+                    missing = [r for r in range(self.num_workers) if not state.pushed[i] >> r & 1]
+                    out.append((state.name, key, state.round[i], now - state.started[i], missing))
+        return out
 
     def on_event(self, slot: Slot) -> None:
         """Add one contribution; publish the sum when the round is complete."""
@@ -139,6 +180,7 @@ class Engine:
         wire = slot.data.view(dtype.wire)
         state.pulls[i][slot.sender] = slot.pull
         if state.count[i] == 0:
+            state.started[i] = self.clock()
             dtypes.widen(dtype, wire, state.acc[i])
         else:
             dtypes.add_into(dtype, state.acc[i], wire, state.scratch)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 
 import numpy as np
 
@@ -117,6 +118,8 @@ class Server:
             threading.Thread(target=self._accept_loop, args=(listener,), name="gw-server-accept", daemon=True).start()
         threading.Thread(target=self._control_loop, name="gw-server-control", daemon=True).start()
         self.admin.start_heartbeat(self._scheduler)
+        if self.config.stall_seconds > 0:
+            threading.Thread(target=self._watch_stalls, name="gw-server-stalls", daemon=True).start()
         self.metrics.gauge(
             "gradwire_ring_occupancy",
             "Ring slots claimed and not yet released",
@@ -323,19 +326,40 @@ class Server:
 
     def _declare_keys(self, body: dict) -> None:
         """Allocate the accumulators of keys this server owns, then tell the scheduler they are ready."""
+        name = str(body.get("name", "?"))
         for key, code, length in body["keys"]:
             dtype = dtypes.BY_CODE[int(code)]
             if not 0 < int(length) <= self.config.partition_bytes or int(length) % dtype.itemsize:
                 raise RemoteProtocolError(f"scheduler declared key {int(key):016x} with {length} bytes")
-            self._engines[int(key) % len(self._engines)].declare(int(key), dtype, int(length))
+            self._engines[int(key) % len(self._engines)].declare(int(key), dtype, int(length), name)
         assert self._scheduler is not None
         self._scheduler.send_json(FrameType.CONTROL, {"op": messages.REPLY, "id": body["id"]})
 
-    def _tell_workers(self, message: str) -> None:
-        """Pass an abort's reason on before closing, so workers report the cause, not a closed socket."""
+    def stall_report(self, now: float | None = None) -> list[str]:
+        """One line per round waiting longer than GRADWIRE_STALL_SECONDS: which ranks have not pushed what."""
+        now = time.monotonic() if now is None else now
+        lines = []
+        for engine in self._engines:
+            for name, key, rnd, waited, missing in engine.stalled(now, self.config.stall_seconds):
+                pushed = [r for r in range(self.num_workers) if r not in missing]
+                lines.append(
+                    f"server {self.rank}: tensor {name!r} (key {key:016x}) round {rnd} has waited {waited:.1f}s for "
+                    f"worker(s) {missing}; pushed by {pushed}"
+                )
+        return lines
+
+    def _watch_stalls(self) -> None:
+        # repeats every half stall period while a stall lasts, so a stuck job keeps saying why
+        while not self._done.wait(self.config.stall_seconds / 2):
+            for line in self.stall_report():
+                log.warning("stall: %s", line)
+
+    def _tell_workers(self, abort: dict) -> None:
+        """Pass an abort on before closing, so workers report the cause (and a lost rank), not a closed socket."""
+        body = {k: abort[k] for k in ("message", "lost_role", "lost_rank") if k in abort} | {"abort": True}
         for link in list(self._links.values()):
             try:
-                link.conn.send_json(FrameType.ERROR, {"message": message, "abort": True})
+                link.conn.send_json(FrameType.ERROR, body)
             except GradwireError:
                 pass
 
@@ -349,7 +373,7 @@ class Server:
                     break
                 if op == messages.ABORT:
                     self.error = body["message"]
-                    self._tell_workers(f"job aborted: {self.error}")
+                    self._tell_workers(body)
                     break
                 if op == messages.KEYS:
                     self._declare_keys(body)

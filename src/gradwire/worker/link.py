@@ -27,7 +27,7 @@ import numpy as np
 
 from gradwire.admin.metrics import Metrics
 from gradwire.admin.timeline import Timeline
-from gradwire.errors import GradwireError, JobAborted, RemoteProtocolError, TensorError
+from gradwire.errors import GradwireError, JobAborted, RemoteProtocolError, TensorError, abort_error
 from gradwire.protocol import frames
 from gradwire.protocol.frames import FrameType
 from gradwire.transport import shm, tcp
@@ -349,7 +349,7 @@ class ServerLink:
 
     def _on_error(self, header: frames.Header, body: dict) -> None:
         if body.get("abort"):
-            raise JobAborted(str(body.get("message")), server=self.server, rank=self.rank)
+            raise abort_error(body, server=self.server, rank=self.rank)
         work = self._take(header.key)
         work.handle.fail(
             TensorError(

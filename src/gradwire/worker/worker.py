@@ -16,7 +16,7 @@ from gradwire.admin.metrics import Metrics
 from gradwire.admin.node import NodeAdmin
 from gradwire.admin.timeline import Timeline
 from gradwire.config import Config
-from gradwire.errors import ConfigError, GradwireError, GradwireTimeout, JobAborted, TensorError
+from gradwire.errors import ConfigError, GradwireError, GradwireTimeout, JobAborted, TensorError, abort_error
 from gradwire.protocol import dtypes, messages
 from gradwire.protocol.frames import FrameType, encode_header
 from gradwire.scheduler.client import join
@@ -375,7 +375,7 @@ class Worker:
                         waiter[1] = body
                         waiter[0].set()
                 elif op == messages.ABORT:
-                    self._fail_all(JobAborted(f"job aborted: {body['message']}", rank=self.rank))
+                    self._fail_all(abort_error(body, rank=self.rank))
                     return
         except GradwireError as e:
             if not self._closed:
