@@ -125,6 +125,7 @@ class ServerLink:
         self.window = window
         self.unanswered_cap = unanswered_cap
         self._last_answer = 0.0  # when a sum last came back on this link
+        self._capped_since: float | None = None  # when the sender began waiting on the cap
         self.credit = credit
         self._heap: list[tuple[int, int, Work]] = []
         self._order = itertools.count()
@@ -231,8 +232,16 @@ class ServerLink:
         """
         while self._closed is None:
             if self._heap and self._in_flight < self.window:
-                capped = self.unanswered_cap and len(self._pending) >= self.unanswered_cap
-                if not capped or time.monotonic() - self._last_answer > ESCAPE_SECONDS:
+                if not (self.unanswered_cap and len(self._pending) >= self.unanswered_cap):
+                    self._capped_since = None
+                    return True
+                # the escape counts time blocked by the cap with no answer, not time since the last answer (a
+                # pause between steps must not switch the cap off at the start of the next)
+                now = time.monotonic()
+                if self._capped_since is None:
+                    self._capped_since = now
+                if now - max(self._last_answer, self._capped_since) > ESCAPE_SECONDS:
+                    self._capped_since = None
                     return True
                 self._cond.wait(ESCAPE_SECONDS)
             else:
