@@ -25,6 +25,10 @@ def main(argv: list[str] | None = None) -> int:
     from gradwire.netem.cli import add_arguments as add_netem_arguments
 
     add_netem_arguments(netem)
+    plan = sub.add_parser("plan", help="the model's step time for a topology: ring, service, colocated, the mix")
+    from gradwire.launch.plan import add_arguments as add_plan_arguments
+
+    add_plan_arguments(plan)
     top = sub.add_parser("top", help="a refreshing view of a running job (the scheduler's /status)")
     top.add_argument("url", help="the scheduler's admin URL, as printed at its start")
     top.add_argument("--interval", type=float, default=1.0)
@@ -45,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
         from gradwire.launch.launcher import launch_from_args
 
         return launch_from_args(args)
+    if role == "plan":
+        from gradwire.launch.plan import main as plan_main
+
+        return plan_main(args)
     if role == "top":
         from gradwire.admin.top import main as top_main
 
