@@ -11,21 +11,19 @@ Life of a job, as seen here:
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gradwire import partition
 from gradwire.admin.http import AdminServer, json_handler
 from gradwire.admin.metrics import Metrics
 from gradwire.config import Config
-from gradwire.errors import GradwireError, TensorError
-from gradwire.placement import Placement
-from gradwire.protocol import dtypes, messages
+from gradwire.errors import GradwireError
+from gradwire.protocol import messages
 from gradwire.protocol.frames import FrameType
+from gradwire.scheduler.declarations import Declarations
 from gradwire.scheduler.status import cluster_status, node_families
 from gradwire.throttle import HandshakeGate
 from gradwire.transport import tcp
@@ -57,21 +55,6 @@ class Node:
     round_rate: float = 0.0  # rounds per second, likewise
 
 
-@dataclass
-class Declaration:
-    """The first declaration of a tensor, against which every other worker's is checked."""
-
-    shape: list[int]
-    dtype: str
-    rank: int
-    servers: list[int]
-    partition_bytes: int
-    keys: list[int] = field(default_factory=list)
-    sizes: list[int] = field(default_factory=list)
-    ready: threading.Event = field(default_factory=threading.Event)  # set once every owning server knows its keys
-    error: str | None = None
-
-
 class Scheduler:
     """Runs a job's rendezvous and control plane.
 
@@ -88,14 +71,9 @@ class Scheduler:
         self._nodes: list[Node] = []
         self._workers: list[Node] = []
         self._servers: list[Node] = []
-        self._tensors: dict[str, Declaration] = {}
-        self._keys: dict[int, str] = {}
-        self._placement: Placement | None = None
+        self.declarations: Declarations | None = None  # once ranks are fixed
         self._barrier: list[tuple[Node, int]] = []
-        self._declared_bytes = 0
         self._ending = False  # every worker said bye; servers are being shut down
-        self._acks: dict[int, threading.Event] = {}
-        self._ids = itertools.count(1)
         self._done = threading.Event()
         self._gate = HandshakeGate(config.max_pending_handshakes, log)
         self.refusals = self._gate.refusals
@@ -213,7 +191,11 @@ class Scheduler:
         except GradwireError as e:
             self._abort_locked(str(e))
             return
-        self._placement = Placement(len(self._servers))
+        self.declarations = Declarations(
+            self.config,
+            [s.slot_bytes for s in self._servers],
+            lambda rank, body: self._servers[rank].conn.send_json(FrameType.CONTROL, body),
+        )
         servers = [
             {"host": s.host, "port": s.port, "slot_bytes": s.slot_bytes, "unix": s.unix, "host_id": s.host_id}
             for s in self._servers
@@ -254,7 +236,9 @@ class Scheduler:
         op = messages.check(body)
         node.heard = self.clock()
         if op == messages.DECLARE:
-            reply = self._declare(node, body)
+            if self.declarations is None:
+                raise GradwireError(f"worker {node.rank} declared a tensor before the rendezvous completed")
+            reply = {"op": messages.REPLY, "id": body["id"]} | self.declarations.declare(node.rank, body)
             node.conn.send_json(FrameType.CONTROL, reply)
             if "error" in reply and reply.pop("abort", True):  # after the reply: the declarer gets the TensorError
                 with self._lock:
@@ -262,9 +246,8 @@ class Scheduler:
         elif op == messages.HEARTBEAT:
             self._heartbeat(node, body["stats"])
         elif op == messages.REPLY and node.role == "server":
-            event = self._acks.get(int(body["id"]))
-            if event is not None:
-                event.set()
+            if self.declarations is not None:
+                self.declarations.ack(int(body["id"]))
         elif op == messages.BARRIER:
             self._enter_barrier(node, int(body["id"]))
         elif op == messages.BYE:
@@ -273,83 +256,6 @@ class Scheduler:
         else:
             raise GradwireError(f"{node.role} {node.rank} sent unexpected op {op!r}")
         return False
-
-    def _declare(self, node: Node, body: dict) -> dict:
-        name, shape, dtype = str(body["name"]), [int(d) for d in body["shape"]], str(body["dtype"])
-        reply = {"op": messages.REPLY, "id": body["id"]}
-        if dtype not in dtypes.BY_NAME or any(d < 0 for d in shape) or len(shape) > 32:
-            return reply | {"error": f"tensor {name!r}: bad declaration {dtype}{shape}", "abort": False}
-        with self._lock:
-            known = self._tensors.get(name)
-            new = known is None
-            if known is None:
-                try:
-                    known = self._place(name, shape, dtype, node.rank, int(body["partition_bytes"]))
-                except TensorError as e:
-                    return reply | {"error": str(e), "abort": False}
-            if known.shape != shape or known.dtype != dtype:
-                message = (
-                    f"tensor {name!r} declared as {dtype}{shape} by worker {node.rank} but as "
-                    f"{known.dtype}{known.shape} by worker {known.rank}: every worker must declare the same "
-                    "shape and dtype"
-                )
-                return reply | {"error": message}
-        if new:
-            self._register_keys(name, known)
-        elif not known.ready.wait(self.config.timeout):
-            known.error = known.error or f"servers did not confirm the keys of {name!r} in {self.config.timeout}s"
-        if known.error:
-            return reply | {"error": known.error}
-        return reply | {"servers": known.servers, "partition_bytes": known.partition_bytes}
-
-    def _register_keys(self, name: str, decl: Declaration) -> None:
-        """Tell each owning server its keys (it allocates their accumulators then) and wait for every answer."""
-        code = dtypes.BY_NAME[decl.dtype].code
-        waits = []
-        for server in sorted(set(decl.servers)):
-            owned = [[k, code, n] for k, n, s in zip(decl.keys, decl.sizes, decl.servers, strict=True) if s == server]
-            rid = next(self._ids)
-            event = threading.Event()
-            self._acks[rid] = event
-            body = {"op": messages.KEYS, "id": rid, "keys": owned, "name": name}
-            self._servers[server].conn.send_json(FrameType.CONTROL, body)
-            waits.append((server, rid, event))
-        for server, rid, event in waits:
-            if not event.wait(self.config.timeout):
-                decl.error = f"server {server} did not confirm the keys of {name!r} in {self.config.timeout}s"
-            self._acks.pop(rid, None)
-        decl.ready.set()
-
-    def _place(self, name: str, shape: list[int], dtype: str, rank: int, pbytes: int) -> Declaration:
-        itemsize = dtypes.BY_NAME[dtype].itemsize  # our own table, not the peer's word
-        slot = min(s.slot_bytes for s in self._servers)
-        if not itemsize <= pbytes <= slot:
-            raise TensorError(
-                f"tensor {name!r}: partitions of {pbytes} bytes do not fit the servers' {slot}-byte slots"
-            )
-        num = 1
-        for d in shape:
-            num *= d
-        total = num * itemsize
-        if self._declared_bytes + total > self.config.max_declared_bytes:
-            raise TensorError(
-                f"tensor {name!r} of {total} bytes would take the job past GRADWIRE_MAX_DECLARED_BYTES="
-                f"{self.config.max_declared_bytes} ({self._declared_bytes} declared so far)"
-            )
-        parts = partition.split(num, itemsize, pbytes)
-        assert self._placement is not None
-        sizes = [p.count * itemsize for p in parts]
-        keys = [partition.key_of(name, p.index) for p in parts]
-        for key in keys:
-            if key in self._keys:
-                raise TensorError(f"key collision between {name!r} and {self._keys[key]!r}; rename one")
-        servers = self._placement.assign(sizes)
-        for key in keys:
-            self._keys[key] = name
-        self._declared_bytes += total
-        decl = Declaration(shape, dtype, rank, servers, pbytes, keys, sizes)
-        self._tensors[name] = decl
-        return decl
 
     def _heartbeat(self, node: Node, stats: dict) -> None:
         now = self.clock()

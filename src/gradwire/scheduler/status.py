@@ -39,7 +39,8 @@ def cluster_status(s: Scheduler) -> dict:
     now = s.clock()
     with s._lock:
         nodes = sorted(s._nodes, key=lambda n: (n.role, n.rank))
-        loads = list(s._placement.loads) if s._placement else []
+        decls = s.declarations
+        loads = list(decls.placement.loads) if decls else []
         servers = [
             {
                 "rank": n.rank,
@@ -60,8 +61,8 @@ def cluster_status(s: Scheduler) -> dict:
             "healthy": not s.abort_reason and all(node_state(n) != "lost" for n in nodes),
             "nodes": [describe(n, now) for n in nodes],
             "servers": servers,
-            "tensors": len(s._tensors),
-            "declared_bytes": s._declared_bytes,
+            "tensors": len(decls.tensors) if decls else 0,
+            "declared_bytes": decls.declared_bytes if decls else 0,
             "refused_connections": s.refusals.count,
         }
 

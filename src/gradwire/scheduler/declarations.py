@@ -1,0 +1,133 @@
+"""The job's tensors, as the scheduler keeps them: first declarations, partitions, keys, servers.
+
+The first worker to declare a tensor fixes its shape, dtype and partitioning for the job; its partitions are
+placed on servers (placement.py), and each owning server is told its keys (so it allocates their accumulators then,
+off the data path) before the declarer gets its answer. Later declarers of the same name wait on that registration
+and get the same answer, or an error naming both ranks if they disagree.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from gradwire import partition
+from gradwire.config import Config
+from gradwire.errors import TensorError
+from gradwire.placement import Placement
+from gradwire.protocol import dtypes, messages
+
+
+@dataclass
+class Declaration:
+    """The first declaration of a tensor, against which every other worker's is checked."""
+
+    shape: list[int]
+    dtype: str
+    rank: int
+    servers: list[int]
+    partition_bytes: int
+    keys: list[int] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+    ready: threading.Event = field(default_factory=threading.Event)  # set once every owning server knows its keys
+    error: str | None = None
+
+
+class Declarations:
+    """Every tensor of the job. Thread-safe: declarations arrive on every worker's connection thread.
+
+    `send(server_rank, body)` delivers a control message to a server; the server's reply comes back by `ack`.
+    """
+
+    def __init__(self, config: Config, slot_bytes: Sequence[int], send: Callable[[int, dict], None]) -> None:
+        self.config = config
+        self.slot_bytes = min(slot_bytes)
+        self.placement = Placement(len(slot_bytes))
+        self.tensors: dict[str, Declaration] = {}
+        self.declared_bytes = 0
+        self._keys: dict[int, str] = {}
+        self._send = send
+        self._acks: dict[int, threading.Event] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def declare(self, rank: int, body: dict) -> dict:
+        """Answer a worker's declaration: {servers, partition_bytes}, or {error} (with abort=False if only the
+        declarer's request is wrong, rather than the job's workers disagreeing)."""
+        name, shape, dtype = str(body["name"]), [int(d) for d in body["shape"]], str(body["dtype"])
+        if dtype not in dtypes.BY_NAME or any(d < 0 for d in shape) or len(shape) > 32:
+            return {"error": f"tensor {name!r}: bad declaration {dtype}{shape}", "abort": False}
+        with self._lock:
+            known = self.tensors.get(name)
+            new = known is None
+            if known is None:
+                try:
+                    known = self._place(name, shape, dtype, rank, int(body["partition_bytes"]))
+                except TensorError as e:
+                    return {"error": str(e), "abort": False}
+        if known.shape != shape or known.dtype != dtype:
+            return {
+                "error": (
+                    f"tensor {name!r} declared as {dtype}{shape} by worker {rank} but as {known.dtype}{known.shape} "
+                    f"by worker {known.rank}: every worker must declare the same shape and dtype"
+                )
+            }
+        if new:
+            self._register_keys(name, known)
+        elif not known.ready.wait(self.config.timeout):
+            known.error = known.error or f"servers did not confirm the keys of {name!r} in {self.config.timeout}s"
+        if known.error:
+            return {"error": known.error}
+        return {"servers": known.servers, "partition_bytes": known.partition_bytes}
+
+    def ack(self, request_id: int) -> None:
+        """A server confirmed the keys of request `request_id`."""
+        event = self._acks.get(request_id)
+        if event is not None:
+            event.set()
+
+    def _register_keys(self, name: str, decl: Declaration) -> None:
+        """Tell each owning server its keys and wait for every answer."""
+        code = dtypes.BY_NAME[decl.dtype].code
+        waits = []
+        for server in sorted(set(decl.servers)):
+            owned = [[k, code, n] for k, n, s in zip(decl.keys, decl.sizes, decl.servers, strict=True) if s == server]
+            rid = next(self._ids)
+            event = self._acks[rid] = threading.Event()
+            self._send(server, {"op": messages.KEYS, "id": rid, "keys": owned, "name": name})
+            waits.append((server, rid, event))
+        for server, rid, event in waits:
+            if not event.wait(self.config.timeout):
+                decl.error = f"server {server} did not confirm the keys of {name!r} in {self.config.timeout}s"
+            self._acks.pop(rid, None)
+        decl.ready.set()
+
+    def _place(self, name: str, shape: list[int], dtype: str, rank: int, pbytes: int) -> Declaration:
+        itemsize = dtypes.BY_NAME[dtype].itemsize  # our own table, not the peer's word
+        if not itemsize <= pbytes <= self.slot_bytes:
+            raise TensorError(
+                f"tensor {name!r}: partitions of {pbytes} bytes do not fit the servers' {self.slot_bytes}-byte slots"
+            )
+        num = 1
+        for d in shape:
+            num *= d
+        total = num * itemsize
+        if self.declared_bytes + total > self.config.max_declared_bytes:
+            raise TensorError(
+                f"tensor {name!r} of {total} bytes would take the job past GRADWIRE_MAX_DECLARED_BYTES="
+                f"{self.config.max_declared_bytes} ({self.declared_bytes} declared so far)"
+            )
+        parts = partition.split(num, itemsize, pbytes)
+        sizes = [p.count * itemsize for p in parts]
+        keys = [partition.key_of(name, p.index) for p in parts]
+        for key in keys:
+            if key in self._keys:
+                raise TensorError(f"key collision between {name!r} and {self._keys[key]!r}; rename one")
+        servers = self.placement.assign(sizes)
+        for key in keys:
+            self._keys[key] = name
+        self.declared_bytes += total
+        decl = self.tensors[name] = Declaration(shape, dtype, rank, servers, pbytes, keys, sizes)
+        return decl
