@@ -205,34 +205,6 @@ ENV_VARS: tuple[EnvVar, ...] = (
     ),
 )
 
-_INT_FIELDS = {
-    "unanswered",
-    "num_workers",
-    "num_servers",
-    "partition_bytes",
-    "window",
-    "credit_bytes",
-    "fusion_bytes",
-    "ring_slots",
-    "engines",
-    "max_frame_bytes",
-    "max_declared_bytes",
-    "max_pending_handshakes",
-    "admin_port",
-    "timeline_steps",
-    "socket_buffer_bytes",
-}
-_FLOAT_FIELDS = {
-    "timeout",
-    "switch_interval",
-    "handshake_timeout",
-    "frame_timeout",
-    "heartbeat_interval",
-    "heartbeat_timeout",
-    "stall_seconds",
-}
-_OPTIONAL_INT_FIELDS = {"rank", "local_rank", "local_size"}
-
 
 @dataclass(frozen=True)
 class Config:
@@ -347,16 +319,20 @@ def _lookup(env: Mapping[str, str], var: EnvVar) -> str | None:
 
 
 def _parse(var: EnvVar, raw: str) -> object:
+    kind = _FIELD_TYPES[var.field]  # from Config's annotations: one place says what type a setting is
     try:
-        if var.field in _INT_FIELDS or var.field in _OPTIONAL_INT_FIELDS:
+        if kind in ("int", "int | None"):
             return int(raw)
-        if var.field in _FLOAT_FIELDS:
+        if kind == "float":
             return float(raw)
     except ValueError:
         raise ConfigError(f"{var.name} must be a number, got {raw!r}") from None
     if var.field == "role":
         return raw.strip().lower()
     return raw
+
+
+_FIELD_TYPES = {f.name: str(f.type) for f in dataclasses.fields(Config)}
 
 
 def env_for(config: Config) -> dict[str, str]:

@@ -86,3 +86,14 @@ def test_public_api_is_sorted_and_importable():
     assert gradwire.__all__ == sorted(gradwire.__all__)
     for name in gradwire.__all__:
         assert hasattr(gradwire, name)
+
+
+def test_the_table_defaults_are_the_dataclass_defaults():
+    from gradwire.config import _parse
+
+    blank = Config()
+    for var in ENV_VARS:
+        expected = getattr(blank, var.field)
+        assert (_parse(var, var.default) if var.default else expected) == expected, var.name
+        if not var.default:
+            assert expected in ("", None), var.name
