@@ -215,12 +215,12 @@ class Scheduler:
         log.info("rendezvous complete: %d workers, %d servers", len(self._workers), len(self._servers))
 
     def _rendezvous_deadline(self) -> None:
-        deadline = time.monotonic() + self.config.timeout
+        deadline = self.clock() + self.config.timeout
         while not self._done.wait(0.2):
             with self._lock:
                 if self._workers or self._servers:
                     return
-                if time.monotonic() > deadline:
+                if self.clock() > deadline:
                     have = {r: sum(n.role == r for n in self._nodes) for r in ("worker", "server")}
                     self._abort_locked(
                         f"rendezvous timed out after {self.config.timeout}s: {have['worker']}/"

@@ -96,7 +96,6 @@ class Engine:
         self._reply = reply
         self._fail = fail
         self.keys: dict[int, KeyState] = {}
-        self.rounds_completed = 0
         self._thread = threading.Thread(target=self._run, name=f"gw-engine-{index}", daemon=True)
 
     def start(self) -> None:
@@ -193,5 +192,4 @@ class Engine:
         else:  # complete: the RESULT is the last pusher's acknowledgement too
             if state.narrow:
                 dtypes.narrow(dtype, state.acc[i], state.out[i])
-            self.rounds_completed += 1
             self._reply(slot.key, slot.round, slot.dtype, memoryview(state.out[i]).cast("B"), state.pulls[i])

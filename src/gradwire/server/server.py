@@ -171,7 +171,7 @@ class Server:
 
     @property
     def rounds_completed(self) -> int:
-        return sum(e.rounds_completed for e in self._engines)
+        return self.metrics.rounds  # counted once, where each finished round is handed to the repliers
 
     # -- connections -----------------------------------------------------------------------------
 
@@ -245,13 +245,13 @@ class Server:
                     f"frame claims sender {header.sender} epoch {header.epoch}; connection is worker "
                     f"{conn.peer_rank} in epoch {self.epoch}"
                 )
+            in_shm = header.flags & shm.SHM_PAYLOAD
             problem = engines[header.key % len(engines)].check(header.key, header.dtype, header.length)
             if problem is not None:  # the tensor's error, not the server's: refuse it, keep the stream in sync
-                if not header.flags & shm.SHM_PAYLOAD:
+                if not in_shm:
                     self._discard(conn, header.length)
                 conn.send_json(FrameType.ERROR, {"message": problem}, key=header.key)
                 continue
-            in_shm = header.flags & shm.SHM_PAYLOAD
             if in_shm:
                 push, pull = self._check_slots(link, header)
             ring = engines[header.key % len(engines)].ring

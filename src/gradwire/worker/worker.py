@@ -72,7 +72,7 @@ class Worker:
         self.metrics = Metrics("worker")
         self.timeline: Timeline | None = None
         self.credit: Credit | None = None
-        self.admin: NodeAdmin | None = None  # type: ignore[assignment]
+        self.admin: NodeAdmin | None = None
 
     # -- life cycle ------------------------------------------------------------------------------
 
@@ -252,7 +252,6 @@ class Worker:
                 "name": name,
                 "shape": list(shape),
                 "dtype": wire.name,
-                "itemsize": wire.itemsize,
                 "partition_bytes": self._partition_bytes,
             }
         )
