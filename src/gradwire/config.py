@@ -203,6 +203,30 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "60",
         "a round waiting this long is logged by its server (which ranks have not pushed which tensor); 0: off",
     ),
+    EnvVar(
+        "GRADWIRE_DETERMINISTIC",
+        "deterministic",
+        (),
+        "1",
+        "servers add contributions in rank order whatever order they arrive in, so sums are bit-identical from "
+        "run to run (and across a server failover); 0 adds in arrival order and stages nothing",
+    ),
+    EnvVar(
+        "GRADWIRE_SERVER_FAILOVER",
+        "server_failover",
+        (),
+        "1",
+        "a dead server's keys move to a standby or the surviving servers and workers resend what it lost; workers "
+        "keep a copy of each partition's last sum for that (0: a dead server aborts the job, no copies)",
+    ),
+    EnvVar(
+        "GRADWIRE_NUM_STANDBY",
+        "num_standby",
+        (),
+        "0",
+        "standby servers (scheduler): they take over a dead server's keys whole; `gradwire launch --standby-servers`",
+    ),
+    EnvVar("GRADWIRE_STANDBY", "standby", (), "0", "this server is a standby (idle until a server dies)"),
 )
 
 
@@ -244,6 +268,10 @@ class Config:
     timeline: str = ""
     timeline_steps: int = 20
     stall_seconds: float = 60.0
+    deterministic: bool = True
+    server_failover: bool = True
+    num_standby: int = 0
+    standby: bool = False
 
     def __post_init__(self) -> None:
         self._check()
@@ -306,6 +334,8 @@ class Config:
             raise ConfigError(f"GRADWIRE_SCHEDULER must be host:port, got {self.scheduler!r}")
         if self.transport not in ("auto", "unix", "tcp"):
             raise ConfigError(f"GRADWIRE_TRANSPORT must be auto, unix or tcp, got {self.transport!r}")
+        if self.num_standby < 0:
+            raise ConfigError(f"GRADWIRE_NUM_STANDBY must be at least 0, got {self.num_standby}")
         if self.timeout <= 0:
             raise ConfigError(f"GRADWIRE_TIMEOUT must be positive, got {self.timeout}")
 
@@ -320,6 +350,11 @@ def _lookup(env: Mapping[str, str], var: EnvVar) -> str | None:
 
 def _parse(var: EnvVar, raw: str) -> object:
     kind = _FIELD_TYPES[var.field]  # from Config's annotations: one place says what type a setting is
+    if kind == "bool":
+        value = raw.strip().lower()
+        if value not in _TRUE + _FALSE:
+            raise ConfigError(f"{var.name} must be 1/0 (true/false, yes/no, on/off), got {raw!r}")
+        return value in _TRUE
     try:
         if kind in ("int", "int | None"):
             return int(raw)
@@ -332,6 +367,8 @@ def _parse(var: EnvVar, raw: str) -> object:
     return raw
 
 
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
 _FIELD_TYPES = {f.name: str(f.type) for f in dataclasses.fields(Config)}
 
 
@@ -342,5 +379,5 @@ def env_for(config: Config) -> dict[str, str]:
         value = getattr(config, var.field)
         if value is None or value == "":
             continue
-        out[var.name] = str(value)
+        out[var.name] = str(int(value)) if isinstance(value, bool) else str(value)
     return out

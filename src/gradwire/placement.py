@@ -21,18 +21,29 @@ class Placement:
         if len(self.weights) != num_servers or min(self.weights) <= 0:
             raise ValueError(f"need {num_servers} positive weights, got {self.weights}")
         self.loads = [0] * num_servers
+        self.dead: set[int] = set()
+
+    def remove(self, server: int) -> None:
+        """A server died: nothing more is assigned to it (its partitions are re-assigned by the caller)."""
+        if len(self.dead | {server}) >= len(self.loads):
+            raise ValueError("cannot remove the last server")
+        self.dead.add(server)
+        self.loads[server] = 0
 
     def assign(self, sizes: Sequence[int]) -> list[int]:
         """Assign partitions of the given byte sizes; returns a server rank for each, in order."""
         out = []
         for size in sizes:
-            server = min(range(len(self.loads)), key=lambda s: ((self.loads[s] + size) / self.weights[s], s))
+            live = (s for s in range(len(self.loads)) if s not in self.dead)
+            server = min(live, key=lambda s: ((self.loads[s] + size) / self.weights[s], s))
             self.loads[server] += size
             out.append(server)
         return out
 
     def imbalance(self) -> float:
         """The most loaded server's weighted load over the mean (1.0 is perfect balance)."""
-        weighted = [load / w for load, w in zip(self.loads, self.weights, strict=True)]
+        weighted = [
+            load / w for s, (load, w) in enumerate(zip(self.loads, self.weights, strict=True)) if s not in self.dead
+        ]
         mean = sum(weighted) / len(weighted)
         return max(weighted) / mean if mean else 1.0

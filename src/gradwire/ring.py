@@ -25,7 +25,20 @@ from gradwire.errors import GradwireTimeout
 class Slot:
     """One preallocated receive buffer and the header fields of the frame it holds."""
 
-    __slots__ = ("array", "buffer", "conn", "data", "dtype", "key", "length", "pull", "round", "sender", "valid")
+    __slots__ = (
+        "array",
+        "buffer",
+        "conn",
+        "data",
+        "dtype",
+        "flags",
+        "key",
+        "length",
+        "pull",
+        "round",
+        "sender",
+        "valid",
+    )
 
     def __init__(self, buffer: memoryview, array: np.ndarray) -> None:
         self.buffer = buffer  # the slot's own memory, for recv_into
@@ -38,6 +51,7 @@ class Slot:
         self.dtype = 0
         self.length = 0
         self.sender = 0
+        self.flags = 0  # the frame's flags (SEED: a sum a worker already holds, resent after a failover)
         self.valid = False  # False: the frame was not fully received; the consumer skips it
 
 

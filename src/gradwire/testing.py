@@ -47,9 +47,12 @@ class LocalCluster:
         self.config = base
         self.servers: list[Server] = []
         self.workers: list[Worker] = []
+        self.standby: list[Server] = []
         starters = [
-            threading.Thread(target=self._start_server, args=(dataclasses.replace(base, role="server"),))
-            for _ in range(num_servers)
+            threading.Thread(
+                target=self._start_server, args=(dataclasses.replace(base, role="server", standby=i >= num_servers),)
+            )
+            for i in range(num_servers + base.num_standby)
         ]
         for t in starters:
             t.start()
@@ -59,7 +62,14 @@ class LocalCluster:
             )
         for t in starters:
             t.join()
-        self.servers.sort(key=lambda s: s.rank)
+        self.standby = [s for s in self.servers if s.standby]
+        self.servers = sorted((s for s in self.servers if not s.standby), key=lambda s: s.rank)
+
+    def kill_server(self, rank: int) -> Server:
+        """Stop server `rank` abruptly (its connections close as if its process died); returns it."""
+        server = next(s for s in self.servers if s.rank == rank)
+        server.stop()
+        return server
 
     def _start_server(self, config: Config) -> None:
         self.servers.append(Server(config).start())
@@ -73,7 +83,7 @@ class LocalCluster:
         for worker in self.workers:
             worker.shutdown()
         self.scheduler.wait(5)
-        for server in self.servers:
+        for server in self.servers + self.standby:
             server.stop()
         self.scheduler.stop()
 

@@ -1,14 +1,29 @@
 import numpy as np
 
 from gradwire.protocol import dtypes
-from gradwire.ring import Ring
+from gradwire.protocol.frames import SEED
+from gradwire.ring import Ring, Slot
 from gradwire.server.engine import Engine
 
 
-def _engine(replies, acks, fails):
+def _engine(replies, acks, fails, workers=2, deterministic=True):
     return Engine(
-        0, Ring(4, 64), 2, lambda *a: replies.append(a), lambda s, m: fails.append(m), lambda *a: acks.append(a)
+        0,
+        Ring(4, 64),
+        workers,
+        lambda *a: replies.append((*a[:4], bytes(a[3]), a[5])),
+        lambda s, m: fails.append(m),
+        lambda *a: acks.append(a),
+        deterministic=deterministic,
     )
+
+
+def _push(engine, sender, data, key=9, rnd=1, flags=0):
+    slot = Slot(memoryview(bytearray(0)), np.empty(0, np.uint8))
+    slot.data = np.ascontiguousarray(data).view(np.uint8)
+    slot.key, slot.round, slot.dtype, slot.length = key, rnd, dtypes.from_numpy(data.dtype).code, data.nbytes
+    slot.sender, slot.flags = sender, flags
+    engine.on_event(slot)
 
 
 def test_frames_are_checked_against_the_declaration_before_a_slot_is_taken():
@@ -32,6 +47,51 @@ def test_a_round_completes_with_every_worker_and_acks_the_others():
         slot.key, slot.round, slot.dtype, slot.length, slot.sender = 9, 1, 2, 16, sender
         engine.on_event(slot)
     assert acks == [(0, 9, 1)] and not fails
-    key, rnd, dtype, payload, _ = replies[0]
+    key, rnd, dtype, _, payload, _ = replies[0]
     assert (key, rnd, dtype) == (9, 1, 2)
     assert list(np.frombuffer(payload, np.float32)) == [3.0] * 4
+
+
+def _sum_in_order(order, contributions, deterministic=True):
+    replies = []
+    engine = _engine(replies, [], [], workers=len(contributions), deterministic=deterministic)
+    engine.declare(9, dtypes.BY_NAME["float32"], contributions[0].nbytes)
+    for rank in order:
+        _push(engine, rank, contributions[rank])
+    assert len(replies) == 1 and replies[0][5] == (1 << len(contributions)) - 1
+    return replies[0][4]
+
+
+def test_sums_are_bit_identical_whatever_the_arrival_order():
+    rng = np.random.default_rng(5)
+    # magnitudes far apart, so the order of additions changes the rounding
+    contributions = [(rng.standard_normal(512) * 10.0 ** rng.integers(-6, 7, 512)).astype(np.float32) for _ in range(5)]
+    orders = [[0, 1, 2, 3, 4], [4, 3, 2, 1, 0], [2, 0, 4, 1, 3], [1, 2, 3, 4, 0], [3, 4, 0, 2, 1]]
+    sums = {_sum_in_order(order, contributions) for order in orders}
+    assert len(sums) == 1
+    expected = contributions[0].copy()
+    for c in contributions[1:]:
+        expected += c
+    assert sums == {expected.tobytes()}
+    # arrival order does change the bits when the engine adds as things come (the reason for the default)
+    assert len({_sum_in_order(order, contributions, deterministic=False) for order in orders}) > 1
+
+
+def test_a_seed_completes_a_round_and_answers_its_pushers_before_and_after():
+    replies, acks = [], []
+    engine = _engine(replies, acks, [], workers=3)
+    engine.declare(9, dtypes.BY_NAME["float32"], 16)
+    total = np.arange(4, dtype=np.float32) * 7
+    _push(engine, 1, np.ones(4, np.float32), rnd=5)  # worker 1 never got round 5's sum from the dead server
+    _push(engine, 0, total, rnd=5, flags=SEED)  # worker 0 did: the round is complete, worker 1 is answered
+    assert [(r[1], r[5]) for r in replies] == [(5, 0b010)] and replies[0][4] == total.tobytes()
+    _push(engine, 2, np.ones(4, np.float32), rnd=5)  # worker 2's push arrives after the seed: answered alone
+    assert [(r[1], r[5]) for r in replies[1:]] == [(5, 0b100)] and replies[1][4] == total.tobytes()
+    _push(engine, 2, total * 2, rnd=5, flags=SEED)  # a second seed of a complete round changes nothing
+    _push(engine, 1, total, rnd=3, flags=SEED)  # nor does a seed of a round this buffer has moved past
+    assert len(replies) == 2
+    for rank in range(3):  # the next rounds go on as usual
+        _push(engine, rank, np.full(4, rank, np.float32), rnd=6)
+        _push(engine, rank, np.full(4, rank, np.float32), rnd=7)
+    assert [(r[1], r[5]) for r in replies[2:]] == [(6, 0b111), (7, 0b111)]
+    assert replies[3][4] == np.full(4, 3, np.float32).tobytes()

@@ -18,6 +18,12 @@ def main(argv: list[str] | None = None) -> int:
     launch = sub.add_parser("launch", help="start a whole job on this machine")
     launch.add_argument("-n", "--num-workers", type=int, required=True)
     launch.add_argument("-s", "--num-servers", type=int, default=1)
+    launch.add_argument(
+        "--standby-servers",
+        type=int,
+        default=0,
+        help="idle servers that take a dead server's keys whole (without one they move onto the survivors)",
+    )
     launch.add_argument("--host", default="127.0.0.1", help="address every node binds and advertises")
     launch.add_argument("--timeout", type=float, default=None, help="seconds any blocking call may wait")
     launch.add_argument("command", nargs=argparse.REMAINDER, help="the worker command, after --")
@@ -71,7 +77,7 @@ def run_scheduler(config: Config) -> int:
     from gradwire.scheduler import Scheduler
 
     scheduler = Scheduler(config).start()
-    print(f"gradwire scheduler listening on {scheduler.address}", flush=True)
+    print(f"gradwire scheduler listening on {scheduler.address} (pid {os.getpid()})", flush=True)
     if scheduler.admin_url:
         print(f"gradwire scheduler admin on {scheduler.admin_url} (/status, /metrics)", flush=True)
     reason = scheduler.wait()
@@ -90,6 +96,8 @@ def run_server(config: Config) -> int:
     except Exception as e:  # noqa: BLE001 - a clear one-line message instead of a traceback
         print(f"gradwire server: cannot join the job at {config.scheduler}: {e}", file=sys.stderr, flush=True)
         return 1
+    role = f"standby server (pid {os.getpid()})" if server.standby else f"server {server.rank} (pid {os.getpid()})"
+    print(f"gradwire {role} serving on {config.host}:{server.port}", flush=True)
     reason = server.wait()
     server.stop()
     if reason:

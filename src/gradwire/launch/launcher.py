@@ -53,15 +53,18 @@ class Launcher:
         host: str = "127.0.0.1",
         timeout: float | None = None,
         env: dict[str, str] | None = None,
+        standby: int = 0,
     ) -> None:
         if not command:
             raise SystemExit("gradwire launch: give the worker command after --, e.g. -- python train.py")
         self.num_workers, self.num_servers, self.command, self.host = num_workers, num_servers, command, host
+        self.num_standby = standby
         self.base_env = dict(os.environ if env is None else env)
         self.base_env.update(
             {
                 "GRADWIRE_NUM_WORKERS": str(num_workers),
                 "GRADWIRE_NUM_SERVERS": str(num_servers),
+                "GRADWIRE_NUM_STANDBY": str(standby),
                 "GRADWIRE_HOST": host,
                 "GRADWIRE_SECRET": secrets.token_hex(32),
                 "PYTHONUNBUFFERED": "1",
@@ -102,7 +105,10 @@ class Launcher:
         if address is None:
             return self._report(scheduler, "did not start")
         self.base_env["GRADWIRE_SCHEDULER"] = address
-        self._say(f"scheduler at {address}; starting {self.num_servers} servers and {self.num_workers} workers")
+        standby = f" (+{self.num_standby} standby)" if self.num_standby else ""
+        self._say(
+            f"scheduler at {address}; starting {self.num_servers} servers{standby} and {self.num_workers} workers"
+        )
         if self.admin_url:
             self._say(
                 f"status: {self.admin_url}/status  metrics: {self.admin_url}/metrics  "
@@ -115,6 +121,13 @@ class Launcher:
                 r,
                 [sys.executable, "-m", "gradwire", "server"],
                 {"GRADWIRE_ROLE": "server", "GRADWIRE_RANK": str(r)},
+            )
+        for r in range(self.num_standby):
+            self._spawn(
+                "standby",
+                r,
+                [sys.executable, "-m", "gradwire", "server"],
+                {"GRADWIRE_ROLE": "server", "GRADWIRE_STANDBY": "1"},
             )
         for r in range(self.num_workers):
             self._spawn(
@@ -144,6 +157,10 @@ class Launcher:
             except queue.Empty:
                 continue
             if child.role != "worker":
+                if child.proc.returncode != 0:
+                    self._say(
+                        f"{child.label} {_how(child.proc.returncode)} (pid {child.proc.pid}){_consequence(child)}"
+                    )
                 continue
             running.discard(id(child))
             if child.proc.returncode != 0:
@@ -162,13 +179,8 @@ class Launcher:
 
     def _report(self, child: Child, what: str) -> int:
         code = child.proc.wait()
-        if code < 0:
-            how = f"was killed by {signal.Signals(-code).name}"
-            exit_code = 128 - code
-        else:
-            how = f"exited with code {code}"
-            exit_code = code or 1
-        self._say(f"{child.label} {what}: it {how} (pid {child.proc.pid}); stopping the other processes")
+        exit_code = 128 - code if code < 0 else code or 1
+        self._say(f"{child.label} {what}: it {_how(code)} (pid {child.proc.pid}); stopping the other processes")
         return exit_code
 
     def _await_address(self, scheduler: Child) -> str | None:
@@ -181,7 +193,7 @@ class Launcher:
                     return None
                 continue
             if line.startswith("gradwire scheduler listening on "):
-                address = line.rsplit(" ", 1)[1].strip()
+                address = line.split(" listening on ", 1)[1].split()[0]
                 try:  # the admin URL follows on the next line, unless the endpoint is off
                     admin = scheduler.lines.get(timeout=2)
                 except queue.Empty:
@@ -249,6 +261,18 @@ class Launcher:
         self.out.line(f"[gradwire launch] {message}")
 
 
+def _how(code: int) -> str:
+    return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+
+
+def _consequence(child: Child) -> str:
+    if child.role == "scheduler":
+        return "; the workers stop with an error naming it"
+    if child.role == "server" and Config.from_env().server_failover:
+        return "; its keys move to a standby or the other servers, and the workers resend what it lost"
+    return ""
+
+
 def _progress_line(status: dict) -> str:
     workers = [n for n in status["nodes"] if n["role"] == "worker"]
     alive = sum(n["state"] == "alive" for n in workers)
@@ -271,5 +295,8 @@ def launch_from_args(args: argparse.Namespace) -> int:
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
-    Config.from_env(num_workers=args.num_workers, num_servers=args.num_servers)  # fail early on bad settings
-    return Launcher(args.num_workers, args.num_servers, command, args.host, args.timeout).run()
+    # fail early on bad settings
+    Config.from_env(num_workers=args.num_workers, num_servers=args.num_servers, num_standby=args.standby_servers)
+    return Launcher(
+        args.num_workers, args.num_servers, command, args.host, args.timeout, standby=args.standby_servers
+    ).run()

@@ -74,7 +74,7 @@ def start_gradwire(cluster: EmulatedCluster, argv: Sequence[str], env: Mapping[s
     if not first.startswith("gradwire scheduler listening on "):
         scheduler.kill()
         raise GradwireError(f"the scheduler did not start: {first!r}")
-    base["GRADWIRE_SCHEDULER"] = first.rsplit(" ", 1)[1].strip()
+    base["GRADWIRE_SCHEDULER"] = first.split(" listening on ", 1)[1].split()[0]
     # keep reading, or a chatty scheduler would block on a full pipe
     threading.Thread(target=_drain, args=(scheduler.stdout,), daemon=True).start()
     services = [scheduler] + [

@@ -41,6 +41,10 @@ class FrameType(enum.IntEnum):
     SHM_ATTACH = 9  # worker -> server {path, push, pull, slot_bytes}; the reply {ok} (transport/shm.py)
 
 
+# PUSHPULL flag: the payload is a sum the worker already received (resent to a key's new server after a failover;
+# transport/shm.py's SHM_PAYLOAD is 0x01)
+SEED = 0x02
+
 DATA_TYPES = frozenset({FrameType.PUSHPULL, FrameType.RESULT})
 
 

@@ -19,6 +19,9 @@ ABORT = "abort"
 SHUTDOWN = "shutdown"
 HEARTBEAT = "heartbeat"  # node -> scheduler, every GRADWIRE_HEARTBEAT_INTERVAL: {stats} for /status
 KEYS = "keys"  # scheduler -> server: the keys it owns, with dtype and bytes; the server replies when ready
+SERVER_LOST = "server_lost"  # worker -> scheduler: my connection to this server died
+PROMOTE = "promote"  # scheduler -> standby server: you are now server `rank`, in `epoch`
+REPLACE = "replace"  # scheduler -> worker: server `server` is gone; its keys are on `standby` or `moved` tensors
 
 _REQUIRED = {
     REGISTER: ("role", "host", "port"),
@@ -31,6 +34,9 @@ _REQUIRED = {
     SHUTDOWN: (),
     KEYS: ("id", "keys"),
     HEARTBEAT: ("stats",),
+    SERVER_LOST: ("server",),
+    PROMOTE: ("rank", "epoch"),
+    REPLACE: ("epoch", "server", "moved"),
 }
 
 

@@ -88,11 +88,37 @@ class Declarations:
         if event is not None:
             event.set()
 
-    def _register_keys(self, name: str, decl: Declaration) -> None:
-        """Tell each owning server its keys and wait for every answer."""
+    def evict(self, dead: int) -> dict[str, list[int]]:
+        """Re-place every partition of server `dead` on the live servers and register the keys there (blocks until
+        they confirm). Returns {tensor: its servers now} for the tensors that moved."""
+        moved: dict[str, list[int]] = {}
+        with self._lock:
+            self.placement.remove(dead)
+            for name, decl in self.tensors.items():
+                lost = [j for j, s in enumerate(decl.servers) if s == dead]
+                if not lost:
+                    continue
+                servers = list(decl.servers)
+                for j, server in zip(lost, self.placement.assign([decl.sizes[j] for j in lost]), strict=True):
+                    servers[j] = server
+                decl.servers = servers
+                moved[name] = servers
+        for name, servers in moved.items():
+            self._register_keys(name, self.tensors[name], only={s for s in servers if s != dead})
+        return moved
+
+    def register_all(self, server: int) -> None:
+        """Register every key of `server` with it again (a standby that took a dead server's place)."""
+        with self._lock:
+            owning = [(name, decl) for name, decl in self.tensors.items() if server in decl.servers]
+        for name, decl in owning:
+            self._register_keys(name, decl, only={server})
+
+    def _register_keys(self, name: str, decl: Declaration, only: set[int] | None = None) -> None:
+        """Tell each owning server (or those in `only`) its keys and wait for every answer."""
         code = dtypes.BY_NAME[decl.dtype].code
         waits = []
-        for server in sorted(set(decl.servers)):
+        for server in sorted(set(decl.servers) if only is None else only):
             owned = [[k, code, n] for k, n, s in zip(decl.keys, decl.sizes, decl.servers, strict=True) if s == server]
             rid = next(self._ids)
             event = self._acks[rid] = threading.Event()

@@ -5,8 +5,13 @@ Life of a job, as seen here:
    When all `num_workers + num_servers` are in, ranks are fixed and everyone gets the address book.
 2. service: workers declare tensors (the scheduler checks every worker declares the same shape and dtype,
    and places partitions on servers), and meet at barriers.
-3. end: when every worker has said bye, servers are told to shut down. A worker or server whose
-   connection drops before its bye aborts the job: every node is told why, so nobody hangs.
+3. end: when every worker has said bye, servers are told to shut down. A worker whose connection drops before
+   its bye aborts the job: every node is told why, so nobody hangs.
+
+A server that dies (its connection drops, it falls silent, or a worker reports it) is failed over when
+GRADWIRE_SERVER_FAILOVER is on: the epoch goes up, its keys go to a standby (at the same index) or are re-placed
+on the surviving servers, and every worker is told (REPLACE) so it can resend what the server had not answered
+(docs/faults.md). With no server left to take them, the job aborts naming the server.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ class Node:
     unix: str = ""
     host_id: str = ""
     rank: int = -1
+    standby: bool = False  # an idle server that takes a dead server's place
+    since_epoch: int = 1  # the epoch from which it holds its rank (a promoted standby's is later)
     said_bye: bool = False
     lost: bool = False
     admin: int = -1  # its admin endpoint's port (-1: none), on admin_host
@@ -71,6 +78,8 @@ class Scheduler:
         self._nodes: list[Node] = []
         self._workers: list[Node] = []
         self._servers: list[Node] = []
+        self._standby: list[Node] = []  # standby servers not yet promoted
+        self.failovers: list[dict] = []  # one record per failover: server, epoch, where its keys went, duration
         self.declarations: Declarations | None = None  # once ranks are fixed
         self._barrier: list[tuple[Node, int]] = []
         self._ending = False  # every worker said bye; servers are being shut down
@@ -91,7 +100,7 @@ class Scheduler:
 
     @property
     def expected(self) -> int:
-        return self.config.num_workers + self.config.num_servers
+        return self.config.num_workers + self.config.num_servers + self.config.num_standby
 
     def start(self) -> Scheduler:
         """Start accepting connections in a background thread, and the admin endpoint (see `admin_url`)."""
@@ -170,6 +179,7 @@ class Scheduler:
             host_id=str(body.get("host_id", "")),
             admin=int(body.get("admin", -1)),
             admin_host=str(body.get("admin_host", "")) or conn.peer.rsplit(":", 1)[0],
+            standby=bool(body.get("standby", False)),
         )
         node.heard = node.last_seen = self.clock()
         with self._lock:
@@ -186,8 +196,10 @@ class Scheduler:
             for role, count, group in (
                 ("worker", self.config.num_workers, self._workers),
                 ("server", self.config.num_servers, self._servers),
+                ("standby", self.config.num_standby, self._standby),
             ):
-                group.extend(_rank(role, count, [n for n in self._nodes if n.role == role]))
+                members = [n for n in self._nodes if _role(n) == role]
+                group.extend(_rank(role, count, members) if role != "standby" else _number(members, count))
         except GradwireError as e:
             self._abort_locked(str(e))
             return
@@ -210,6 +222,7 @@ class Scheduler:
                     "num_workers": len(self._workers),
                     "servers": servers,
                     "workers": [w.host for w in self._workers],
+                    "standby": node.standby,
                 },
             )
         log.info("rendezvous complete: %d workers, %d servers", len(self._workers), len(self._servers))
@@ -250,6 +263,10 @@ class Scheduler:
                 self.declarations.ack(int(body["id"]))
         elif op == messages.BARRIER:
             self._enter_barrier(node, int(body["id"]))
+        elif op == messages.SERVER_LOST and node.role == "worker":
+            server = int(body["server"])
+            if 0 <= server < len(self._servers) and int(body.get("epoch", 0)) >= self._servers[server].since_epoch:
+                self._server_lost(self._servers[server], f"worker {node.rank} lost it: {body.get('error', '?')}")
         elif op == messages.BYE:
             self._bye(node)
             return True
@@ -288,6 +305,8 @@ class Scheduler:
             silent = [
                 n for n in self._nodes if not (n.said_bye or n.lost) and now - n.heard > self.config.heartbeat_timeout
             ]
+            servers = [n for n in silent if n.role == "server" and self._can_fail_over_locked(n)]
+            silent = [n for n in silent if n not in servers]
             for node in silent:
                 node.lost = True
             if silent:
@@ -297,7 +316,9 @@ class Scheduler:
                     f"(GRADWIRE_HEARTBEAT_TIMEOUT={self.config.heartbeat_timeout:g})",
                     lost=(first.role, first.rank),
                 )
-        return silent
+        for node in servers:
+            self._server_lost(node, f"silent for {now - node.heard:.0f}s")
+        return silent + servers
 
     def _enter_barrier(self, node: Node, request_id: int) -> None:
         with self._lock:
@@ -313,7 +334,7 @@ class Scheduler:
             node.said_bye = True
             if not all(w.said_bye for w in self._workers) or node.role != "worker":
                 return
-            servers = list(self._servers)
+            servers = [s for s in self._servers if not s.lost] + self._standby
             # before the shutdowns go out: a server that closes on receiving one has not been lost
             self._ending = True
         for server in servers:
@@ -329,11 +350,96 @@ class Scheduler:
         if node is None:
             self._gate.refuse(conn, f"dropped before registration: {error}")
             return
+        if node.role == "server" and (node in self._servers or node in self._standby):
+            self._server_lost(node, str(error))
+            return
         with self._lock:
-            if node.said_bye or self._ending or self._done.is_set():
+            if node.said_bye or node.lost or self._ending or self._done.is_set():
                 return
             node.lost = True
             self._abort_locked(f"lost {node.role} {node.rank} at {node.host}: {error}", lost=(node.role, node.rank))
+
+    # -- failover (docs/faults.md) ---------------------------------------------------------------
+
+    def _can_fail_over_locked(self, node: Node) -> bool:
+        live = [s for s in self._servers if not s.lost and s is not node]
+        return self.config.server_failover and self.declarations is not None and bool(live or self._standby)
+
+    def _server_lost(self, node: Node, why: str) -> None:
+        """A server is gone: fail it over (in a thread of its own: it waits on the new owners), or abort."""
+        with self._lock:
+            if node.lost or node.said_bye or self._ending or self._done.is_set():
+                return
+            if node in self._standby:  # an idle standby: nothing to move
+                node.lost = True
+                self._standby.remove(node)
+                log.warning("standby server at %s lost: %s", node.host, why)
+                return
+            if not self._can_fail_over_locked(node):
+                node.lost = True
+                self._abort_locked(f"lost server {node.rank} at {node.host}: {why}", lost=("server", node.rank))
+                return
+            node.lost = True
+            self.epoch += 1
+            standby = self._standby.pop(0) if self._standby else None
+            if standby is not None:
+                standby.rank = node.rank
+                standby.standby = False
+                standby.since_epoch = self.epoch
+                self._servers[node.rank] = standby
+            epoch = self.epoch
+        node.conn.close()  # fence it: a server the workers cannot reach must not go on summing
+        threading.Thread(
+            target=self._fail_over, args=(node, standby, epoch, why), name="gw-sched-failover", daemon=True
+        ).start()
+
+    def _fail_over(self, dead: Node, standby: Node | None, epoch: int, why: str) -> None:
+        started = self.clock()
+        assert self.declarations is not None
+        log.warning("lost server %d at %s (%s): failing over in epoch %d", dead.rank, dead.host, why, epoch)
+        try:
+            if standby is not None:
+                standby.conn.send_json(FrameType.CONTROL, {"op": messages.PROMOTE, "rank": dead.rank, "epoch": epoch})
+                self.declarations.register_all(dead.rank)
+                moved: dict[str, list[int]] = {}
+                address = {
+                    "host": standby.host,
+                    "port": standby.port,
+                    "slot_bytes": standby.slot_bytes,
+                    "unix": standby.unix,
+                    "host_id": standby.host_id,
+                }
+            else:
+                moved = self.declarations.evict(dead.rank)
+                address = None
+        except (GradwireError, ValueError) as e:
+            with self._lock:
+                self._abort_locked(f"lost server {dead.rank} at {dead.host} ({why}) and could not fail over: {e}")
+            return
+        body = {"op": messages.REPLACE, "epoch": epoch, "server": dead.rank, "standby": address, "moved": moved}
+        with self._lock:
+            workers = [w for w in self._workers if not (w.lost or w.said_bye)]
+        for worker in workers:
+            try:
+                worker.conn.send_json(FrameType.CONTROL, body)
+            except GradwireError:
+                pass  # that worker's own loss is reported on its connection
+        record = {
+            "server": dead.rank,
+            "epoch": epoch,
+            "to": "standby" if standby is not None else "survivors",
+            "tensors_moved": len(moved),
+            "seconds": self.clock() - started,
+            "why": why,
+        }
+        self.failovers.append(record)
+        log.warning(
+            "server %d failed over to %s in %.1f ms (epoch %d)",
+            dead.rank,
+            record["to"],
+            record["seconds"] * 1e3,
+            epoch,
+        )
 
     def _abort_locked(self, reason: str, lost: tuple[str, int] | None = None) -> None:
         if self.abort_reason is None:
@@ -348,6 +454,17 @@ class Scheduler:
             except GradwireError:
                 pass
         self._done.set()
+
+
+def _role(node: Node) -> str:
+    return "standby" if node.standby else node.role
+
+
+def _number(standby: list[Node], count: int) -> list[Node]:
+    """Standby servers: ranks are assigned when one takes a dead server's place; until then -1."""
+    if len(standby) != count:
+        raise GradwireError(f"expected {count} standby servers, {len(standby)} registered")
+    return list(standby)
 
 
 def _rank(role: str, count: int, nodes: list[Node]) -> list[Node]:

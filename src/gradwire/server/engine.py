@@ -10,6 +10,13 @@ worker's reply queue. Decisions and why:
   r. So when round r+2 starts writing `acc[r % 2]`, every reply of round r has been handed to the kernel.
   A fast worker's round r+1 lands in the other buffer and never corrupts round r.
 - One buffer is sent to every worker, so all receive bit-identical bytes.
+- Deterministic by default: contributions are added in rank order, whatever order they arrive in (one that
+  arrives early is copied into a staging buffer of its key until its turn). Floating-point addition is not
+  associative, so arrival order would otherwise change the last bits from run to run; in rank order a rerun,
+  and a round re-summed on another server after a failover, give the same bits (as a ring all-reduce does).
+- Seeds (after a failover, see docs/faults.md): a worker that already holds the sum of a round resends it
+  flagged SEED; the round is then complete here, and every worker that pushed it (before or after) gets that
+  sum, so workers the dead server never answered get the bytes the others already have.
 - float16/bfloat16 accumulate in float32 and are narrowed once, into a wire-typed output buffer.
 - Accumulators are allocated once per key (on its first push), never per message.
 - Exceptions in handling one slot are reported to that worker as an ERROR for the key; the engine keeps
@@ -27,6 +34,7 @@ import numpy as np
 
 from gradwire.errors import TensorError
 from gradwire.protocol import dtypes
+from gradwire.protocol.frames import SEED
 from gradwire.ring import Ring, RingClosed, Slot
 from gradwire.transport.shm import NO_SLOT
 
@@ -48,7 +56,11 @@ class KeyState:
         "pushed",
         "round",
         "scratch",
+        "seeded",
+        "stage",
+        "staged",
         "started",
+        "turn",
     )
 
     def __init__(self, dtype: dtypes.DType, length: int, num_workers: int, name: str = "?") -> None:
@@ -65,10 +77,14 @@ class KeyState:
         self.count = [0, 0]
         self.pushed = [0, 0]  # bitmask of ranks that pushed the round in this buffer
         self.pulls = [[NO_SLOT] * num_workers for _ in range(2)]  # each worker's shared pull slot, per buffer
+        self.turn = [0, 0]  # deterministic mode: the rank whose contribution is added next
+        self.staged = [0, 0]  # bitmask of ranks whose early contributions wait in `stage`
+        self.stage: list[list[np.ndarray | None]] = [[None] * num_workers for _ in range(2)]  # allocated on need
+        self.seeded = [False, False]  # the round's sum came as a seed (a failover), not from contributions
 
 
-# reply(key, round, dtype code, payload view, pull slot per rank) -> None: queue the sum for every worker
-Reply = Callable[[int, int, int, memoryview, list[int]], None]
+# reply(key, round, dtype code, payload view, pull slot per rank, bitmask of ranks) -> None: queue the sum for them
+Reply = Callable[[int, int, int, memoryview, list[int], int], None]
 # fail(slot, message) -> None: send an ERROR for the slot's key to its sender
 Fail = Callable[[Slot, str], None]
 # ack(rank, key, round) -> None: tell one worker its contribution is in
@@ -87,8 +103,11 @@ class Engine:
         fail: Fail,
         ack: Ack,
         clock: Callable[[], float] = time.monotonic,
+        deterministic: bool = True,
     ) -> None:
         self.index = index
+        self.deterministic = deterministic
+        self.everyone = (1 << num_workers) - 1
         self.clock = clock
         self._ack = ack
         self.ring = ring
@@ -96,6 +115,7 @@ class Engine:
         self._reply = reply
         self._fail = fail
         self.keys: dict[int, KeyState] = {}
+        self.seeded_answers = 0  # workers answered with a seeded sum (after a failover)
         self._thread = threading.Thread(target=self._run, name=f"gw-engine-{index}", daemon=True)
 
     def start(self) -> None:
@@ -163,26 +183,43 @@ class Engine:
         return out
 
     def on_event(self, slot: Slot) -> None:
-        """Add one contribution; publish the sum when the round is complete."""
+        """Add one contribution (or take a seed); publish the sum when the round is complete."""
         state = self.keys.get(slot.key)
         dtype = dtypes.BY_CODE[slot.dtype]
         if state is None or state.dtype is not dtype or state.length != slot.length:  # readers check first
             raise TensorError(f"worker {slot.sender} pushed an undeclared or inconsistent key")
         i = slot.round & 1
+        if slot.flags & SEED:
+            self._seed(state, i, slot, dtype)
+            return
         bit = 1 << slot.sender
         if state.round[i] != slot.round:
             if 0 < state.count[i] < self.num_workers:
                 raise TensorError(f"round {slot.round} arrived while round {state.round[i]} is unfinished")
             state.round[i], state.count[i], state.pushed[i] = slot.round, 0, 0
+            state.turn[i], state.staged[i], state.seeded[i] = 0, 0, False
+        state.pulls[i][slot.sender] = slot.pull
+        if state.seeded[i] and state.count[i] == self.num_workers:
+            # a worker the dead server never answered pushes a round whose sum came as a seed: answer it alone
+            self.seeded_answers += 1
+            self._reply(slot.key, slot.round, slot.dtype, memoryview(state.out[i]).cast("B"), state.pulls[i], bit)
+            return
         if state.pushed[i] & bit:
             raise TensorError(f"worker {slot.sender} pushed round {slot.round} twice")
         wire = slot.data.view(dtype.wire)
-        state.pulls[i][slot.sender] = slot.pull
         if state.count[i] == 0:
             state.started[i] = self.clock()
-            dtypes.widen(dtype, wire, state.acc[i])
-        else:
-            dtypes.add_into(dtype, state.acc[i], wire, state.scratch)
+        if not self.deterministic:
+            self._add(state, i, dtype, wire, first=state.count[i] == 0)
+        elif slot.sender == state.turn[i]:
+            self._add(state, i, dtype, wire, first=slot.sender == 0)
+            self._drain(state, i, dtype)
+        else:  # early: wait in the staging buffer until the ranks before it are in
+            staged = state.stage[i][slot.sender]
+            if staged is None:
+                staged = state.stage[i][slot.sender] = np.empty(len(wire), dtype.wire)  # once per key, rank, buffer
+            staged[:] = wire
+            state.staged[i] |= bit
         state.count[i] += 1
         state.pushed[i] |= bit
         if state.count[i] < self.num_workers:
@@ -192,4 +229,38 @@ class Engine:
         else:  # complete: the RESULT is the last pusher's acknowledgement too
             if state.narrow:
                 dtypes.narrow(dtype, state.acc[i], state.out[i])
-            self._reply(slot.key, slot.round, slot.dtype, memoryview(state.out[i]).cast("B"), state.pulls[i])
+            payload = memoryview(state.out[i]).cast("B")
+            self._reply(slot.key, slot.round, slot.dtype, payload, state.pulls[i], self.everyone)
+
+    def _add(self, state: KeyState, i: int, dtype: dtypes.DType, wire: np.ndarray, first: bool) -> None:
+        if first:
+            dtypes.widen(dtype, wire, state.acc[i])
+        else:
+            dtypes.add_into(dtype, state.acc[i], wire, state.scratch)
+
+    def _drain(self, state: KeyState, i: int, dtype: dtypes.DType) -> None:
+        """After rank `turn` was added: add the staged contributions that are now next in rank order."""
+        state.turn[i] += 1
+        while state.staged[i] >> state.turn[i] & 1:
+            staged = state.stage[i][state.turn[i]]
+            assert staged is not None
+            dtypes.add_into(dtype, state.acc[i], staged, state.scratch)
+            state.staged[i] &= ~(1 << state.turn[i])
+            state.turn[i] += 1
+
+    def _seed(self, state: KeyState, i: int, slot: Slot, dtype: dtypes.DType) -> None:
+        """A worker resends a sum it holds (after a failover): complete the round with it, answer its pushers.
+
+        Stale seeds are dropped: the buffer already holds a later round (every worker had that sum), or this round
+        is complete already (another worker's seed, or every contribution came in). Any sum of a round is the same
+        bytes, so which seed wins does not matter.
+        """
+        if state.round[i] > slot.round or (state.round[i] == slot.round and state.count[i] == self.num_workers):
+            return
+        waiting = state.pushed[i] if state.round[i] == slot.round else 0
+        state.out[i][:] = slot.data.view(dtype.wire)
+        state.round[i], state.count[i], state.pushed[i] = slot.round, self.num_workers, self.everyone
+        state.turn[i], state.staged[i], state.seeded[i] = self.num_workers, 0, True
+        if waiting:
+            self.seeded_answers += bin(waiting).count("1")
+            self._reply(slot.key, slot.round, slot.dtype, memoryview(state.out[i]).cast("B"), state.pulls[i], waiting)

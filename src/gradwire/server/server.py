@@ -72,6 +72,7 @@ class Server:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.rank = -1
+        self.standby = False
         self.epoch = 0
         self.num_workers = 0
         self._secret = config.secret_bytes()
@@ -107,11 +108,24 @@ class Server:
             slot_bytes=self.config.partition_bytes,
             unix=self.unix_name,
             host_id=tcp.host_identity(),
+            standby=self.config.standby,
         )
         self.rank, self.epoch, self.num_workers = book["rank"], book["epoch"], book["num_workers"]
+        self.standby = bool(book.get("standby"))
         for i in range(self.config.engines):
             ring = Ring(self.config.ring_slots, self.config.partition_bytes)
-            self._engines.append(Engine(i, ring, self.num_workers, self._queue_reply, self._fail, self._queue_ack))
+            self._engines.append(
+                Engine(
+                    i,
+                    ring,
+                    self.num_workers,
+                    self._queue_reply,
+                    self._fail,
+                    self._queue_ack,
+                    deterministic=self.config.deterministic,
+                )
+            )
+        self._everyone = (1 << self.num_workers) - 1
         for engine in self._engines:
             engine.start()
         for listener in (self._listener, self._unix_listener):
@@ -127,7 +141,7 @@ class Server:
         )
         self.metrics.gauge("gradwire_keys", "Keys this server sums", lambda: sum(len(e.keys) for e in self._engines))
         self.metrics.gauge("gradwire_workers_connected", "Workers connected to this server", lambda: len(self._links))
-        log.info("server %d serving on %s:%d", self.rank, self.config.host, self.port)
+        log.info("server %d%s serving on %s:%d", self.rank, " (standby)" * self.standby, self.config.host, self.port)
         return self
 
     def wait(self, timeout: float | None = None) -> str | None:
@@ -145,6 +159,7 @@ class Server:
             "role": "server",
             "rank": self.rank,
             "epoch": self.epoch,
+            "standby": self.standby,
             "workers": workers,
             "keys": sum(len(e.keys) for e in self._engines),
             "rounds_completed": self.rounds_completed,
@@ -168,6 +183,11 @@ class Server:
             link.conn.close()
         if self._scheduler is not None:
             self._scheduler.close()
+
+    @property
+    def seeded_answers(self) -> int:
+        """Workers answered with a sum another worker seeded after a failover (docs/faults.md)."""
+        return sum(e.seeded_answers for e in self._engines)
 
     @property
     def rounds_completed(self) -> int:
@@ -215,6 +235,8 @@ class Server:
         try:
             conn.sock.settimeout(self.config.handshake_timeout)
             conn.handshake(self._secret, "server", self.rank, initiator=False)
+            if self.standby:
+                raise RemoteProtocolError("a standby server takes connections once it replaces a dead server")
             if conn.peer_role != "worker" or not 0 <= conn.peer_rank < self.num_workers:
                 raise RemoteProtocolError(f"only workers 0..{self.num_workers - 1} may connect")
             with self._links_lock:
@@ -269,7 +291,7 @@ class Server:
                 self.metrics.pushed(header.length)
             finally:  # published even if the read failed (else the ring stalls); invalid slots are skipped
                 slot.conn, slot.key, slot.round, slot.dtype = conn, header.key, header.round, header.dtype
-                slot.length, slot.sender = header.length, header.sender
+                slot.length, slot.sender, slot.flags = header.length, header.sender, header.flags
                 ring.publish(seq)
 
     def _discard(self, conn: tcp.Connection, length: int) -> None:
@@ -304,11 +326,12 @@ class Server:
             raise RemoteProtocolError(f"bad shared pull slot {pull}")
         return push, pull
 
-    def _queue_reply(self, key: int, rnd: int, dtype: int, payload: memoryview, pulls: list[int]) -> None:
-        self.metrics.round_done()
+    def _queue_reply(self, key: int, rnd: int, dtype: int, payload: memoryview, pulls: list[int], ranks: int) -> None:
+        if ranks == self._everyone:
+            self.metrics.round_done()
         for rank in range(self.num_workers):
             link = self._links.get(rank)
-            if link is not None:
+            if link is not None and ranks >> rank & 1:
                 link.replies.put((key, rnd, dtype, payload, pulls[rank]))
 
     def _queue_ack(self, rank: int, key: int, rnd: int) -> None:
@@ -377,6 +400,9 @@ class Server:
                     break
                 if op == messages.KEYS:
                     self._declare_keys(body)
+                elif op == messages.PROMOTE:  # a standby takes a dead server's place
+                    self.rank, self.epoch, self.standby = int(body["rank"]), int(body["epoch"]), False
+                    log.warning("standby promoted: now server %d (epoch %d)", self.rank, self.epoch)
         except GradwireError as e:
             if not self._done.is_set():
                 self.error = f"lost the scheduler: {e}"

@@ -12,6 +12,12 @@ overlaps the return of partition i, and both directions of the link are busy.
 Why a window per server: on shaped links, a window of 4 unanswered 64 KiB partitions per server took a
 prototype from 1.90x (window 1) to 1.10x the bound S/B (shared/MEASUREMENTS.md); an unbounded window
 lets TCP's unfair fan-in starve some workers' pushes, and a key's sum waits for its slowest pusher.
+
+Failover (docs/faults.md): with `saved` given, a link whose server dies keeps everything queued or unanswered,
+tells `on_lost`, and hands it over by `detach`/`retire` once the scheduler has moved the server's keys. Sums are
+received into the key's `Saved` copy first and only then copied to the output, so an in-place input is never
+half overwritten by a sum cut off mid-frame (it is resent whole), and the copy is what the worker seeds the key's
+new server with.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -29,12 +36,23 @@ from gradwire.admin.metrics import Metrics
 from gradwire.admin.timeline import Timeline
 from gradwire.errors import GradwireError, JobAborted, RemoteProtocolError, TensorError, abort_error
 from gradwire.protocol import frames
-from gradwire.protocol.frames import FrameType
+from gradwire.protocol.frames import SEED, FrameType
 from gradwire.transport import shm, tcp
 from gradwire.worker.handle import Handle
 
 log = logging.getLogger("gradwire.worker")
 ESCAPE_SECONDS = 0.1  # a capped link with no answer for this long may send one more (see _wait_to_send)
+
+
+class Saved:
+    """The last sum a worker received for one key (allocated once per key): what it seeds a new server with."""
+
+    __slots__ = ("data", "dtype", "round")
+
+    def __init__(self, nbytes: int, dtype: int) -> None:
+        self.data = np.empty(nbytes, np.uint8)
+        self.dtype = dtype
+        self.round = -1  # none received yet
 
 
 class Work:
@@ -43,6 +61,7 @@ class Work:
     __slots__ = (
         "acked",
         "average",
+        "credited",
         "dtype",
         "handle",
         "key",
@@ -51,6 +70,7 @@ class Work:
         "pull_slot",
         "push_slot",
         "round",
+        "seed",
         "send",
         "t_pushed",
         "t_queued",
@@ -68,7 +88,8 @@ class Work:
         send: np.ndarray,
         out: np.ndarray,
         average: int,
-        handle: Handle,
+        handle: Handle | None,
+        seed: bool = False,
     ) -> None:
         self.tensor, self.key, self.round, self.dtype = tensor, key, rnd, dtype
         self.send = memoryview(send).cast("B")
@@ -77,6 +98,8 @@ class Work:
         self.average = average
         self.handle = handle
         self.acked = False  # the server has our contribution: the window slot and credit are free again
+        self.credited = False  # holds credit (taken by the sender, given back on its ACK)
+        self.seed = seed  # a sum this worker holds, resent after a failover (no answer expected)
         self.push_slot = shm.NO_SLOT  # shared slots in use (same-host links only)
         self.pull_slot = shm.NO_SLOT
         # when it was queued, taken by the sender, fully sent, and answered (time.monotonic): the stages
@@ -117,6 +140,8 @@ class ServerLink:
         metrics: Metrics | None = None,
         timeline: Timeline | None = None,
         unanswered_cap: int = 0,
+        saved: dict[int, Saved] | None = None,
+        on_lost: Callable[[ServerLink, BaseException], None] | None = None,
     ) -> None:
         self.conn, self.server, self.rank, self.epoch = conn, server, rank, epoch
         self.metrics = metrics or Metrics("worker")
@@ -132,6 +157,10 @@ class ServerLink:
         self._pending: dict[int, Work] = {}
         self._in_flight = 0
         self._closed: BaseException | None = None
+        self.saved = saved  # key -> its last sum (failover on), shared by the worker's links
+        self._on_lost = on_lost
+        self.lost: BaseException | None = None  # the server died; work is kept for the failover
+        self._redirect: Callable[[Work, int], None] | None = None  # once retired: where submits go instead
         self._cond = threading.Condition()
         self._threads: list[threading.Thread] = []
         self.arena = arena  # one push slot per window place, so a free one always exists when the window allows
@@ -156,11 +185,16 @@ class ServerLink:
         """Queue a partition; higher priority leaves first, equal priorities in submission order."""
         with self._cond:
             if self._closed is not None:
+                assert work.handle is not None
                 work.handle.fail(self._lost(self._closed))
                 return
-            work.t_queued = time.monotonic()
-            heapq.heappush(self._heap, (-priority, next(self._order), work))
-            self._cond.notify()
+            redirect = self._redirect
+            if redirect is None:
+                work.t_queued = time.monotonic()
+                heapq.heappush(self._heap, (-priority, next(self._order), work))
+                self._cond.notify()
+                return
+        redirect(work, priority)  # this server is gone and its keys have moved
 
     def outstanding(self) -> list[str]:
         """Tensors with partitions queued or unanswered on this link (for timeout messages)."""
@@ -177,10 +211,57 @@ class ServerLink:
             self._pending.clear()
             self._cond.notify_all()
         for work in failed:
-            work.handle.fail(self._lost(reason))
+            if work.handle is not None:
+                work.handle.fail(self._lost(reason))
         self.conn.close()
         if self.arena is not None and threading.current_thread() not in self._threads:
             self.arena.close()
+
+    def _broken(self, error: GradwireError) -> None:
+        """The connection failed. A dead server (closed connection) with failover on: keep the work, tell the
+        worker, wait for `detach`. Anything else (an abort, a protocol error, failover off): fail everything."""
+        if self._on_lost is None or not isinstance(error, tcp.ConnectionClosed):
+            self.close(error)
+            return
+        with self._cond:
+            if self._closed is not None or self.lost is not None:
+                return
+            self.lost = error
+            self._cond.notify_all()
+        self.conn.close()  # wakes the other thread
+        self._on_lost(self, error)
+
+    def detach(self, timeout: float) -> list[Work]:
+        """After the server died: stop both threads and take every partition it had not answered (queued ones
+        too), ready to push again elsewhere. Submits keep queuing here until `retire`."""
+        with self._cond:
+            if self.lost is None:  # the scheduler saw the death first
+                self.lost = tcp.ConnectionClosed(f"server {self.server} was declared lost by the scheduler")
+            self._cond.notify_all()
+        self.conn.close()
+        self.join(timeout)
+        with self._cond:
+            works = list(self._pending.values()) + [w for _, _, w in sorted(self._heap)]
+            self._pending.clear()
+            self._heap.clear()
+            self._in_flight = 0
+        for work in works:
+            if work.credited and not work.acked:
+                self.credit.release(work.nbytes)
+            work.acked = work.credited = False
+            work.push_slot = work.pull_slot = shm.NO_SLOT
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
+        return [w for w in works if not w.seed]
+
+    def retire(self, redirect: Callable[[Work, int], None]) -> list[Work]:
+        """From now on submits go to `redirect`; returns what was queued here since `detach`."""
+        with self._cond:
+            works = [w for _, _, w in sorted(self._heap)]
+            self._heap.clear()
+            self._redirect = redirect
+        return works
 
     def _lost(self, reason: BaseException) -> GradwireError:
         if isinstance(reason, GradwireError) and not isinstance(reason, tcp.ConnectionClosed):
@@ -196,12 +277,18 @@ class ServerLink:
                 if not self._wait_to_send():
                     return
                 _, _, work = heapq.heappop(self._heap)
-                self._in_flight += 1
-                self._pending[work.key] = work
-                if self.arena is not None:
-                    work.push_slot = self._free_push.pop()
-                    work.pull_slot = self._free_pull.pop() if self._free_pull else shm.NO_SLOT
+                if not work.seed:
+                    self._in_flight += 1
+                    self._pending[work.key] = work
+                    if self.arena is not None:
+                        work.push_slot = self._free_push.pop()
+                        work.pull_slot = self._free_pull.pop() if self._free_pull else shm.NO_SLOT
+            if work.seed:
+                if not self._send_seed(header, work):
+                    return
+                continue
             self.credit.acquire(work.nbytes)
+            work.credited = True
             work.t_sent = time.monotonic()
             if self.timeline:
                 self.timeline.counter("bytes in flight", work.t_sent, self.credit.used)
@@ -214,10 +301,22 @@ class ServerLink:
             try:
                 self.conn.send([header, work.send])
             except GradwireError as e:
-                self.close(e)
+                self._broken(e)
                 return
             work.t_pushed = time.monotonic()
             self.metrics.pushed(work.nbytes)
+
+    def _send_seed(self, header: bytearray, work: Work) -> bool:
+        """A sum this worker holds, for the key's new server (always on the socket, never a shared slot)."""
+        frames.pack_header_into(
+            header, FrameType.PUSHPULL, work.nbytes, work.dtype, self.epoch, self.rank, work.key, work.round, SEED
+        )
+        try:
+            self.conn.send([header, work.send])
+        except GradwireError as e:
+            self._broken(e)
+            return False
+        return True
 
     def _wait_to_send(self) -> bool:
         """Wait (holding the condition) until the next partition may go; False once the link is closed.
@@ -230,7 +329,9 @@ class ServerLink:
         submit in different orders (their unanswered sets can be disjoint), so it gives way when nothing has been
         answered on this link for ESCAPE_SECONDS: identical programs never need that, and no order can hang.
         """
-        while self._closed is None:
+        while self._closed is None and self.lost is None:
+            if self._heap and self._heap[0][2].seed:
+                return True
             if self._heap and self._in_flight < self.window:
                 if not (self.unanswered_cap and len(self._pending) >= self.unanswered_cap):
                     self._capped_since = None
@@ -267,7 +368,7 @@ class ServerLink:
         try:
             self.conn.send([header])
         except GradwireError as e:
-            self.close(e)
+            self._broken(e)
             return
         work.t_pushed = time.monotonic()
         self.metrics.pushed(work.nbytes)
@@ -286,7 +387,7 @@ class ServerLink:
                 else:
                     raise RemoteProtocolError(f"server {self.server} sent an unexpected {header.type.name}")
         except GradwireError as e:
-            self.close(e)
+            self._broken(e)
 
     def _take(self, key: int, remove: bool = True) -> Work:
         with self._cond:
@@ -314,19 +415,33 @@ class ServerLink:
             )
 
     def _on_result(self, header: frames.Header) -> None:
-        work = self._take(header.key)
+        with self._cond:  # taken off `_pending` only once the sum is in whole: cut off, it is pushed again
+            work = self._pending.get(header.key)
+        if work is None:
+            raise RemoteProtocolError(f"server {self.server} answered key {header.key:016x}, which is not in flight")
         work.t_result = self._last_answer = time.monotonic()
         if header.round != work.round or header.length != work.nbytes:
             raise RemoteProtocolError(
                 f"server {self.server} answered {work.tensor!r} round {header.round} with {header.length} bytes; "
                 f"expected round {work.round} with {work.nbytes}"
             )
+        out = work.out.reshape(-1).view(np.uint8)
+        saved = None
+        if self.saved is not None:  # the sum goes to the key's saved copy first (see the module's docstring)
+            saved = self.saved.get(work.key)
+            if saved is None or len(saved.data) != work.nbytes:
+                saved = self.saved[work.key] = Saved(work.nbytes, work.dtype)  # once per key
+        into = saved.data if saved is not None else out
         if header.flags & shm.SHM_PAYLOAD:
             if self.arena is None or header.status != work.pull_slot:
                 raise RemoteProtocolError(f"server {self.server} answered in pull slot {header.status}, not ours")
-            np.copyto(work.out.reshape(-1).view(np.uint8), self.arena.pull_slot(work.pull_slot, work.nbytes))
+            np.copyto(into, self.arena.pull_slot(work.pull_slot, work.nbytes))
         else:
-            self.conn.recv_into(memoryview(work.out).cast("B"))
+            self.conn.recv_into(memoryview(into))
+        if saved is not None:
+            saved.round = work.round
+            np.copyto(out, saved.data)
+        self._take(header.key)
         if work.pull_slot != shm.NO_SLOT:
             with self._cond:
                 self._free_pull.append(work.pull_slot)
@@ -338,6 +453,7 @@ class ServerLink:
                 np.floor_divide(work.out, work.average, out=work.out)
         self.metrics.pulled(work.nbytes)
         self._record(work, time.monotonic())
+        assert work.handle is not None
         work.handle.part_done()
 
     def _record(self, work: Work, done: float) -> None:

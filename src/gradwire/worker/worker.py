@@ -6,6 +6,7 @@ import itertools
 import logging
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,10 +23,11 @@ from gradwire.protocol.frames import FrameType, encode_header
 from gradwire.scheduler.client import join
 from gradwire.transport import shm, tcp
 from gradwire.worker.handle import Handle
-from gradwire.worker.link import Credit, ServerLink, Work
+from gradwire.worker.link import Credit, Saved, ServerLink, Work
 
 log = logging.getLogger("gradwire.worker")
 SHUTDOWN_JOIN_SECONDS = 5.0
+SEED_PRIORITY = 1 << 62  # seeds leave a new link before anything else
 
 
 @dataclass
@@ -73,6 +75,12 @@ class Worker:
         self.timeline: Timeline | None = None
         self.credit: Credit | None = None
         self.admin: NodeAdmin | None = None
+        # failover (docs/faults.md): each key's last sum, the server of every key, and moves the scheduler announced
+        self._saved: dict[int, Saved] | None = {} if config.server_failover else None
+        self._owner: dict[int, int] = {}
+        self._moves: dict[str, list[int]] = {}
+        self._failover_lock = threading.Lock()
+        self.failovers: list[dict] = []  # what happened at each failover, for status and tests
 
     # -- life cycle ------------------------------------------------------------------------------
 
@@ -98,21 +106,7 @@ class Worker:
                 timeline.path_for(self.config.timeline, self.rank), self.rank, self.config.timeline_steps, tracks
             )
         for index, server in enumerate(servers):
-            conn, arena = self._connect_server(server)
-            self._links.append(
-                ServerLink(
-                    conn,
-                    index,
-                    self.rank,
-                    self.epoch,
-                    self.config.window,
-                    credit,
-                    arena,
-                    self.metrics,
-                    self.timeline,
-                    self.config.unanswered,
-                )
-            )
+            self._links.append(self._link(index, server))
         self.metrics.gauge(
             "gradwire_credit_in_flight_bytes", "Bytes pushed and not yet acknowledged", lambda: credit.used
         )
@@ -126,6 +120,24 @@ class Worker:
         self.barrier()
         log.info("worker %d/%d ready with %d servers", self.rank, self.size, len(self._links))
         return self
+
+    def _link(self, index: int, server: dict) -> ServerLink:
+        conn, arena = self._connect_server(server)
+        assert self.credit is not None
+        return ServerLink(
+            conn,
+            index,
+            self.rank,
+            self.epoch,
+            self.config.window,
+            self.credit,
+            arena,
+            self.metrics,
+            self.timeline,
+            self.config.unanswered,
+            saved=self._saved,
+            on_lost=self._on_link_lost if self._saved is not None else None,
+        )
 
     def _connect_server(self, server: dict) -> tuple[tcp.Connection, shm.Arena | None]:
         """To a server on this host and network namespace a Unix socket with shared slots; else TCP."""
@@ -260,9 +272,13 @@ class Worker:
         num = int(np.prod(shape, dtype=np.int64))
         # the first declarer's partition size is the job's, so every worker cuts the tensor the same way
         parts = partition.split(num, wire.itemsize, int(reply["partition_bytes"]))
-        tensor = Tensor(name, shape, wire, parts, [partition.key_of(name, p.index) for p in parts], reply["servers"])
+        keys = [partition.key_of(name, p.index) for p in parts]
         with self._lock:
-            return self._tensors.setdefault(name, tensor)
+            # a failover may have moved the tensor between the scheduler's reply and now
+            servers = list(self._moves.get(name, reply["servers"]))
+            tensor = self._tensors.setdefault(name, Tensor(name, shape, wire, parts, keys, servers))
+            self._owner.update(zip(tensor.keys, tensor.servers, strict=True))
+            return tensor
 
     def push_pull_async(
         self,
@@ -290,7 +306,9 @@ class Worker:
         handle = self._begin(tensor, out)
         flat_in, flat_out = src.reshape(-1), out.reshape(-1)
         n = self.size if average else 1
-        for part, key, server in zip(tensor.parts, tensor.keys, tensor.servers, strict=True):
+        with self._lock:
+            servers = list(tensor.servers)
+        for part, key, server in zip(tensor.parts, tensor.keys, servers, strict=True):
             sl = slice(part.start, part.start + part.count)
             work = Work(name, key, tensor.round, tensor.dtype.code, flat_in[sl], flat_out[sl], n, handle)
             self._links[server].submit(work, priority)
@@ -376,9 +394,102 @@ class Worker:
                 elif op == messages.ABORT:
                     self._fail_all(abort_error(body, rank=self.rank))
                     return
+                elif op == messages.REPLACE:
+                    self._fail_over(body)
         except GradwireError as e:
             if not self._closed:
                 self._fail_all(JobAborted(f"worker {self.rank} lost the scheduler: {e}", rank=self.rank))
+
+    # -- failover (docs/faults.md) -----------------------------------------------------------------
+
+    def _on_link_lost(self, link: ServerLink, error: BaseException) -> None:
+        """A server's connection died (a link thread calls this once): tell the scheduler, keep the work."""
+        log.warning(
+            "worker %d lost server %d (%s): %s; its unanswered partitions wait for the scheduler to move its keys",
+            self.rank,
+            link.server,
+            link.conn.peer,
+            error,
+        )
+        if self._scheduler is not None and not self._closed:
+            try:
+                self._scheduler.send_json(
+                    FrameType.CONTROL,
+                    {"op": messages.SERVER_LOST, "server": link.server, "epoch": link.epoch, "error": str(error)},
+                )
+            except GradwireError:
+                pass  # the control loop reports a lost scheduler
+
+    def _fail_over(self, body: dict) -> None:
+        """The scheduler moved a dead server's keys (to a standby at the same index, or onto the survivors).
+
+        Order matters: seeds are queued on the new links before any push can follow them there, and the dead
+        link is retired (its submits redirected) only after the new owners are known.
+        """
+        started = time.monotonic()
+        dead, self.epoch = int(body["server"]), int(body["epoch"])
+        old = self._links[dead]
+        with self._failover_lock:
+            orphans = old.detach(SHUTDOWN_JOIN_SECONDS)
+            moved = {str(name): [int(s) for s in servers] for name, servers in body["moved"].items()}
+            standby = body.get("standby")
+            if standby:
+                try:
+                    self._links[dead] = self._link(dead, standby)
+                except (GradwireError, OSError) as e:
+                    self._fail_all(
+                        JobAborted(f"worker {self.rank} cannot reach standby server {dead}: {e}", rank=self.rank)
+                    )
+                    return
+                self._links[dead].start()
+            with self._lock:
+                owner = dict(self._owner)
+                for name, servers in moved.items():
+                    self._moves[name] = servers
+                    tensor = self._tensors.get(name)
+                    if tensor is not None:
+                        owner.update(zip(tensor.keys, servers, strict=True))
+            seeds = 0
+            for key, saved in list((self._saved or {}).items()):
+                server = owner.get(key)
+                if saved.round >= 0 and (server == dead or (key in owner and owner[key] != self._owner.get(key))):
+                    data = saved.data
+                    seed = Work("", key, saved.round, saved.dtype, data, data, 1, None, seed=True)
+                    self._links[server].submit(seed, SEED_PRIORITY)
+                    seeds += 1
+            with self._lock:
+                self._owner = owner
+                for name, servers in moved.items():
+                    tensor = self._tensors.get(name)
+                    if tensor is not None:
+                        tensor.servers = servers
+            orphans += old.retire(self._resubmit)
+            for work in orphans:
+                self._resubmit(work, 0)
+        record = {
+            "server": dead,
+            "epoch": self.epoch,
+            "standby": bool(standby),
+            "resent": len(orphans),
+            "seeds": seeds,
+            "seconds": time.monotonic() - started,
+        }
+        self.failovers.append(record)
+        log.warning(
+            "worker %d: server %d's keys moved (%s); resent %d partitions and %d sums in %.1f ms",
+            self.rank,
+            dead,
+            "to a standby" if standby else "onto the surviving servers",
+            len(orphans),
+            seeds,
+            record["seconds"] * 1e3,
+        )
+
+    def _resubmit(self, work: Work, priority: int) -> None:
+        """Push a partition again, to its key's server now."""
+        with self._lock:
+            server = self._owner[work.key]
+        self._links[server].submit(work, priority)
 
     def _fail_all(self, error: JobAborted) -> None:
         self._abort = error

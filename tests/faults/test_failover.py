@@ -1,0 +1,139 @@
+"""A dead server loses nothing: its keys move (to a standby or the survivors) and every sum is bit-identical.
+
+The reference for "bit-identical" is the sum in rank order computed here with numpy, which is what a server adds in
+deterministic mode (the default); a failover must not change a single bit of any round, including rounds the dead
+server had answered to some workers and not others.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from gradwire.errors import JobAborted
+from gradwire.testing import LocalCluster
+
+STEPS = 12
+SHAPES = {"w0": (3000,), "w1": (64, 40), "b": (7,), "w2": (5000,)}  # 4 KiB partitions: several per tensor
+
+
+def _gradient(rank: int, step: int, name: str) -> np.ndarray:
+    """A worker's gradient: magnitudes far apart, so the order of additions shows in the low bits."""
+    seed = rank * 1_000_003 + step * 101 + sum(map(ord, name))
+    rng = np.random.default_rng(seed)
+    shape = SHAPES[name]
+    return (rng.standard_normal(shape) * 10.0 ** rng.integers(-5, 6, shape)).astype(np.float32)
+
+
+def _expected(num_workers: int) -> dict[tuple[int, str], bytes]:
+    out = {}
+    for step in range(STEPS):
+        for name in SHAPES:
+            total = _gradient(0, step, name)
+            for rank in range(1, num_workers):
+                total += _gradient(rank, step, name)
+            out[step, name] = total.tobytes()
+    return out
+
+
+def _train(worker, killed: threading.Event | None = None, kill_at: int = -1):
+    """Every step: all tensors in flight at once (in place, as the torch integration does), then wait."""
+    sums = {}
+    for step in range(STEPS):
+        if step == kill_at and killed is not None:
+            killed.wait(30)
+        arrays = {name: _gradient(worker.rank, step, name) for name in SHAPES}
+        handles = [worker.push_pull_async(a, name, out=a) for name, a in arrays.items()]
+        for h in handles:
+            worker.synchronize(h)
+        sums.update({(step, name): a.tobytes() for name, a in arrays.items()})
+    return sums
+
+
+def _kill_when(cluster: LocalCluster, rank: int, rounds: int, killed: threading.Event) -> threading.Thread:
+    server = cluster.servers[rank]
+
+    def kill() -> None:
+        deadline = time.monotonic() + 30
+        while server.rounds_completed < rounds and time.monotonic() < deadline:
+            time.sleep(0.001)
+        cluster.kill_server(rank)
+        killed.set()
+
+    thread = threading.Thread(target=kill, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("standby", [0, 1], ids=["onto-survivors", "to-a-standby"])
+def test_a_server_killed_mid_training_changes_no_bit_of_any_sum(standby):
+    with LocalCluster(num_workers=3, num_servers=3, num_standby=standby, partition_bytes=4096) as c:
+        killed = threading.Event()
+        killer = _kill_when(c, 1, rounds=20, killed=killed)
+        results = c.run(lambda w: _train(w, killed, kill_at=STEPS - 2))
+        killer.join()
+        expected = _expected(3)
+        for rank, sums in enumerate(results):
+            assert sums.keys() == expected.keys()
+            wrong = [k for k in expected if sums[k] != expected[k]]
+            assert not wrong, f"worker {rank}: sums differ from the rank-order sum for {wrong[:5]}"
+        (record,) = c.scheduler.failovers
+        assert record["server"] == 1 and record["to"] == ("standby" if standby else "survivors")
+        assert c.scheduler.epoch == 2
+        for worker in c.workers:
+            assert [f["server"] for f in worker.failovers] == [1]
+        if standby:
+            assert c.standby[0].rank == 1 and not c.standby[0].standby
+        else:
+            for worker in c.workers:  # nothing is placed on the dead server any more
+                assert all(1 not in t.servers for t in worker._tensors.values())
+
+
+def test_a_round_answered_to_some_workers_only_is_completed_from_their_copy():
+    """The trap: the server dies after sending a round's sum to worker 0 and before the others got it. Worker 0's
+    input is gone (summed in place) and it has moved on; the others resend theirs, worker 0 seeds the sum it holds."""
+    with LocalCluster(num_workers=3, num_servers=2, partition_bytes=4096) as c:
+        victim = c.servers[0]
+        seen = {"rounds": 0}
+        killed = threading.Event()
+        original = victim._queue_reply
+
+        def queue_reply(key, rnd, dtype, payload, pulls, ranks):
+            seen["rounds"] += 1
+            if seen["rounds"] != 15:
+                return original(key, rnd, dtype, payload, pulls, ranks)
+            original(key, rnd, dtype, payload, pulls, ranks & 0b001)  # to worker 0 only, then die
+            deadline = time.monotonic() + 5
+            while victim._links[0].replies.qsize() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            time.sleep(0.05)
+            threading.Thread(target=lambda: (c.kill_server(0), killed.set()), daemon=True).start()
+
+        victim._queue_reply = queue_reply
+        for engine in victim._engines:
+            engine._reply = queue_reply
+        results = c.run(lambda w: _train(w, killed, kill_at=STEPS - 2))
+        expected = _expected(3)
+        for rank, sums in enumerate(results):
+            wrong = [k for k in expected if sums[k] != expected[k]]
+            assert not wrong, f"worker {rank}: sums differ for {wrong[:5]}"
+        assert c.servers[1].seeded_answers >= 2  # workers 1 and 2 got that round's sum from worker 0's copy
+
+
+def test_with_failover_off_a_dead_server_aborts_the_job_naming_it():
+    with LocalCluster(num_workers=2, num_servers=2, server_failover=False, partition_bytes=4096) as c:
+        c.run(lambda w: w.push_pull(np.ones(4000, np.float32), "t"))
+        c.kill_server(1)
+        with pytest.raises(JobAborted, match="server 1"):
+            c.run(lambda w: [w.push_pull(np.ones(4000, np.float32), "t") for _ in range(50)])
+
+
+def test_with_no_server_left_the_job_aborts_naming_the_last_one():
+    with LocalCluster(num_workers=2, num_servers=1) as c:
+        c.run(lambda w: w.push_pull(np.ones(10, np.float32), "t"))
+        c.kill_server(0)
+        with pytest.raises(JobAborted, match="server 0"):
+            c.run(lambda w: [w.push_pull(np.ones(10, np.float32), "t") for _ in range(50)])

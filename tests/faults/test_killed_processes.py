@@ -1,0 +1,118 @@
+"""Real SIGKILLs in a real training run (`gradwire launch`, a torch MLP): a server at several points (the job
+completes with parameters bit-identical to a run without the failure), and the scheduler (every node exits with
+an error naming it, nothing is left running)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from tests.multiprocess.harness import ROOT
+
+pytestmark = pytest.mark.multiprocess
+SCRIPT = str(ROOT / "tests" / "faults" / "training_job.py")
+WORKERS, SERVERS = 3, 2
+
+
+def _run(kill: str = "", kill_at: int = -1, wait: bool = False, standby: int = 0, timeout: float = 120) -> dict:
+    """Launch the job; when worker 0 prints KILL, SIGKILL the named process (`server 1`, `scheduler`)."""
+    cmd = [sys.executable, "-m", "gradwire", "launch", "-n", str(WORKERS), "-s", str(SERVERS)]
+    cmd += ["--standby-servers", str(standby), "--timeout", "30", "--", sys.executable, SCRIPT]
+    env = os.environ | {
+        "KILL_AT": str(kill_at),
+        "KILL_ROLE": kill,
+        "KILL_WAIT": "1" if wait else "0",
+        "GRADWIRE_PARTITION_BYTES": "16384",  # ~20 partitions, on every server
+        "GRADWIRE_HEARTBEAT_TIMEOUT": "10",
+    }
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    pids: dict[str, int] = {}
+    lines: list[str] = []
+    killed: dict[str, float] = {}
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            found = re.search(r"^\[(\w+(?: \d+)?)\] gradwire .*\(pid (\d+)\)", line)
+            if found:
+                pids[found.group(1)] = int(found.group(2))
+            if line.startswith("[worker 0] KILL "):
+                os.kill(pids[kill], signal.SIGKILL)
+                killed[kill] = time.monotonic()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        code = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        reader.join(5)
+        assert proc.stdout is not None
+        proc.stdout.close()
+        done = {line.split("]")[0] + "]" for line in lines if "] DONE" in line}
+        hung = sorted({f"[worker {r}]" for r in range(WORKERS)} - done)
+        pytest.fail(f"job hung past {timeout}s; workers that never finished: {hung}\n{''.join(lines)}")
+    reader.join(5)
+    assert proc.stdout is not None
+    proc.stdout.close()
+    output = "".join(lines)
+    alive = [label for label, pid in pids.items() if _alive(pid)]
+    assert not alive, f"left running after the launcher exited: {alive}\n{output}"
+    digests = {m.group(1): m.group(2) for m in re.finditer(r"^\[(worker \d+)\] DIGEST (\w+)", output, re.M)}
+    failovers = {m.group(1): m.group(2) for m in re.finditer(r"^\[(worker \d+)\] FAILOVERS (.*)$", output, re.M)}
+    return {"code": code, "output": output, "digests": digests, "failovers": failovers, "killed": killed}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie not yet reaped by its parent counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def reference() -> str:
+    run = _run()
+    assert run["code"] == 0, run["output"]
+    (digest,) = set(run["digests"].values())
+    assert len(run["digests"]) == WORKERS
+    return digest
+
+
+@pytest.mark.parametrize(
+    ("kill_at", "wait", "standby"),
+    [(3, True, 0), (12, False, 0), (12, False, 1)],
+    ids=["others-mid-round-onto-survivors", "anywhere-onto-survivors", "anywhere-to-a-standby"],
+)
+def test_a_sigkilled_server_leaves_the_parameters_bit_identical(reference, kill_at, wait, standby):
+    run = _run("server 1", kill_at, wait, standby)
+    out = run["output"]
+    assert run["code"] == 0, out
+    assert "server 1 was killed by SIGKILL" in out
+    assert run["digests"] == {f"worker {r}": reference for r in range(WORKERS)}, out
+    for r in range(WORKERS):  # every worker went through the failover (the kill did not land after training)
+        assert run["failovers"][f"worker {r}"].startswith(f"[(1, {bool(standby)},"), out
+
+
+def test_a_sigkilled_scheduler_stops_every_node_with_an_error_naming_it():
+    run = _run("scheduler", kill_at=5)
+    out = run["output"]
+    assert run["code"] != 0, out
+    assert "scheduler was killed by SIGKILL" in out
+    assert re.search(r"\[worker \d\] .*lost the scheduler", out), out

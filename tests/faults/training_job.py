@@ -1,0 +1,49 @@
+"""Worker script: a small MLP trained for STEPS steps with gradwire's DistributedOptimizer, on each rank's own
+synthetic data; prints the digest of the final parameters and the failovers this worker went through.
+
+KILL_AT=k: worker 0 prints `KILL <role>` at step k (the test then SIGKILLs that process). KILL_WAIT=1: worker 0
+then waits until it has seen the failover before it pushes again (so the others are mid-round when it happens);
+without it the kill lands wherever the job happens to be.
+"""
+
+import hashlib
+import os
+import time
+
+import gradwire
+import gradwire.torch as gw
+import torch
+
+STEPS = int(os.environ.get("STEPS", "40"))
+torch.set_num_threads(1)
+gw.init()
+torch.manual_seed(0)
+model = torch.nn.Sequential(
+    torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)
+)
+gw.broadcast_parameters(model.state_dict(), root_rank=0)
+opt = gw.DistributedOptimizer(
+    torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), named_parameters=model.named_parameters()
+)
+data = torch.Generator().manual_seed(100 + gw.rank())
+kill_at = int(os.environ.get("KILL_AT", "-1"))
+worker = gradwire.current_worker()
+for step in range(STEPS):
+    if step == kill_at and gw.rank() == 0:
+        print(f"KILL {os.environ['KILL_ROLE']}", flush=True)
+        if os.environ.get("KILL_WAIT") == "1":
+            deadline = time.monotonic() + 30
+            while not worker.failovers and time.monotonic() < deadline:
+                time.sleep(0.005)
+    x = torch.randn(64, 32, generator=data)
+    y = (x[:, :10] * 3).argmax(dim=1)
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+digest = hashlib.sha256()
+for p in model.parameters():
+    digest.update(p.detach().numpy().tobytes())
+print(f"DIGEST {digest.hexdigest()}", flush=True)
+print(f"FAILOVERS {[(f['server'], f['standby'], f['resent'], f['seeds']) for f in worker.failovers]}", flush=True)
+gw.shutdown()
+print("DONE", flush=True)
