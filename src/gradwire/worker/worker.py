@@ -404,6 +404,8 @@ class Worker:
 
     def _on_link_lost(self, link: ServerLink, error: BaseException) -> None:
         """A server's connection died (a link thread calls this once): tell the scheduler, keep the work."""
+        if self._closed:  # shutting down: servers close connections after our bye
+            return
         log.warning(
             "worker %d lost server %d (%s): %s; its unanswered partitions wait for the scheduler to move its keys",
             self.rank,
