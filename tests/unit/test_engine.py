@@ -1,9 +1,11 @@
 import numpy as np
+import pytest
 
 from gradwire.protocol import dtypes
 from gradwire.protocol.frames import SEED
 from gradwire.ring import Ring, Slot
 from gradwire.server.engine import Engine
+from gradwire.transport.shm import SHM_PAYLOAD
 
 
 def _engine(replies, acks, fails, workers=2, deterministic=True):
@@ -52,22 +54,23 @@ def test_a_round_completes_with_every_worker_and_acks_the_others():
     assert list(np.frombuffer(payload, np.float32)) == [3.0] * 4
 
 
-def _sum_in_order(order, contributions, deterministic=True):
+def _sum_in_order(order, contributions, deterministic=True, flags=0):
     replies = []
     engine = _engine(replies, [], [], workers=len(contributions), deterministic=deterministic)
     engine.declare(9, dtypes.BY_NAME["float32"], contributions[0].nbytes)
     for rank in order:
-        _push(engine, rank, contributions[rank])
+        _push(engine, rank, contributions[rank].copy(), flags=flags)
     assert len(replies) == 1 and replies[0][5] == (1 << len(contributions)) - 1
     return replies[0][4]
 
 
-def test_sums_are_bit_identical_whatever_the_arrival_order():
+@pytest.mark.parametrize("flags", [0, SHM_PAYLOAD], ids=["socket", "shared-memory"])
+def test_sums_are_bit_identical_whatever_the_arrival_order(flags):
     rng = np.random.default_rng(5)
     # magnitudes far apart, so the order of additions changes the rounding
     contributions = [(rng.standard_normal(512) * 10.0 ** rng.integers(-6, 7, 512)).astype(np.float32) for _ in range(5)]
     orders = [[0, 1, 2, 3, 4], [4, 3, 2, 1, 0], [2, 0, 4, 1, 3], [1, 2, 3, 4, 0], [3, 4, 0, 2, 1]]
-    sums = {_sum_in_order(order, contributions) for order in orders}
+    sums = {_sum_in_order(order, contributions, flags=flags) for order in orders}
     assert len(sums) == 1
     expected = contributions[0].copy()
     for c in contributions[1:]:
@@ -95,3 +98,20 @@ def test_a_seed_completes_a_round_and_answers_its_pushers_before_and_after():
         _push(engine, rank, np.full(4, rank, np.float32), rnd=7)
     assert [(r[1], r[5]) for r in replies[2:]] == [(6, 0b111), (7, 0b111)]
     assert replies[3][4] == np.full(4, 3, np.float32).tobytes()
+
+
+def test_an_early_contribution_in_shared_memory_is_held_not_copied_and_acknowledged_once_added():
+    replies, acks = [], []
+    engine = _engine(replies, acks, [], workers=3)
+    engine.declare(9, dtypes.BY_NAME["float32"], 16)
+    slot2 = np.full(4, 2.0, np.float32)  # stands for worker 2's shared push slot
+    _push(engine, 2, slot2, flags=SHM_PAYLOAD)
+    assert acks == []  # held: the slot stays the worker's until it is added
+    slot2[:] = 5.0  # (only a view is kept, so this is what gets added)
+    _push(engine, 1, np.full(4, 1.0, np.float32), flags=SHM_PAYLOAD)
+    assert acks == []
+    _push(engine, 0, np.full(4, 0.5, np.float32), flags=SHM_PAYLOAD)  # completes: 0.5 + 1 + 5, RESULT to all
+    assert acks == [] and replies[0][4] == np.full(4, 6.5, np.float32).tobytes()
+    _push(engine, 1, np.full(4, 1.0, np.float32), rnd=2, flags=SHM_PAYLOAD)
+    _push(engine, 0, np.full(4, 1.0, np.float32), rnd=2)  # adds 0 then the held 1: both acknowledged
+    assert sorted(acks) == [(0, 9, 2), (1, 9, 2)]

@@ -14,6 +14,9 @@ worker's reply queue. Decisions and why:
   arrives early is copied into a staging buffer of its key until its turn). Floating-point addition is not
   associative, so arrival order would otherwise change the last bits from run to run; in rank order a rerun,
   and a round re-summed on another server after a failover, give the same bits (as a ring all-reduce does).
+  A contribution in a worker's shared-memory slot is not copied: the engine keeps a view of the slot and
+  acknowledges it (which frees the slot) only once it is added. Rank r only ever waits for ranks below it, and
+  rank 0 never waits, so holding acknowledgements back cannot deadlock.
 - Seeds (after a failover, see docs/faults.md): a worker that already holds the sum of a round resends it
   flagged SEED; the round is then complete here, and every worker that pushed it (before or after) gets that
   sum, so workers the dead server never answered get the bytes the others already have.
@@ -36,7 +39,7 @@ from gradwire.errors import TensorError
 from gradwire.protocol import dtypes
 from gradwire.protocol.frames import SEED
 from gradwire.ring import Ring, RingClosed, Slot
-from gradwire.transport.shm import NO_SLOT
+from gradwire.transport.shm import NO_SLOT, SHM_PAYLOAD
 
 log = logging.getLogger("gradwire.server")
 
@@ -55,6 +58,7 @@ class KeyState:
         "pulls",
         "pushed",
         "round",
+        "held",
         "scratch",
         "seeded",
         "stage",
@@ -80,6 +84,7 @@ class KeyState:
         self.turn = [0, 0]  # deterministic mode: the rank whose contribution is added next
         self.staged = [0, 0]  # bitmask of ranks whose early contributions wait in `stage`
         self.stage: list[list[np.ndarray | None]] = [[None] * num_workers for _ in range(2)]  # allocated on need
+        self.held: list[list[np.ndarray | None]] = [[None] * num_workers for _ in range(2)]  # views of shared slots
         self.seeded = [False, False]  # the round's sum came as a seed (a failover), not from contributions
 
 
@@ -209,12 +214,18 @@ class Engine:
         wire = slot.data.view(dtype.wire)
         if state.count[i] == 0:
             state.started[i] = self.clock()
+        released = 0  # held contributions added now, to acknowledge
+        held = False
         if not self.deterministic:
             self._add(state, i, dtype, wire, first=state.count[i] == 0)
         elif slot.sender == state.turn[i]:
             self._add(state, i, dtype, wire, first=slot.sender == 0)
-            self._drain(state, i, dtype)
-        else:  # early: wait in the staging buffer until the ranks before it are in
+            released = self._drain(state, i, dtype)
+        elif slot.flags & SHM_PAYLOAD:  # early, in the worker's shared slot: keep a view, acknowledge it later
+            state.held[i][slot.sender] = wire
+            state.staged[i] |= bit
+            held = True
+        else:  # early, in a ring slot (reused once released): wait in the staging buffer
             staged = state.stage[i][slot.sender]
             if staged is None:
                 staged = state.stage[i][slot.sender] = np.empty(len(wire), dtype.wire)  # once per key, rank, buffer
@@ -225,7 +236,14 @@ class Engine:
         if state.count[i] < self.num_workers:
             # The worker's window counts contributions not yet in, not sums not yet out: a window of
             # unanswered sums deadlocks when workers' windows fill with different keys.
-            self._ack(slot.sender, slot.key, slot.round)
+            if not held:
+                self._ack(slot.sender, slot.key, slot.round)
+            rank = 0
+            while released:  # held contributions added just now: their shared slots are free again
+                if released & 1:
+                    self._ack(rank, slot.key, slot.round)
+                released >>= 1
+                rank += 1
         else:  # complete: the RESULT is the last pusher's acknowledgement too
             if state.narrow:
                 dtypes.narrow(dtype, state.acc[i], state.out[i])
@@ -238,15 +256,25 @@ class Engine:
         else:
             dtypes.add_into(dtype, state.acc[i], wire, state.scratch)
 
-    def _drain(self, state: KeyState, i: int, dtype: dtypes.DType) -> None:
-        """After rank `turn` was added: add the staged contributions that are now next in rank order."""
+    def _drain(self, state: KeyState, i: int, dtype: dtypes.DType) -> int:
+        """After rank `turn` was added: add the early contributions that are now next in rank order. Returns the
+        bitmask of those that were held in shared slots (to acknowledge)."""
+        released = 0
         state.turn[i] += 1
         while state.staged[i] >> state.turn[i] & 1:
-            staged = state.stage[i][state.turn[i]]
-            assert staged is not None
-            dtypes.add_into(dtype, state.acc[i], staged, state.scratch)
-            state.staged[i] &= ~(1 << state.turn[i])
+            rank = state.turn[i]
+            held = state.held[i][rank]
+            if held is not None:
+                dtypes.add_into(dtype, state.acc[i], held, state.scratch)
+                state.held[i][rank] = None
+                released |= 1 << rank
+            else:
+                staged = state.stage[i][rank]
+                assert staged is not None
+                dtypes.add_into(dtype, state.acc[i], staged, state.scratch)
+            state.staged[i] &= ~(1 << rank)
             state.turn[i] += 1
+        return released
 
     def _seed(self, state: KeyState, i: int, slot: Slot, dtype: dtypes.DType) -> None:
         """A worker resends a sum it holds (after a failover): complete the round with it, answer its pushers.
@@ -261,6 +289,8 @@ class Engine:
         state.out[i][:] = slot.data.view(dtype.wire)
         state.round[i], state.count[i], state.pushed[i] = slot.round, self.num_workers, self.everyone
         state.turn[i], state.staged[i], state.seeded[i] = self.num_workers, 0, True
+        for rank in range(self.num_workers):  # held pushes are answered by the RESULT below, which frees them
+            state.held[i][rank] = None
         if waiting:
             self.seeded_answers += bin(waiting).count("1")
             self._reply(slot.key, slot.round, slot.dtype, memoryview(state.out[i]).cast("B"), state.pulls[i], waiting)
