@@ -30,6 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--configs", default=None, help="with --netem: n:k:worker_rate:server_rate,... (default: the full matrix)"
     )
+    parser.add_argument(
+        "--failover",
+        action="store_true",
+        help="SIGKILL a server (with and without a standby) and a worker mid-run: detection and recovery times",
+    )
+    parser.add_argument("--failover-mib", type=float, default=2.0, help="with --failover: MiB per tensor (8 tensors)")
     parser.add_argument("--window", type=int, default=None, help="GRADWIRE_WINDOW for the gradwire jobs")
     parser.add_argument("--plot", default=None, help="with --netem: write a PNG of time against n")
     parser.add_argument("--write-docs", default=None, help="with --netem: replace the netem section of this file")
@@ -40,6 +46,10 @@ def run(args: argparse.Namespace) -> int:
     env = {"GRADWIRE_PARTITION_BYTES": str(args.partition_bytes)} if args.partition_bytes else {}
     if args.window:
         env["GRADWIRE_WINDOW"] = str(args.window)
+    if args.failover:
+        from gradwire.bench.failover import run_failover
+
+        return run_failover(args)
     if args.netem:
         from gradwire.bench.netem_cli import run_netem
 

@@ -25,6 +25,7 @@ from gradwire.config import Config
 from gradwire.launch.output import make_output
 
 GRACE_SECONDS = 5.0
+SURVIVOR_SECONDS = 3.0  # after a worker fails, how long the others get to report it themselves (WorkerLost)
 PROGRESS_SECONDS = 2.0
 
 
@@ -164,9 +165,22 @@ class Launcher:
                 continue
             running.discard(id(child))
             if child.proc.returncode != 0:
-                return self._report(child, "failed")
+                code = self._report(child, "failed")
+                self._let_survivors_report(running)
+                return code
         self._drain_services()
         return 0
+
+    def _let_survivors_report(self, running: set[int]) -> None:
+        """The other workers learn of the failure within milliseconds (WorkerLost names the rank) and exit with
+        that message; give them a moment to print it before everything is stopped."""
+        deadline = time.monotonic() + SURVIVOR_SECONDS
+        while running and time.monotonic() < deadline:
+            try:
+                child = self._exits.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return
+            running.discard(id(child))
 
     def _drain_services(self) -> None:
         deadline = time.monotonic() + GRACE_SECONDS
@@ -180,7 +194,7 @@ class Launcher:
     def _report(self, child: Child, what: str) -> int:
         code = child.proc.wait()
         exit_code = 128 - code if code < 0 else code or 1
-        self._say(f"{child.label} {what}: it {_how(code)} (pid {child.proc.pid}); stopping the other processes")
+        self._say(f"{child.label} {what}: it {_how(code)} (pid {child.proc.pid}); the job stops")
         return exit_code
 
     def _await_address(self, scheduler: Child) -> str | None:

@@ -18,11 +18,13 @@ class Handle:
         self.output = output
         self.error: BaseException | None = None
         self._remaining = parts
+        self._completed = False  # decided, under the lock, by whichever of part_done/fail completes it
         self._lock = threading.Lock()
         self._event = threading.Event()
         self._on_done = on_done
         self._callbacks: list[Callable[[Handle], None]] = []
         if parts == 0:
+            self._completed = True
             self._finish()
 
     def __repr__(self) -> str:
@@ -48,15 +50,17 @@ class Handle:
         """One partition's sum has arrived (called by receiver threads)."""
         with self._lock:
             self._remaining -= 1
-            last = self._remaining == 0
+            last = self._remaining == 0 and not self._completed
+            self._completed |= last
         if last:
             self._finish()
 
     def fail(self, error: GradwireError) -> None:
         """Complete with an error (the first error wins)."""
         with self._lock:
-            if self._event.is_set():
+            if self._completed:
                 return
+            self._completed = True
             self.error = error
         self._finish()
 
@@ -69,9 +73,11 @@ class Handle:
         fn(self)
 
     def _finish(self) -> None:
+        # the owner's bookkeeping first: a waiter that wakes may push the same tensor again at once, and must not
+        # find this push_pull still in flight
+        self._on_done(self)
         with self._lock:
             self._event.set()
             callbacks, self._callbacks = self._callbacks, []
-        self._on_done(self)
         for fn in callbacks:
             fn(self)

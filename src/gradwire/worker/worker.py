@@ -81,6 +81,7 @@ class Worker:
         self._moves: dict[str, list[int]] = {}
         self._failover_lock = threading.Lock()
         self.failovers: list[dict] = []  # what happened at each failover, for status and tests
+        self._lost_at: dict[int, float] = {}  # when a link to each server died (wall clock), for the record
 
     # -- life cycle ------------------------------------------------------------------------------
 
@@ -406,6 +407,7 @@ class Worker:
         """A server's connection died (a link thread calls this once): tell the scheduler, keep the work."""
         if self._closed:  # shutting down: servers close connections after our bye
             return
+        self._lost_at[link.server] = time.time()
         log.warning(
             "worker %d lost server %d (%s): %s; its unanswered partitions wait for the scheduler to move its keys",
             self.rank,
@@ -428,7 +430,7 @@ class Worker:
         Order matters: seeds are queued on the new links before any push can follow them there, and the dead
         link is retired (its submits redirected) only after the new owners are known.
         """
-        started = time.monotonic()
+        started, told_at = time.monotonic(), time.time()
         dead, self.epoch = int(body["server"]), int(body["epoch"])
         old = self._links[dead]
         with self._failover_lock:
@@ -475,6 +477,8 @@ class Worker:
             "resent": len(orphans),
             "seeds": seeds,
             "seconds": time.monotonic() - started,
+            "lost_at": self._lost_at.pop(dead, None),  # wall clock: when this worker saw the connection die
+            "told_at": told_at,  # when the scheduler's REPLACE arrived
         }
         self.failovers.append(record)
         log.warning(
