@@ -227,6 +227,21 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "standby servers (scheduler): they take over a dead server's keys whole; `gradwire launch --standby-servers`",
     ),
     EnvVar("GRADWIRE_STANDBY", "standby", (), "0", "this server is a standby (idle until a server dies)"),
+    EnvVar(
+        "GRADWIRE_MIN_WORKERS",
+        "min_workers",
+        (),
+        "0",
+        "elastic mode when above 0: the job goes on while at least this many workers are alive "
+        "(`gradwire launch --min-workers`; see docs/faults.md)",
+    ),
+    EnvVar(
+        "GRADWIRE_MAX_WORKERS",
+        "max_workers",
+        (),
+        "0",
+        "elastic mode: the most workers the job admits (new ones join at a commit); 0: GRADWIRE_NUM_WORKERS",
+    ),
 )
 
 
@@ -272,6 +287,8 @@ class Config:
     server_failover: bool = True
     num_standby: int = 0
     standby: bool = False
+    min_workers: int = 0
+    max_workers: int = 0
 
     def __post_init__(self) -> None:
         self._check()
@@ -290,6 +307,15 @@ class Config:
             values["scheduler"] = f"{env['DMLC_PS_ROOT_URI']}:{env.get('DMLC_PS_ROOT_PORT', '0')}"
         values.update(overrides)
         return cls(**values)  # type: ignore[arg-type]
+
+    @property
+    def elastic(self) -> bool:
+        """Elastic mode: workers may leave (down to min_workers) and join (up to max_workers)."""
+        return self.min_workers > 0
+
+    @property
+    def worker_limit(self) -> int:
+        return self.max_workers or self.num_workers
 
     @property
     def scheduler_address(self) -> tuple[str, int]:
@@ -334,6 +360,14 @@ class Config:
             raise ConfigError(f"GRADWIRE_SCHEDULER must be host:port, got {self.scheduler!r}")
         if self.transport not in ("auto", "unix", "tcp"):
             raise ConfigError(f"GRADWIRE_TRANSPORT must be auto, unix or tcp, got {self.transport!r}")
+        if self.min_workers < 0 or self.min_workers > self.num_workers:
+            raise ConfigError(
+                f"GRADWIRE_MIN_WORKERS={self.min_workers} must lie in [0, GRADWIRE_NUM_WORKERS={self.num_workers}]"
+            )
+        if self.max_workers and self.max_workers < self.num_workers:
+            raise ConfigError(
+                f"GRADWIRE_MAX_WORKERS={self.max_workers} must be at least GRADWIRE_NUM_WORKERS={self.num_workers}"
+            )
         if self.num_standby < 0:
             raise ConfigError(f"GRADWIRE_NUM_STANDBY must be at least 0, got {self.num_standby}")
         if self.timeout <= 0:

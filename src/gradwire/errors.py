@@ -72,5 +72,20 @@ def abort_error(body: dict, **context: object) -> JobAborted:
     return JobAborted(message, **context)
 
 
+class MembershipChanged(GradwireError):
+    """Elastic mode: the job's workers changed (one was lost, or new ones are joining) and this worker's calls in
+    flight were cancelled. `gradwire.torch.elastic.run` catches it, restores the last commit, and re-forms the job;
+    without it, call `reset()` on the worker and go on. `lost_rank` names the lost worker (None for joins)."""
+
+    def __init__(self, message: str, lost_rank: int | None = None, **context: object) -> None:
+        self.lost_rank = lost_rank
+        super().__init__(message, lost_rank=lost_rank, **context)
+
+
+class WorkersJoining(GradwireError):
+    """Elastic mode: new workers wait to join; raised by `state.commit()` so the job re-forms at a commit (nothing
+    to roll back). The shape of Horovod's HostsUpdatedInterrupt."""
+
+
 class GradwireTimeout(GradwireError, TimeoutError):
     """A blocking call ran past its deadline."""

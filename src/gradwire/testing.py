@@ -71,6 +71,28 @@ class LocalCluster:
         server.stop()
         return server
 
+    def kill_worker(self, rank: int) -> Worker:
+        """Cut worker `rank` off abruptly (its connections close without a bye, as if its process died)."""
+        worker = next(w for w in self.workers if w.rank == rank)
+        worker._closed = True  # its own threads stay quiet about it
+        if worker._scheduler is not None:
+            worker._scheduler.close()
+        for link in worker._links:
+            link.conn.close()
+        self.workers.remove(worker)
+        return worker
+
+    def add_worker(self) -> threading.Thread:
+        """Start one more worker (elastic jobs: it joins at the next reset); it is in `workers` once started."""
+
+        def start() -> None:
+            worker = Worker(dataclasses.replace(self.config, rank=None)).start()
+            self.workers.append(worker)
+
+        thread = threading.Thread(target=start, daemon=True)
+        thread.start()
+        return thread
+
     def _start_server(self, config: Config) -> None:
         self.servers.append(Server(config).start())
 

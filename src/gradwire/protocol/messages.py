@@ -22,6 +22,9 @@ KEYS = "keys"  # scheduler -> server: the keys it owns, with dtype and bytes; th
 SERVER_LOST = "server_lost"  # worker -> scheduler: my connection to this server died
 PROMOTE = "promote"  # scheduler -> standby server: you are now server `rank`, in `epoch`
 REPLACE = "replace"  # scheduler -> worker: server `server` is gone; its keys are on `standby` or `moved` tensors
+RESET = "reset"  # elastic: scheduler -> worker: the workers changed, cancel and rejoin; -> server: start epoch afresh
+REJOIN = "rejoin"  # elastic: worker -> scheduler (a request): ready for the new membership; the reply is the book
+MEMBERS = "members"  # elastic: scheduler -> worker: `joining` workers wait to join (at the next commit)
 
 _REQUIRED = {
     REGISTER: ("role", "host", "port"),
@@ -37,6 +40,9 @@ _REQUIRED = {
     SERVER_LOST: ("server",),
     PROMOTE: ("rank", "epoch"),
     REPLACE: ("epoch", "server", "moved"),
+    RESET: ("epoch",),
+    REJOIN: ("id",),
+    MEMBERS: ("joining",),
 }
 
 

@@ -88,6 +88,16 @@ class Declarations:
         if event is not None:
             event.set()
 
+    def call(self, server: int, body: dict) -> bool:
+        """Send `body` (given a request id) to a server and wait for its reply; False if none came in time."""
+        rid = next(self._ids)
+        event = self._acks[rid] = threading.Event()
+        try:
+            self._send(server, body | {"id": rid})
+            return event.wait(self.config.timeout)
+        finally:
+            self._acks.pop(rid, None)
+
     def evict(self, dead: int) -> dict[str, list[int]]:
         """Re-place every partition of server `dead` on the live servers and register the keys there (blocks until
         they confirm). Returns {tensor: its servers now} for the tensors that moved."""

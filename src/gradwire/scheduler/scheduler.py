@@ -29,6 +29,7 @@ from gradwire.errors import GradwireError
 from gradwire.protocol import messages
 from gradwire.protocol.frames import FrameType
 from gradwire.scheduler.declarations import Declarations
+from gradwire.scheduler.elastic import Membership
 from gradwire.scheduler.status import cluster_status, node_families
 from gradwire.throttle import HandshakeGate
 from gradwire.transport import tcp
@@ -80,6 +81,7 @@ class Scheduler:
         self._servers: list[Node] = []
         self._standby: list[Node] = []  # standby servers not yet promoted
         self.failovers: list[dict] = []  # one record per failover: server, epoch, where its keys went, duration
+        self.membership = Membership(self) if config.elastic else None  # elastic mode (scheduler/elastic.py)
         self.declarations: Declarations | None = None  # once ranks are fixed
         self._barrier: list[tuple[Node, int]] = []
         self._ending = False  # every worker said bye; servers are being shut down
@@ -183,6 +185,10 @@ class Scheduler:
         )
         node.heard = node.last_seen = self.clock()
         with self._lock:
+            if self.membership is not None and self.declarations is not None and node.role == "worker":
+                self.membership.join(node)  # elastic: held until the next reset
+                self._nodes.append(node)
+                return node
             if len(self._nodes) >= self.expected:
                 raise GradwireError(f"job is full: {self.expected} nodes registered already")
             self._nodes.append(node)
@@ -208,24 +214,32 @@ class Scheduler:
             [s.slot_bytes for s in self._servers],
             lambda rank, body: self._servers[rank].conn.send_json(FrameType.CONTROL, body),
         )
-        servers = [
-            {"host": s.host, "port": s.port, "slot_bytes": s.slot_bytes, "unix": s.unix, "host_id": s.host_id}
-            for s in self._servers
-        ]
+        book = self._address_book()
         for node in self._nodes:
             node.conn.send_json(
                 FrameType.CONTROL,
-                {
-                    "op": messages.ADDRESS_BOOK,
-                    "rank": node.rank,
-                    "epoch": self.epoch,
-                    "num_workers": len(self._workers),
-                    "servers": servers,
-                    "workers": [w.host for w in self._workers],
-                    "standby": node.standby,
-                },
+                book | {"op": messages.ADDRESS_BOOK, "rank": node.rank, "standby": node.standby},
             )
         log.info("rendezvous complete: %d workers, %d servers", len(self._workers), len(self._servers))
+
+    def _address_book(self) -> dict:
+        servers = [
+            {
+                "host": s.host,
+                "port": s.port,
+                "slot_bytes": s.slot_bytes,
+                "unix": s.unix,
+                "host_id": s.host_id,
+                "lost": s.lost,  # its keys moved onto the others (failover without a standby)
+            }
+            for s in self._servers
+        ]
+        return {
+            "epoch": self.epoch,
+            "num_workers": len(self._workers),
+            "servers": servers,
+            "workers": [w.host for w in self._workers],
+        }
 
     def _rendezvous_deadline(self) -> None:
         deadline = self.clock() + self.config.timeout
@@ -263,6 +277,11 @@ class Scheduler:
                 self.declarations.ack(int(body["id"]))
         elif op == messages.BARRIER:
             self._enter_barrier(node, int(body["id"]))
+        elif op == messages.REJOIN and node.role == "worker":
+            with self._lock:
+                if self.membership is None:
+                    raise GradwireError(f"worker {node.rank} asked to rejoin, but the job is not elastic")
+                self.membership.rejoin(node, int(body["id"]))
         elif op == messages.SERVER_LOST and node.role == "worker":
             server = int(body["server"])
             if 0 <= server < len(self._servers) and int(body.get("epoch", 0)) >= self._servers[server].since_epoch:
@@ -302,11 +321,18 @@ class Scheduler:
         with self._lock:
             if not (self._workers or self._servers) or self._ending or self._done.is_set():
                 return []
+            joiners = self.membership.joiners if self.membership is not None else []
             silent = [
-                n for n in self._nodes if not (n.said_bye or n.lost) and now - n.heard > self.config.heartbeat_timeout
+                n
+                for n in self._nodes
+                if not (n.said_bye or n.lost) and now - n.heard > self.config.heartbeat_timeout and n not in joiners
             ]
             servers = [n for n in silent if n.role == "server" and self._can_fail_over_locked(n)]
             silent = [n for n in silent if n not in servers]
+            if self.membership is not None:
+                for node in [n for n in silent if n.role == "worker"]:
+                    self.membership.left(node, f"silent for {now - node.heard:.0f}s")
+                silent = [n for n in silent if n.role != "worker"]
             for node in silent:
                 node.lost = True
             if silent:
@@ -323,7 +349,7 @@ class Scheduler:
     def _enter_barrier(self, node: Node, request_id: int) -> None:
         with self._lock:
             self._barrier.append((node, request_id))
-            if len(self._barrier) < len(self._workers):
+            if len(self._barrier) < sum(not w.lost for w in self._workers):
                 return
             waiting, self._barrier = self._barrier, []
         for waiter, rid in waiting:
@@ -332,14 +358,24 @@ class Scheduler:
     def _bye(self, node: Node) -> None:
         with self._lock:
             node.said_bye = True
-            if not all(w.said_bye for w in self._workers) or node.role != "worker":
+            if not all(w.said_bye or w.lost for w in self._workers) or node.role != "worker":
                 return
+            if self.membership is not None and node not in self._workers:
+                return  # a joiner that gave up
             servers = [s for s in self._servers if not s.lost] + self._standby
+            joiners = self.membership.joiners if self.membership is not None else []
             # before the shutdowns go out: a server that closes on receiving one has not been lost
             self._ending = True
         for server in servers:
             try:
                 server.conn.send_json(FrameType.CONTROL, {"op": messages.SHUTDOWN})
+            except GradwireError:
+                pass
+        for joiner in joiners:
+            try:
+                joiner.conn.send_json(
+                    FrameType.CONTROL, {"op": messages.ABORT, "message": "the job ended before it joined"}
+                )
             except GradwireError:
                 pass
         log.info("every worker said bye; job complete")
@@ -355,6 +391,9 @@ class Scheduler:
             return
         with self._lock:
             if node.said_bye or node.lost or self._ending or self._done.is_set():
+                return
+            if self.membership is not None and node.role == "worker":
+                self.membership.left(node, str(error))
                 return
             node.lost = True
             self._abort_locked(f"lost {node.role} {node.rank} at {node.host}: {error}", lost=(node.role, node.rank))

@@ -162,6 +162,14 @@ class Engine:
         if key not in self.keys:
             self.keys[key] = KeyState(dtype, length, self.num_workers, name)
 
+    def reset(self, num_workers: int) -> None:
+        """Elastic: start every key afresh for `num_workers` workers. Only while nothing is in the ring (the
+        server's connections are closed and the ring drained), so the engine thread touches no key meanwhile."""
+        self.num_workers = num_workers
+        self.everyone = (1 << num_workers) - 1
+        for key, state in list(self.keys.items()):
+            self.keys[key] = KeyState(state.dtype, state.length, num_workers, state.name)
+
     def check(self, key: int, dtype: int, length: int) -> str | None:
         """Why a frame for `key` cannot be summed here, or None if it can (called by readers, before a slot)."""
         state = self.keys.get(key)

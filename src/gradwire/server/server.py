@@ -358,6 +358,25 @@ class Server:
         assert self._scheduler is not None
         self._scheduler.send_json(FrameType.CONTROL, {"op": messages.REPLY, "id": body["id"]})
 
+    def _reset(self, body: dict) -> None:
+        """Elastic: the workers changed. Drop every worker connection, let the engines drain, and start every key
+        afresh for the new number of workers in the new epoch; then tell the scheduler."""
+        epoch, num_workers = int(body["epoch"]), int(body["num_workers"])
+        deadline = time.monotonic() + self.config.timeout
+        with self._links_lock:
+            self.epoch = epoch  # frames of the old epoch are refused from now on
+            links = list(self._links.values())
+        for link in links:
+            link.conn.close()
+        while (self._links or any(e.ring.occupancy for e in self._engines)) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        for engine in self._engines:
+            engine.reset(num_workers)
+        self.num_workers, self._everyone = num_workers, (1 << num_workers) - 1
+        log.warning("epoch %d: starting afresh with %d workers", epoch, num_workers)
+        assert self._scheduler is not None
+        self._scheduler.send_json(FrameType.CONTROL, {"op": messages.REPLY, "id": body["id"]})
+
     def stall_report(self, now: float | None = None) -> list[str]:
         """One line per round waiting longer than GRADWIRE_STALL_SECONDS: which ranks have not pushed what."""
         now = time.monotonic() if now is None else now
@@ -400,6 +419,8 @@ class Server:
                     break
                 if op == messages.KEYS:
                     self._declare_keys(body)
+                elif op == messages.RESET:
+                    self._reset(body)
                 elif op == messages.PROMOTE:  # a standby takes a dead server's place
                     self.rank, self.epoch, self.standby = int(body["rank"]), int(body["epoch"]), False
                     log.warning("standby promoted: now server %d (epoch %d)", self.rank, self.epoch)

@@ -106,6 +106,41 @@ class Work:
         self.t_queued = self.t_sent = self.t_pushed = self.t_result = 0.0
 
 
+class LostLink:
+    """Stands in for a server that died before this worker connected: its keys were moved onto the others."""
+
+    transport = "lost"
+
+    class _NoConnection:
+        peer = "(lost)"
+
+        def send(self, parts: object) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    def __init__(self, server: int, redirect: Callable[[Work, int], None]) -> None:
+        self.server = server
+        self.conn = self._NoConnection()
+        self._redirect = redirect
+
+    def submit(self, work: Work, priority: int) -> None:
+        self._redirect(work, priority)
+
+    def outstanding(self) -> list[str]:
+        return []
+
+    def start(self) -> None:
+        pass
+
+    def close(self, reason: BaseException) -> None:
+        pass
+
+    def join(self, timeout: float) -> None:
+        pass
+
+
 class Credit:
     """Bytes in flight over all of a worker's links. A lone request larger than the limit still passes."""
 

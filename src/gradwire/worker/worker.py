@@ -17,13 +17,21 @@ from gradwire.admin.metrics import Metrics
 from gradwire.admin.node import NodeAdmin
 from gradwire.admin.timeline import Timeline
 from gradwire.config import Config
-from gradwire.errors import ConfigError, GradwireError, GradwireTimeout, JobAborted, TensorError, abort_error
+from gradwire.errors import (
+    ConfigError,
+    GradwireError,
+    GradwireTimeout,
+    JobAborted,
+    MembershipChanged,
+    TensorError,
+    abort_error,
+)
 from gradwire.protocol import dtypes, messages
 from gradwire.protocol.frames import FrameType, encode_header
 from gradwire.scheduler.client import join
 from gradwire.transport import shm, tcp
 from gradwire.worker.handle import Handle
-from gradwire.worker.link import Credit, Saved, ServerLink, Work
+from gradwire.worker.link import Credit, LostLink, Saved, ServerLink, Work
 
 log = logging.getLogger("gradwire.worker")
 SHUTDOWN_JOIN_SECONDS = 5.0
@@ -82,6 +90,11 @@ class Worker:
         self._failover_lock = threading.Lock()
         self.failovers: list[dict] = []  # what happened at each failover, for status and tests
         self._lost_at: dict[int, float] = {}  # when a link to each server died (wall clock), for the record
+        # elastic mode (docs/faults.md): why calls fail until reset(), and how many workers wait to join
+        self._membership_error: MembershipChanged | None = None
+        self.joining = 0
+        self.resets: list[dict] = []
+        self._rejoin_id = -1
 
     # -- life cycle ------------------------------------------------------------------------------
 
@@ -93,27 +106,20 @@ class Worker:
             sys.setswitchinterval(self.config.switch_interval)
         self.admin = NodeAdmin(self.config, self.metrics, self.status)
         book = self._rendezvous()
-        self.rank, self.size, self.epoch = book["rank"], book["num_workers"], book["epoch"]
-        hosts = book.get("workers") or []
-        same_host = [r for r, h in enumerate(hosts) if h == hosts[self.rank]] if hosts else [self.rank]
-        self.local_rank = self.config.local_rank if self.config.local_rank is not None else same_host.index(self.rank)
-        self.local_size = self.config.local_size if self.config.local_size is not None else len(same_host)
-        servers = book["servers"]
-        self._partition_bytes = min([self.config.partition_bytes] + [int(s["slot_bytes"]) for s in servers])
-        self.credit = credit = Credit(self.config.credit_bytes)
+        self._apply_book(book)
+        self.credit = Credit(self.config.credit_bytes)
         if self.config.timeline:
-            tracks = {i: f"server {i}" for i in range(len(servers))}
+            tracks = {i: f"server {i}" for i in range(len(book["servers"]))}
             self.timeline = Timeline(
                 timeline.path_for(self.config.timeline, self.rank), self.rank, self.config.timeline_steps, tracks
             )
-        for index, server in enumerate(servers):
-            self._links.append(self._link(index, server))
+        self._connect_all(book["servers"])
         self.metrics.gauge(
-            "gradwire_credit_in_flight_bytes", "Bytes pushed and not yet acknowledged", lambda: credit.used
+            "gradwire_credit_in_flight_bytes",
+            "Bytes pushed and not yet acknowledged",
+            lambda: self.credit.used if self.credit else 0,
         )
         self.metrics.gauge("gradwire_push_pulls_in_flight", "push_pull handles not yet complete", lambda: self._active)
-        for link in self._links:
-            link.start()
         self._control_thread = threading.Thread(target=self._control_loop, name="gw-worker-control", daemon=True)
         self._control_thread.start()
         assert self._scheduler is not None
@@ -121,6 +127,23 @@ class Worker:
         self.barrier()
         log.info("worker %d/%d ready with %d servers", self.rank, self.size, len(self._links))
         return self
+
+    def _apply_book(self, book: dict) -> None:
+        self.rank, self.size, self.epoch = book["rank"], book["num_workers"], book["epoch"]
+        hosts = book.get("workers") or []
+        same_host = [r for r, h in enumerate(hosts) if h == hosts[self.rank]] if hosts else [self.rank]
+        self.local_rank = self.config.local_rank if self.config.local_rank is not None else same_host.index(self.rank)
+        self.local_size = self.config.local_size if self.config.local_size is not None else len(same_host)
+        live = [s for s in book["servers"] if not s.get("lost")]
+        self._partition_bytes = min([self.config.partition_bytes] + [int(s["slot_bytes"]) for s in live])
+
+    def _connect_all(self, servers: list[dict]) -> None:
+        links: list[ServerLink | LostLink] = []
+        for index, server in enumerate(servers):
+            links.append(LostLink(index, self._resubmit) if server.get("lost") else self._link(index, server))
+        self._links = links
+        for link in links:
+            link.start()
 
     def _link(self, index: int, server: dict) -> ServerLink:
         conn, arena = self._connect_server(server)
@@ -364,20 +387,24 @@ class Worker:
         """Block until every worker has entered the barrier."""
         self._request({"op": messages.BARRIER})
 
-    def _request(self, body: dict) -> dict:
-        self._check_usable()
+    def _request(self, body: dict, check: bool = True, rejoin: bool = False) -> dict:
+        if check:
+            self._check_usable()
         rid = next(self._ids)
         waiter: list = [threading.Event(), None]
         with self._lock:
             self._requests[rid] = waiter
+            if rejoin:
+                self._rejoin_id = rid
         assert self._scheduler is not None
         self._scheduler.send_json(FrameType.CONTROL, body | {"id": rid})
         if not waiter[0].wait(self.config.timeout):
             raise GradwireTimeout(
                 f"worker {self.rank}: scheduler did not answer {body['op']} in {self.config.timeout}s"
             )
-        if waiter[1] is None:  # woken by an abort, not a reply
+        if waiter[1] is None:  # woken by an abort or a membership change, not a reply
             self._check_usable()
+            raise JobAborted(f"worker {self.rank}: {body['op']} was cancelled", rank=self.rank)
         return waiter[1]
 
     def _control_loop(self) -> None:
@@ -397,9 +424,81 @@ class Worker:
                     return
                 elif op == messages.REPLACE:
                     self._fail_over(body)
+                elif op == messages.RESET:
+                    self._membership_changed(body)
+                elif op == messages.MEMBERS:
+                    self.joining = int(body["joining"])
         except GradwireError as e:
             if not self._closed:
                 self._fail_all(JobAborted(f"worker {self.rank} lost the scheduler: {e}", rank=self.rank))
+
+    # -- elastic mode (docs/faults.md) -------------------------------------------------------------
+
+    def _membership_changed(self, body: dict) -> None:
+        """RESET from the scheduler: cancel everything in flight; calls raise MembershipChanged until reset()."""
+        lost = body.get("lost_rank")
+        error = MembershipChanged(
+            f"worker {self.rank}: the job's workers changed ({body.get('message', '?')}); restore the last commit and "
+            "call reset() (gradwire.torch.elastic.run does both)",
+            lost_rank=lost if isinstance(lost, int) else None,
+            rank=self.rank,
+        )
+        self._cancel(error)
+
+    def _cancel(self, error: MembershipChanged) -> None:
+        with self._lock:
+            if self._membership_error is None:
+                self._membership_error = error
+            # not our rejoin request, if one is out: its reply is the new membership
+            waiters = [w for rid, w in self._requests.items() if rid != self._rejoin_id]
+            self._requests = {rid: w for rid, w in self._requests.items() if rid == self._rejoin_id}
+        for waiter in waiters:
+            waiter[0].set()
+        for link in self._links:
+            link.close(error)
+
+    def reset(self) -> None:
+        """Elastic mode: re-form the job after a MembershipChanged (or at a commit, when workers are joining).
+
+        Cancels anything still in flight, waits for the scheduler to fix the new membership (this worker's rank may
+        change), starts every tensor's rounds afresh, reconnects to the servers and passes a barrier. The caller
+        then brings every worker to the same state (`state.sync()`: a broadcast from rank 0).
+        """
+        if not self.config.elastic:
+            raise ConfigError("reset() is for elastic jobs: start them with GRADWIRE_MIN_WORKERS (--min-workers)")
+        if self._abort is not None:
+            raise self._abort
+        self._cancel(MembershipChanged(f"worker {self.rank} is re-forming the job"))
+        for link in self._links:
+            link.join(SHUTDOWN_JOIN_SECONDS)
+        started, old_rank, old_size = time.monotonic(), self.rank, self.size
+        book = self._request({"op": messages.REJOIN}, check=False, rejoin=True)
+        if self._abort is not None:
+            raise self._abort
+        with self._lock:
+            self._apply_book(book)
+            for tensor in self._tensors.values():
+                tensor.round, tensor.in_flight = 0, None
+            self._active = 0
+            if self._saved is not None:
+                self._saved.clear()
+            self._membership_error = None
+            self.joining = 0
+        self.credit = Credit(self.config.credit_bytes)  # the cancelled pushes' credit is not coming back
+        self._connect_all(book["servers"])
+        self.barrier()
+        self.resets.append(
+            {"epoch": self.epoch, "rank": self.rank, "size": self.size, "seconds": time.monotonic() - started}
+        )
+        log.warning(
+            "worker %d (was %d of %d) re-formed the job in epoch %d: %d workers, in %.0f ms",
+            self.rank,
+            old_rank,
+            old_size,
+            self.epoch,
+            self.size,
+            self.resets[-1]["seconds"] * 1e3,
+        )
 
     # -- failover (docs/faults.md) -----------------------------------------------------------------
 
@@ -511,6 +610,8 @@ class Worker:
     def _check_usable(self) -> None:
         if self._abort is not None:
             raise self._abort
+        if self._membership_error is not None:
+            raise self._membership_error
         if self._closed:
             raise ConfigError("this worker has been shut down; call init() again to start a new job")
 

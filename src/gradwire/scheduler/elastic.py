@@ -1,0 +1,145 @@
+"""Elastic membership (GRADWIRE_MIN_WORKERS > 0): workers leave and join a running job.
+
+A change goes through one reset, in the shape of Horovod's elastic mode:
+1. A worker is lost (its connection closes, or it falls silent), or a worker registers after the rendezvous (a
+   joiner: held until the reset, told nothing yet). For a loss, every live worker is told RESET at once: its calls
+   in flight fail with MembershipChanged, and `elastic.run` restores the last commit. For a joiner, the workers
+   are told MEMBERS (joining=k) and re-form at their next `state.commit()` (WorkersJoining); the first of them to
+   rejoin turns it into a RESET for the others, so a worker that missed the notice cannot wait forever.
+2. Each live worker sends REJOIN (a request). When every live member has, ranks are fixed again: survivors in
+   their old order, then joiners in order of arrival. Servers are told RESET (epoch, num_workers): they drop their
+   connections and start every key afresh. Then each worker gets its new rank and the address book (the REJOIN's
+   reply; joiners get the book their registration waits for), reconnects, and the job goes on from a broadcast of
+   rank 0's state (`state.sync()`).
+Fewer than GRADWIRE_MIN_WORKERS left aborts the job, naming the lost worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING
+
+from gradwire.errors import GradwireError
+from gradwire.protocol import messages
+from gradwire.protocol.frames import FrameType
+
+if TYPE_CHECKING:
+    from gradwire.scheduler.scheduler import Node, Scheduler
+
+log = logging.getLogger("gradwire.scheduler")
+
+
+class Membership:
+    """The elastic part of a scheduler; every method is called with the scheduler's lock held unless it says not."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.s = scheduler
+        self.joiners: list[Node] = []
+        self.resetting = False
+        self.rejoined: dict[int, tuple[Node, int]] = {}  # id(node) -> (node, request id)
+        self.resets = 0
+        self.history: list[dict] = []  # one record per completed reset: epoch, workers, reason
+
+    def live(self) -> list[Node]:
+        return [w for w in self.s._workers if not (w.lost or w.said_bye)]
+
+    def join(self, node: Node) -> None:
+        """A worker registered after the rendezvous: hold it until the next reset."""
+        limit = self.s.config.worker_limit
+        if len(self.live()) + len(self.joiners) >= limit:
+            raise GradwireError(f"the job has {limit} workers already (GRADWIRE_MAX_WORKERS)")
+        self.joiners.append(node)
+        log.warning("worker from %s waits to join (%d joining)", node.host, len(self.joiners))
+        if self.resetting:
+            return  # it joins this reset
+        self._tell(self.live(), {"op": messages.MEMBERS, "joining": len(self.joiners)})
+
+    def left(self, node: Node, why: str) -> None:
+        """A member worker (or a joiner) is gone."""
+        node.lost = True
+        if node in self.joiners:
+            self.joiners.remove(node)
+            return
+        live = self.live()
+        if len(live) < self.s.config.min_workers:
+            self.s._abort_locked(
+                f"lost worker {node.rank} at {node.host}: {why}; {len(live)} left, fewer than "
+                f"GRADWIRE_MIN_WORKERS={self.s.config.min_workers}",
+                lost=("worker", node.rank),
+            )
+            return
+        log.warning(
+            "lost worker %d at %s (%s): re-forming the job with %d workers", node.rank, node.host, why, len(live)
+        )
+        self._begin(f"lost worker {node.rank}: {why}", node.rank)
+        self._maybe_complete()
+
+    def rejoin(self, node: Node, request_id: int) -> None:
+        self.rejoined[id(node)] = (node, request_id)
+        if not self.resetting:  # the first worker to re-form at a commit: the others follow now
+            self._begin("workers joining", None)
+        self._maybe_complete()
+
+    def _begin(self, reason: str, lost_rank: int | None) -> None:
+        self.s._barrier = []  # waiters are woken by the reset itself
+        if not self.resetting:
+            self.resetting = True
+            self.s.epoch += 1
+        body = {"op": messages.RESET, "epoch": self.s.epoch, "message": reason, "lost_rank": lost_rank}
+        self._tell([w for w in self.live() if id(w) not in self.rejoined], body)
+
+    def _maybe_complete(self) -> None:
+        live = self.live()
+        if not self.resetting or any(id(w) not in self.rejoined for w in live):
+            return
+        members = sorted(live, key=lambda w: w.rank) + self.joiners
+        replies = {id(node): rid for node, rid in self.rejoined.values()}
+        self.joiners, self.rejoined = [], {}
+        for rank, worker in enumerate(members):
+            worker.rank = rank
+            worker.conn.peer_rank = rank
+        self.s._workers = members
+        epoch = self.s.epoch
+        threading.Thread(
+            target=self._complete, args=(members, replies, epoch), name="gw-sched-reset", daemon=True
+        ).start()
+
+    def _complete(self, members: list[Node], replies: dict[int, int], epoch: int) -> None:
+        """Without the lock: reset the servers, then give every member its place."""
+        declarations = self.s.declarations
+        assert declarations is not None
+        for server in [s for s in self.s._servers if not s.lost]:
+            body = {"op": messages.RESET, "epoch": epoch, "num_workers": len(members)}
+            if not declarations.call(server.rank, body):
+                with self.s._lock:
+                    self.s._abort_locked(f"server {server.rank} did not reset for epoch {epoch}")
+                return
+        book = self.s._address_book()
+        for worker in members:
+            body = book | {"rank": worker.rank, "epoch": epoch, "num_workers": len(members)}
+            if id(worker) in replies:
+                body |= {"op": messages.REPLY, "id": replies[id(worker)]}
+            else:
+                body |= {"op": messages.ADDRESS_BOOK, "standby": False}
+            try:
+                worker.conn.send_json(FrameType.CONTROL, body)
+            except GradwireError:
+                pass  # its loss starts the next reset
+        with self.s._lock:
+            self.resetting = False
+            self.resets += 1
+            self.history.append({"epoch": epoch, "workers": len(members)})
+            joining = len(self.joiners)
+            live = self.live()
+        log.warning("job re-formed in epoch %d with %d workers", epoch, len(members))
+        if joining:  # arrived during the reset: they join the next one
+            self._tell(live, {"op": messages.MEMBERS, "joining": joining})
+
+    @staticmethod
+    def _tell(workers: list[Node], body: dict) -> None:
+        for worker in workers:
+            try:
+                worker.conn.send_json(FrameType.CONTROL, body)
+            except GradwireError:
+                pass

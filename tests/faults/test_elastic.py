@@ -1,0 +1,56 @@
+"""Elastic mode in one process: a worker is lost and the others go on with fewer; a new one joins at a reset."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from gradwire.errors import JobAborted, MembershipChanged
+from gradwire.testing import LocalCluster
+
+
+def _sum_until_reset(worker, value: float) -> np.ndarray:
+    """push_pull until the membership change reaches this worker, then re-form and sum once more."""
+    for _ in range(200):
+        try:
+            worker.push_pull(np.full(5000, value, np.float32), "g")
+        except MembershipChanged:
+            worker.reset()
+            return worker.push_pull(np.full(5000, value, np.float32), "g")
+    raise AssertionError("no membership change reached this worker")
+
+
+def test_survivors_go_on_with_fewer_workers_and_a_new_one_joins_at_a_reset():
+    with LocalCluster(num_workers=3, num_servers=2, min_workers=2, max_workers=3, partition_bytes=4096) as c:
+        assert c.run(lambda w: w.push_pull(np.full(5000, w.rank + 1.0, np.float32), "g")[0]) == [6.0] * 3
+        dead = c.kill_worker(1)
+        out = c.run(lambda w: _sum_until_reset(w, {0: 1.0, 2: 3.0}[w.rank if w.size == 3 else 2 * w.rank]))
+        assert [w.size for w in c.workers] == [2, 2] and sorted(w.rank for w in c.workers) == [0, 1]
+        assert [a[0] for a in out] == [4.0, 4.0]  # the survivors' sums, without the lost worker
+        assert all(w.resets and w.epoch == c.scheduler.epoch for w in c.workers)
+        assert dead not in c.workers
+
+        joiner = c.add_worker()
+        deadline = time.monotonic() + 10
+        while not all(w.joining for w in c.workers[:2]) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert [w.joining for w in c.workers[:2]] == [1, 1]  # told, so state.commit() can re-form the job
+        survivors = list(c.workers[:2])
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda w: w.reset(), survivors))
+        joiner.join(10)
+        assert sorted(w.rank for w in c.workers) == [0, 1, 2] and {w.size for w in c.workers} == {3}
+        assert c.run(lambda w: w.push_pull(np.full(5000, w.rank + 1.0, np.float32), "g")[0]) == [6.0] * 3
+
+
+def test_below_min_workers_the_job_aborts_naming_the_lost_worker():
+    with LocalCluster(num_workers=2, num_servers=1, min_workers=2) as c:
+        c.run(lambda w: w.push_pull(np.ones(10, np.float32), "g"))
+        c.kill_worker(1)
+        with pytest.raises(JobAborted, match="lost worker 1.*fewer than GRADWIRE_MIN_WORKERS=2"):
+            for _ in range(200):
+                c.workers[0].push_pull(np.ones(10, np.float32), "g")
