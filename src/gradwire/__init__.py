@@ -30,10 +30,12 @@ from gradwire.errors import (
     GradwireTimeout,
     JobAborted,
     LocalProtocolError,
+    MembershipChanged,
     ProtocolError,
     RemoteProtocolError,
     TensorError,
     WorkerLost,
+    WorkersJoining,
 )
 from gradwire.worker import Handle, Worker
 
@@ -48,11 +50,13 @@ __all__ = [
     "Handle",
     "JobAborted",
     "LocalProtocolError",
+    "MembershipChanged",
     "ProtocolError",
     "RemoteProtocolError",
     "TensorError",
     "Worker",
     "WorkerLost",
+    "WorkersJoining",
     "barrier",
     "current_worker",
     "declare",

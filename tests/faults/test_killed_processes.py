@@ -21,10 +21,18 @@ SCRIPT = str(ROOT / "tests" / "faults" / "training_job.py")
 WORKERS, SERVERS = 3, 2
 
 
-def _run(kill: str = "", kill_at: int = -1, wait: bool = False, standby: int = 0, timeout: float = 120) -> dict:
+def _run(
+    kill: str = "",
+    kill_at: int = -1,
+    wait: bool = False,
+    standby: int = 0,
+    timeout: float = 120,
+    script: str = SCRIPT,
+    options: tuple[str, ...] = (),
+) -> dict:
     """Launch the job; when worker 0 prints KILL, SIGKILL the named process (`server 1`, `scheduler`)."""
-    cmd = [sys.executable, "-m", "gradwire", "launch", "-n", str(WORKERS), "-s", str(SERVERS)]
-    cmd += ["--standby-servers", str(standby), "--timeout", "30", "--", sys.executable, SCRIPT]
+    cmd = [sys.executable, "-m", "gradwire", "launch", "-n", str(WORKERS), "-s", str(SERVERS), *options]
+    cmd += ["--standby-servers", str(standby), "--timeout", "30", "--", sys.executable, script]
     env = os.environ | {
         "KILL_AT": str(kill_at),
         "KILL_ROLE": kill,
@@ -43,9 +51,9 @@ def _run(kill: str = "", kill_at: int = -1, wait: bool = False, standby: int = 0
         assert proc.stdout is not None
         for line in proc.stdout:
             lines.append(line)
-            found = re.search(r"^\[(\w+(?: \d+)?)\] gradwire .*\(pid (\d+)\)", line)
+            found = re.search(r"^\[(\w+(?: \d+)?)\] (?:gradwire .*\(pid (\d+)\)|PID (\d+))", line)
             if found:
-                pids[found.group(1)] = int(found.group(2))
+                pids[found.group(1)] = int(found.group(2) or found.group(3))
             if line.startswith("[worker 0] KILL "):
                 os.kill(pids[kill], signal.SIGKILL)
                 killed[kill] = time.monotonic()
@@ -116,3 +124,19 @@ def test_a_sigkilled_scheduler_stops_every_node_with_an_error_naming_it():
     assert run["code"] != 0, out
     assert "scheduler was killed by SIGKILL" in out
     assert re.search(r"\[worker \d\] .*lost the scheduler", out), out
+
+
+def test_elastic_training_goes_on_without_a_killed_worker_and_a_replacement_joins_with_the_state():
+    elastic = str(ROOT / "tests" / "faults" / "elastic_job.py")
+    run = _run("worker 2", kill_at=12, script=elastic, options=("--min-workers", "2", "--max-workers", "3"))
+    out = run["output"]
+    assert run["code"] == 0, out
+    assert "worker 2 was killed by SIGKILL" in out and "the job goes on with 2 workers" in out, out
+    assert "starting worker 3 to join the job" in out, out
+    # the replacement started from the survivors' committed state, not from scratch
+    joined = re.search(r"^\[worker 3\] START batch=(\d+) size=3", out, re.M)
+    assert joined and int(joined.group(1)) > 12, out
+    sizes = dict(re.findall(r"^\[(worker \d+)\] SIZES (.*)$", out, re.M))
+    assert sizes["worker 0"] == "[3, 2, 3]" and sizes["worker 3"] == "[3]", out
+    digests = {m.group(1): m.group(2) for m in re.finditer(r"^\[(worker \d+)\] DIGEST (\w+)", out, re.M)}
+    assert set(digests) == {"worker 0", "worker 1", "worker 3"} and len(set(digests.values())) == 1, out

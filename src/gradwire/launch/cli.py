@@ -24,6 +24,19 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="idle servers that take a dead server's keys whole (without one they move onto the survivors)",
     )
+    launch.add_argument(
+        "--min-workers",
+        type=int,
+        default=0,
+        help="elastic: the job goes on while this many workers live (gradwire.torch.elastic); 0: not elastic",
+    )
+    launch.add_argument(
+        "--max-workers",
+        type=int,
+        default=0,
+        help="elastic: a dead worker is replaced by a new one that joins, keeping the job at most this size",
+    )
+    launch.add_argument("--max-restarts", type=int, default=3, help="elastic: replacements started at most")
     launch.add_argument("--host", default="127.0.0.1", help="address every node binds and advertises")
     launch.add_argument("--timeout", type=float, default=None, help="seconds any blocking call may wait")
     launch.add_argument("command", nargs=argparse.REMAINDER, help="the worker command, after --")

@@ -55,17 +55,24 @@ class Launcher:
         timeout: float | None = None,
         env: dict[str, str] | None = None,
         standby: int = 0,
+        min_workers: int = 0,
+        max_workers: int = 0,
+        max_restarts: int = 3,
     ) -> None:
         if not command:
             raise SystemExit("gradwire launch: give the worker command after --, e.g. -- python train.py")
         self.num_workers, self.num_servers, self.command, self.host = num_workers, num_servers, command, host
         self.num_standby = standby
+        self.min_workers, self.max_workers, self.restarts_left = min_workers, max_workers or num_workers, max_restarts
+        self._next_worker = num_workers  # the label of the next replacement
         self.base_env = dict(os.environ if env is None else env)
         self.base_env.update(
             {
                 "GRADWIRE_NUM_WORKERS": str(num_workers),
                 "GRADWIRE_NUM_SERVERS": str(num_servers),
                 "GRADWIRE_NUM_STANDBY": str(standby),
+                "GRADWIRE_MIN_WORKERS": str(min_workers),
+                "GRADWIRE_MAX_WORKERS": str(max_workers),
                 "GRADWIRE_HOST": host,
                 "GRADWIRE_SECRET": secrets.token_hex(32),
                 "PYTHONUNBUFFERED": "1",
@@ -164,12 +171,31 @@ class Launcher:
                     )
                 continue
             running.discard(id(child))
+            if child.proc.returncode != 0 and self.min_workers and len(running) >= self.min_workers:
+                self._elastic_loss(child, running)
+                continue
             if child.proc.returncode != 0:
                 code = self._report(child, "failed")
                 self._let_survivors_report(running)
                 return code
         self._drain_services()
         return 0
+
+    def _elastic_loss(self, child: Child, running: set[int]) -> None:
+        """Elastic: the job goes on with the others; a replacement joins while restarts and --max-workers allow."""
+        self._say(
+            f"{child.label} {_how(child.proc.returncode)} (pid {child.proc.pid}); the job goes on with "
+            f"{len(running)} workers (elastic, --min-workers {self.min_workers})"
+        )
+        if self.restarts_left <= 0 or len(running) >= self.max_workers:
+            return
+        self.restarts_left -= 1
+        label = self._next_worker
+        self._next_worker += 1
+        self._say(f"starting worker {label} to join the job")
+        extra = {"GRADWIRE_ROLE": "worker", "GRADWIRE_LOCAL_RANK": str(label), "LOCAL_RANK": str(label)}
+        replacement = self._spawn("worker", label, self.command, extra, unset=("GRADWIRE_RANK", "RANK"))
+        running.add(id(replacement))
 
     def _let_survivors_report(self, running: set[int]) -> None:
         """The other workers learn of the failure within milliseconds (WorkerLost names the rank) and exit with
@@ -217,8 +243,10 @@ class Launcher:
                 return address
         return None
 
-    def _spawn(self, role: str, rank: int, argv: list[str], extra: dict[str, str]) -> Child:
-        env = self.base_env | extra
+    def _spawn(
+        self, role: str, rank: int, argv: list[str], extra: dict[str, str], unset: tuple[str, ...] = ()
+    ) -> Child:
+        env = {k: v for k, v in (self.base_env | extra).items() if k not in unset}
         proc = subprocess.Popen(
             argv,
             env=env,
@@ -310,7 +338,21 @@ def launch_from_args(args: argparse.Namespace) -> int:
     if command and command[0] == "--":
         command = command[1:]
     # fail early on bad settings
-    Config.from_env(num_workers=args.num_workers, num_servers=args.num_servers, num_standby=args.standby_servers)
+    Config.from_env(
+        num_workers=args.num_workers,
+        num_servers=args.num_servers,
+        num_standby=args.standby_servers,
+        min_workers=args.min_workers,
+        max_workers=args.max_workers,
+    )
     return Launcher(
-        args.num_workers, args.num_servers, command, args.host, args.timeout, standby=args.standby_servers
+        args.num_workers,
+        args.num_servers,
+        command,
+        args.host,
+        args.timeout,
+        standby=args.standby_servers,
+        min_workers=args.min_workers,
+        max_workers=args.max_workers,
+        max_restarts=args.max_restarts,
     ).run()

@@ -15,6 +15,7 @@ import gradwire
 import torch
 from gradwire import barrier, init, is_initialized, local_rank, local_size, rank, shutdown, size
 
+from . import elastic
 from .broadcast import broadcast_, broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .compression import Compression
 from .hook import PushPullHookState, push_pull_hook
@@ -33,6 +34,7 @@ __all__ = [
     "broadcast_object",
     "broadcast_optimizer_state",
     "broadcast_parameters",
+    "elastic",
     "init",
     "is_initialized",
     "local_rank",

@@ -131,6 +131,15 @@ class _DistributedOptimizer:
         self._counts.clear()
         self._synchronized = True
 
+    def _elastic_clear(self) -> None:
+        """Forget push_pulls cancelled by a membership change (elastic.run calls it before the job re-forms)."""
+        self._handles.clear()
+        self._group_handles.clear()
+        self._counts.clear()
+        for group in set(self._groups.values()):
+            group.ready.clear()
+        self._synchronized = False
+
     def skip_synchronize(self) -> _SkipSynchronize:
         """A context manager in which step() does not synchronize (it was done by hand)."""
         return _SkipSynchronize(self)

@@ -1,0 +1,57 @@
+"""Worker script for elastic mode: a small MLP trained with gradwire.torch.elastic for STEPS steps, committing
+every 5. Worker 0 prints `KILL` at step KILL_AT (the test SIGKILLs worker 2 then). Every worker prints the batch
+it (re)started from, the sizes it trained at, and the digest of the final parameters."""
+
+import hashlib
+import os
+import time
+
+import torch
+
+import gradwire.torch as gw
+
+STEPS = int(os.environ.get("STEPS", "100"))
+KILL_AT = int(os.environ.get("KILL_AT", "-1"))
+STEP_SECONDS = float(os.environ.get("STEP_SECONDS", "0.05"))  # slow enough for a replacement to join
+torch.set_num_threads(1)
+gw.init()
+print(f"PID {os.getpid()}", flush=True)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+opt = gw.DistributedOptimizer(
+    torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), named_parameters=model.named_parameters()
+)
+state = gw.elastic.TorchState(model=model, optimizer=opt, batch=0)
+sizes = []
+killed = []  # not in the state: a restore must not bring the kill back
+
+
+@gw.elastic.run
+def train(state):
+    print(f"START batch={state.batch} size={gw.size()} rank={gw.rank()}", flush=True)
+    for state.batch in range(state.batch, STEPS):
+        if state.batch == KILL_AT and gw.rank() == 0 and not killed:
+            killed.append(state.batch)
+            print("KILL worker 2", flush=True)
+        data = torch.Generator().manual_seed(1000 * state.batch + gw.rank())
+        x = torch.randn(32, 32, generator=data)
+        y = (x[:, :10] * 3).argmax(dim=1)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        time.sleep(STEP_SECONDS)
+        if not sizes or sizes[-1] != gw.size():
+            sizes.append(gw.size())
+        if state.batch % 5 == 4:
+            state.batch += 1  # committed: this batch is done
+            state.commit()
+
+
+train(state)
+digest = hashlib.sha256()
+for p in model.parameters():
+    digest.update(p.detach().numpy().tobytes())
+print(f"SIZES {sizes}", flush=True)
+print(f"DIGEST {digest.hexdigest()}", flush=True)
+gw.shutdown()
+print("DONE", flush=True)
