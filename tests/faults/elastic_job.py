@@ -6,9 +6,8 @@ import hashlib
 import os
 import time
 
-import torch
-
 import gradwire.torch as gw
+import torch
 
 STEPS = int(os.environ.get("STEPS", "100"))
 KILL_AT = int(os.environ.get("KILL_AT", "-1"))
@@ -29,7 +28,7 @@ killed = []  # not in the state: a restore must not bring the kill back
 @gw.elastic.run
 def train(state):
     print(f"START batch={state.batch} size={gw.size()} rank={gw.rank()}", flush=True)
-    for state.batch in range(state.batch, STEPS):
+    for state.batch in range(state.batch, STEPS):  # noqa: B020
         if state.batch == KILL_AT and gw.rank() == 0 and not killed:
             killed.append(state.batch)
             print("KILL worker 2", flush=True)
