@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from gradwire.errors import JobAborted
+from gradwire.scheduler.status import cluster_status
 from gradwire.testing import LocalCluster
 
 STEPS = 12
@@ -83,6 +84,8 @@ def test_a_server_killed_mid_training_changes_no_bit_of_any_sum(standby):
         (record,) = c.scheduler.failovers
         assert record["server"] == 1 and record["to"] == ("standby" if standby else "survivors")
         assert c.scheduler.epoch == 2
+        status = cluster_status(c.scheduler)  # /status: healthy again, and the failover on record
+        assert status["healthy"] and [f["server"] for f in status["failovers"]] == [1]
         for worker in c.workers:
             assert [f["server"] for f in worker.failovers] == [1]
         if standby:

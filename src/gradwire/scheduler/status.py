@@ -57,8 +57,23 @@ def cluster_status(s: Scheduler) -> dict:
             "phase": phase,
             "epoch": s.epoch,
             "abort_reason": s.abort_reason,
-            "expected": {"workers": s.config.num_workers, "servers": s.config.num_servers},
-            "healthy": not s.abort_reason and all(node_state(n) != "lost" for n in nodes),
+            "expected": {
+                "workers": s.config.num_workers,
+                "servers": s.config.num_servers,
+                "standby": s.config.num_standby,
+            },
+            # the current members (a failed-over server or a worker an elastic job re-formed without is history)
+            "healthy": not s.abort_reason
+            and all(node_state(n) != "lost" for n in s._workers + [x for x in s._servers if not x.lost]),
+            "failovers": list(s.failovers),
+            "elastic": None
+            if s.membership is None
+            else {
+                "min_workers": s.config.min_workers,
+                "max_workers": s.config.worker_limit,
+                "joining": len(s.membership.joiners),
+                "resets": list(s.membership.history),
+            },
             "nodes": [describe(n, now) for n in nodes],
             "servers": servers,
             "tensors": len(decls.tensors) if decls else 0,
