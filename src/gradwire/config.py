@@ -228,6 +228,29 @@ ENV_VARS: tuple[EnvVar, ...] = (
     ),
     EnvVar("GRADWIRE_STANDBY", "standby", (), "0", "this server is a standby (idle until a server dies)"),
     EnvVar(
+        "GRADWIRE_COLOCATED",
+        "colocated",
+        (),
+        "0",
+        "this server runs on a worker host (`gradwire launch --colocate`): it gets that host's share of the bytes",
+    ),
+    EnvVar(
+        "GRADWIRE_PLACEMENT",
+        "placement",
+        (),
+        "model",
+        "how bytes are split over servers (scheduler): `model`, the optimal split for the nodes' link rates "
+        "(GRADWIRE_LINK_RATE, equal if unset); `auto`, the same with rates measured at start-up; `equal`, "
+        "every server alike (docs/placement.md)",
+    ),
+    EnvVar(
+        "GRADWIRE_LINK_RATE",
+        "link_rate",
+        (),
+        "",
+        "this node's network rate for the placement model, tc's spelling (`25gbit`, `100mbit`); unset: equal",
+    ),
+    EnvVar(
         "GRADWIRE_MIN_WORKERS",
         "min_workers",
         (),
@@ -289,6 +312,9 @@ class Config:
     standby: bool = False
     min_workers: int = 0
     max_workers: int = 0
+    colocated: bool = False
+    placement: str = "model"
+    link_rate: str = ""
 
     def __post_init__(self) -> None:
         self._check()
@@ -307,6 +333,14 @@ class Config:
             values["scheduler"] = f"{env['DMLC_PS_ROOT_URI']}:{env.get('DMLC_PS_ROOT_PORT', '0')}"
         values.update(overrides)
         return cls(**values)  # type: ignore[arg-type]
+
+    def link_rate_bytes(self) -> float:
+        """GRADWIRE_LINK_RATE in bytes per second (0.0 when unset)."""
+        if not self.link_rate:
+            return 0.0
+        from gradwire.netem.topology import parse_rate
+
+        return parse_rate(self.link_rate) / 8
 
     @property
     def elastic(self) -> bool:
@@ -368,6 +402,13 @@ class Config:
             raise ConfigError(
                 f"GRADWIRE_MAX_WORKERS={self.max_workers} must be at least GRADWIRE_NUM_WORKERS={self.num_workers}"
             )
+        if self.placement not in ("model", "auto", "equal"):
+            raise ConfigError(f"GRADWIRE_PLACEMENT must be model, auto or equal, got {self.placement!r}")
+        if self.link_rate:
+            try:
+                self.link_rate_bytes()
+            except ValueError as e:
+                raise ConfigError(f"GRADWIRE_LINK_RATE: {e}") from None
         if self.num_standby < 0:
             raise ConfigError(f"GRADWIRE_NUM_STANDBY must be at least 0, got {self.num_standby}")
         if self.timeout <= 0:

@@ -3,7 +3,8 @@
 The scheduler owns the one `Placement` of a job and assigns each tensor's partitions when the tensor is
 first declared, so every worker receives the same map whatever order it declares in. Each partition
 goes to the server that would finish it soonest: the one with the least (load + size) / weight, ties to
-the lowest rank. Weights (a server's share of the bandwidth) default to 1.
+the lowest rank. Weights (a server's share of the bytes, from the split model: split.server_weights) default to
+1; a server of weight 0 gets nothing.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ class Placement:
         if num_servers < 1:
             raise ValueError("need at least one server")
         self.weights = list(weights) if weights is not None else [1.0] * num_servers
-        if len(self.weights) != num_servers or min(self.weights) <= 0:
-            raise ValueError(f"need {num_servers} positive weights, got {self.weights}")
+        if len(self.weights) != num_servers or min(self.weights) < 0 or max(self.weights) <= 0:
+            raise ValueError(f"need {num_servers} weights >= 0, some positive; got {self.weights}")
         self.loads = [0] * num_servers
         self.dead: set[int] = set()
 
@@ -34,8 +35,13 @@ class Placement:
         """Assign partitions of the given byte sizes; returns a server rank for each, in order."""
         out = []
         for size in sizes:
-            live = (s for s in range(len(self.loads)) if s not in self.dead)
-            server = min(live, key=lambda s: ((self.loads[s] + size) / self.weights[s], s))
+            live = [s for s in range(len(self.loads)) if s not in self.dead and self.weights[s] > 0]
+            if not live:  # every server with a share is gone: the rest take over, balanced by bytes
+                live = [s for s in range(len(self.loads)) if s not in self.dead]
+                weights = [1.0] * len(self.loads)
+            else:
+                weights = self.weights
+            server = min(live, key=lambda s: ((self.loads[s] + size) / weights[s], s))
             self.loads[server] += size
             out.append(server)
         return out
@@ -43,7 +49,9 @@ class Placement:
     def imbalance(self) -> float:
         """The most loaded server's weighted load over the mean (1.0 is perfect balance)."""
         weighted = [
-            load / w for s, (load, w) in enumerate(zip(self.loads, self.weights, strict=True)) if s not in self.dead
+            load / w
+            for s, (load, w) in enumerate(zip(self.loads, self.weights, strict=True))
+            if s not in self.dead and w > 0
         ]
         mean = sum(weighted) / len(weighted)
         return max(weighted) / mean if mean else 1.0

@@ -46,17 +46,33 @@ def closed_form(n: int, k: int) -> tuple[float, float]:
     return 2 * k * (n - 1) / denominator, 2 * n * (n - 1) / denominator
 
 
-def optimal(nbytes: float, worker_rates: Sequence[float], server_rates: Sequence[float]) -> Split:
-    """The split minimising the model's step time; rates in bytes per second (min of up and down per host)."""
+def optimal(
+    nbytes: float,
+    worker_rates: Sequence[float],
+    server_rates: Sequence[float],
+    colocated: Sequence[bool] | None = None,
+) -> Split:
+    """The split minimising the model's step time; rates in bytes per second (min of up and down per host).
+
+    `colocated[i]` says whether worker host i runs a colocated server (default: every host does); a host without one
+    gets no share. With no colocated server at all this is the pure service, bytes in proportion to server rates.
+    """
     n, s = len(worker_rates), float(nbytes)
-    if n < 1 or min(worker_rates) <= 0 or (server_rates and min(server_rates) <= 0):
-        raise ValueError("need at least one worker and positive rates")
-    if n <= 2:  # a worker's traffic is S whatever its colocated share (n = 1: nothing moves at all)
+    has = list(colocated) if colocated is not None else [True] * n
+    if n < 1 or min(worker_rates) <= 0 or (server_rates and min(server_rates) <= 0) or len(has) != n:
+        raise ValueError("need at least one worker, positive rates and one colocated flag per worker host")
+    if not any(has) and not server_rates:
+        raise ValueError("no server to place anything on")
+    if n <= 2 and any(has):  # a worker's traffic is S whatever its colocated share (n = 1: nothing moves at all)
         seconds = 0.0 if n == 1 else s / min(worker_rates)
-        return Split(tuple(1.0 / n for _ in worker_rates), tuple(0.0 for _ in server_rates), seconds)
+        ys = tuple(1.0 / sum(has) if h else 0.0 for h in has)
+        return Split(ys, tuple(0.0 for _ in server_rates), seconds)
 
     def shares(t: float) -> tuple[list[float], list[float]]:
-        ys = [min(1.0, max(0.0, (t * m / s - 1) / (n - 2))) for m in worker_rates]
+        ys = [
+            min(1.0, max(0.0, (t * m / s - 1) / (n - 2))) if h and n > 2 else 0.0
+            for m, h in zip(worker_rates, has, strict=True)
+        ]
         xs = [min(1.0, t * m / (n * s)) for m in server_rates]
         return ys, xs
 
@@ -74,6 +90,32 @@ def optimal(nbytes: float, worker_rates: Sequence[float], server_rates: Sequence
     ys, xs = shares(hi)
     total = sum(ys) + sum(xs)
     return Split(tuple(y / total for y in ys), tuple(x / total for x in xs), hi)
+
+
+def server_weights(
+    host_rates: Sequence[float],
+    servers: Sequence[tuple[int | None, float]],
+) -> tuple[list[float], Split]:
+    """Placement weights for every server, from the optimal split (what the scheduler gives `Placement`).
+
+    `host_rates[i]` is worker host i's rate; `servers[r]` is (the worker host index it is colocated on, or None for
+    a dedicated server; its own rate, used for dedicated ones). Several colocated servers on one host share that
+    host's share equally. Returns one weight per server (0: nothing goes there) and the split.
+    """
+    colocated_on = [0] * len(host_rates)
+    for host, _ in servers:
+        if host is not None:
+            colocated_on[host] += 1
+    dedicated = [rate for host, rate in servers if host is None]
+    best = optimal(1.0, host_rates, dedicated, [c > 0 for c in colocated_on])
+    weights, j = [], 0
+    for host, _ in servers:
+        if host is None:
+            weights.append(best.dedicated[j])
+            j += 1
+        else:
+            weights.append(best.colocated[host] / colocated_on[host])
+    return weights, best
 
 
 def ring_seconds(nbytes: float, worker_rates: Sequence[float]) -> float:

@@ -38,8 +38,15 @@ class LocalCluster:
     """A scheduler, `num_servers` servers and `num_workers` workers in this process. A context manager."""
 
     def __init__(
-        self, num_workers: int = 2, num_servers: int = 1, clock: Callable[[], float] | None = None, **config: object
+        self,
+        num_workers: int = 2,
+        num_servers: int = 1,
+        clock: Callable[[], float] | None = None,
+        colocated: int = 0,
+        **config: object,
     ) -> None:
+        """`colocated` of the `num_servers` servers say they run on a worker host (GRADWIRE_COLOCATED); here every
+        node shares this process's host."""
         base = Config(num_workers=num_workers, num_servers=num_servers, timeout=30.0, switch_interval=0, **config)  # type: ignore[arg-type]
         scheduler_config = dataclasses.replace(base, role="scheduler")
         self.scheduler = (Scheduler(scheduler_config, clock) if clock else Scheduler(scheduler_config)).start()
@@ -50,7 +57,15 @@ class LocalCluster:
         self.standby: list[Server] = []
         starters = [
             threading.Thread(
-                target=self._start_server, args=(dataclasses.replace(base, role="server", standby=i >= num_servers),)
+                target=self._start_server,
+                args=(
+                    dataclasses.replace(
+                        base,
+                        role="server",
+                        standby=i >= num_servers,
+                        colocated=num_servers - colocated <= i < num_servers,
+                    ),
+                ),
             )
             for i in range(num_servers + base.num_standby)
         ]

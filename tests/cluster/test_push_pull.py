@@ -181,3 +181,15 @@ def test_overflow_gives_inf_not_an_error(cluster):
     big = np.finfo(np.float32).max
     results = cluster.run(lambda w: w.push_pull(np.array([big, 1.0], np.float32), "overflow"))
     assert np.isinf(results[0][0]) and results[0][1] == 3.0
+
+
+def test_colocated_servers_take_their_hosts_share_and_the_sums_are_right():
+    # one host here: the model gives every byte to the colocated servers (nothing need cross a network)
+    with LocalCluster(num_workers=3, num_servers=3, colocated=2, partition_bytes=4096) as c:
+        assert c.scheduler.placement_info["colocated"] == [False, True, True]
+        assert c.scheduler.placement_info["weights"] == [0.0, 0.5, 0.5]
+        out = c.run(lambda w: w.push_pull(np.arange(30000, dtype=np.float32) * (w.rank + 1), "t"))
+        for a in out:
+            np.testing.assert_array_equal(a, np.arange(30000, dtype=np.float32) * 6)
+        loads = c.scheduler.declarations.placement.loads
+        assert loads[0] == 0 and abs(loads[1] - loads[2]) <= 4096

@@ -1,10 +1,13 @@
 """The emulated cluster: shaped links, a gradwire job across hosts, and teardown that leaves nothing."""
 
+import json
+import os
 import subprocess
 import sys
 
 import pytest
 
+from gradwire import split
 from gradwire.netem import EmulatedCluster, NetemUnavailable, Topology
 from gradwire.netem.cli import measure_link
 from gradwire.netem.cluster import check_available
@@ -62,6 +65,26 @@ def test_a_gradwire_job_across_emulated_hosts_sums_correctly():
         outputs = job.wait(timeout=120)
     for rank, out in enumerate(outputs):
         assert f"DONE rank {rank} of 2" in out, out
+
+
+def test_auto_placement_measures_the_links_and_splits_as_the_configured_truth_would():
+    """Servers at a quarter of the workers' rate, colocated servers beside the workers: the scheduler measures
+    every link (GRADWIRE_PLACEMENT=auto) and must find the configured rates within 25%, and a split within 0.05 of
+    the one the true rates give; the colocated job's sums are exact."""
+    topo = Topology(workers=3, servers=1, worker_rate="100mbit", server_rate="25mbit", colocate=True)
+    script = [sys.executable, str(ROOT / "tests" / "netem" / "placement_job.py")]
+    with EmulatedCluster(topo) as c:
+        outputs = start_gradwire(c, script, os.environ | {"GRADWIRE_PLACEMENT": "auto"}).wait(timeout=120)
+    placements = [json.loads(out.split("PLACEMENT ", 1)[1].splitlines()[0]) for out in outputs]
+    assert all(p == placements[0] for p in placements)  # every worker got the same
+    chosen = placements[0]
+    rates = chosen["rates_bytes_per_s"]
+    for rate in rates["worker_hosts"]:
+        assert 0.75 * 100e6 / 8 <= rate <= 1.25 * 100e6 / 8, rates
+    assert 0.75 * 25e6 / 8 <= rates["servers"][0] <= 1.25 * 25e6 / 8, rates
+    truth = split.optimal(1.0, [100e6 / 8] * 3, [25e6 / 8])
+    assert abs(chosen["dedicated_fraction"] - truth.dedicated_fraction) <= 0.05, (chosen, truth)
+    assert chosen["colocated"] == [False, True, True, True]
 
 
 def test_teardown_leaves_nothing_even_after_a_failure_inside():

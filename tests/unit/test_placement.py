@@ -38,4 +38,15 @@ def test_bad_weights_are_refused():
     with pytest.raises(ValueError):
         Placement(2, weights=[1.0])
     with pytest.raises(ValueError):
-        Placement(2, weights=[1.0, 0.0])
+        Placement(2, weights=[0.0, 0.0])
+    with pytest.raises(ValueError):
+        Placement(2, weights=[1.0, -1.0])
+
+
+def test_a_server_of_weight_zero_gets_nothing_until_it_is_the_only_one_left():
+    placement = Placement(3, weights=[0.0, 1.0, 3.0])
+    servers = placement.assign([100] * 40)
+    assert 0 not in servers and servers.count(2) == 30 and servers.count(1) == 10
+    placement.remove(1)
+    placement.remove(2)
+    assert placement.assign([100]) == [0]  # failover: the weightless server takes over rather than nothing

@@ -46,3 +46,25 @@ def test_plan_prints_every_placement(capsys):
     assert main(["plan", "-n", "4", "-k", "4", "--worker-rate", "100mbit", "--server-rate", "25mbit"]) == 0
     out = capsys.readouterr().out
     assert "ring all-reduce" in out and "2.67" in out and "0.89  33.3% dedicated" in out
+
+
+@pytest.mark.parametrize(("n", "k"), [(4, 0), (4, 2), (4, 4), (8, 3)])
+def test_server_weights_give_the_closed_form_split_for_equal_rates(n, k):
+    servers = [(None, 1.0)] * k + [(i, 1.0) for i in range(n)]  # k dedicated, then one colocated per worker host
+    weights, best = split.server_weights([1.0] * n, servers)
+    fraction, _ = split.closed_form(n, k)
+    assert sum(weights[:k]) == pytest.approx(fraction, abs=1e-6)
+    assert sum(weights) == pytest.approx(1.0)
+    assert len(set(round(w, 9) for w in weights[:k])) <= 1 and len(set(round(w, 9) for w in weights[k:])) == 1
+
+
+def test_server_weights_share_a_host_among_its_colocated_servers_and_skip_hosts_without_one():
+    # host 0 runs two colocated servers, host 1 none, host 2 one; one dedicated server
+    weights, best = split.server_weights([1.0, 1.0, 1.0], [(0, 1.0), (0, 1.0), (2, 1.0), (None, 1.0)])
+    assert weights[0] == pytest.approx(weights[1]) and best.colocated[1] == 0.0
+    assert sum(weights) == pytest.approx(1.0)
+
+
+def test_without_colocated_servers_bytes_follow_the_server_rates():
+    weights, best = split.server_weights([1.0] * 4, [(None, 1.0), (None, 3.0)])
+    assert weights == pytest.approx([0.25, 0.75])

@@ -37,6 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--failover-mib", type=float, default=2.0, help="with --failover: MiB per tensor (8 tensors)")
     parser.add_argument("--window", type=int, default=None, help="GRADWIRE_WINDOW for the gradwire jobs")
+    parser.add_argument(
+        "--placement", choices=("model", "auto", "equal"), default=None, help="GRADWIRE_PLACEMENT for the gradwire jobs"
+    )
+    parser.add_argument(
+        "--section", default="netem", help="with --write-docs: the marked section to replace (netem, placement)"
+    )
     parser.add_argument("--plot", default=None, help="with --netem: write a PNG of time against n")
     parser.add_argument("--write-docs", default=None, help="with --netem: replace the netem section of this file")
 
@@ -46,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
     env = {"GRADWIRE_PARTITION_BYTES": str(args.partition_bytes)} if args.partition_bytes else {}
     if args.window:
         env["GRADWIRE_WINDOW"] = str(args.window)
+    if args.placement:
+        env["GRADWIRE_PLACEMENT"] = args.placement
     if args.failover:
         from gradwire.bench.failover import run_failover
 

@@ -42,6 +42,8 @@ class Record:
     cpu_utilization: float  # CPU seconds of the job's processes over (wall seconds x cores)
     window: int = 0  # gradwire's GRADWIRE_WINDOW (0 for gloo)
     partition_bytes: int = 0
+    colocated: bool = False  # gradwire ran a server beside each worker too
+    placement: str = ""  # GRADWIRE_PLACEMENT of the gradwire job
 
     @property
     def ratio_to_bound(self) -> float:
@@ -80,7 +82,7 @@ def run_config(
             argv = _worker_argv(system, sizes, repeats, warmup)
             rows, cpu = _timed(lambda start=start, argv=argv: start(cluster, argv, os.environ | env), timeout)
             for row in rows:
-                bound = topo.service_bound(row["bytes"]) if system == "gradwire" else topo.ring_bound(row["bytes"])
+                bound = topo.model_bound(row["bytes"]) if system == "gradwire" else topo.ring_bound(row["bytes"])
                 records.append(
                     Record(
                         system,
@@ -95,6 +97,8 @@ def run_config(
                         cpu,
                         int(env.get("GRADWIRE_WINDOW", "4")) if system == "gradwire" else 0,
                         int(env.get("GRADWIRE_PARTITION_BYTES", "0")) if system == "gradwire" else 0,
+                        topo.colocate and system == "gradwire",
+                        env.get("GRADWIRE_PLACEMENT", "model") if system == "gradwire" else "",
                     )
                 )
     return records
@@ -109,14 +113,17 @@ def table(configs: list[list[Record]]) -> str:
     lines = [
         "| n | k | worker / server rate | partition, window | size | gradwire s | x its bound | gloo s | x its bound "
         "| gloo / gradwire | CPU use (gradwire, gloo) |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for records in configs:
         gloo = {r.bytes: r for r in records if r.system == "gloo"}
         for r in (r for r in records if r.system == "gradwire"):
             g = gloo[r.bytes]
+            servers = f"{r.servers} + {r.workers} colocated" if r.colocated else str(r.servers)
+            if r.placement and r.placement != "model":
+                servers += f" ({r.placement})"
             lines.append(
-                f"| {r.workers} | {r.servers} | {r.worker_rate_bps / 1e6:g} / {r.server_rate_bps / 1e6:g} Mbit/s "
+                f"| {r.workers} | {servers} | {r.worker_rate_bps / 1e6:g} / {r.server_rate_bps / 1e6:g} Mbit/s "
                 f"| {r.partition_bytes // 1024} KiB, {r.window} | {r.bytes / MiB:g} MiB "
                 f"| {r.seconds_median:.2f} | {r.ratio_to_bound:.2f} "
                 f"| {g.seconds_median:.2f} | {g.ratio_to_bound:.2f} | {g.seconds_median / r.seconds_median:.2f}x "
@@ -140,7 +147,9 @@ def plot(records: list[Record], path: str) -> None:
     fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 4), squeeze=False)
     for ax, size in zip(axes[0], sizes, strict=True):
         equal = [r for r in records if r.bytes == size and r.worker_rate_bps == r.server_rate_bps]
-        ours = sorted((r.workers, r) for r in equal if r.system == "gradwire" and r.servers == r.workers)
+        ours = sorted(
+            (r.workers, r) for r in equal if r.system == "gradwire" and r.servers == r.workers and not r.colocated
+        )
         ns = [n for n, _ in ours]
         gloo = [
             next(g for g in equal if g.system == "gloo" and g.workers == n and g.worker_rate_bps == r.worker_rate_bps)

@@ -12,16 +12,19 @@ from gradwire.bench.netem import DEFAULT_CONFIGS, Record, plot, run_config, tabl
 from gradwire.netem import NetemUnavailable, Topology
 from gradwire.netem.cluster import check_available
 
-BEGIN, END = "<!-- netem:begin -->", "<!-- netem:end -->"
+HEADINGS = {"netem": "Emulated network (issue 4)", "placement": "Colocated servers and placement (issue 5)"}
 
 
-def parse_configs(text: str | None) -> list[tuple[int, int, str, str]]:
+def parse_configs(text: str | None) -> list[tuple[int, int, str, str, bool]]:
+    """`n:k:worker_rate:server_rate[:c]`, comma-separated; a fifth field `c` adds a colocated server per worker."""
     if not text:
-        return DEFAULT_CONFIGS
+        return [(*c, False) for c in DEFAULT_CONFIGS]
     out = []
     for item in text.split(","):
-        n, k, wr, sr = item.split(":")
-        out.append((int(n), int(k), wr, sr))
+        n, k, wr, sr, *rest = item.split(":")
+        if rest not in ([], ["c"]):
+            raise SystemExit(f"gradwire bench --configs: {item!r} is not n:k:worker_rate:server_rate[:c]")
+        out.append((int(n), int(k), wr, sr, rest == ["c"]))
     return out
 
 
@@ -32,8 +35,8 @@ def run_netem(args: argparse.Namespace, sizes: list[int], env: dict[str, str]) -
         print(f"gradwire bench --netem: {e}", file=sys.stderr)
         return 2
     results: list[list[Record]] = []
-    for n, k, worker_rate, server_rate in parse_configs(args.configs):
-        topo = Topology(n, k, worker_rate, server_rate)
+    for n, k, worker_rate, server_rate, colocate in parse_configs(args.configs):
+        topo = Topology(n, k, worker_rate, server_rate, colocate=colocate)
         records = run_config(topo, sizes, args.repeats, args.warmup, topo.tuning() | env)
         results.append(records)
         if args.json:
@@ -48,11 +51,12 @@ def run_netem(args: argparse.Namespace, sizes: list[int], env: dict[str, str]) -
     if args.plot:
         plot(flat, args.plot)
     if args.write_docs:
-        _write_docs(args.write_docs, text, args.plot, env)
+        _write_docs(args.write_docs, text, args.plot, env, args.section)
     return 0
 
 
-def _write_docs(path: str, text: str, plot_path: str | None, env: dict[str, str]) -> None:
+def _write_docs(path: str, text: str, plot_path: str | None, env: dict[str, str], name: str = "netem") -> None:
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
     command = "sudo .venv/bin/gradwire " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     overrides = ", ".join(f"{k}={v}" for k, v in sorted(env.items()))
     settings = (("overrides " + overrides + "; otherwise ") if overrides else "") + (
@@ -60,14 +64,14 @@ def _write_docs(path: str, text: str, plot_path: str | None, env: dict[str, str]
         "8 workers; 16 KiB, window 8, 16 unanswered from 8 workers (the partition, window column)"
     )
     section = (
-        f"{BEGIN}\n```bash\n{command}\n```\nMeasured {datetime.date.today()}, gradwire settings: {settings}.\n\n"
-        f"{text}\n" + ("\n![time against n](netem.png)\n" if plot_path else "") + f"{END}"
+        f"{begin}\n```bash\n{command}\n```\nMeasured {datetime.date.today()}, gradwire settings: {settings}.\n\n"
+        f"{text}\n" + ("\n![time against n](netem.png)\n" if plot_path else "") + f"{end}"
     )
     with open(path) as f:
         doc = f.read()
-    if BEGIN in doc:
-        doc = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: section, doc, flags=re.S)
+    if begin in doc:
+        doc = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: section, doc, flags=re.S)
     else:
-        doc = doc.rstrip() + "\n\n## Emulated network (issue 4)\n\n" + section + "\n"
+        doc = doc.rstrip() + f"\n\n## {HEADINGS.get(name, name)}\n\n" + section + "\n"
     with open(path, "w") as f:
         f.write(doc)

@@ -25,6 +25,11 @@ def main(argv: list[str] | None = None) -> int:
         help="idle servers that take a dead server's keys whole (without one they move onto the survivors)",
     )
     launch.add_argument(
+        "--colocate",
+        action="store_true",
+        help="also run a server beside each worker (BytePS's colocated servers); -s counts the dedicated ones (0 ok)",
+    )
+    launch.add_argument(
         "--min-workers",
         type=int,
         default=0,

@@ -58,18 +58,20 @@ class Launcher:
         min_workers: int = 0,
         max_workers: int = 0,
         max_restarts: int = 3,
+        colocate: bool = False,
     ) -> None:
         if not command:
             raise SystemExit("gradwire launch: give the worker command after --, e.g. -- python train.py")
         self.num_workers, self.num_servers, self.command, self.host = num_workers, num_servers, command, host
         self.num_standby = standby
+        self.colocate = colocate
         self.min_workers, self.max_workers, self.restarts_left = min_workers, max_workers or num_workers, max_restarts
         self._next_worker = num_workers  # the label of the next replacement
         self.base_env = dict(os.environ if env is None else env)
         self.base_env.update(
             {
                 "GRADWIRE_NUM_WORKERS": str(num_workers),
-                "GRADWIRE_NUM_SERVERS": str(num_servers),
+                "GRADWIRE_NUM_SERVERS": str(num_servers + (num_workers if colocate else 0)),
                 "GRADWIRE_NUM_STANDBY": str(standby),
                 "GRADWIRE_MIN_WORKERS": str(min_workers),
                 "GRADWIRE_MAX_WORKERS": str(max_workers),
@@ -115,7 +117,8 @@ class Launcher:
         self.base_env["GRADWIRE_SCHEDULER"] = address
         standby = f" (+{self.num_standby} standby)" if self.num_standby else ""
         self._say(
-            f"scheduler at {address}; starting {self.num_servers} servers{standby} and {self.num_workers} workers"
+            f"scheduler at {address}; starting {self.num_servers} servers{standby}"
+            f"{f' + {self.num_workers} colocated' if self.colocate else ''} and {self.num_workers} workers"
         )
         if self.admin_url:
             self._say(
@@ -129,6 +132,13 @@ class Launcher:
                 r,
                 [sys.executable, "-m", "gradwire", "server"],
                 {"GRADWIRE_ROLE": "server", "GRADWIRE_RANK": str(r)},
+            )
+        for r in range(self.num_workers if self.colocate else 0):
+            self._spawn(
+                "colocated server",
+                r,
+                [sys.executable, "-m", "gradwire", "server"],
+                {"GRADWIRE_ROLE": "server", "GRADWIRE_RANK": str(self.num_servers + r), "GRADWIRE_COLOCATED": "1"},
             )
         for r in range(self.num_standby):
             self._spawn(
@@ -310,7 +320,7 @@ def _how(code: int) -> str:
 def _consequence(child: Child) -> str:
     if child.role == "scheduler":
         return "; the workers stop with an error naming it"
-    if child.role == "server" and Config.from_env().server_failover:
+    if child.role.endswith("server") and Config.from_env().server_failover:
         return "; its keys move to a standby or the other servers, and the workers resend what it lost"
     return ""
 
@@ -338,9 +348,11 @@ def launch_from_args(args: argparse.Namespace) -> int:
     if command and command[0] == "--":
         command = command[1:]
     # fail early on bad settings
+    if args.num_servers < (0 if args.colocate else 1):
+        raise SystemExit("gradwire launch: -s must be at least 1 (0 only with --colocate)")
     Config.from_env(
         num_workers=args.num_workers,
-        num_servers=args.num_servers,
+        num_servers=args.num_servers + (args.num_workers if args.colocate else 0),
         num_standby=args.standby_servers,
         min_workers=args.min_workers,
         max_workers=args.max_workers,
@@ -355,4 +367,5 @@ def launch_from_args(args: argparse.Namespace) -> int:
         min_workers=args.min_workers,
         max_workers=args.max_workers,
         max_restarts=args.max_restarts,
+        colocate=args.colocate,
     ).run()

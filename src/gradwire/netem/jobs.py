@@ -52,12 +52,14 @@ class Job:
 
 
 def start_gradwire(cluster: EmulatedCluster, argv: Sequence[str], env: Mapping[str, str] | None = None) -> Job:
-    """Scheduler, servers and workers (running `argv`) each on their own emulated host."""
+    """Scheduler, servers and workers (running `argv`) each on their own emulated host; with the topology's
+    `colocate`, a server beside each worker too. Each node is told its link's rate (GRADWIRE_LINK_RATE, the
+    placement model's input) unless GRADWIRE_PLACEMENT=auto, where the scheduler measures them instead."""
     topo = cluster.topology
     sched = topo.of("scheduler")[0]
     base = dict(env or os.environ) | {
         "GRADWIRE_NUM_WORKERS": str(topo.workers),
-        "GRADWIRE_NUM_SERVERS": str(topo.servers),
+        "GRADWIRE_NUM_SERVERS": str(topo.servers + (topo.workers if topo.colocate else 0)),
         "GRADWIRE_SECRET": secrets.token_hex(32),
         "PYTHONUNBUFFERED": "1",
     }
@@ -77,20 +79,31 @@ def start_gradwire(cluster: EmulatedCluster, argv: Sequence[str], env: Mapping[s
     base["GRADWIRE_SCHEDULER"] = first.split(" listening on ", 1)[1].split()[0]
     # keep reading, or a chatty scheduler would block on a full pipe
     threading.Thread(target=_drain, args=(scheduler.stdout,), daemon=True).start()
+    auto = base.get("GRADWIRE_PLACEMENT") == "auto"
+
+    def node_env(h, rank: int) -> dict[str, str]:
+        rate = {} if auto else {"GRADWIRE_LINK_RATE": h.up}
+        return base | rate | {"GRADWIRE_HOST": h.address, "GRADWIRE_RANK": str(rank)}
+
     services = [scheduler] + [
-        cluster.spawn(
-            h,
-            [sys.executable, "-m", "gradwire", "server"],
-            base | {"GRADWIRE_HOST": h.address, "GRADWIRE_RANK": str(h.index)},
-            stdout=subprocess.DEVNULL,
-        )
+        cluster.spawn(h, [sys.executable, "-m", "gradwire", "server"], node_env(h, h.index), stdout=subprocess.DEVNULL)
         for h in topo.of("server")
     ]
+    if topo.colocate:  # in the worker's namespace: same host, same link
+        services += [
+            cluster.spawn(
+                h,
+                [sys.executable, "-m", "gradwire", "server"],
+                node_env(h, topo.servers + h.index) | {"GRADWIRE_COLOCATED": "1"},
+                stdout=subprocess.DEVNULL,
+            )
+            for h in topo.of("worker")
+        ]
     workers = [
         cluster.spawn(
             h,
             list(argv),
-            base | {"GRADWIRE_HOST": h.address, "GRADWIRE_RANK": str(h.index)},
+            node_env(h, h.index),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

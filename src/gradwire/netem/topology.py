@@ -36,18 +36,24 @@ class Host:
 
 @dataclass
 class Topology:
-    """n worker hosts, k server hosts and a scheduler host, with per-role rates."""
+    """n worker hosts, k (dedicated) server hosts and a scheduler host, with per-role rates.
+
+    With `colocate`, every worker host also runs a server (BytePS's colocated servers; k may then be 0).
+    """
 
     workers: int
     servers: int
     worker_rate: str = "100mbit"
     server_rate: str = "100mbit"
     delay_ms: float = 0.0
+    colocate: bool = False
     hosts: list[Host] = field(init=False)
 
     def __post_init__(self) -> None:
         if self.workers < 1 or self.servers < 0 or self.workers + self.servers > 250:
             raise ValueError(f"need 1-250 hosts, got {self.workers} workers and {self.servers} servers")
+        if self.servers == 0 and not self.colocate:
+            raise ValueError("need a server: k >= 1, or colocated servers")
         parse_rate(self.worker_rate), parse_rate(self.server_rate)
         hosts = [Host("sched", "scheduler", 0, f"{SUBNET}.0.1", "1gbit", "1gbit")]
         for i in range(self.workers):
@@ -78,6 +84,15 @@ class Topology:
         return {"GRADWIRE_PARTITION_BYTES": "65536", "GRADWIRE_WINDOW": "4", "GRADWIRE_UNANSWERED": "4"}
 
     # -- the model (docs/architecture.md, shared/DESIGN.md) ----------------------------------------
+
+    def model_bound(self, nbytes: int) -> float:
+        """Seconds for one push_pull at best with gradwire's placement: the optimal split (split.py) over the k
+        dedicated servers and, with `colocate`, a server on every worker host. Equals `service_bound` without."""
+        from gradwire import split
+
+        b, bs = parse_rate(self.worker_rate) / 8, parse_rate(self.server_rate) / 8
+        colocated = [self.colocate] * self.workers
+        return split.optimal(nbytes, [b] * self.workers, [bs] * self.servers, colocated).seconds
 
     def service_bound(self, nbytes: int) -> float:
         """Seconds for one push_pull of `nbytes` per worker through the k servers, at best.

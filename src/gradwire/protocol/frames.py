@@ -39,6 +39,7 @@ class FrameType(enum.IntEnum):
     BYE = 7  # orderly close
     ACK = 8  # server -> worker: your contribution to (key, round) is in; frees a window slot
     SHM_ATTACH = 9  # worker -> server {path, push, pull, slot_bytes}; the reply {ok} (transport/shm.py)
+    PROBE = 10  # bytes that only measure a link's rate (GRADWIRE_PLACEMENT=auto; scheduler/probe.py)
 
 
 # PUSHPULL flag: the payload is a sum the worker already received (resent to a key's new server after a failover;

@@ -24,6 +24,8 @@ PROMOTE = "promote"  # scheduler -> standby server: you are now server `rank`, i
 REPLACE = "replace"  # scheduler -> worker: server `server` is gone; its keys are on `standby` or `moved` tensors
 RESET = "reset"  # elastic: scheduler -> worker: the workers changed, cancel and rejoin; -> server: start epoch afresh
 REJOIN = "rejoin"  # elastic: worker -> scheduler (a request): ready for the new membership; the reply is the book
+PROBE = "probe"  # scheduler -> node in rendezvous: send `send` PROBE frames of `bytes`, or `report` the rate of ours
+PROBE_RESULT = "probe_result"  # node -> scheduler: the rate (bytes/s) at which our PROBE frames reached it
 MEMBERS = "members"  # elastic: scheduler -> worker: `joining` workers wait to join (at the next commit)
 
 _REQUIRED = {
@@ -43,6 +45,8 @@ _REQUIRED = {
     RESET: ("epoch",),
     REJOIN: ("id",),
     MEMBERS: ("joining",),
+    PROBE: (),
+    PROBE_RESULT: ("down",),
 }
 
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 from gradwire.config import Config
-from gradwire.errors import GradwireTimeout, JobAborted
+from gradwire.errors import GradwireTimeout, JobAborted, RemoteProtocolError
 from gradwire.protocol import messages
-from gradwire.protocol.frames import FrameType
+from gradwire.protocol.frames import MAX_CONTROL_BYTES, FrameType, decode_json, encode_header
+from gradwire.scheduler import probe
 from gradwire.transport import tcp
 
 
@@ -28,7 +31,7 @@ def join(config: Config, role: str, **registration: object) -> tuple[tcp.Connect
     conn.send_json(FrameType.CONTROL, body)
     conn.sock.settimeout(config.timeout)
     try:
-        _, book = conn.recv_json(FrameType.CONTROL)
+        book = _await_book(conn)
     except GradwireTimeout:
         conn.close()
         raise GradwireTimeout(
@@ -40,3 +43,28 @@ def join(config: Config, role: str, **registration: object) -> tuple[tcp.Connect
         conn.close()
         raise JobAborted(f"job aborted during rendezvous: {book['message']}")
     return conn, book
+
+
+def _await_book(conn: tcp.Connection) -> dict:
+    """Wait for the address book, answering the scheduler's link probes meanwhile (scheduler/probe.py)."""
+    arrivals: list[float] = []
+    scratch = bytearray(MAX_CONTROL_BYTES)
+    while True:
+        header = conn.recv_header()
+        if header.type == FrameType.PROBE:
+            conn.recv_into(memoryview(scratch)[: header.length])
+            arrivals.append(time.monotonic())
+            continue
+        if header.type != FrameType.CONTROL:
+            raise RemoteProtocolError(f"scheduler sent a {header.type.name} frame during the rendezvous")
+        body = decode_json(conn.recv_body(header))
+        if messages.check(body) != messages.PROBE:
+            return body
+        if body.get("report"):
+            conn.send_json(FrameType.CONTROL, {"op": messages.PROBE_RESULT, "down": probe.rate(arrivals)})
+            arrivals = []
+        else:
+            size = min(int(body["bytes"]), MAX_CONTROL_BYTES)
+            frame, payload = encode_header(FrameType.PROBE, size), bytes(size)
+            for _ in range(min(int(body["send"]), 64)):
+                conn.send([frame, payload])

@@ -41,10 +41,16 @@ class Declarations:
     `send(server_rank, body)` delivers a control message to a server; the server's reply comes back by `ack`.
     """
 
-    def __init__(self, config: Config, slot_bytes: Sequence[int], send: Callable[[int, dict], None]) -> None:
+    def __init__(
+        self,
+        config: Config,
+        slot_bytes: Sequence[int],
+        send: Callable[[int, dict], None],
+        weights: Sequence[float] | None = None,
+    ) -> None:
         self.config = config
         self.slot_bytes = min(slot_bytes)
-        self.placement = Placement(len(slot_bytes))
+        self.placement = Placement(len(slot_bytes), weights)
         self.tensors: dict[str, Declaration] = {}
         self.declared_bytes = 0
         self._keys: dict[int, str] = {}

@@ -26,10 +26,13 @@ from gradwire.admin.http import AdminServer, json_handler
 from gradwire.admin.metrics import Metrics
 from gradwire.config import Config
 from gradwire.errors import GradwireError
-from gradwire.protocol import messages
+from gradwire.protocol import frames, messages
 from gradwire.protocol.frames import FrameType
+from gradwire.scheduler import probe
 from gradwire.scheduler.declarations import Declarations
 from gradwire.scheduler.elastic import Membership
+from gradwire.scheduler.placing import placement_weights
+from gradwire.scheduler.probe import Probe
 from gradwire.scheduler.status import cluster_status, node_families
 from gradwire.throttle import HandshakeGate
 from gradwire.transport import tcp
@@ -59,6 +62,10 @@ class Node:
     last_seen: float = field(default_factory=time.monotonic)  # of its last heartbeat (the scheduler's clock)
     heard: float = field(default_factory=time.monotonic)  # of its last message of any kind
     stats: dict = field(default_factory=dict)  # the counters of its last heartbeat
+    colocated: bool = False  # a server on a worker host (GRADWIRE_COLOCATED)
+    link_rate: float = 0.0  # bytes/s: configured (GRADWIRE_LINK_RATE) or measured (GRADWIRE_PLACEMENT=auto)
+    probe: Probe | None = None  # a measurement in progress
+    probe_buffer: bytearray = field(default_factory=bytearray, repr=False)
     rate: float = 0.0  # bytes per second pushed and pulled, between its last two heartbeats
     round_rate: float = 0.0  # rounds per second, likewise
 
@@ -82,6 +89,7 @@ class Scheduler:
         self._standby: list[Node] = []  # standby servers not yet promoted
         self.failovers: list[dict] = []  # one record per failover: server, epoch, where its keys went, duration
         self.membership = Membership(self) if config.elastic else None  # elastic mode (scheduler/elastic.py)
+        self.placement_info: dict = {}  # the placement's mode, rates and weights (in the address book, /status)
         self.declarations: Declarations | None = None  # once ranks are fixed
         self._barrier: list[tuple[Node, int]] = []
         self._ending = False  # every worker said bye; servers are being shut down
@@ -159,8 +167,14 @@ class Scheduler:
             finally:
                 self._gate.leave()
             while True:
-                _, body = conn.recv_json(FrameType.CONTROL)
-                if self._handle(node, body):
+                header = conn.recv_header()
+                if header.type == FrameType.PROBE and node.probe is not None:  # GRADWIRE_PLACEMENT=auto
+                    conn.recv_into(memoryview(node.probe_buffer)[: header.length])
+                    node.probe.on_frame()
+                    continue
+                if header.type != FrameType.CONTROL:
+                    raise GradwireError(f"{node.role} {node.rank} sent an unexpected {header.type.name} frame")
+                if self._handle(node, frames.decode_json(conn.recv_body(header))):
                     return
         except Exception as e:  # one connection's failure never stops the scheduler
             self._on_disconnect(node, conn, e)
@@ -182,6 +196,8 @@ class Scheduler:
             admin=int(body.get("admin", -1)),
             admin_host=str(body.get("admin_host", "")) or conn.peer.rsplit(":", 1)[0],
             standby=bool(body.get("standby", False)),
+            colocated=bool(body.get("colocated", False)),
+            link_rate=float(body.get("link_rate", 0.0)),
         )
         node.heard = node.last_seen = self.clock()
         with self._lock:
@@ -209,10 +225,48 @@ class Scheduler:
         except GradwireError as e:
             self._abort_locked(str(e))
             return
+        if self.config.placement == "auto":  # measure first, without the lock; then the same as below
+            threading.Thread(target=self._measure_then_publish, name="gw-sched-probe", daemon=True).start()
+            return
+        self._publish_locked()
+
+    def _measure_then_publish(self) -> None:
+        started = time.monotonic()
+        hosts = {}
+        try:
+            for node in self._workers + [s for s in self._servers if not s.colocated]:
+                key = node.host_id or f"{node.role}{node.rank}"
+                if node.role == "worker" and key in hosts:  # another worker on a measured host: same link
+                    node.link_rate = hosts[key]
+                    continue
+                node.probe_buffer = bytearray(probe.FRAME_BYTES)
+                node.link_rate = hosts[key] = probe.measure(node, self.config.timeout)
+                node.probe_buffer = bytearray()
+        except GradwireError as e:
+            with self._lock:
+                self._abort_locked(f"measuring the links for GRADWIRE_PLACEMENT=auto failed: {e}")
+            return
+        log.warning(
+            "measured %d links in %.1f s: %s",
+            len(hosts),
+            time.monotonic() - started,
+            ", ".join(
+                f"{n.role} {n.rank} {n.link_rate * 8 / 1e6:.1f} Mbit/s"
+                for n in self._workers + self._servers
+                if n.link_rate
+            ),
+        )
+        with self._lock:
+            self._publish_locked()
+
+    def _publish_locked(self) -> None:
+        """Placement weights from the split model, the declarations, and the address book for everyone."""
+        weights, self.placement_info = placement_weights(self.config.placement, self._workers, self._servers)
         self.declarations = Declarations(
             self.config,
             [s.slot_bytes for s in self._servers],
             lambda rank, body: self._servers[rank].conn.send_json(FrameType.CONTROL, body),
+            weights,
         )
         book = self._address_book()
         for node in self._nodes:
@@ -239,6 +293,7 @@ class Scheduler:
             "num_workers": len(self._workers),
             "servers": servers,
             "workers": [w.host for w in self._workers],
+            "placement": self.placement_info,
         }
 
     def _rendezvous_deadline(self) -> None:
@@ -270,6 +325,8 @@ class Scheduler:
             if "error" in reply and reply.pop("abort", True):  # after the reply: the declarer gets the TensorError
                 with self._lock:
                     self._abort_locked(reply["error"])
+        elif op == messages.PROBE_RESULT and node.probe is not None:
+            node.probe.on_result(body)
         elif op == messages.HEARTBEAT:
             self._heartbeat(node, body["stats"])
         elif op == messages.REPLY and node.role == "server":

@@ -109,6 +109,8 @@ class Server:
             unix=self.unix_name,
             host_id=tcp.host_identity(),
             standby=self.config.standby,
+            colocated=self.config.colocated,
+            link_rate=self.config.link_rate_bytes(),
         )
         self.rank, self.epoch, self.num_workers = book["rank"], book["epoch"], book["num_workers"]
         self.standby = bool(book.get("standby"))

@@ -94,6 +94,7 @@ class Worker:
         self._membership_error: MembershipChanged | None = None
         self.joining = 0
         self.resets: list[dict] = []
+        self.placement: dict = {}
         self._rejoin_id = -1
 
     # -- life cycle ------------------------------------------------------------------------------
@@ -130,6 +131,7 @@ class Worker:
 
     def _apply_book(self, book: dict) -> None:
         self.rank, self.size, self.epoch = book["rank"], book["num_workers"], book["epoch"]
+        self.placement = book.get("placement") or {}  # the scheduler's weights and the rates it used
         hosts = book.get("workers") or []
         same_host = [r for r, h in enumerate(hosts) if h == hosts[self.rank]] if hosts else [self.rank]
         self.local_rank = self.config.local_rank if self.config.local_rank is not None else same_host.index(self.rank)
@@ -207,7 +209,13 @@ class Worker:
 
     def _rendezvous(self) -> dict:
         self._scheduler, book = join(
-            self.config, "worker", port=0, admin=self.admin.port, admin_host=self.admin.advertised_host
+            self.config,
+            "worker",
+            port=0,
+            admin=self.admin.port,
+            admin_host=self.admin.advertised_host,
+            host_id=tcp.host_identity(),
+            link_rate=self.config.link_rate_bytes(),
         )
         return book
 

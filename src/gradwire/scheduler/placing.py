@@ -1,0 +1,62 @@
+"""The scheduler's placement weights: which share of the bytes each server sums (docs/placement.md).
+
+Worker hosts are told apart by their host identity (several workers on one host share its link); a colocated
+server belongs to the worker host with its identity. Rates are the nodes' GRADWIRE_LINK_RATE, or what
+GRADWIRE_PLACEMENT=auto measured; when any node lacks one, every rate counts as equal (the model then gives BytePS's
+split). `equal` gives every server the same weight, whatever runs where.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from gradwire import split
+
+if TYPE_CHECKING:
+    from gradwire.scheduler.scheduler import Node
+
+log = logging.getLogger("gradwire.scheduler")
+
+
+def placement_weights(mode: str, workers: Sequence[Node], servers: Sequence[Node]) -> tuple[list[float], dict]:
+    """(one weight per server rank, a description for the address book and /status)."""
+    if mode == "equal":
+        return [1.0] * len(servers), {"mode": mode, "weights": [1.0] * len(servers)}
+    hosts: dict[str, int] = {}
+    for worker in workers:
+        hosts.setdefault(worker.host_id or f"worker{worker.rank}", len(hosts))
+    rated = list(workers) + [s for s in servers if not s.colocated]
+    known = all(n.link_rate > 0 for n in rated)
+    if not known and any(n.link_rate > 0 for n in rated):
+        log.warning("some nodes gave GRADWIRE_LINK_RATE and some did not: placing as if every link were equal")
+    host_rates = [0.0] * len(hosts)
+    for worker in workers:
+        i = hosts[worker.host_id or f"worker{worker.rank}"]
+        rate = worker.link_rate if known else 1.0
+        host_rates[i] = min(host_rates[i], rate) if host_rates[i] else rate
+    described = []
+    for server in servers:
+        host = hosts.get(server.host_id) if server.colocated else None
+        if server.colocated and host is None:
+            log.warning(
+                "server %d says it is colocated, but no worker runs on its host: placing it as dedicated", server.rank
+            )
+        rate = server.link_rate if known and server.link_rate > 0 else host_rates[host] if host is not None else 1.0
+        described.append((host, rate))
+    weights, best = split.server_weights(host_rates, described)
+    info = {
+        "mode": mode,
+        "weights": [round(w, 6) for w in weights],
+        "rates_bytes_per_s": {"worker_hosts": host_rates, "servers": [r for _, r in described]} if known else None,
+        "dedicated_fraction": round(best.dedicated_fraction, 6),
+        "colocated": [h is not None for h, _ in described],
+    }
+    log.info(
+        "placement (%s): %.1f%% of the bytes to dedicated servers; weights %s",
+        mode,
+        100 * best.dedicated_fraction,
+        info["weights"],
+    )
+    return weights, info

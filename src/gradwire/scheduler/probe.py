@@ -1,0 +1,69 @@
+"""GRADWIRE_PLACEMENT=auto: the scheduler measures every node's link during the rendezvous.
+
+Between the last registration and the address book every node waits in `join()` (scheduler/client.py) and answers
+probes. For each worker and dedicated server in turn, the scheduler asks it to send FRAMES PROBE frames of
+FRAME_BYTES (its upload), then sends it as many (its download) and asks for the rate it saw. The first frame of
+each burst is not timed: it absorbs TCP's slow start and a shaper's burst. A node's rate is the smaller of the
+two directions, as the model (split.py) wants. Colocated servers share their worker host's link and are not
+probed. Measuring against the scheduler assumes its own link is at least as fast as any node's; on a cluster
+where it is not, give the rates instead (GRADWIRE_LINK_RATE).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from gradwire.errors import GradwireError
+from gradwire.protocol import messages
+from gradwire.protocol.frames import FrameType, encode_header
+
+if TYPE_CHECKING:
+    from gradwire.scheduler.scheduler import Node
+
+FRAMES = 9
+FRAME_BYTES = 128 * 1024
+_PAYLOAD = bytes(FRAME_BYTES)
+
+
+class Probe:
+    """One node's measurement, filled by its connection thread (`on_frame`, `on_result`)."""
+
+    def __init__(self) -> None:
+        self.arrivals: list[float] = []
+        self.down = 0.0
+        self.up_done = threading.Event()
+        self.down_done = threading.Event()
+
+    def on_frame(self) -> None:
+        self.arrivals.append(time.monotonic())
+        if len(self.arrivals) == FRAMES:
+            self.up_done.set()
+
+    def on_result(self, body: dict) -> None:
+        self.down = float(body["down"])
+        self.down_done.set()
+
+
+def measure(node: Node, timeout: float) -> float:
+    """The node's link rate in bytes per second: min(upload, download) as seen over the control connection."""
+    probe = node.probe = Probe()
+    node.conn.send_json(FrameType.CONTROL, {"op": messages.PROBE, "send": FRAMES, "bytes": FRAME_BYTES})
+    if not probe.up_done.wait(timeout):
+        raise GradwireError(f"{node.role} {node.rank} did not send its probe in {timeout}s")
+    up = rate(probe.arrivals)
+    header = encode_header(FrameType.PROBE, FRAME_BYTES)
+    for _ in range(FRAMES):
+        node.conn.send([header, _PAYLOAD])
+    node.conn.send_json(FrameType.CONTROL, {"op": messages.PROBE, "report": True})
+    if not probe.down_done.wait(timeout):
+        raise GradwireError(f"{node.role} {node.rank} did not report its probe in {timeout}s")
+    node.probe = None
+    return min(up, probe.down)
+
+
+def rate(arrivals: list[float]) -> float:
+    """Bytes per second over the frames after the first (the first only starts the clock)."""
+    elapsed = arrivals[-1] - arrivals[0]
+    return (len(arrivals) - 1) * FRAME_BYTES / elapsed if elapsed > 0 else float("inf")
