@@ -244,6 +244,14 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "every server alike (docs/placement.md)",
     ),
     EnvVar(
+        "GRADWIRE_SERVER_EFFICIENCY",
+        "server_efficiency",
+        (),
+        "0.8",
+        "the share of a dedicated server's link the placement model counts on (slack for its fan-in of n flows); "
+        "1 is the model's exact optimum, which saturates every link at once (docs/placement.md)",
+    ),
+    EnvVar(
         "GRADWIRE_LINK_RATE",
         "link_rate",
         (),
@@ -314,6 +322,7 @@ class Config:
     max_workers: int = 0
     colocated: bool = False
     placement: str = "model"
+    server_efficiency: float = 0.8
     link_rate: str = ""
 
     def __post_init__(self) -> None:
@@ -402,6 +411,8 @@ class Config:
             raise ConfigError(
                 f"GRADWIRE_MAX_WORKERS={self.max_workers} must be at least GRADWIRE_NUM_WORKERS={self.num_workers}"
             )
+        if not 0 < self.server_efficiency <= 1:
+            raise ConfigError(f"GRADWIRE_SERVER_EFFICIENCY must lie in (0, 1], got {self.server_efficiency}")
         if self.placement not in ("model", "auto", "equal"):
             raise ConfigError(f"GRADWIRE_PLACEMENT must be model, auto or equal, got {self.placement!r}")
         if self.link_rate:

@@ -82,7 +82,8 @@ def test_auto_placement_measures_the_links_and_splits_as_the_configured_truth_wo
     for rate in rates["worker_hosts"]:
         assert 0.75 * 100e6 / 8 <= rate <= 1.25 * 100e6 / 8, rates
     assert 0.75 * 25e6 / 8 <= rates["servers"][0] <= 1.25 * 25e6 / 8, rates
-    truth = split.optimal(1.0, [100e6 / 8] * 3, [25e6 / 8])
+    efficiency = chosen["server_efficiency"]  # GRADWIRE_SERVER_EFFICIENCY, applied to the dedicated server's rate
+    truth = split.optimal(1.0, [100e6 / 8] * 3, [efficiency * 25e6 / 8])
     assert abs(chosen["dedicated_fraction"] - truth.dedicated_fraction) <= 0.05, (chosen, truth)
     assert chosen["colocated"] == [False, True, True, True]
 

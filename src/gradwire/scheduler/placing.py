@@ -20,8 +20,14 @@ if TYPE_CHECKING:
 log = logging.getLogger("gradwire.scheduler")
 
 
-def placement_weights(mode: str, workers: Sequence[Node], servers: Sequence[Node]) -> tuple[list[float], dict]:
-    """(one weight per server rank, a description for the address book and /status)."""
+def placement_weights(
+    mode: str, workers: Sequence[Node], servers: Sequence[Node], efficiency: float = 1.0
+) -> tuple[list[float], dict]:
+    """(one weight per server rank, a description for the address book and /status).
+
+    `efficiency` scales the dedicated servers' rates in the model (GRADWIRE_SERVER_EFFICIENCY): the exact optimum
+    saturates every link at once, which a dedicated server's fan-in of n TCP flows does not reach in practice.
+    """
     if mode == "equal":
         return [1.0] * len(servers), {"mode": mode, "weights": [1.0] * len(servers)}
     hosts: dict[str, int] = {}
@@ -45,12 +51,14 @@ def placement_weights(mode: str, workers: Sequence[Node], servers: Sequence[Node
             )
         rate = server.link_rate if known and server.link_rate > 0 else host_rates[host] if host is not None else 1.0
         described.append((host, rate))
-    weights, best = split.server_weights(host_rates, described)
+    derated = [(host, rate * efficiency if host is None else rate) for host, rate in described]
+    weights, best = split.server_weights(host_rates, derated)
     info = {
         "mode": mode,
         "weights": [round(w, 6) for w in weights],
         "rates_bytes_per_s": {"worker_hosts": host_rates, "servers": [r for _, r in described]} if known else None,
         "dedicated_fraction": round(best.dedicated_fraction, 6),
+        "server_efficiency": efficiency,
         "colocated": [h is not None for h, _ in described],
     }
     log.info(

@@ -261,7 +261,9 @@ class Scheduler:
 
     def _publish_locked(self) -> None:
         """Placement weights from the split model, the declarations, and the address book for everyone."""
-        weights, self.placement_info = placement_weights(self.config.placement, self._workers, self._servers)
+        weights, self.placement_info = placement_weights(
+            self.config.placement, self._workers, self._servers, self.config.server_efficiency
+        )
         self.declarations = Declarations(
             self.config,
             [s.slot_bytes for s in self._servers],
