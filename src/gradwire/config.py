@@ -248,8 +248,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "server_efficiency",
         (),
         "0.8",
-        "the share of a dedicated server's link the placement model counts on (slack for its fan-in of n flows); "
-        "1 is the model's exact optimum, which saturates every link at once (docs/placement.md)",
+        "when the model's optimum mixes colocated and dedicated servers, the share of a dedicated server's link it "
+        "counts on (slack for its fan-in); 1: the exact optimum, which saturates every link (docs/placement.md)",
     ),
     EnvVar(
         "GRADWIRE_LINK_RATE",

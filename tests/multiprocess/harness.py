@@ -20,7 +20,15 @@ class Result:
         return [line for line in self.output.splitlines() if line.startswith(prefix)]
 
 
-def launch(workers: int, servers: int, script: str, *args: str, timeout: float = 60, env: dict | None = None) -> Result:
+def launch(
+    workers: int,
+    servers: int,
+    script: str,
+    *args: str,
+    timeout: float = 60,
+    env: dict | None = None,
+    options: tuple[str, ...] = (),
+) -> Result:
     """Launch a job; on a hang, kill the tree and fail naming the processes that never finished."""
     cmd = [
         sys.executable,
@@ -33,6 +41,7 @@ def launch(workers: int, servers: int, script: str, *args: str, timeout: float =
         str(servers),
         "--timeout",
         "20",
+        *options,
         "--",
         sys.executable,
         script,

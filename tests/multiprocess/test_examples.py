@@ -20,6 +20,13 @@ def test_sum_numpy_example():
     assert len(result.lines("[worker")) == 4 and "sum 10 (expected 10), mean 2.50" in result.output
 
 
+def test_sum_numpy_example_with_colocated_servers_only():
+    result = launch(3, 0, str(ROOT / "examples" / "sum_numpy.py"), options=("--colocate",))
+    assert result.code == 0, result.output
+    assert "starting 0 servers + 3 colocated and 3 workers" in result.output
+    assert len(result.lines("[worker")) == 3 and "sum 6 (expected 6), mean 2.00" in result.output
+
+
 def test_digits_training_example_learns():
     result = launch(2, 1, str(ROOT / "examples" / "digits_train.py"), "--epochs", "3", timeout=180)
     assert result.code == 0, result.output

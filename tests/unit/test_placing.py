@@ -55,3 +55,11 @@ def test_rates_count_only_when_every_node_has_one():
     weights, info = placement_weights("model", workers, servers)
     assert info["rates_bytes_per_s"] is None
     assert info["dedicated_fraction"] == pytest.approx(split.closed_form(4, 2)[0])
+
+
+def test_server_efficiency_leaves_slack_only_in_a_true_mix():
+    mixed = placement_weights("model", *_cluster(4, 2), efficiency=0.8)[1]
+    assert mixed["server_efficiency"] == 0.8
+    assert mixed["dedicated_fraction"] == pytest.approx(0.5)  # 0.6 exactly; 0.5 with the dedicated links at 80%
+    pure = placement_weights("model", *_cluster(4, 4), efficiency=0.8)[1]
+    assert pure["server_efficiency"] == 1.0 and pure["dedicated_fraction"] == pytest.approx(1.0)  # k = n: the service

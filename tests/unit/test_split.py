@@ -1,3 +1,5 @@
+import json
+
 import pytest
 
 from gradwire import split
@@ -46,6 +48,26 @@ def test_plan_prints_every_placement(capsys):
     assert main(["plan", "-n", "4", "-k", "4", "--worker-rate", "100mbit", "--server-rate", "25mbit"]) == 0
     out = capsys.readouterr().out
     assert "ring all-reduce" in out and "2.67" in out and "0.89  33.3% dedicated" in out
+
+
+def test_plan_prints_measured_times_beside_the_model(tmp_path, capsys):
+    from gradwire.launch.cli import main
+
+    common = {"workers": 4, "worker_rate_bps": 1e8, "server_rate_bps": 1e8, "bytes": 16 << 20}
+    rows = [
+        common | {"system": "gloo", "servers": 0, "seconds_median": 2.14},
+        common | {"system": "gradwire", "servers": 2, "colocated": True, "seconds_median": 1.89},
+        common | {"system": "gradwire", "servers": 2, "colocated": False, "seconds_median": 2.9},
+        common | {"system": "gradwire", "servers": 2, "colocated": True, "seconds_median": 9.9, "workers": 8},
+    ]
+    runs = tmp_path / "runs.jsonl"
+    runs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["plan", "-n", "4", "-k", "2", "--size", "16", "--measured", str(runs)]) == 0
+    lines = {line.split("  ")[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert lines["ring all-reduce"].split()[-2:] == ["2.140", "1.06"]  # measured, x model (2.013 s)
+    assert lines["gradwire's mix (optimal)"].split()[-2] == "1.890"
+    assert lines["dedicated servers only"].split()[-2] == "2.900"
+    assert "measured" not in lines["colocated servers only"] and len(lines["colocated servers only"].split()) == 7
 
 
 @pytest.mark.parametrize(("n", "k"), [(4, 0), (4, 2), (4, 4), (8, 3)])
