@@ -63,3 +63,11 @@ def test_server_efficiency_leaves_slack_only_in_a_true_mix():
     assert mixed["dedicated_fraction"] == pytest.approx(0.5)  # 0.6 exactly; 0.5 with the dedicated links at 80%
     pure = placement_weights("model", *_cluster(4, 4), efficiency=0.8)[1]
     assert pure["server_efficiency"] == 1.0 and pure["dedicated_fraction"] == pytest.approx(1.0)  # k = n: the service
+
+
+def test_auto_measured_rates_a_few_percent_apart_count_as_one():
+    from gradwire.scheduler.placing import snap
+
+    assert snap([12.0, 11.8, 12.2, 3.1, 3.0]) == pytest.approx([12.0, 12.0, 12.0, 3.05, 3.05])
+    workers, servers = _cluster(4, 4, worker_rate=12.0e6, server_rate=11.7e6)  # k = n, measured with noise
+    assert placement_weights("auto", workers, servers, efficiency=0.8)[1]["dedicated_fraction"] == pytest.approx(1.0)

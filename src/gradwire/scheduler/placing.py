@@ -54,6 +54,12 @@ def placement_weights(
             )
         rate = server.link_rate if known and server.link_rate > 0 else host_rates[host] if host is not None else 1.0
         described.append((host, rate))
+    if mode == "auto":  # measured rates a few percent apart are one rate: noise must not tilt the split
+        snapped = snap([*host_rates, *(r for _, r in described)])
+        host_rates, described = (
+            snapped[: len(host_rates)],
+            [(h, r) for (h, _), r in zip(described, snapped[len(host_rates) :], strict=True)],
+        )
     weights, best = split.server_weights(host_rates, described)
     if efficiency < 1 and 0.001 < best.dedicated_fraction < 0.999:
         derated = [(host, rate * efficiency if host is None else rate) for host, rate in described]
@@ -75,3 +81,21 @@ def placement_weights(
         info["weights"],
     )
     return weights, info
+
+
+def snap(rates: Sequence[float], tolerance: float = 0.05) -> list[float]:
+    """Rates within `tolerance` of a faster one they chain to are replaced by their group's mean (measurement noise:
+    auto-measured links of one configured rate came out 1-4% apart, enough to turn k = n into a mix)."""
+    order = sorted(range(len(rates)), key=lambda i: -rates[i])
+    out = list(rates)
+    group: list[int] = []
+    for i in order + [-1]:
+        if i >= 0 and group and rates[i] >= (1 - tolerance) * rates[group[0]]:
+            group.append(i)
+            continue
+        if group:
+            mean = sum(rates[j] for j in group) / len(group)
+            for j in group:
+                out[j] = mean
+        group = [i]
+    return out
