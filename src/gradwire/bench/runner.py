@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,14 +93,26 @@ def run_gradwire(
         )
         for r in range(n)
     ]
+    peaks = [0]
+    done = threading.Event()
+
+    def sample() -> None:  # servers exit as soon as the workers say bye: read their peak while they run
+        while not done.wait(0.2):
+            peaks[0] = max([peaks[0]] + [_peak_rss(p.pid) for p in servers])
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     try:
         out = _collect(workers, "gradwire worker", timeout)
-        peak = max(_peak_rss(p.pid) for p in servers)
+        done.set()
+        sampler.join()
+        peak = peaks[0]
         timings = _parse("gradwire", n, k, out)
         for t in timings:
             t.server_peak_rss = peak
         return timings
     finally:
+        done.set()
         for proc in servers:
             try:
                 proc.wait(10)
