@@ -1,5 +1,6 @@
 """The examples the docs quote, run as users run them, so they never rot."""
 
+import json
 import os
 import subprocess
 import sys
@@ -25,6 +26,15 @@ def test_sum_numpy_example_with_colocated_servers_only():
     assert result.code == 0, result.output
     assert "starting 0 servers + 3 colocated and 3 workers" in result.output
     assert len(result.lines("[worker")) == 3 and "sum 6 (expected 6), mean 2.00" in result.output
+
+
+def test_elastic_example_trains():
+    options = ("--min-workers", "1", "--max-workers", "2")
+    script = str(ROOT / "examples" / "elastic_train.py")
+    result = launch(2, 1, script, "--epochs", "3", "--step-seconds", "0", timeout=180, options=options)
+    assert result.code == 0, result.output
+    summary = result.lines("[worker 0] {")
+    assert summary and json.loads(summary[0].split("] ", 1)[1])["accuracy"] > 0.8, result.output
 
 
 def test_digits_training_example_learns():
