@@ -15,7 +15,7 @@ import pytest
 
 from gradwire.errors import JobAborted
 from gradwire.scheduler.status import cluster_status
-from gradwire.testing import LocalCluster
+from gradwire.testing import FakeClock, LocalCluster
 
 STEPS = 12
 SHAPES = {"w0": (3000,), "w1": (64, 40), "b": (7,), "w2": (5000,)}  # 4 KiB partitions: several per tensor
@@ -140,3 +140,22 @@ def test_with_no_server_left_the_job_aborts_naming_the_last_one():
         c.kill_server(0)
         with pytest.raises(JobAborted, match="server 0"):
             c.run(lambda w: [w.push_pull(np.ones(10, np.float32), "t") for _ in range(50)])
+
+
+def test_a_silent_server_is_failed_over_after_the_heartbeat_timeout():
+    """A hung server (alive, sockets open, silent) is detected by heartbeats (fake clock) and failed over; the job's
+    sums go on, exact."""
+    clock = FakeClock()
+    config = {"heartbeat_interval": 0.02, "heartbeat_timeout": 30, "partition_bytes": 4096}
+    with LocalCluster(num_workers=2, num_servers=2, clock=clock, **config) as c:
+        first = c.run(lambda w: w.push_pull(np.full(3000, w.rank + 1.0, np.float32), "g")[0])
+        c.servers[1].admin._stop.set()  # server 1 hangs: it stops talking, its sockets stay open
+        for _ in range(40):
+            clock.advance(1)
+            time.sleep(0.1)
+            if c.scheduler.failovers:
+                break
+        (record,) = c.scheduler.failovers
+        assert record["server"] == 1 and "silent for 3" in record["why"] and not c.scheduler.abort_reason
+        after = c.run(lambda w: w.push_pull(np.full(3000, w.rank + 1.0, np.float32), "g")[0])
+        assert first == after == [3.0, 3.0]
