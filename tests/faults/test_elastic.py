@@ -54,3 +54,15 @@ def test_below_min_workers_the_job_aborts_naming_the_lost_worker():
         with pytest.raises(JobAborted, match="lost worker 1.*fewer than GRADWIRE_MIN_WORKERS=2"):
             for _ in range(200):
                 c.workers[0].push_pull(np.ones(10, np.float32), "g")
+
+
+def test_an_elastic_reset_after_a_server_failover_skips_the_dead_server():
+    with LocalCluster(num_workers=3, num_servers=2, min_workers=2, partition_bytes=4096) as c:
+        assert c.run(lambda w: w.push_pull(np.full(5000, 1.0, np.float32), "g")[0]) == [3.0] * 3
+        c.kill_server(1)  # its keys move onto server 0
+        assert c.run(lambda w: w.push_pull(np.full(5000, 1.0, np.float32), "g")[0]) == [3.0] * 3
+        assert len(c.scheduler.failovers) == 1
+        c.kill_worker(2)
+        out = c.run(lambda w: _sum_until_reset(w, 1.0))
+        assert [a[0] for a in out] == [2.0, 2.0]
+        assert all(link.transport == "lost" for w in c.workers for link in w._links if link.server == 1)
