@@ -115,3 +115,16 @@ def test_an_early_contribution_in_shared_memory_is_held_not_copied_and_acknowled
     _push(engine, 1, np.full(4, 1.0, np.float32), rnd=2, flags=SHM_PAYLOAD)
     _push(engine, 0, np.full(4, 1.0, np.float32), rnd=2)  # adds 0 then the held 1: both acknowledged
     assert sorted(acks) == [(0, 9, 2), (1, 9, 2)]
+
+
+def test_the_scheduler_asks_one_holder_to_seed_each_round_a_worker_still_waits_for():
+    from gradwire.scheduler.scheduler import seeds_needed
+
+    # key 7: worker 2 resends round 5, workers 0 and 1 hold its sum (and resend round 6): one seed, from worker 0.
+    # key 8: everyone resends round 3, nobody has its sum: nothing to seed. key 9: everyone has round 4: nothing.
+    reported = {
+        0: {7: (5, 6), 8: (2, 3), 9: (4, -1)},
+        1: {7: (5, 6), 8: (2, 3), 9: (4, -1)},
+        2: {7: (4, 5), 8: (2, 3), 9: (4, -1)},
+    }
+    assert seeds_needed(reported) == {0: [[7, 5]]}

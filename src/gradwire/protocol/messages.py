@@ -26,6 +26,8 @@ RESET = "reset"  # elastic: scheduler -> worker: the workers changed, cancel and
 REJOIN = "rejoin"  # elastic: worker -> scheduler (a request): ready for the new membership; the reply is the book
 PROBE = "probe"  # scheduler -> node in rendezvous: send `send` PROBE frames of `bytes`, or `report` the rate of ours
 PROBE_RESULT = "probe_result"  # node -> scheduler: the rate (bytes/s) at which our PROBE frames reached it
+FAILOVER_STATE = "failover_state"  # worker -> scheduler: per moved key, [round of its saved sum, round it resends]
+SEED = "seed"  # scheduler -> worker: resend the saved sums of these [key, round] (a round some worker still needs)
 MEMBERS = "members"  # elastic: scheduler -> worker: `joining` workers wait to join (at the next commit)
 
 _REQUIRED = {
@@ -45,6 +47,8 @@ _REQUIRED = {
     RESET: ("epoch",),
     REJOIN: ("id",),
     MEMBERS: ("joining",),
+    FAILOVER_STATE: ("epoch", "keys"),
+    SEED: ("epoch", "keys"),
     PROBE: (),
     PROBE_RESULT: ("down",),
 }

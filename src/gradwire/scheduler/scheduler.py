@@ -89,6 +89,7 @@ class Scheduler:
         self._standby: list[Node] = []  # standby servers not yet promoted
         self.failovers: list[dict] = []  # one record per failover: server, epoch, where its keys went, duration
         self.membership = Membership(self) if config.elastic else None  # elastic mode (scheduler/elastic.py)
+        self._failover_states: dict[int, dict] = {}  # epoch -> {worker rank: its keys' rounds, "event": Event}
         self.placement_info: dict = {}  # the placement's mode, rates and weights (in the address book, /status)
         self.declarations: Declarations | None = None  # once ranks are fixed
         self._barrier: list[tuple[Node, int]] = []
@@ -327,6 +328,13 @@ class Scheduler:
             if "error" in reply and reply.pop("abort", True):  # after the reply: the declarer gets the TensorError
                 with self._lock:
                     self._abort_locked(reply["error"])
+        elif op == messages.FAILOVER_STATE and node.role == "worker":
+            with self._lock:
+                states = self._failover_states.get(int(body["epoch"]))
+            if states is not None:
+                states[node.rank] = {int(k): (int(v[0]), int(v[1])) for k, v in body["keys"].items()}
+                if len(states) > sum(not (w.lost or w.said_bye) for w in self._workers):  # the event is one entry
+                    states["event"].set()
         elif op == messages.PROBE_RESULT and node.probe is not None:
             node.probe.on_result(body)
         elif op == messages.HEARTBEAT:
@@ -515,16 +523,33 @@ class Scheduler:
                 self._abort_locked(f"lost server {dead.rank} at {dead.host} ({why}) and could not fail over: {e}")
             return
         body = {"op": messages.REPLACE, "epoch": epoch, "server": dead.rank, "standby": address, "moved": moved}
+        states: dict = {"event": threading.Event()}
         with self._lock:
             workers = [w for w in self._workers if not (w.lost or w.said_bye)]
+            self._failover_states[epoch] = states
         for worker in workers:
             try:
                 worker.conn.send_json(FrameType.CONTROL, body)
             except GradwireError:
                 pass  # that worker's own loss is reported on its connection
+        # every worker reports, per moved key, the round of the sum it holds and the round it resends; a round that
+        # one worker resends and another holds the sum of was being answered when the server died: seed it
+        if not states["event"].wait(min(self.config.timeout, 60)):
+            log.warning("not every worker reported its state after the failover in epoch %d", epoch)
+        with self._lock:
+            reported = {r: s for r, s in self._failover_states.pop(epoch, {}).items() if r != "event"}
+        seeds = seeds_needed(reported)
+        for rank, keys in seeds.items():
+            try:
+                self._workers[rank].conn.send_json(
+                    FrameType.CONTROL, {"op": messages.SEED, "epoch": epoch, "keys": keys}
+                )
+            except (GradwireError, IndexError):
+                pass
         record = {
             "server": dead.rank,
             "epoch": epoch,
+            "seeds": sum(len(k) for k in seeds.values()),
             "to": "standby" if standby is not None else "survivors",
             "tensors_moved": len(moved),
             "seconds": self.clock() - started,
@@ -552,6 +577,20 @@ class Scheduler:
             except GradwireError:
                 pass
         self._done.set()
+
+
+def seeds_needed(reported: dict[int, dict[int, tuple[int, int]]]) -> dict[int, list[list[int]]]:
+    """{worker: [[key, round], ...]} to seed: for each moved key, a round some worker resends while another holds
+    its sum (the dead server answered some workers only). One holder per round, the lowest rank."""
+    out: dict[int, list[list[int]]] = {}
+    keys = {k for state in reported.values() for k in state}
+    for key in sorted(keys):
+        waiting = {state[key][1] for state in reported.values() if key in state and state[key][1] >= 0}
+        for rnd in sorted(waiting):
+            holders = sorted(r for r, state in reported.items() if key in state and state[key][0] == rnd)
+            if holders:
+                out.setdefault(holders[0], []).append([key, rnd])
+    return out
 
 
 def _role(node: Node) -> str:

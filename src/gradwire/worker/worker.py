@@ -432,6 +432,8 @@ class Worker:
                     return
                 elif op == messages.REPLACE:
                     self._fail_over(body)
+                elif op == messages.SEED:
+                    self._send_seeds(body)
                 elif op == messages.RESET:
                     self._membership_changed(body)
                 elif op == messages.MEMBERS:
@@ -534,8 +536,10 @@ class Worker:
     def _fail_over(self, body: dict) -> None:
         """The scheduler moved a dead server's keys (to a standby at the same index, or onto the survivors).
 
-        Order matters: seeds are queued on the new links before any push can follow them there, and the dead
-        link is retired (its submits redirected) only after the new owners are known.
+        The dead link is retired (its submits redirected) only after the new owners are known. Then the worker tells
+        the scheduler, per moved key, the round of the sum it holds and the round it resends; the scheduler asks one
+        holder to seed each round that another worker still waits for (`_send_seeds`), so seeds move only where
+        the dead server died mid-answer.
         """
         started, told_at = time.monotonic(), time.time()
         dead, self.epoch = int(body["server"]), int(body["epoch"])
@@ -560,14 +564,7 @@ class Worker:
                     tensor = self._tensors.get(name)
                     if tensor is not None:
                         owner.update(zip(tensor.keys, servers, strict=True))
-            seeds = 0
-            for key, saved in list((self._saved or {}).items()):
-                server = owner.get(key)
-                if saved.round >= 0 and (server == dead or (key in owner and owner[key] != self._owner.get(key))):
-                    data = saved.data
-                    seed = Work("", key, saved.round, saved.dtype, data, data, 1, None, seed=True)
-                    self._links[server].submit(seed, SEED_PRIORITY)
-                    seeds += 1
+            moved_keys = [k for k, s in owner.items() if s == dead or s != self._owner.get(k)]
             with self._lock:
                 self._owner = owner
                 for name, servers in moved.items():
@@ -577,6 +574,21 @@ class Worker:
             orphans += old.retire(self._resubmit)
             for work in orphans:
                 self._resubmit(work, 0)
+            pending = {w.key: w.round for w in orphans}
+            saved = self._saved or {}
+            state = {
+                str(k): [saved[k].round if k in saved else -1, pending.get(k, -1)]
+                for k in moved_keys
+                if k in saved or k in pending
+            }
+        seeds = 0
+        if self._scheduler is not None:  # even empty: the scheduler waits for every worker's report
+            try:
+                self._scheduler.send_json(
+                    FrameType.CONTROL, {"op": messages.FAILOVER_STATE, "epoch": self.epoch, "keys": state}
+                )
+            except GradwireError:
+                pass  # the control loop reports a lost scheduler
         record = {
             "server": dead,
             "epoch": self.epoch,
@@ -589,14 +601,32 @@ class Worker:
         }
         self.failovers.append(record)
         log.warning(
-            "worker %d: server %d's keys moved (%s); resent %d partitions and %d sums in %.1f ms",
+            "worker %d: server %d's keys moved (%s); resent %d partitions in %.1f ms",
             self.rank,
             dead,
             "to a standby" if standby else "onto the surviving servers",
             len(orphans),
-            seeds,
             record["seconds"] * 1e3,
         )
+
+    def _send_seeds(self, body: dict) -> None:
+        """Resend the sums the scheduler asked for (a round another worker still waits for). A sum already replaced
+        by a later round's is not needed any more: that later round could only complete once everyone had this one."""
+        sent = 0
+        for key, rnd in body["keys"]:
+            saved = (self._saved or {}).get(int(key))
+            if saved is None or saved.round != int(rnd):
+                continue
+            with self._lock:
+                server = self._owner.get(int(key))
+            if server is None:
+                continue
+            seed = Work("", int(key), saved.round, saved.dtype, saved.data, saved.data, 1, None, seed=True)
+            self._links[server].submit(seed, SEED_PRIORITY)
+            sent += 1
+        if self.failovers:
+            self.failovers[-1]["seeds"] += sent
+        log.warning("worker %d: seeded %d sums the new servers' workers were waiting for", self.rank, sent)
 
     def _resubmit(self, work: Work, priority: int) -> None:
         """Push a partition again, to its key's server now."""
