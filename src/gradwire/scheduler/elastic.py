@@ -42,7 +42,7 @@ class Membership:
         self.history: list[dict] = []  # one record per completed reset: epoch, workers, reason
 
     def live(self) -> list[Node]:
-        return [w for w in self.s._workers if not (w.lost or w.said_bye)]
+        return self.s._live_workers()
 
     def join(self, node: Node) -> None:
         """A worker registered after the rendezvous: hold it until the next reset."""
@@ -136,10 +136,5 @@ class Membership:
         if joining:  # arrived during the reset: they join the next one
             self._tell(live, {"op": messages.MEMBERS, "joining": joining})
 
-    @staticmethod
-    def _tell(workers: list[Node], body: dict) -> None:
-        for worker in workers:
-            try:
-                worker.conn.send_json(FrameType.CONTROL, body)
-            except GradwireError:
-                pass
+    def _tell(self, workers: list[Node], body: dict) -> None:
+        self.s._tell(workers, body)

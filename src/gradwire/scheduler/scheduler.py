@@ -89,7 +89,8 @@ class Scheduler:
         self._standby: list[Node] = []  # standby servers not yet promoted
         self.failovers: list[dict] = []  # one record per failover: server, epoch, where its keys went, duration
         self.membership = Membership(self) if config.elastic else None  # elastic mode (scheduler/elastic.py)
-        self._failover_states: dict[int, dict] = {}  # epoch -> {worker rank: its keys' rounds, "event": Event}
+        # epoch -> (set once every live worker reported, {worker rank: {key: (round held, round resent)}})
+        self._failover_states: dict[int, tuple[threading.Event, dict[int, dict]]] = {}
         self.placement_info: dict = {}  # the placement's mode, rates and weights (in the address book, /status)
         self.declarations: Declarations | None = None  # once ranks are fixed
         self._barrier: list[tuple[Node, int]] = []
@@ -280,17 +281,8 @@ class Scheduler:
         log.info("rendezvous complete: %d workers, %d servers", len(self._workers), len(self._servers))
 
     def _address_book(self) -> dict:
-        servers = [
-            {
-                "host": s.host,
-                "port": s.port,
-                "slot_bytes": s.slot_bytes,
-                "unix": s.unix,
-                "host_id": s.host_id,
-                "lost": s.lost,  # its keys moved onto the others (failover without a standby)
-            }
-            for s in self._servers
-        ]
+        # "lost": its keys moved onto the others (failover without a standby)
+        servers = [_server_entry(s) | {"lost": s.lost} for s in self._servers]
         return {
             "epoch": self.epoch,
             "num_workers": len(self._workers),
@@ -330,11 +322,12 @@ class Scheduler:
                     self._abort_locked(reply["error"])
         elif op == messages.FAILOVER_STATE and node.role == "worker":
             with self._lock:
-                states = self._failover_states.get(int(body["epoch"]))
-            if states is not None:
-                states[node.rank] = {int(k): (int(v[0]), int(v[1])) for k, v in body["keys"].items()}
-                if len(states) > sum(not (w.lost or w.said_bye) for w in self._workers):  # the event is one entry
-                    states["event"].set()
+                entry = self._failover_states.get(int(body["epoch"]))
+                if entry is not None:
+                    everyone, reported = entry
+                    reported[node.rank] = {int(k): (int(v[0]), int(v[1])) for k, v in body["keys"].items()}
+                    if len(reported) >= len(self._live_workers()):
+                        everyone.set()
         elif op == messages.PROBE_RESULT and node.probe is not None:
             node.probe.on_result(body)
         elif op == messages.HEARTBEAT:
@@ -433,18 +426,8 @@ class Scheduler:
             joiners = self.membership.joiners if self.membership is not None else []
             # before the shutdowns go out: a server that closes on receiving one has not been lost
             self._ending = True
-        for server in servers:
-            try:
-                server.conn.send_json(FrameType.CONTROL, {"op": messages.SHUTDOWN})
-            except GradwireError:
-                pass
-        for joiner in joiners:
-            try:
-                joiner.conn.send_json(
-                    FrameType.CONTROL, {"op": messages.ABORT, "message": "the job ended before it joined"}
-                )
-            except GradwireError:
-                pass
+        self._tell(servers, {"op": messages.SHUTDOWN})
+        self._tell(joiners, {"op": messages.ABORT, "message": "the job ended before it joined"})
         log.info("every worker said bye; job complete")
         self._done.set()
 
@@ -508,13 +491,7 @@ class Scheduler:
                 standby.conn.send_json(FrameType.CONTROL, {"op": messages.PROMOTE, "rank": dead.rank, "epoch": epoch})
                 self.declarations.register_all(dead.rank)
                 moved: dict[str, list[int]] = {}
-                address = {
-                    "host": standby.host,
-                    "port": standby.port,
-                    "slot_bytes": standby.slot_bytes,
-                    "unix": standby.unix,
-                    "host_id": standby.host_id,
-                }
+                address: dict | None = _server_entry(standby)
             else:
                 moved = self.declarations.evict(dead.rank)
                 address = None
@@ -523,29 +500,21 @@ class Scheduler:
                 self._abort_locked(f"lost server {dead.rank} at {dead.host} ({why}) and could not fail over: {e}")
             return
         body = {"op": messages.REPLACE, "epoch": epoch, "server": dead.rank, "standby": address, "moved": moved}
-        states: dict = {"event": threading.Event()}
+        everyone, reported = threading.Event(), {}
         with self._lock:
-            workers = [w for w in self._workers if not (w.lost or w.said_bye)]
-            self._failover_states[epoch] = states
-        for worker in workers:
-            try:
-                worker.conn.send_json(FrameType.CONTROL, body)
-            except GradwireError:
-                pass  # that worker's own loss is reported on its connection
+            workers = self._live_workers()
+            self._failover_states[epoch] = (everyone, reported)
+        self._tell(workers, body)  # a worker that cannot be told is lost, which its own connection reports
         # every worker reports, per moved key, the round of the sum it holds and the round it resends; a round that
         # one worker resends and another holds the sum of was being answered when the server died: seed it
-        if not states["event"].wait(min(self.config.timeout, 60)):
+        if not everyone.wait(min(self.config.timeout, 60)):
             log.warning("not every worker reported its state after the failover in epoch %d", epoch)
         with self._lock:
-            reported = {r: s for r, s in self._failover_states.pop(epoch, {}).items() if r != "event"}
-        seeds = seeds_needed(reported)
-        for rank, keys in seeds.items():
-            try:
-                self._workers[rank].conn.send_json(
-                    FrameType.CONTROL, {"op": messages.SEED, "epoch": epoch, "keys": keys}
-                )
-            except (GradwireError, IndexError):
-                pass
+            self._failover_states.pop(epoch, None)
+            seeds = seeds_needed(dict(reported))
+            seeders = {rank: self._workers[rank] for rank in seeds if rank < len(self._workers)}
+        for rank, worker in seeders.items():
+            self._tell([worker], {"op": messages.SEED, "epoch": epoch, "keys": seeds[rank]})
         record = {
             "server": dead.rank,
             "epoch": epoch,
@@ -571,12 +540,32 @@ class Scheduler:
         body = {"op": messages.ABORT, "message": reason}
         if lost is not None:
             body |= {"lost_role": lost[0], "lost_rank": lost[1]}
-        for node in self._nodes:
+        self._tell(self._nodes, body)
+        self._done.set()
+
+    def _live_workers(self) -> list[Node]:
+        """The workers of the job now: not lost, not gone."""
+        return [w for w in self._workers if not (w.lost or w.said_bye)]
+
+    @staticmethod
+    def _tell(nodes: list[Node], body: dict) -> None:
+        """Send a control message to each node; one that cannot be reached is lost, which its connection reports."""
+        for node in nodes:
             try:
                 node.conn.send_json(FrameType.CONTROL, body)
             except GradwireError:
                 pass
-        self._done.set()
+
+
+def _server_entry(server: Node) -> dict:
+    """How a worker reaches a server (the address book's entry, and a promoted standby's)."""
+    return {
+        "host": server.host,
+        "port": server.port,
+        "slot_bytes": server.slot_bytes,
+        "unix": server.unix,
+        "host_id": server.host_id,
+    }
 
 
 def seeds_needed(reported: dict[int, dict[int, tuple[int, int]]]) -> dict[int, list[list[int]]]:

@@ -272,14 +272,12 @@ class Engine:
         while state.staged[i] >> state.turn[i] & 1:
             rank = state.turn[i]
             held = state.held[i][rank]
+            source = held if held is not None else state.stage[i][rank]
+            assert source is not None
+            dtypes.add_into(dtype, state.acc[i], source, state.scratch)
             if held is not None:
-                dtypes.add_into(dtype, state.acc[i], held, state.scratch)
                 state.held[i][rank] = None
                 released |= 1 << rank
-            else:
-                staged = state.stage[i][rank]
-                assert staged is not None
-                dtypes.add_into(dtype, state.acc[i], staged, state.scratch)
             state.staged[i] &= ~(1 << rank)
             state.turn[i] += 1
         return released

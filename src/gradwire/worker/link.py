@@ -333,25 +333,26 @@ class ServerLink:
             frames.pack_header_into(
                 header, FrameType.PUSHPULL, work.nbytes, work.dtype, self.epoch, self.rank, work.key, work.round
             )
-            try:
-                self.conn.send([header, work.send])
-            except GradwireError as e:
-                self._broken(e)
+            if not self._send([header, work.send]):
                 return
             work.t_pushed = time.monotonic()
             self.metrics.pushed(work.nbytes)
+
+    def _send(self, parts: list) -> bool:
+        """Send one frame; False (and the link broken) if the connection failed."""
+        try:
+            self.conn.send(parts)
+        except GradwireError as e:
+            self._broken(e)
+            return False
+        return True
 
     def _send_seed(self, header: bytearray, work: Work) -> bool:
         """A sum this worker holds, for the key's new server (always on the socket, never a shared slot)."""
         frames.pack_header_into(
             header, FrameType.PUSHPULL, work.nbytes, work.dtype, self.epoch, self.rank, work.key, work.round, SEED
         )
-        try:
-            self.conn.send([header, work.send])
-        except GradwireError as e:
-            self._broken(e)
-            return False
-        return True
+        return self._send([header, work.send])
 
     def _wait_to_send(self) -> bool:
         """Wait (holding the condition) until the next partition may go; False once the link is closed.
@@ -400,10 +401,7 @@ class ServerLink:
             shm.SHM_PAYLOAD,
             work.push_slot | (work.pull_slot << 16),
         )
-        try:
-            self.conn.send([header])
-        except GradwireError as e:
-            self._broken(e)
+        if not self._send([header]):
             return
         work.t_pushed = time.monotonic()
         self.metrics.pushed(work.nbytes)

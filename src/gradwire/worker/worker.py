@@ -564,13 +564,9 @@ class Worker:
                     tensor = self._tensors.get(name)
                     if tensor is not None:
                         owner.update(zip(tensor.keys, servers, strict=True))
-            moved_keys = [k for k, s in owner.items() if s == dead or s != self._owner.get(k)]
-            with self._lock:
-                self._owner = owner
-                for name, servers in moved.items():
-                    tensor = self._tensors.get(name)
-                    if tensor is not None:
                         tensor.servers = servers
+                moved_keys = [k for k, s in owner.items() if s == dead or s != self._owner.get(k)]
+                self._owner = owner
             orphans += old.retire(self._resubmit)
             for work in orphans:
                 self._resubmit(work, 0)
@@ -581,7 +577,6 @@ class Worker:
                 for k in moved_keys
                 if k in saved or k in pending
             }
-        seeds = 0
         if self._scheduler is not None:  # even empty: the scheduler waits for every worker's report
             try:
                 self._scheduler.send_json(
@@ -594,7 +589,7 @@ class Worker:
             "epoch": self.epoch,
             "standby": bool(standby),
             "resent": len(orphans),
-            "seeds": seeds,
+            "seeds": 0,  # counted by _send_seeds, if the scheduler asks for any
             "seconds": time.monotonic() - started,
             "lost_at": self._lost_at.pop(dead, None),  # wall clock: when this worker saw the connection die
             "told_at": told_at,  # when the scheduler's REPLACE arrived
