@@ -85,6 +85,14 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "bytes a worker keeps in flight over all servers",
     ),
     EnvVar(
+        "GRADWIRE_PACING",
+        "pacing",
+        (),
+        "8",
+        "how far (in partitions) a worker's link to one server on another host may run ahead of its share of "
+        "the bytes still to send; 0 turns pacing off (docs/placement.md)",
+    ),
+    EnvVar(
         "GRADWIRE_FUSION_BYTES",
         "fusion_bytes",
         (),
@@ -247,9 +255,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "GRADWIRE_SERVER_EFFICIENCY",
         "server_efficiency",
         (),
-        "0.8",
+        "1.0",
         "when the model's optimum mixes colocated and dedicated servers, the share of a dedicated server's link it "
-        "counts on (slack for its fan-in); 1: the exact optimum, which saturates every link (docs/placement.md)",
+        "counts on; below 1 leaves slack on the dedicated links (docs/placement.md)",
     ),
     EnvVar(
         "GRADWIRE_LINK_RATE",
@@ -292,6 +300,7 @@ class Config:
     window: int = 4
     unanswered: int = 8
     credit_bytes: int = 256 * MiB
+    pacing: int = 8
     fusion_bytes: int = 1 * MiB
     ring_slots: int = 16
     engines: int = 1
@@ -322,7 +331,7 @@ class Config:
     max_workers: int = 0
     colocated: bool = False
     placement: str = "model"
-    server_efficiency: float = 0.8
+    server_efficiency: float = 1.0
     link_rate: str = ""
 
     def __post_init__(self) -> None:
@@ -394,6 +403,8 @@ class Config:
         for name in ("window", "ring_slots", "engines"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.pacing < 0:
+            raise ConfigError(f"GRADWIRE_PACING must be 0 (off) or more, got {self.pacing}")
         if self.credit_bytes < self.partition_bytes:
             raise ConfigError(
                 f"GRADWIRE_CREDIT_BYTES={self.credit_bytes} must be at least one partition "

@@ -55,13 +55,21 @@ def run_netem(args: argparse.Namespace, sizes: list[int], env: dict[str, str]) -
     return 0
 
 
+def _tuning(workers: int) -> str:
+    t = Topology(workers, workers).tuning()
+    return (
+        f"{int(t['GRADWIRE_PARTITION_BYTES']) // 1024} KiB partitions, window {t['GRADWIRE_WINDOW']}, at most "
+        f"{t['GRADWIRE_UNANSWERED']} unanswered per server"
+    )
+
+
 def _write_docs(path: str, text: str, plot_path: str | None, env: dict[str, str], name: str = "netem") -> None:
     begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
     command = "sudo .venv/bin/gradwire " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     overrides = ", ".join(f"{k}={v}" for k, v in sorted(env.items()))
     settings = (("overrides " + overrides + "; otherwise ") if overrides else "") + (
-        "per configuration Topology.tuning(): 64 KiB partitions, window 4, at most 4 unanswered per server below "
-        "8 workers; 16 KiB, window 8, 16 unanswered from 8 workers (the partition, window column)"
+        f"per configuration Topology.tuning(): {_tuning(4)} below 8 workers; {_tuning(8)} from 8 workers (the "
+        "partition, window column)"
     )
     section = (
         f"{begin}\n```bash\n{command}\n```\nMeasured {datetime.date.today()}, gradwire settings: {settings}.\n\n"

@@ -25,11 +25,9 @@ def placement_weights(
 ) -> tuple[list[float], dict]:
     """(one weight per server rank, a description for the address book and /status).
 
-    `efficiency` scales the dedicated servers' rates in the model (GRADWIRE_SERVER_EFFICIENCY) when the exact optimum
-    is a true mix of colocated and dedicated servers. Measured on the emulated network: slack on the dedicated links
-    paid off in every mixed configuration (n = 4, k = 2: 1.89 s against 2.03-2.09 s; servers at a quarter of the
-    workers' rate: 2.15 s against 2.37 s), and cost 7% where the exact optimum is the pure service (k = n at equal
-    rates: 1.68 s against 1.56 s), so a pure optimum is kept as it is.
+    `efficiency` scales the dedicated servers' rates in the model (GRADWIRE_SERVER_EFFICIENCY, default 1) when the
+    exact optimum is a true mix of colocated and dedicated servers; a pure optimum is kept as it is. Since workers
+    pace their links by these weights (worker/link.py Credit), the exact optimum measured fastest (docs/placement.md).
     """
     if mode == "equal":
         return [1.0] * len(servers), {"mode": mode, "weights": [1.0] * len(servers)}

@@ -42,6 +42,7 @@ from gradwire.worker.handle import Handle
 
 log = logging.getLogger("gradwire.worker")
 ESCAPE_SECONDS = 0.1  # a capped link with no answer for this long may send one more (see _wait_to_send)
+PACE_GIVE_UP_SECONDS = 0.2  # a paced link waits at most this long for the others to catch up (see Credit)
 
 
 class Saved:
@@ -142,17 +143,68 @@ class LostLink:
 
 
 class Credit:
-    """Bytes in flight over all of a worker's links. A lone request larger than the limit still passes."""
+    """Bytes in flight over all of a worker's links, and the pacing of its network links against each other.
 
-    def __init__(self, limit: int) -> None:
+    The limit: a lone request larger than it still passes.
+
+    Pacing (`lead` > 0): each paced link (one to a server on another host) has a share, its server's placement
+    weight. A link whose bytes still to send, over its share, are more than `lead` bytes behind the most behind
+    link's waits; so the bytes to each server leave in proportion to the shares, and every server's round
+    finishes at about the same time. Without it, TCP shares a worker's link equally between connections: at
+    n = 4, k = 2 with colocated servers the flows to the colocated servers (a third of the dedicated ones'
+    bytes each) finished first, and the dedicated servers then worked alone with the workers' links half idle
+    (measured: 2.05 s a step against 1.70 s of bytes on the busiest link). Pacing only delays: a link that has
+    waited PACE_GIVE_UP_SECONDS goes anyway, so no order of events can hang on it.
+    """
+
+    def __init__(self, limit: int, lead: int = 0) -> None:
         self.limit = limit
         self.used = 0
+        self.lead = lead
+        self._shares: dict[int, float] = {}  # paced server -> its share
+        self._queued: dict[int, int] = {}  # paced server -> bytes submitted, not yet sent
         self._cond = threading.Condition()
 
-    def acquire(self, n: int) -> None:
+    def pace(self, server: int, share: float) -> None:
+        """Pace the link to `server` (from now on) with this share of the bytes."""
+        if self.lead <= 0 or share <= 0:
+            return
         with self._cond:
+            self._shares[server] = share
+            self._queued.setdefault(server, 0)
+
+    def unpace(self, server: int) -> None:
+        """The link is gone (its work moves elsewhere): nobody waits for it any more."""
+        with self._cond:
+            self._shares.pop(server, None)
+            self._queued.pop(server, None)
+            self._cond.notify_all()
+
+    def queue(self, server: int, n: int) -> None:
+        """`n` more bytes are waiting to be sent to `server`."""
+        if server in self._shares:
+            with self._cond:
+                if server in self._queued:
+                    self._queued[server] += n
+
+    def _behind(self, server: int) -> float:
+        return self._queued[server] / self._shares[server]
+
+    def _may_send(self, server: int) -> bool:
+        if server not in self._shares:
+            return True
+        return self._behind(server) + self.lead >= max(self._behind(s) for s in self._shares)
+
+    def acquire(self, n: int, server: int = -1) -> None:
+        """Take `n` bytes of credit for a push to `server` (its turn, when paced)."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._may_send(server), PACE_GIVE_UP_SECONDS):
+                log.debug("pacing: the link to server %d waited %.1f s and goes anyway", server, PACE_GIVE_UP_SECONDS)
             self._cond.wait_for(lambda: self.used == 0 or self.used + n <= self.limit)
             self.used += n
+            if server in self._queued:
+                self._queued[server] = max(0, self._queued[server] - n)
+                self._cond.notify_all()
 
     def release(self, n: int) -> None:
         with self._cond:
@@ -227,6 +279,8 @@ class ServerLink:
             if redirect is None:
                 work.t_queued = time.monotonic()
                 heapq.heappush(self._heap, (-priority, next(self._order), work))
+                if not work.seed:
+                    self.credit.queue(self.server, work.nbytes)
                 self._cond.notify()
                 return
         redirect(work, priority)  # this server is gone and its keys have moved
@@ -245,6 +299,7 @@ class ServerLink:
             self._heap.clear()
             self._pending.clear()
             self._cond.notify_all()
+        self.credit.unpace(self.server)
         for work in failed:
             if work.handle is not None:
                 work.handle.fail(self._lost(reason))
@@ -280,6 +335,7 @@ class ServerLink:
             self._pending.clear()
             self._heap.clear()
             self._in_flight = 0
+        self.credit.unpace(self.server)
         for work in works:
             if work.credited and not work.acked:
                 self.credit.release(work.nbytes)
@@ -322,7 +378,7 @@ class ServerLink:
                 if not self._send_seed(header, work):
                     return
                 continue
-            self.credit.acquire(work.nbytes)
+            self.credit.acquire(work.nbytes, self.server)
             work.credited = True
             work.t_sent = time.monotonic()
             if self.timeline:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import socket
 import sys
 import threading
 import time
@@ -108,7 +109,7 @@ class Worker:
         self.admin = NodeAdmin(self.config, self.metrics, self.status)
         book = self._rendezvous()
         self._apply_book(book)
-        self.credit = Credit(self.config.credit_bytes)
+        self.credit = self._new_credit()
         if self.config.timeline:
             tracks = {i: f"server {i}" for i in range(len(book["servers"]))}
             self.timeline = Timeline(
@@ -147,9 +148,16 @@ class Worker:
         for link in links:
             link.start()
 
+    def _new_credit(self) -> Credit:
+        return Credit(self.config.credit_bytes, self.config.pacing * self._partition_bytes)
+
     def _link(self, index: int, server: dict) -> ServerLink:
         conn, arena = self._connect_server(server)
         assert self.credit is not None
+        if arena is None and conn.sock.family != socket.AF_UNIX:  # only links on the network are paced
+            weights = [float(w) for w in self.placement.get("weights") or []]
+            share = weights[index] / sum(weights) if index < len(weights) else 1.0 / max(1, len(self._links))
+            self.credit.pace(index, share)
         return ServerLink(
             conn,
             index,
@@ -494,7 +502,7 @@ class Worker:
                 self._saved.clear()
             self._membership_error = None
             self.joining = 0
-        self.credit = Credit(self.config.credit_bytes)  # the cancelled pushes' credit is not coming back
+        self.credit = self._new_credit()  # the cancelled pushes' credit is not coming back
         self._connect_all(book["servers"])
         self.barrier()
         self.resets.append(

@@ -1,0 +1,106 @@
+"""Pacing a worker's network links against each other (link.Credit): the bytes to each server leave in proportion
+to its placement share, a link never waits for a link that is gone, and pacing can delay a push but never hang it."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from gradwire.testing import LocalCluster
+from gradwire.worker import link
+from gradwire.worker.link import Credit
+
+
+def _acquire_in_thread(credit: Credit, n: int, server: int) -> threading.Event:
+    done = threading.Event()
+    threading.Thread(target=lambda: (credit.acquire(n, server), done.set()), daemon=True).start()
+    return done
+
+
+def test_a_link_ahead_of_its_share_waits_for_the_link_behind(monkeypatch):
+    monkeypatch.setattr(link, "PACE_GIVE_UP_SECONDS", 10.0)
+    credit = Credit(1 << 30, lead=100)
+    credit.pace(0, 0.75)
+    credit.pace(1, 0.25)
+    credit.queue(0, 3000)
+    credit.queue(1, 1000)  # both 4000 bytes of the step behind: either may go
+    credit.acquire(500, 1)  # link 1 is now 2000 behind, link 0 still 4000
+    blocked = _acquire_in_thread(credit, 500, 1)
+    assert not blocked.wait(0.1)
+    credit.acquire(1000, 0)  # link 0: 2000/0.75 = 2667 behind; still more than 100 ahead of link 1's 2000
+    assert not blocked.wait(0.1)
+    credit.acquire(500, 0)  # link 0: 2000 behind, level with link 1
+    assert blocked.wait(1)
+    assert credit.used == 2500
+
+
+def test_the_link_furthest_behind_never_waits():
+    credit = Credit(1 << 30, lead=1)
+    credit.pace(0, 0.5)
+    credit.pace(1, 0.5)
+    credit.queue(0, 10_000)
+    credit.queue(1, 100)
+    for _ in range(10):
+        assert _acquire_in_thread(credit, 1000, 0).wait(1)
+
+
+def test_a_link_that_goes_away_releases_the_links_waiting_for_it(monkeypatch):
+    monkeypatch.setattr(link, "PACE_GIVE_UP_SECONDS", 10.0)
+    credit = Credit(1 << 30, lead=1)
+    credit.pace(0, 0.5)
+    credit.pace(1, 0.5)
+    credit.queue(0, 10_000)
+    credit.queue(1, 1000)
+    waiting = _acquire_in_thread(credit, 1000, 1)
+    assert not waiting.wait(0.1)
+    credit.unpace(0)  # its server died: its work moves to the others
+    assert waiting.wait(1)
+
+
+def test_pacing_delays_but_never_hangs(monkeypatch):
+    monkeypatch.setattr(link, "PACE_GIVE_UP_SECONDS", 0.05)
+    credit = Credit(1 << 30, lead=1)
+    credit.pace(0, 0.5)
+    credit.pace(1, 0.5)
+    credit.queue(0, 10_000)  # link 0 is behind and never sends
+    credit.queue(1, 1000)
+    started = time.monotonic()
+    credit.acquire(1000, 1)
+    assert 0.04 < time.monotonic() - started < 1
+
+
+def test_links_that_are_not_paced_never_wait():
+    credit = Credit(1 << 30, lead=1)
+    credit.pace(0, 0.5)
+    credit.queue(0, 10_000)
+    credit.queue(1, 1000)  # link 1 was not paced (a same-host link): ignored
+    assert _acquire_in_thread(credit, 1000, 1).wait(1)
+    off = Credit(1 << 30, lead=0)  # GRADWIRE_PACING=0
+    off.pace(0, 0.5)
+    off.pace(1, 0.5)
+    off.queue(0, 10_000)
+    off.queue(1, 1000)
+    assert _acquire_in_thread(off, 1000, 1).wait(1)
+
+
+@pytest.mark.parametrize("pacing", [0, 1, 8])
+def test_paced_tcp_links_give_exact_sums(pacing):
+    with LocalCluster(
+        num_workers=3, num_servers=3, transport="tcp", partition_bytes=4096, window=2, unanswered=2, pacing=pacing
+    ) as c:
+        shares = [dict(w.credit._shares) for w in c.workers]
+        if pacing:
+            assert all(sorted(s) == [0, 1, 2] and sum(s.values()) == pytest.approx(1) for s in shares)
+        else:
+            assert shares == [{}, {}, {}]
+        sizes = [10, 5000, 20_000, 3, 70_000]
+
+        def job(worker):
+            handles = [worker.push_pull_async(np.full(n, worker.rank + 1.0, np.float32), f"t{n}") for n in sizes]
+            return [worker.synchronize(h) for h in handles]
+
+        for results in c.run(job):
+            for n, out in zip(sizes, results, strict=True):
+                assert out.shape == (n,) and np.all(out == 6.0)
+        assert all(w.credit._queued == {s: 0 for s in range(3)} for w in c.workers if pacing)
