@@ -4,14 +4,16 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
 from gradwire import split
 from gradwire.netem import EmulatedCluster, NetemUnavailable, Topology
-from gradwire.netem.cli import measure_link
+from gradwire.netem.cli import RECEIVER, SENDER, measure_link
 from gradwire.netem.cluster import check_available
 from gradwire.netem.jobs import start_gradwire
+from gradwire.netem.links import LinkSampler
 from tests.multiprocess.harness import ROOT
 
 try:
@@ -25,6 +27,29 @@ pytestmark = pytest.mark.netem
 def test_a_shaped_link_runs_at_its_configured_rate():
     bits_per_s = measure_link("20mbit", 6 << 20)
     assert 0.8 * 20e6 <= bits_per_s <= 1.2 * 20e6, bits_per_s
+
+
+def test_the_link_sampler_sees_a_transfer_on_the_links_it_crossed(tmp_path):
+    nbytes = 3 << 20
+    topo = Topology(workers=1, servers=1, worker_rate="40mbit", server_rate="40mbit")
+    with EmulatedCluster(topo) as c:
+        worker, server = topo.of("worker")[0], topo.of("server")[0]
+        sampler = LinkSampler(c, interval=0.05).start()
+        rx = c.spawn(server, [sys.executable, "-c", RECEIVER, server.address], stdout=subprocess.PIPE, text=True)
+        port = rx.stdout.readline().strip()
+        c.spawn(worker, [sys.executable, "-c", SENDER, server.address, port, str(nbytes)]).wait(60)
+        rx.communicate(timeout=60)
+        time.sleep(0.2)
+        sampler.stop()
+        sampler.write(str(tmp_path / "links.json"))
+    first, last = sampler.samples[0][1], sampler.samples[-1][1]
+    moved = {k: last[k] - first[k] for k in last}
+    # payload plus TCP/IP and Ethernet headers (about 4.5% at a 1500-byte MTU)
+    assert nbytes <= moved["w0 up"] <= 1.1 * nbytes and nbytes <= moved["s0 down"] <= 1.1 * nbytes, moved
+    assert moved["w0 down"] < 0.05 * nbytes and moved["s0 up"] < 0.05 * nbytes, moved  # ACKs only
+    busy = sampler.busy(["w0 up", "s0 down", "s0 up"])
+    assert busy["w0 up"] > 0.8 and busy["s0 down"] > 0.8 and busy["s0 up"] < 0.1, busy
+    assert json.loads((tmp_path / "links.json").read_text())["rates_bytes_per_s"]["w0 up"] == 40e6 / 8
 
 
 def test_netem_run_runs_a_job_and_cleans_up():

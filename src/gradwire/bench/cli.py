@@ -43,6 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--section", default="netem", help="with --write-docs: the marked section to replace (netem, placement)"
     )
+    parser.add_argument("--pacing", type=int, default=None, help="GRADWIRE_PACING for the gradwire jobs (0: off)")
+    parser.add_argument(
+        "--links", default=None, metavar="DIR", help="with --netem: sample every link's use over time into DIR"
+    )
     parser.add_argument("--plot", default=None, help="with --netem: write a PNG of time against n")
     parser.add_argument("--write-docs", default=None, help="with --netem: replace the netem section of this file")
 
@@ -54,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
         env["GRADWIRE_WINDOW"] = str(args.window)
     if args.placement:
         env["GRADWIRE_PLACEMENT"] = args.placement
+    if args.pacing is not None:
+        env["GRADWIRE_PACING"] = str(args.pacing)
     if args.failover:
         from gradwire.bench.failover import run_failover
 

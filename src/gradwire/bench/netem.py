@@ -12,10 +12,11 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
-from gradwire.netem import EmulatedCluster, Topology, parse_rate
+from gradwire.netem import EmulatedCluster, Topology, links, parse_rate
 from gradwire.netem.jobs import start_gloo, start_gradwire
+from gradwire.netem.links import LinkSampler
 
 MiB = 1 << 20
 # The matrix of issue 4: n = k at equal rates, n = 4 with k = 2, and servers at a quarter of the workers' rate.
@@ -44,6 +45,7 @@ class Record:
     partition_bytes: int = 0
     colocated: bool = False  # gradwire ran a server beside each worker too
     placement: str = ""  # GRADWIRE_PLACEMENT of the gradwire job
+    links_busy: dict[str, float] = field(default_factory=dict)  # with --links: mean use per kind of link (links.py)
 
     @property
     def ratio_to_bound(self) -> float:
@@ -73,14 +75,27 @@ def _timed(job_start, timeout: float) -> tuple[list[dict], float]:
 
 
 def run_config(
-    topo: Topology, sizes: list[int], repeats: int, warmup: int, env: dict[str, str], timeout: float = 1800
+    topo: Topology,
+    sizes: list[int],
+    repeats: int,
+    warmup: int,
+    env: dict[str, str],
+    timeout: float = 1800,
+    links_dir: str | None = None,
 ) -> list[Record]:
-    """Both systems, all sizes, in one emulated cluster built for `topo`."""
+    """Both systems, all sizes, in one emulated cluster built for `topo`. With `links_dir`, every link's use over
+    time is sampled during each job and written there (JSON and PNG per system), and summarised in the records."""
     records = []
     with EmulatedCluster(topo) as cluster:
         for system, start in (("gradwire", start_gradwire), ("gloo", start_gloo)):
             argv = _worker_argv(system, sizes, repeats, warmup)
-            rows, cpu = _timed(lambda start=start, argv=argv: start(cluster, argv, os.environ | env), timeout)
+            sampler = LinkSampler(cluster).start() if links_dir else None
+            try:
+                rows, cpu = _timed(lambda start=start, argv=argv: start(cluster, argv, os.environ | env), timeout)
+            finally:
+                if sampler is not None:
+                    sampler.stop()
+            busy = _links(sampler, topo, system, links_dir) if sampler is not None and links_dir else {}
             for row in rows:
                 bound = topo.model_bound(row["bytes"]) if system == "gradwire" else topo.ring_bound(row["bytes"])
                 records.append(
@@ -99,9 +114,31 @@ def run_config(
                         int(env.get("GRADWIRE_PARTITION_BYTES", "0")) if system == "gradwire" else 0,
                         topo.colocate and system == "gradwire",
                         env.get("GRADWIRE_PLACEMENT", "model") if system == "gradwire" else "",
+                        busy,
                     )
                 )
     return records
+
+
+def _links(sampler: LinkSampler, topo: Topology, system: str, links_dir: str) -> dict[str, float]:
+    """Write one job's link samples and plot; return the mean use of each kind of link while data moved."""
+    name = f"{topo.workers}x{topo.servers}{'c' if topo.colocate else ''}-{topo.worker_rate}-{topo.server_rate}-{system}"
+    os.makedirs(links_dir, exist_ok=True)
+    sampler.write(os.path.join(links_dir, name + ".json"))
+    links.plot(sampler, os.path.join(links_dir, name + ".png"), f"{system}: {name}")
+    kinds = {}
+    for role, prefix in (("workers", "w"), ("servers", "s")):
+        for direction in ("up", "down"):
+            chosen = [k for k in sampler.rates if k.startswith(prefix) and k.endswith(" " + direction)]
+            if chosen:
+                use = sampler.busy(chosen)
+                kinds[f"{role} {direction}"] = round(sum(use.values()) / len(use), 3)
+    print(
+        f"{system} {name}: links busy while data moved: " + ", ".join(f"{k} {v:.0%}" for k, v in kinds.items()),
+        file=sys.stderr,
+        flush=True,
+    )
+    return kinds
 
 
 def to_json(record: Record) -> str:

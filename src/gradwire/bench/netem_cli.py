@@ -37,7 +37,7 @@ def run_netem(args: argparse.Namespace, sizes: list[int], env: dict[str, str]) -
     results: list[list[Record]] = []
     for n, k, worker_rate, server_rate, colocate in parse_configs(args.configs):
         topo = Topology(n, k, worker_rate, server_rate, colocate=colocate)
-        records = run_config(topo, sizes, args.repeats, args.warmup, topo.tuning() | env)
+        records = run_config(topo, sizes, args.repeats, args.warmup, topo.tuning() | env, links_dir=args.links)
         results.append(records)
         if args.json:
             for r in records:

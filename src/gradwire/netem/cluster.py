@@ -100,9 +100,15 @@ class EmulatedCluster:
         self, host: Host, argv: Sequence[str], env: Mapping[str, str] | None = None, **popen: object
     ) -> subprocess.Popen:
         """Start a process inside a host's namespace; it is killed at teardown if still running."""
-        proc = subprocess.Popen(
-            ["ip", "netns", "exec", self.namespace(host), *argv], env=dict(env or os.environ), **popen
-        )  # type: ignore[call-overload]
+        return self.spawn_in(self.namespace(host), argv, env, **popen)
+
+    def spawn_in(
+        self, namespace: str, argv: Sequence[str], env: Mapping[str, str] | None = None, **popen: object
+    ) -> subprocess.Popen:
+        """Start a process inside one of this run's namespaces (a host's, or the bridge's)."""
+        if namespace not in self._namespaces:
+            raise GradwireError(f"{namespace} is not a namespace of emulated cluster {self.run_id}")
+        proc = subprocess.Popen(["ip", "netns", "exec", namespace, *argv], env=dict(env or os.environ), **popen)  # type: ignore[call-overload]
         self._procs.append(proc)
         return proc
 
