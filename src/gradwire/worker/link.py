@@ -527,19 +527,20 @@ class ServerLink:
             np.copyto(into, self.arena.pull_slot(work.pull_slot, work.nbytes))
         else:
             self.conn.recv_into(memoryview(into))
-        if saved is not None:
-            saved.round = work.round
-            np.copyto(out, saved.data)
         self._take(header.key)
         if work.pull_slot != shm.NO_SLOT:
             with self._cond:
                 self._free_pull.append(work.pull_slot)
             work.pull_slot = shm.NO_SLOT
+        source = work.out
+        if saved is not None:  # the saved copy keeps the sum; the output gets it (averaged) in one pass
+            saved.round = work.round
+            source = saved.data.view(work.out.dtype)
         if work.average > 1:
-            if work.out.dtype.kind == "f":
-                np.divide(work.out, work.average, out=work.out)
-            else:
-                np.floor_divide(work.out, work.average, out=work.out)
+            divide = np.divide if work.out.dtype.kind == "f" else np.floor_divide
+            divide(source, work.average, out=work.out)
+        elif saved is not None:
+            np.copyto(out, saved.data)
         self.metrics.pulled(work.nbytes)
         self._record(work, time.monotonic())
         assert work.handle is not None
