@@ -33,6 +33,7 @@ class Slot:
         "dtype",
         "flags",
         "key",
+        "landed",
         "length",
         "pull",
         "round",
@@ -53,6 +54,7 @@ class Slot:
         self.sender = 0
         self.flags = 0  # the frame's flags (SEED: a sum a worker already holds, resent after a failover)
         self.valid = False  # False: the frame was not fully received; the consumer skips it
+        self.landed = False  # the payload was received straight into its key's landing buffer (server/engine.py)
 
 
 class Ring:

@@ -20,9 +20,15 @@ def _engine(replies, acks, fails, workers=2, deterministic=True):
     )
 
 
-def _push(engine, sender, data, key=9, rnd=1, flags=0):
+def _push(engine, sender, data, key=9, rnd=1, flags=0, land=False):
+    """One contribution as a reader hands it over; `land`: received into the key's landing buffer, as over a
+    socket with deterministic sums (server.py)."""
     slot = Slot(memoryview(bytearray(0)), np.empty(0, np.uint8))
     slot.data = np.ascontiguousarray(data).view(np.uint8)
+    landing = engine.landing(key, rnd, sender) if land else None
+    if landing is not None:
+        landing[:] = slot.data
+        slot.data, slot.landed = landing, True
     slot.key, slot.round, slot.dtype, slot.length = key, rnd, dtypes.from_numpy(data.dtype).code, data.nbytes
     slot.sender, slot.flags = sender, flags
     engine.on_event(slot)
@@ -54,23 +60,25 @@ def test_a_round_completes_with_every_worker_and_acks_the_others():
     assert list(np.frombuffer(payload, np.float32)) == [3.0] * 4
 
 
-def _sum_in_order(order, contributions, deterministic=True, flags=0):
+def _sum_in_order(order, contributions, deterministic=True, flags=0, land=False):
     replies = []
     engine = _engine(replies, [], [], workers=len(contributions), deterministic=deterministic)
     engine.declare(9, dtypes.BY_NAME["float32"], contributions[0].nbytes)
     for rank in order:
-        _push(engine, rank, contributions[rank].copy(), flags=flags)
+        _push(engine, rank, contributions[rank].copy(), flags=flags, land=land)
     assert len(replies) == 1 and replies[0][5] == (1 << len(contributions)) - 1
     return replies[0][4]
 
 
-@pytest.mark.parametrize("flags", [0, SHM_PAYLOAD], ids=["socket", "shared-memory"])
-def test_sums_are_bit_identical_whatever_the_arrival_order(flags):
+@pytest.mark.parametrize(
+    "flags,land", [(0, False), (0, True), (SHM_PAYLOAD, False)], ids=["ring-slot", "landed", "shared-memory"]
+)
+def test_sums_are_bit_identical_whatever_the_arrival_order(flags, land):
     rng = np.random.default_rng(5)
     # magnitudes far apart, so the order of additions changes the rounding
     contributions = [(rng.standard_normal(512) * 10.0 ** rng.integers(-6, 7, 512)).astype(np.float32) for _ in range(5)]
     orders = [[0, 1, 2, 3, 4], [4, 3, 2, 1, 0], [2, 0, 4, 1, 3], [1, 2, 3, 4, 0], [3, 4, 0, 2, 1]]
-    sums = {_sum_in_order(order, contributions, flags=flags) for order in orders}
+    sums = {_sum_in_order(order, contributions, flags=flags, land=land) for order in orders}
     assert len(sums) == 1
     expected = contributions[0].copy()
     for c in contributions[1:]:
@@ -128,3 +136,16 @@ def test_the_scheduler_asks_one_holder_to_seed_each_round_a_worker_still_waits_f
         2: {7: (4, 5), 8: (2, 3), 9: (4, -1)},
     }
     assert seeds_needed(reported) == {0: [[7, 5]]}
+
+
+def test_a_contribution_lands_in_its_key_buffer_only_where_it_may_wait():
+    engine = _engine([], [], [], workers=3)
+    engine.declare(9, dtypes.BY_NAME["float32"], 16)
+    assert engine.landing(9, 1, 0) is None  # rank 0 is never early: it is added from the ring slot
+    assert engine.landing(8, 1, 1) is None  # not declared
+    a, b = engine.landing(9, 1, 2), engine.landing(9, 2, 2)
+    assert a.nbytes == b.nbytes == 16 and not np.shares_memory(a, b)  # one per round buffer
+    assert np.shares_memory(a, engine.landing(9, 3, 2))  # allocated once, reused two rounds later
+    off = _engine([], [], [], workers=3, deterministic=False)
+    off.declare(9, dtypes.BY_NAME["float32"], 16)
+    assert off.landing(9, 1, 2) is None  # sums as things come: no staging at all

@@ -14,6 +14,10 @@ worker's reply queue. Decisions and why:
   arrives early is copied into a staging buffer of its key until its turn). Floating-point addition is not
   associative, so arrival order would otherwise change the last bits from run to run; in rank order a rerun,
   and a round re-summed on another server after a failover, give the same bits (as a ring all-reduce does).
+  Over sockets, the readers receive every rank's contribution but rank 0's straight into that key's staging
+  buffer for the rank (`landing`), not into a ring slot: an early one then waits there with no copy (copying
+  it out of the ring slot cost 10% of a torch job's throughput over TCP on two cores, docs/benchmarks.md). The
+  buffer is free when the next round in it arrives, by the argument for double buffering below.
   A contribution in a worker's shared-memory slot is not copied: the engine keeps a view of the slot and
   acknowledges it (which frees the slot) only once it is added. Rank r only ever waits for ranks below it, and
   rank 0 never waits, so holding acknowledgements back cannot deadlock.
@@ -170,6 +174,18 @@ class Engine:
         for key, state in list(self.keys.items()):
             self.keys[key] = KeyState(state.dtype, state.length, num_workers, state.name)
 
+    def landing(self, key: int, rnd: int, sender: int) -> np.ndarray | None:
+        """Where a reader may receive `sender`'s contribution to `key`'s round `rnd` directly (deterministic sums
+        only; None: into a ring slot). Called by the one reader of that sender's connection, after `check`; the
+        buffer is allocated once per key, rank and round buffer."""
+        state = self.keys.get(key)
+        if not self.deterministic or sender == 0 or state is None or sender >= self.num_workers:
+            return None
+        stage = state.stage[rnd & 1]
+        if stage[sender] is None:
+            stage[sender] = np.empty(state.length // state.dtype.itemsize, state.dtype.wire)
+        return stage[sender].view(np.uint8)
+
     def check(self, key: int, dtype: int, length: int) -> str | None:
         """Why a frame for `key` cannot be summed here, or None if it can (called by readers, before a slot)."""
         state = self.keys.get(key)
@@ -233,6 +249,8 @@ class Engine:
             state.held[i][slot.sender] = wire
             state.staged[i] |= bit
             held = True
+        elif slot.landed:  # early, and already in its staging buffer
+            state.staged[i] |= bit
         else:  # early, in a ring slot (reused once released): wait in the staging buffer
             staged = state.stage[i][slot.sender]
             if staged is None:

@@ -19,7 +19,7 @@ from gradwire.admin.node import NodeAdmin
 from gradwire.config import Config
 from gradwire.errors import GradwireError, RemoteProtocolError
 from gradwire.protocol import dtypes, frames, messages
-from gradwire.protocol.frames import FrameType
+from gradwire.protocol.frames import SEED, FrameType
 from gradwire.ring import Ring, RingClosed, Slot
 from gradwire.scheduler.client import join
 from gradwire.server.engine import Engine
@@ -270,7 +270,8 @@ class Server:
                     f"{conn.peer_rank} in epoch {self.epoch}"
                 )
             in_shm = header.flags & shm.SHM_PAYLOAD
-            problem = engines[header.key % len(engines)].check(header.key, header.dtype, header.length)
+            engine = engines[header.key % len(engines)]
+            problem = engine.check(header.key, header.dtype, header.length)
             if problem is not None:  # the tensor's error, not the server's: refuse it, keep the stream in sync
                 if not in_shm:
                     self._discard(conn, header.length)
@@ -278,17 +279,20 @@ class Server:
                 continue
             if in_shm:
                 push, pull = self._check_slots(link, header)
-            ring = engines[header.key % len(engines)].ring
+            ring = engine.ring
             seq = ring.claim()
             slot = ring.slot(seq)
-            slot.valid = False
+            slot.valid = slot.landed = False
             try:
                 if in_shm:  # the payload already lies in the worker's push slot: the engine sums from there
                     assert link.arena is not None
                     slot.data, slot.pull = link.arena.push_slot(push, header.length), pull
                 else:
-                    conn.recv_into(slot.buffer[: header.length])
-                    slot.data, slot.pull = slot.array[: header.length], shm.NO_SLOT
+                    landing = None if header.flags & SEED else engine.landing(header.key, header.round, header.sender)
+                    slot.landed = landing is not None
+                    into = landing if landing is not None else slot.array[: header.length]
+                    conn.recv_into(memoryview(into))
+                    slot.data, slot.pull = into, shm.NO_SLOT
                 slot.valid = True
                 self.metrics.pushed(header.length)
             finally:  # published even if the read failed (else the ring stalls); invalid slots are skipped
