@@ -41,7 +41,7 @@ class LinkSampler:
     def start(self) -> LinkSampler:
         self._proc = self.cluster.spawn_in(self.cluster.bridge_namespace, ["sleep", "infinity"])
         self._stop.clear()
-        self._first = threading.Event()
+        self._first.clear()
         self._thread = threading.Thread(target=self._run, name="gw-link-sampler", daemon=True)
         self._thread.start()
         if not self._first.wait(10):

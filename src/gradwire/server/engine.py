@@ -181,10 +181,15 @@ class Engine:
         state = self.keys.get(key)
         if not self.deterministic or sender == 0 or state is None or sender >= self.num_workers:
             return None
-        stage = state.stage[rnd & 1]
+        return self._stage(state, rnd & 1, sender).view(np.uint8)
+
+    @staticmethod
+    def _stage(state: KeyState, i: int, sender: int) -> np.ndarray:
+        """The staging buffer of `sender` in round buffer `i`, allocated once per key, rank and buffer."""
+        stage = state.stage[i]
         if stage[sender] is None:
             stage[sender] = np.empty(state.length // state.dtype.itemsize, state.dtype.wire)
-        return stage[sender].view(np.uint8)
+        return stage[sender]
 
     def check(self, key: int, dtype: int, length: int) -> str | None:
         """Why a frame for `key` cannot be summed here, or None if it can (called by readers, before a slot)."""
@@ -249,13 +254,9 @@ class Engine:
             state.held[i][slot.sender] = wire
             state.staged[i] |= bit
             held = True
-        elif slot.landed:  # early, and already in its staging buffer
-            state.staged[i] |= bit
-        else:  # early, in a ring slot (reused once released): wait in the staging buffer
-            staged = state.stage[i][slot.sender]
-            if staged is None:
-                staged = state.stage[i][slot.sender] = np.empty(len(wire), dtype.wire)  # once per key, rank, buffer
-            staged[:] = wire
+        else:  # early: it waits in its staging buffer (where a socket's reader received it, or copied from the ring)
+            if not slot.landed:
+                self._stage(state, i, slot.sender)[:] = wire
             state.staged[i] |= bit
         state.count[i] += 1
         state.pushed[i] |= bit

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import socket
 import sys
 import threading
 import time
@@ -154,11 +153,7 @@ class Worker:
     def _link(self, index: int, server: dict) -> ServerLink:
         conn, arena = self._connect_server(server)
         assert self.credit is not None
-        if arena is None and conn.sock.family != socket.AF_UNIX:  # only links on the network are paced
-            weights = [float(w) for w in self.placement.get("weights") or []]
-            share = weights[index] / sum(weights) if index < len(weights) else 1.0 / max(1, len(self._links))
-            self.credit.pace(index, share)
-        return ServerLink(
+        link = ServerLink(
             conn,
             index,
             self.rank,
@@ -172,6 +167,10 @@ class Worker:
             saved=self._saved,
             on_lost=self._on_link_lost if self._saved is not None else None,
         )
+        weights = [float(w) for w in self.placement.get("weights") or []]
+        if link.transport == "tcp" and index < len(weights):  # only links on the network are paced
+            self.credit.pace(index, weights[index] / sum(weights))
+        return link
 
     def _connect_server(self, server: dict) -> tuple[tcp.Connection, shm.Arena | None]:
         """To a server on this host and network namespace a Unix socket with shared slots; else TCP."""
