@@ -12,6 +12,16 @@ from gradwire.worker import link
 from gradwire.worker.link import Credit
 
 
+def _paced(lead: int, **links: tuple[float, int]) -> Credit:
+    """A credit pacing links `s0`, `s1`, ... given as (share, bytes queued)."""
+    credit = Credit(1 << 30, lead=lead)
+    for name, (share, _) in links.items():
+        credit.pace(int(name[1:]), share)
+    for name, (_, queued) in links.items():
+        credit.queue(int(name[1:]), queued)
+    return credit
+
+
 def _acquire_in_thread(credit: Credit, n: int, server: int) -> threading.Event:
     done = threading.Event()
     threading.Thread(target=lambda: (credit.acquire(n, server), done.set()), daemon=True).start()
@@ -20,11 +30,7 @@ def _acquire_in_thread(credit: Credit, n: int, server: int) -> threading.Event:
 
 def test_a_link_ahead_of_its_share_waits_for_the_link_behind(monkeypatch):
     monkeypatch.setattr(link, "PACE_GIVE_UP_SECONDS", 10.0)
-    credit = Credit(1 << 30, lead=100)
-    credit.pace(0, 0.75)
-    credit.pace(1, 0.25)
-    credit.queue(0, 3000)
-    credit.queue(1, 1000)  # both 4000 bytes of the step behind: either may go
+    credit = _paced(100, s0=(0.75, 3000), s1=(0.25, 1000))  # both 4000 bytes of the step behind: either may go
     credit.acquire(500, 1)  # link 1 is now 2000 behind, link 0 still 4000
     blocked = _acquire_in_thread(credit, 500, 1)
     assert not blocked.wait(0.1)
@@ -36,22 +42,14 @@ def test_a_link_ahead_of_its_share_waits_for_the_link_behind(monkeypatch):
 
 
 def test_the_link_furthest_behind_never_waits():
-    credit = Credit(1 << 30, lead=1)
-    credit.pace(0, 0.5)
-    credit.pace(1, 0.5)
-    credit.queue(0, 10_000)
-    credit.queue(1, 100)
+    credit = _paced(1, s0=(0.5, 10_000), s1=(0.5, 100))
     for _ in range(10):
         assert _acquire_in_thread(credit, 1000, 0).wait(1)
 
 
 def test_a_link_that_goes_away_releases_the_links_waiting_for_it(monkeypatch):
     monkeypatch.setattr(link, "PACE_GIVE_UP_SECONDS", 10.0)
-    credit = Credit(1 << 30, lead=1)
-    credit.pace(0, 0.5)
-    credit.pace(1, 0.5)
-    credit.queue(0, 10_000)
-    credit.queue(1, 1000)
+    credit = _paced(1, s0=(0.5, 10_000), s1=(0.5, 1000))
     waiting = _acquire_in_thread(credit, 1000, 1)
     assert not waiting.wait(0.1)
     credit.unpace(0)  # its server died: its work moves to the others
@@ -60,11 +58,7 @@ def test_a_link_that_goes_away_releases_the_links_waiting_for_it(monkeypatch):
 
 def test_pacing_delays_but_never_hangs(monkeypatch):
     monkeypatch.setattr(link, "PACE_GIVE_UP_SECONDS", 0.05)
-    credit = Credit(1 << 30, lead=1)
-    credit.pace(0, 0.5)
-    credit.pace(1, 0.5)
-    credit.queue(0, 10_000)  # link 0 is behind and never sends
-    credit.queue(1, 1000)
+    credit = _paced(1, s0=(0.5, 10_000), s1=(0.5, 1000))  # link 0 is behind and never sends
     started = time.monotonic()
     credit.acquire(1000, 1)
     assert 0.04 < time.monotonic() - started < 1
@@ -76,11 +70,7 @@ def test_links_that_are_not_paced_never_wait():
     credit.queue(0, 10_000)
     credit.queue(1, 1000)  # link 1 was not paced (a same-host link): ignored
     assert _acquire_in_thread(credit, 1000, 1).wait(1)
-    off = Credit(1 << 30, lead=0)  # GRADWIRE_PACING=0
-    off.pace(0, 0.5)
-    off.pace(1, 0.5)
-    off.queue(0, 10_000)
-    off.queue(1, 1000)
+    off = _paced(0, s0=(0.5, 10_000), s1=(0.5, 1000))  # GRADWIRE_PACING=0
     assert _acquire_in_thread(off, 1000, 1).wait(1)
 
 

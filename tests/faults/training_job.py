@@ -6,9 +6,10 @@ then waits until it has seen the failover before it pushes again (so the others 
 without it the kill lands wherever the job happens to be.
 """
 
-import hashlib
 import os
 import time
+
+from digest import parameter_digest  # beside this script
 
 import gradwire
 import gradwire.torch as gw
@@ -40,10 +41,7 @@ for step in range(STEPS):
     opt.zero_grad()
     torch.nn.functional.cross_entropy(model(x), y).backward()
     opt.step()
-digest = hashlib.sha256()
-for p in model.parameters():
-    digest.update(p.detach().numpy().tobytes())
-print(f"DIGEST {digest.hexdigest()}", flush=True)
+print(f"DIGEST {parameter_digest(model)}", flush=True)
 print(f"FAILOVERS {[(f['server'], f['standby'], f['resent'], f['seeds']) for f in worker.failovers]}", flush=True)
 gw.shutdown()
 print("DONE", flush=True)
