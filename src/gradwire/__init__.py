@@ -101,15 +101,28 @@ def init(config: Config | None = None) -> None:
             f"init() starts a worker, but GRADWIRE_ROLE={config.role}; run servers with `gradwire server`"
         )
     _worker = Worker(config).start()
-    atexit.register(shutdown)
+    if not _atexit_registered:
+        atexit.register(_shutdown_at_exit)
+        _atexit_registered.append(True)
 
 
 def shutdown() -> None:
-    """Leave the job. Idempotent."""
+    """Leave the job. Idempotent. `init()` may follow: every worker that shut down and inits again joins a new
+    generation of the same job (same servers, tensors declared afresh), as with Horovod's shutdown()/init()."""
     global _worker
     if _worker is not None:
-        _worker.shutdown()
-        _worker = None
+        worker, _worker = _worker, None
+        worker.shutdown(final=False)
+
+
+def _shutdown_at_exit() -> None:
+    global _worker
+    if _worker is not None:
+        worker, _worker = _worker, None
+        worker.shutdown(final=True)  # the process ends: no init() can follow, so the job may end at once
+
+
+_atexit_registered: list[bool] = []
 
 
 def is_initialized() -> bool:

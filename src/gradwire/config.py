@@ -205,6 +205,14 @@ ENV_VARS: tuple[EnvVar, ...] = (
     ),
     EnvVar("GRADWIRE_TIMELINE_STEPS", "timeline_steps", (), "20", "steps the timeline keeps (the most recent)"),
     EnvVar(
+        "GRADWIRE_REINIT_SECONDS",
+        "reinit_seconds",
+        (),
+        "30",
+        "after every worker called shutdown() (not at process exit), the scheduler and servers wait this long for "
+        "the workers to init() again (a new generation of the job, Horovod's shutdown/init); 0: the job ends",
+    ),
+    EnvVar(
         "GRADWIRE_STALL_SECONDS",
         "stall_seconds",
         (),
@@ -323,6 +331,7 @@ class Config:
     timeline: str = ""
     timeline_steps: int = 20
     stall_seconds: float = 60.0
+    reinit_seconds: float = 30.0
     deterministic: bool = True
     server_failover: bool = True
     num_standby: int = 0

@@ -117,11 +117,16 @@ def test_a_second_push_pull_of_a_busy_name_is_refused(cluster):
     cluster.run(lambda x: x.push_pull(np.ones(10, np.float32), "busy") if x.rank else None)
 
 
-def test_a_redeclared_shape_on_the_same_worker_is_refused(cluster):
-    w = cluster.workers[1]
-    w.declare("fixed", (3,), np.float32)
-    with pytest.raises(TensorError, match=r"'fixed'.*float32\[3\].*float32\[4\]"):
-        w.declare("fixed", (4,), np.float32)
+def test_a_name_used_again_with_another_shape_is_a_new_tensor(cluster):
+    def job(w):
+        first = w.push_pull(np.full(3, w.rank + 1.0, np.float32), "reshaped")
+        second = w.push_pull(np.full(4, w.rank + 1.0, np.float64), "reshaped")
+        again = w.push_pull(np.full(3, 2.0 * (w.rank + 1), np.float32), "reshaped")  # the first one, round 2
+        return first.tolist(), second.tolist(), again.tolist(), sorted(n for n in w._tensors if "reshaped" in n)
+
+    for first, second, again, names in cluster.run(job):
+        assert first == [6.0] * 3 and second == [6.0] * 4 and again == [12.0] * 3
+        assert names == ["reshaped", "reshaped#1"]
 
 
 def test_a_malformed_frame_closes_only_that_connection(cluster):

@@ -176,7 +176,7 @@ def test_cpu_tensors_travel_without_copies(cluster):
     def worker(rank):
         t = torch.full((1000,), float(rank + 1))
         ptr = t.data_ptr()
-        out = gwt.push_pull(t, average=False, name="zero-copy")
+        out = gwt.push_pull_inplace(t, average=False, name="zero-copy")
         return out.data_ptr() == ptr and bool(torch.all(t == 3.0))
 
     assert run(cluster, worker) == [True, True]
@@ -220,3 +220,17 @@ def test_small_gradients_are_fused_and_results_unchanged(cluster):
     for (a, _), (b, _) in zip(unfused, fused, strict=True):
         for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
             torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
+
+
+def test_init_shutdown_init_three_times_in_one_process():
+    import uuid
+
+    from tests.multiprocess.harness import ROOT, launch, leftover_processes
+
+    marker = uuid.uuid4().hex
+    result = launch(2, 2, str(ROOT / "tests" / "torch" / "reinit_job.py"), marker, timeout=90)
+    assert result.code == 0, result.output
+    for rank in range(2):
+        for generation in range(3):
+            assert result.lines(f"[worker {rank}] GENERATION {generation} rank {rank} of 2"), result.output
+    assert not leftover_processes(marker)

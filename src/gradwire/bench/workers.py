@@ -37,8 +37,9 @@ def run_gradwire(sizes: list[int], repeats: int, warmup: int) -> None:
 
 
 def run_gloo(sizes: list[int], repeats: int, warmup: int) -> None:
-    import torch
     import torch.distributed as dist
+
+    import torch
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", init_method=os.environ["GRADWIRE_BENCH_INIT"], rank=rank, world_size=world)

@@ -25,6 +25,7 @@ from gradwire.config import Config
 from gradwire.launch.output import make_output
 
 GRACE_SECONDS = 5.0
+DRAIN_SECONDS = 1.0  # after the last worker exits, how long the services get to end by themselves
 SURVIVOR_SECONDS = 3.0  # after a worker fails, how long the others get to report it themselves (WorkerLost)
 PROGRESS_SECONDS = 2.0
 
@@ -219,13 +220,16 @@ class Launcher:
             running.discard(id(child))
 
     def _drain_services(self) -> None:
-        deadline = time.monotonic() + GRACE_SECONDS
+        """Every worker process has exited: the services end by themselves at the workers' last bye, except after
+        shutdown() calls, when they wait (GRADWIRE_REINIT_SECONDS) for an init() that can no longer come. A short
+        wait, then `_stop_all` ends whatever is left."""
+        deadline = time.monotonic() + DRAIN_SECONDS
         for child in self.children:
             if child.role != "worker":
                 try:
                     child.proc.wait(max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    self._say(f"{child.label} still running after every worker finished; stopping it")
+                    return
 
     def _report(self, child: Child, what: str) -> int:
         code = child.proc.wait()

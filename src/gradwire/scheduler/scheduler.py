@@ -56,6 +56,7 @@ class Node:
     standby: bool = False  # an idle server that takes a dead server's place
     since_epoch: int = 1  # the epoch from which it holds its rank (a promoted standby's is later)
     said_bye: bool = False
+    final_bye: bool = True  # its bye came at process exit (no init() can follow), not from shutdown()
     lost: bool = False
     admin: int = -1  # its admin endpoint's port (-1: none), on admin_host
     admin_host: str = ""
@@ -95,6 +96,10 @@ class Scheduler:
         self.declarations: Declarations | None = None  # once ranks are fixed
         self._barrier: list[tuple[Node, int]] = []
         self._ending = False  # every worker said bye; servers are being shut down
+        # every worker called shutdown(): the job waits GRADWIRE_REINIT_SECONDS for them to init() again (a new
+        # generation: the same servers, afresh); the workers of that generation as they register
+        self._between: list[Node] | None = None
+        self._generation = threading.Event()  # set when a new generation has begun (or the job ends)
         self._done = threading.Event()
         self._gate = HandshakeGate(config.max_pending_handshakes, log)
         self.refusals = self._gate.refusals
@@ -203,6 +208,20 @@ class Scheduler:
         )
         node.heard = node.last_seen = self.clock()
         with self._lock:
+            if self._between is not None and node.role == "worker":
+                self._between.append(node)
+                self._nodes.append(node)
+                log.info(
+                    "worker from %s registered for a new generation (%d/%d)",
+                    conn.peer,
+                    len(self._between),
+                    self.config.num_workers,
+                )
+                if len(self._between) == self.config.num_workers:
+                    workers, self._between = self._between, None
+                    self._generation.set()
+                    threading.Thread(target=self._new_generation, args=(workers,), daemon=True).start()
+                return node
             if self.membership is not None and self.declarations is not None and node.role == "worker":
                 self.membership.join(node)  # elastic: held until the next reset
                 self._nodes.append(node)
@@ -261,8 +280,8 @@ class Scheduler:
         with self._lock:
             self._publish_locked()
 
-    def _publish_locked(self) -> None:
-        """Placement weights from the split model, the declarations, and the address book for everyone."""
+    def _publish_locked(self, to: list[Node] | None = None) -> None:
+        """Placement weights from the split model, the declarations, and the address book for everyone (or `to`)."""
         weights, self.placement_info = placement_weights(
             self.config.placement, self._workers, self._servers, self.config.server_efficiency
         )
@@ -273,7 +292,7 @@ class Scheduler:
             weights,
         )
         book = self._address_book()
-        for node in self._nodes:
+        for node in self._nodes if to is None else to:
             node.conn.send_json(
                 FrameType.CONTROL,
                 book | {"op": messages.ADDRESS_BOOK, "rank": node.rank, "standby": node.standby},
@@ -347,6 +366,7 @@ class Scheduler:
             if 0 <= server < len(self._servers) and int(body.get("epoch", 0)) >= self._servers[server].since_epoch:
                 self._server_lost(self._servers[server], f"worker {node.rank} lost it: {body.get('error', '?')}")
         elif op == messages.BYE:
+            node.final_bye = bool(body.get("final", True))
             self._bye(node)
             return True
         else:
@@ -381,7 +401,7 @@ class Scheduler:
         with self._lock:
             if not (self._workers or self._servers) or self._ending or self._done.is_set():
                 return []
-            joiners = self.membership.joiners if self.membership is not None else []
+            joiners = (self.membership.joiners if self.membership is not None else []) + (self._between or [])
             silent = [
                 n
                 for n in self._nodes
@@ -409,27 +429,97 @@ class Scheduler:
     def _enter_barrier(self, node: Node, request_id: int) -> None:
         with self._lock:
             self._barrier.append((node, request_id))
-            if len(self._barrier) < sum(not w.lost for w in self._workers):
+            gone = [w for w in self._workers if w.said_bye and not w.lost]
+            if not gone and len(self._barrier) < sum(not w.lost for w in self._workers):
                 return
             waiting, self._barrier = self._barrier, []
+        reply: dict = {"op": messages.REPLY}
+        if gone:  # a worker that has left never enters: fail the barrier now instead of at the timeout
+            reply |= {"error": _departed(gone), "lost_rank": gone[0].rank}
         for waiter, rid in waiting:
-            waiter.conn.send_json(FrameType.CONTROL, {"op": messages.REPLY, "id": rid})
+            waiter.conn.send_json(FrameType.CONTROL, reply | {"id": rid})
 
     def _bye(self, node: Node) -> None:
         with self._lock:
             node.said_bye = True
+            waiting = self._barrier if node.role == "worker" and node in self._workers else []
+            self._barrier = [] if waiting else self._barrier
+        for waiter, rid in waiting:
+            body = {"op": messages.REPLY, "id": rid, "error": _departed([node]), "lost_rank": node.rank}
+            try:
+                waiter.conn.send_json(FrameType.CONTROL, body)
+            except GradwireError:
+                pass  # that worker's own loss is handled on its connection
+        with self._lock:
             if not all(w.said_bye or w.lost for w in self._workers) or node.role != "worker":
                 return
             if self.membership is not None and node not in self._workers:
                 return  # a joiner that gave up
+            if (
+                self.membership is None
+                and self.config.reinit_seconds > 0
+                and not all(w.final_bye for w in self._workers)
+            ):
+                self._between, self._barrier = [], []
+                self._generation.clear()
+                threading.Thread(target=self._await_generation, name="gw-sched-reinit", daemon=True).start()
+                log.info(
+                    "every worker called shutdown(); waiting %gs for them to init() again", self.config.reinit_seconds
+                )
+                return
+        self._end("every worker said bye; job complete")
+
+    def _end(self, why: str) -> None:
+        """Shut the servers down and end the job."""
+        with self._lock:
             servers = [s for s in self._servers if not s.lost] + self._standby
             joiners = self.membership.joiners if self.membership is not None else []
+            joiners += self._between or []  # a new generation that never filled up
+            self._between = None
             # before the shutdowns go out: a server that closes on receiving one has not been lost
             self._ending = True
         self._tell(servers, {"op": messages.SHUTDOWN})
         self._tell(joiners, {"op": messages.ABORT, "message": "the job ended before it joined"})
-        log.info("every worker said bye; job complete")
+        log.info("%s", why)
         self._done.set()
+
+    # -- generations: shutdown() and init() again ---------------------------------------------------
+
+    def _await_generation(self) -> None:
+        """End the job unless the workers init() again within GRADWIRE_REINIT_SECONDS (all of them within
+        GRADWIRE_TIMEOUT once the first is back)."""
+        if self._generation.wait(self.config.reinit_seconds):
+            return
+        with self._lock:
+            started = bool(self._between)
+        if started and self._generation.wait(self.config.timeout):
+            return
+        self._end("no new generation of workers came; job complete")
+
+    def _new_generation(self, workers: list[Node]) -> None:
+        """The same servers, afresh: every key forgotten, a new epoch, new ranks, new declarations."""
+        with self._lock:
+            try:
+                ranked = _rank("worker", self.config.num_workers, workers)
+            except GradwireError as e:
+                self._abort_locked(str(e))
+                return
+            for old, new in zip(self._workers, ranked, strict=False):
+                new.link_rate = new.link_rate or old.link_rate  # measured at the first rendezvous
+            self._nodes = [n for n in self._nodes if n.role != "worker" or n in workers]
+            self._workers = ranked
+            self.epoch += 1
+            epoch, declarations = self.epoch, self.declarations
+        assert declarations is not None
+        for server in [s for s in self._servers if not s.lost]:
+            body = {"op": messages.RESET, "epoch": epoch, "num_workers": len(ranked), "forget": True}
+            if not declarations.call(server.rank, body):
+                with self._lock:
+                    self._abort_locked(f"server {server.rank} did not reset for the new generation (epoch {epoch})")
+                return
+        with self._lock:
+            self._publish_locked(to=ranked)
+        log.info("a new generation of %d workers started (epoch %d)", len(ranked), epoch)
 
     def _on_disconnect(self, node: Node | None, conn: tcp.Connection, error: Exception) -> None:
         conn.close()
@@ -555,6 +645,14 @@ class Scheduler:
                 node.conn.send_json(FrameType.CONTROL, body)
             except GradwireError:
                 pass
+
+
+def _departed(workers: list[Node]) -> str:
+    ranks = ", ".join(str(w.rank) for w in workers)
+    return (
+        f"worker {ranks} left the job (called shutdown()) and will never enter this barrier: every worker must "
+        "reach the same barriers before shutting down"
+    )
 
 
 def _server_entry(server: Node) -> dict:

@@ -166,11 +166,15 @@ class Engine:
         if key not in self.keys:
             self.keys[key] = KeyState(dtype, length, self.num_workers, name)
 
-    def reset(self, num_workers: int) -> None:
-        """Elastic: start every key afresh for `num_workers` workers. Only while nothing is in the ring (the
-        server's connections are closed and the ring drained), so the engine thread touches no key meanwhile."""
+    def reset(self, num_workers: int, forget: bool = False) -> None:
+        """Elastic: start every key afresh for `num_workers` workers (`forget`: drop every key, and its memory).
+        Only while nothing is in the ring (the server's connections are closed and the ring drained), so the
+        engine thread touches no key meanwhile."""
         self.num_workers = num_workers
         self.everyone = (1 << num_workers) - 1
+        if forget:
+            self.keys = {}
+            return
         for key, state in list(self.keys.items()):
             self.keys[key] = KeyState(state.dtype, state.length, num_workers, state.name)
 

@@ -366,7 +366,8 @@ class Server:
 
     def _reset(self, body: dict) -> None:
         """Elastic: the workers changed. Drop every worker connection, let the engines drain, and start every key
-        afresh for the new number of workers in the new epoch; then tell the scheduler."""
+        afresh for the new number of workers in the new epoch; then tell the scheduler. With `forget` (a new
+        generation of workers after shutdown() and init()), every key is dropped: they declare theirs anew."""
         epoch, num_workers = int(body["epoch"]), int(body["num_workers"])
         deadline = time.monotonic() + self.config.timeout
         with self._links_lock:
@@ -377,9 +378,12 @@ class Server:
         while (self._links or any(e.ring.occupancy for e in self._engines)) and time.monotonic() < deadline:
             time.sleep(0.001)
         for engine in self._engines:
-            engine.reset(num_workers)
+            engine.reset(num_workers, forget=bool(body.get("forget", False)))
         self.num_workers, self._everyone = num_workers, (1 << num_workers) - 1
-        log.warning("epoch %d: starting afresh with %d workers", epoch, num_workers)
+        forget = bool(body.get("forget", False))
+        (log.info if forget else log.warning)(
+            "epoch %d: starting afresh with %d workers%s", epoch, num_workers, " (a new generation)" if forget else ""
+        )
         assert self._scheduler is not None
         self._scheduler.send_json(FrameType.CONTROL, {"op": messages.REPLY, "id": body["id"]})
 

@@ -1,39 +1,69 @@
 """gradwire for PyTorch, in Horovod's and BytePS's shapes: changing the import is the migration.
 
-    import gradwire.torch as gw                       # was: import horovod.torch as hvd
+    import gradwire.torch as gw                       # was: import horovod.torch as hvd (or byteps.torch as bps)
     gw.init()
     optimizer = gw.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     gw.broadcast_parameters(model.state_dict(), root_rank=0)
     gw.broadcast_optimizer_state(optimizer, root_rank=0)
+    loss = gw.allreduce(loss)                         # Horovod; BytePS: gw.push_pull(loss, name="loss")
 
-Or keep DDP and swap its all-reduce: `model.register_comm_hook(gw.PushPullHookState(model), gw.push_pull_hook)`.
+Or keep DDP and swap its all-reduce: `model.register_comm_hook(gw.PushPullHookState(model), gw.push_pull_hook)`;
+or use BytePS's module wrapper, `gradwire.torch.parallel.DistributedDataParallel`.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import gradwire
-import torch
-from gradwire import barrier, init, is_initialized, local_rank, local_size, rank, shutdown, size
+from gradwire import barrier, is_initialized, local_rank, local_size, rank, shutdown, size
+from gradwire.config import Config
 
 from . import elastic
 from .broadcast import broadcast_, broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from .collectives import (
+    Adasum,
+    Average,
+    Max,
+    Min,
+    Product,
+    Sum,
+    allreduce,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    declare,
+    poll,
+    push_pull,
+    push_pull_async,
+    push_pull_async_inplace,
+    push_pull_inplace,
+    synchronize,
+)
 from .compression import Compression
 from .hook import PushPullHookState, push_pull_hook
-from .ops import TorchHandle
-from .ops import push_pull_async as _push_pull_async
-from .optimizer import Average, DistributedOptimizer, Sum
+from .optimizer import DistributedOptimizer
 
 __all__ = [
+    "Adasum",
     "Average",
     "Compression",
     "DistributedOptimizer",
+    "Max",
+    "Min",
+    "Product",
     "PushPullHookState",
     "Sum",
+    "allreduce",
+    "allreduce_",
+    "allreduce_async",
+    "allreduce_async_",
     "barrier",
     "broadcast_",
     "broadcast_object",
     "broadcast_optimizer_state",
     "broadcast_parameters",
+    "declare",
     "elastic",
     "init",
     "is_initialized",
@@ -42,7 +72,9 @@ __all__ = [
     "poll",
     "push_pull",
     "push_pull_async",
+    "push_pull_async_inplace",
     "push_pull_hook",
+    "push_pull_inplace",
     "rank",
     "shutdown",
     "size",
@@ -50,33 +82,14 @@ __all__ = [
 ]
 
 
-def push_pull_async(
-    tensor: torch.Tensor,
-    average: bool = True,
-    name: str | None = None,
-    priority: int = 0,
-    compression: type = Compression.none,
-) -> TorchHandle:
-    """Start averaging (or summing) `tensor` over all workers, in place; returns a handle."""
-    return _push_pull_async(tensor, average, name, priority, compression)
+def init(config: Config | None = None, lazy: bool = True, comm: Any = None, process_sets: Any = None) -> None:
+    """Join the job as a worker (Horovod's and BytePS's `init`). Blocks through the rendezvous.
 
-
-def poll(handle: TorchHandle) -> bool:
-    """True once the handle's result is ready (never blocks)."""
-    return handle.done()
-
-
-def synchronize(handle: TorchHandle) -> torch.Tensor:
-    """Wait for a handle; returns the tensor, which now holds the result."""
-    return handle.result(gradwire.current_worker())
-
-
-def push_pull(
-    tensor: torch.Tensor,
-    average: bool = True,
-    name: str | None = None,
-    priority: int = 0,
-    compression: type = Compression.none,
-) -> torch.Tensor:
-    """Average (or sum) `tensor` over all workers, in place (blocking); returns it."""
-    return synchronize(push_pull_async(tensor, average, name, priority, compression))
+    `lazy` (BytePS) is accepted either way: gradwire's workers connect at init and declare tensors on first use.
+    `comm` (an MPI communicator) and `process_sets` are Horovod's; gradwire runs over all workers of its job.
+    """
+    if comm is not None:
+        raise ValueError("gradwire does not run over MPI: init(comm=...) is not supported; start with gradwire launch")
+    if process_sets not in (None, []):
+        raise ValueError("gradwire runs every collective over all workers: process_sets are not supported")
+    gradwire.init(config)

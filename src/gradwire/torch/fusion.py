@@ -9,6 +9,8 @@ in, with the priority of its earliest layer. The sum is copied back into each me
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 SMALL_BYTES = 64 << 10  # a parameter below this is fused; above it, its own message is already efficient
@@ -19,7 +21,11 @@ class FusionGroup:
 
     def __init__(self, params: list[torch.Tensor], names: list[str]) -> None:
         self.params = params
-        self.name = f"fused.{names[0]}..{names[-1]}.{len(names)}"
+        # the members' names and shapes in the name: two models whose parameters share names (a GAN's generator
+        # and discriminator) form groups of different contents, which must never meet on the servers
+        members = "\n".join(f"{n}:{p.dtype}{list(p.shape)}" for n, p in zip(names, params, strict=True))
+        digest = hashlib.blake2b(members.encode(), digest_size=4).hexdigest()
+        self.name = f"fused.{names[0]}..{names[-1]}.{len(names)}.{digest}"
         self.offsets = []
         total = 0
         for p in params:
@@ -47,9 +53,25 @@ class FusionGroup:
         self.ready.clear()
 
 
-def plan(params: list[torch.Tensor], names: dict[int, str], fusion_bytes: int) -> dict[int, FusionGroup]:
-    """Group small parameters; returns the group of each fused parameter (by id). Large ones are left alone."""
+def plan(
+    params: list[torch.Tensor],
+    names: dict[int, str],
+    fusion_bytes: int,
+    explicit: list[list[torch.Tensor]] | None = None,
+) -> dict[int, FusionGroup]:
+    """Group small parameters; returns the group of each fused parameter (by id). Large ones are left alone.
+
+    With `explicit` groups (Horovod's `groups=`), those are the groups, whatever their sizes (split by dtype)."""
     groups: dict[int, FusionGroup] = {}
+    if explicit is not None:
+        trainable = {id(p) for p in params}
+        for members in explicit:
+            for dtype in dict.fromkeys(p.dtype for p in members):  # one buffer per dtype, in first-seen order
+                same = [p for p in members if p.dtype == dtype and id(p) in trainable and id(p) not in groups]
+                if len(same) > 1:
+                    group = FusionGroup(same, [names[id(p)] for p in same])
+                    groups.update((id(p), group) for p in same)
+        return groups
     current: list[torch.Tensor] = []
     size = 0
 

@@ -34,12 +34,19 @@ class TorchHandle:
     ) -> None:
         self.handle, self.output, self.wire, self.ctx = handle, output, wire, ctx
         self.compression, self.staged, self.divide_by = compression, staged, divide_by
+        self.scale = 1.0  # applied to the result once (Horovod's postscale_factor)
+        self._finished = False
 
     def done(self) -> bool:
         return self.handle.done()
 
     def result(self, worker: Worker) -> torch.Tensor:
-        """Wait, then write the result into `output` (for compressed or staged tensors) and return it."""
+        """Wait, then write the result into `output` (for compressed or staged tensors) and return it.
+
+        Blocks up to GRADWIRE_TIMEOUT; raises the error that failed the push_pull. Calling it again returns the
+        same tensor."""
+        if self._finished:
+            return self.output
         worker.synchronize(self.handle)
         wire = self.wire
         if self.staged is not None:
@@ -47,8 +54,12 @@ class TorchHandle:
         result = self.compression.decompress(wire, self.ctx)
         if self.divide_by > 1:  # bfloat16 travels as uint16 bits: average after decompressing
             result = result / self.divide_by
-        if result.data_ptr() != self.output.data_ptr():
-            self.output.copy_(result.view_as(self.output))
+        with torch.no_grad():
+            if result.data_ptr() != self.output.data_ptr():
+                self.output.copy_(result.view_as(self.output))
+            if self.scale != 1.0:
+                self.output.mul_(self.scale)
+        self._finished = True
         return self.output
 
 
@@ -67,25 +78,47 @@ def push_pull_async(
     priority: int = 0,
     compression: type[Compressor] = Compression.none,
     worker: Worker | None = None,
+    inplace: bool = True,
 ) -> TorchHandle:
-    """Start summing `tensor` across workers, in place. Returns a handle for `synchronize`."""
+    """Start summing `tensor` across workers. Returns a handle whose `result` is the sum (or average).
+
+    In place (the default here) the result is written into `tensor`; otherwise `tensor` is left as it is and the
+    result is a new tensor of its shape, dtype and device (BytePS's `push_pull` and Horovod's `allreduce`).
+    """
     worker = worker or gradwire.current_worker()
     if name is None:
-        raise gradwire.TensorError("push_pull needs a name that is the same on every worker (name='layer1.weight')")
-    wire, ctx = compression.compress(tensor.detach())
+        raise gradwire.TensorError(
+            f"worker {worker.rank}: push_pull needs a name that is the same on every worker (name='layer1.weight')",
+            rank=worker.rank,
+        )
+    source = tensor.detach()
+    wire, ctx = compression.compress(source)
     if wire.dtype not in _SUPPORTED:
-        raise gradwire.TensorError(f"push_pull of {name!r}: dtype {wire.dtype} is not supported", tensor=name)
+        raise gradwire.TensorError(
+            f"worker {worker.rank}: push_pull of {name!r}: dtype {wire.dtype} is not supported (supported: "
+            f"{', '.join(sorted(str(d) for d in _SUPPORTED))}); cast it first",
+            tensor=name,
+            rank=worker.rank,
+        )
+    if average and not wire.is_floating_point():
+        raise gradwire.TensorError(
+            f"worker {worker.rank}: the average of integer tensor {name!r} ({wire.dtype}) is not defined; sum it "
+            "(average=False, or op=Sum) and divide",
+            tensor=name,
+            rank=worker.rank,
+        )
+    output = tensor if inplace else torch.empty_like(tensor, memory_format=torch.contiguous_format)
     staged = None
     if wire.device.type != "cpu":
         staged = torch.empty(wire.shape, dtype=wire.dtype, pin_memory=torch.cuda.is_available())
         staged.copy_(wire)
         wire = staged
-    elif not wire.is_contiguous():
-        wire = wire.contiguous()
-    if average and not wire.is_floating_point():
-        raise gradwire.TensorError(f"average of integer tensor {name!r} is not defined; use average=False")
+    elif not wire.is_contiguous() or (not inplace and wire.data_ptr() == source.data_ptr()):
+        wire = wire.contiguous() if inplace else wire.clone(memory_format=torch.contiguous_format)
+    if not inplace and staged is None and wire.dtype == tensor.dtype and wire.data_ptr() != source.data_ptr():
+        output = wire  # a fresh copy already: the sum lands in it, and it is the result
     array, dtype = as_numpy(wire)
     worker_average = average and dtype != "bfloat16"
     handle = worker.push_pull_async(array, name, worker_average, priority, out=array, dtype=dtype)
     divide_by = worker.size if average and not worker_average else 1
-    return TorchHandle(handle, tensor, wire, ctx, compression, staged, divide_by)
+    return TorchHandle(handle, output, wire, ctx, compression, staged, divide_by)

@@ -8,19 +8,26 @@ last). `step()` waits for every push_pull, then steps the wrapped optimizer on t
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
 import gradwire
 import torch
+from gradwire.config import Config
 from gradwire.errors import TensorError
+from gradwire.worker import Worker
 
 from . import fusion
+from .collectives import Average, Sum
 from .compression import Compression, Compressor
 from .ops import TorchHandle, push_pull_async
 
-Average = "average"
-Sum = "sum"
+STEP_AFTER_SYNCHRONIZE = (
+    "optimizer.step() called without optimizer.skip_synchronize() context after optimizer.synchronize(). This can "
+    "cause training slowdown. You may want to consider using optimizer.skip_synchronize() context if you use "
+    "optimizer.synchronize() in your code."
+)  # Horovod's words, so searches for them find the fix
 
 
 class _DistributedOptimizer:
@@ -33,8 +40,12 @@ class _DistributedOptimizer:
         backward_passes_per_step: int,
         op: str,
         fusion_bytes: int,
+        predivide: float = 1.0,
+        sparse_as_dense: bool = False,
+        groups: list[list[torch.Tensor]] | None = None,
     ) -> None:
-        self._worker = gradwire.current_worker()
+        # bound at the first push if gradwire is not initialized yet (Horovod scripts may wrap before init())
+        self._bound: Worker | None = _current_worker_or_none()
         params = [p for group in self.param_groups for p in group["params"]]  # type: ignore[attr-defined]
         if named_parameters is not None:
             named = list(named_parameters)
@@ -52,7 +63,14 @@ class _DistributedOptimizer:
         else:
             by_id = {id(p): f"param.{i}" for i, p in enumerate(params)}
         if op not in (Average, Sum):
-            raise ValueError(f"op must be gradwire.torch.Average or Sum, got {op!r}")
+            raise ValueError(
+                f"op must be gradwire.torch.Average or Sum, got {op!r}: the summation servers compute sums "
+                "(Adasum is not supported; docs/horovod.md)"
+            )
+        if predivide != 1.0 and op != Average:
+            raise ValueError("gradient_predivide_factor not supported with op != Average")
+        self._predivide = predivide
+        self._sparse_as_dense = sparse_as_dense
         self._names = by_id
         self._compression = compression
         self._passes = backward_passes_per_step
@@ -64,9 +82,15 @@ class _DistributedOptimizer:
         order = {id(p): i for i, p in enumerate(params)}
         self._priority = {pid: len(params) - i for pid, i in order.items()}  # first layers first
         self._params = [p for p in params if p.requires_grad]
-        self._groups = fusion.plan(self._params, by_id, fusion_bytes)
+        self._groups = fusion.plan(self._params, by_id, fusion_bytes, groups)
         self._group_handles: dict[str, tuple[fusion.FusionGroup, TorchHandle]] = {}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
+
+    @property
+    def _worker(self) -> Worker:
+        if self._bound is None:
+            self._bound = gradwire.current_worker()
+        return self._bound
 
     def _on_grad(self, param: torch.Tensor) -> None:
         pid = id(param)
@@ -85,8 +109,18 @@ class _DistributedOptimizer:
         pid = id(param)
         grad = param.grad
         assert grad is not None
-        if self._passes > 1:
-            grad.div_(self._passes)
+        if grad.is_sparse:
+            if not self._sparse_as_dense:
+                raise TensorError(
+                    f"worker {self._worker.rank}: the gradient of {self._names[pid]!r} is sparse; the summation "
+                    "servers sum dense tensors: pass DistributedOptimizer(..., sparse_as_dense=True)",
+                    tensor=self._names[pid],
+                    rank=self._worker.rank,
+                )
+            grad = param.grad = grad.to_dense()
+        scale = 1.0 / self._passes / self._predivide  # Horovod's prescale: 1/predivide; the postscale undoes it
+        if scale != 1.0:
+            grad.mul_(scale)
         group = self._groups.get(pid)
         if group is not None:
             self._handles[pid] = None
@@ -100,9 +134,10 @@ class _DistributedOptimizer:
                     compression=self._compression,
                     worker=self._worker,
                 )
+                handle.scale = self._predivide
                 self._group_handles[group.name] = (group, handle)
             return
-        self._handles[pid] = push_pull_async(
+        handle = push_pull_async(
             grad,
             average=self._average,
             name=f"grad.{self._names[pid]}",
@@ -110,6 +145,8 @@ class _DistributedOptimizer:
             compression=self._compression,
             worker=self._worker,
         )
+        handle.scale = self._predivide
+        self._handles[pid] = handle
 
     def synchronize(self) -> None:
         """Wait for every gradient's push_pull (before clipping, say); then call step() within skip_synchronize()."""
@@ -146,6 +183,8 @@ class _DistributedOptimizer:
 
     def step(self, closure: Any = None) -> Any:
         if not self._skip:
+            if self._synchronized:  # Horovod warns, then synchronizes again (pushing the averaged gradients)
+                warnings.warn(STEP_AFTER_SYNCHRONIZE, stacklevel=2)
             self.synchronize()
         elif not self._synchronized:
             raise TensorError("step() inside skip_synchronize() without a synchronize() call first")
@@ -159,6 +198,13 @@ class _DistributedOptimizer:
                 "first, or the gradients being summed would be zeroed under the transfer"
             )
         return super().zero_grad(set_to_none)  # type: ignore[misc]
+
+
+def _current_worker_or_none() -> Worker | None:
+    try:
+        return gradwire.current_worker()
+    except gradwire.ConfigError:
+        return None
 
 
 class _SkipSynchronize:
@@ -178,19 +224,61 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     compression: type[Compressor] = Compression.none,
     backward_passes_per_step: int = 1,
     op: str = Average,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: list[list[torch.Tensor]] | int | None = None,
+    sparse_as_dense: bool = False,
+    process_set: Any = None,
     fusion_bytes: int | None = None,
+    staleness: int = 0,
+    pipesize: int = 1,
 ) -> torch.optim.Optimizer:
     """Wrap `optimizer` so that step() uses gradients averaged (or summed) over all workers.
 
-    Parameters under 64 KiB are fused into groups of up to `fusion_bytes` (default GRADWIRE_FUSION_BYTES, 1 MiB;
-    0 turns fusion off) that travel as one message.
+    Horovod's and BytePS's keywords, with their meaning:
+    - `gradient_predivide_factor` f: each gradient is divided by f before the sum and the average multiplied by f
+      after (the same average; f trades overflow against underflow in half precision). Average only.
+    - `groups` (a list of lists of parameters) or `num_groups` (split the parameters into that many): each group
+      travels as one fused message; without them, parameters under 64 KiB are fused into groups of up to
+      `fusion_bytes` (default GRADWIRE_FUSION_BYTES, 1 MiB; 0 turns fusion off).
+    - `sparse_as_dense`: sparse gradients (embeddings with sparse=True) are made dense and summed; without it a
+      sparse gradient raises a TensorError saying so.
+    - `process_set`: only the global set (every worker). `staleness` (BytePS): only 0, synchronous training.
+      `pipesize` (BytePS): accepted; gradwire pipelines every tensor by partitions already.
+    Arguments are checked before anything else, so a wrong call fails the same way before or after `init()`.
     """
-    if fusion_bytes is None:
-        fusion_bytes = gradwire.current_worker().config.fusion_bytes
     if backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+    if gradient_predivide_factor <= 0:
+        raise ValueError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor}")
+    if staleness != 0:
+        raise ValueError(f"staleness={staleness}: gradwire's DistributedOptimizer is synchronous (staleness=0)")
+    if process_set is not None and getattr(process_set, "process_set_id", 0) != 0:
+        raise ValueError("gradwire runs every collective over all workers: only the global process set is supported")
+    if isinstance(groups, int):  # Horovod accepted an int here before num_groups existed
+        groups, num_groups = None, groups
+    if groups is not None and num_groups:
+        raise ValueError("pass groups or num_groups, not both")
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    if num_groups:
+        if num_groups < 0:
+            raise ValueError(f"num_groups must be >= 0, got {num_groups}")
+        size = -(-len(params) // num_groups)
+        groups = [params[i : i + size] for i in range(0, len(params), size)]
+    if fusion_bytes is None:
+        worker = _current_worker_or_none()
+        fusion_bytes = (worker.config if worker is not None else Config.from_env()).fusion_bytes
     cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
-    wrapped._gradwire_setup(named_parameters, compression, backward_passes_per_step, op, fusion_bytes)
+    wrapped._gradwire_setup(
+        named_parameters,
+        compression,
+        backward_passes_per_step,
+        op,
+        fusion_bytes,
+        gradient_predivide_factor,
+        sparse_as_dense,
+        groups,
+    )
     return wrapped

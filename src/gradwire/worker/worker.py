@@ -24,6 +24,7 @@ from gradwire.errors import (
     JobAborted,
     MembershipChanged,
     TensorError,
+    WorkerLost,
     abort_error,
 )
 from gradwire.protocol import dtypes, messages
@@ -71,6 +72,7 @@ class Worker:
         self._scheduler: tcp.Connection | None = None
         self._links: list[ServerLink] = []
         self._tensors: dict[str, Tensor] = {}
+        self._versions: dict[str, list[tuple[tuple[int, ...], dtypes.DType]]] = {}  # user name -> its signatures
         self._lock = threading.Lock()
         self._requests: dict[int, list] = {}
         self._ids = itertools.count(1)
@@ -250,8 +252,11 @@ class Worker:
             **self.metrics.snapshot(),
         }
 
-    def shutdown(self) -> None:
+    def shutdown(self, final: bool = True) -> None:
         """Say bye to the servers and the scheduler, close everything, and join this worker's threads. Idempotent.
+
+        `final=False` (gradwire.shutdown()): this process may init() again, so once every worker has left, the
+        scheduler and servers wait GRADWIRE_REINIT_SECONDS for a new generation instead of ending the job.
 
         Joining matters: daemon threads still alive when the interpreter finalizes have been seen to abort the
         process ("terminate called without an active exception") once PyTorch is loaded.
@@ -267,7 +272,7 @@ class Worker:
             link.close(JobAborted("worker shut down"))
         if self._scheduler is not None:
             try:
-                self._scheduler.send_json(FrameType.CONTROL, {"op": messages.BYE})
+                self._scheduler.send_json(FrameType.CONTROL, {"op": messages.BYE, "final": final})
             except GradwireError:
                 pass
             self._scheduler.close()
@@ -283,20 +288,28 @@ class Worker:
     # -- tensors ---------------------------------------------------------------------------------
 
     def declare(self, name: str, shape: tuple[int, ...] | list[int], dtype: object) -> Tensor:
-        """Declare a tensor (idempotent). Every worker must declare `name` with the same shape and dtype."""
+        """Declare a tensor (idempotent). Every worker must declare `name` with the same shape and dtype.
+
+        A name used again with another shape or dtype (two models whose parameters share names, a metric whose
+        length changes) is a new declaration: each (name, shape, dtype) is its own tensor on the servers, numbered
+        in the order this worker first used it (`name`, then `name#1`, `name#2`, ...). Workers running the same
+        program number them alike, and the scheduler checks each number's shape across workers as for any name.
+        """
         shape = tuple(int(d) for d in shape)
         wire = dtypes.from_numpy(dtype)
         with self._lock:
-            known = self._tensors.get(name)
+            versions = self._versions.setdefault(name, [])
+            signature = (shape, wire)
+            if signature not in versions:
+                versions.append(signature)
+            version = versions.index(signature)
+            internal = name if version == 0 else f"{name}#{version}"
+            known = self._tensors.get(internal)
         if known is not None:
-            if known.shape != shape or known.dtype is not wire:
-                raise TensorError(
-                    f"worker {self.rank} declared {name!r} as {known.dtype.name}{list(known.shape)} and now uses "
-                    f"it as {wire.name}{list(shape)}; use another name for another tensor",
-                    tensor=name,
-                    rank=self.rank,
-                )
             return known
+        return self._declare_new(internal, shape, wire)
+
+    def _declare_new(self, name: str, shape: tuple[int, ...], wire: dtypes.DType) -> Tensor:
         reply = self._request(
             {
                 "op": messages.DECLARE,
@@ -307,7 +320,7 @@ class Worker:
             }
         )
         if "error" in reply:
-            raise TensorError(reply["error"], tensor=name, rank=self.rank)
+            raise TensorError(f"worker {self.rank}: {reply['error']}", tensor=name, rank=self.rank)
         num = int(np.prod(shape, dtype=np.int64))
         # the first declarer's partition size is the job's, so every worker cuts the tensor the same way
         parts = partition.split(num, wire.itemsize, int(reply["partition_bytes"]))
@@ -336,11 +349,24 @@ class Worker:
         self._check_usable()
         if not isinstance(array, np.ndarray):
             raise TensorError(f"push_pull of {name!r} needs a numpy array, got {type(array).__name__}", tensor=name)
-        src = np.ascontiguousarray(array)
+        # np.ascontiguousarray turns a 0-dim array into shape (1,): keep the caller's shape (a scalar is a tensor)
+        src = array if array.flags.c_contiguous else np.ascontiguousarray(array).reshape(array.shape)
         if out is None:
             out = np.empty_like(src)
-        elif out.shape != src.shape or out.dtype != src.dtype or not out.flags.c_contiguous:
-            raise TensorError(f"out for {name!r} must be C-contiguous {src.dtype}{list(src.shape)}", tensor=name)
+        elif out.shape != src.shape or out.dtype != src.dtype:
+            raise TensorError(
+                f"worker {self.rank}: push_pull of {name!r} got an input of {src.dtype}{list(src.shape)} but an "
+                f"output of {out.dtype}{list(out.shape)}; pass an output of the input's shape and dtype",
+                tensor=name,
+                rank=self.rank,
+            )
+        elif not out.flags.c_contiguous:
+            raise TensorError(
+                f"worker {self.rank}: the output of push_pull {name!r} must be C-contiguous (got strides "
+                f"{out.strides}); pass np.ascontiguousarray(out) or no output",
+                tensor=name,
+                rank=self.rank,
+            )
         tensor = self.declare(name, src.shape, dtype or src.dtype)
         handle = self._begin(tensor, out)
         flat_in, flat_out = src.reshape(-1), out.reshape(-1)
@@ -358,7 +384,8 @@ class Worker:
             if tensor.in_flight is not None:
                 raise TensorError(
                     f"a push_pull of {tensor.name!r} is already in flight on worker {self.rank}: synchronize its "
-                    "handle before pushing the tensor again",
+                    "handle before pushing the tensor again, or give each concurrent tensor its own name (two "
+                    "models whose parameters share names: pass named_parameters with a prefix per model)",
                     tensor=tensor.name,
                     rank=self.rank,
                 )
@@ -399,8 +426,11 @@ class Worker:
     # -- control ---------------------------------------------------------------------------------
 
     def barrier(self) -> None:
-        """Block until every worker has entered the barrier."""
-        self._request({"op": messages.BARRIER})
+        """Block until every worker has entered the barrier. Raises WorkerLost at once if a worker has left the
+        job (shut down) and so can never enter it."""
+        reply = self._request({"op": messages.BARRIER})
+        if "error" in reply:
+            raise WorkerLost(f"worker {self.rank}: barrier failed: {reply['error']}", int(reply["lost_rank"]))
 
     def _request(self, body: dict, check: bool = True, rejoin: bool = False) -> dict:
         if check:

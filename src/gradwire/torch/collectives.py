@@ -1,0 +1,251 @@
+"""The collectives of Horovod (`allreduce` and friends) and BytePS (`push_pull` and friends) on torch tensors.
+
+Both families are a push_pull on the summation servers; they differ only in where the result goes:
+- out of place: `allreduce`, `allreduce_async`, BytePS's `push_pull`, `push_pull_async`: the input is not modified
+  and the result is a new tensor. `allreduce` and `push_pull` are differentiable: the gradient of an average is the
+  average of the gradients (the backward pass is the same collective on the incoming gradient).
+- in place: `allreduce_`, `allreduce_async_`, `push_pull_inplace`, `push_pull_async_inplace`.
+Async calls return a handle for `poll` (never blocks) and `synchronize` (blocks; returns the result).
+
+Names: BytePS needs one (`name=`); Horovod makes one when it is None (`allreduce.noname.<n>`, numbered in call
+order, so workers running the same program agree). A name may be used again with another shape: it is then a new
+tensor on the servers (gradwire.Worker.declare).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Any
+
+import gradwire
+import torch
+from gradwire.worker import Worker
+
+from .compression import Compression, Compressor
+from .ops import TorchHandle
+from .ops import push_pull_async as _push_pull_async
+
+# Horovod's reduction ops. Average and Sum are what summation servers compute; the others are not carried yet.
+Average = "average"
+Sum = "sum"
+Adasum = "adasum"
+Min = "min"
+Max = "max"
+Product = "product"
+_OPS = (Average, Sum, Adasum, Min, Max, Product)
+
+_auto_names: weakref.WeakKeyDictionary[Worker, itertools.count] = weakref.WeakKeyDictionary()
+
+
+def _name(worker: Worker, name: str | None, kind: str) -> str:
+    if name is not None:
+        return name
+    counter = _auto_names.setdefault(worker, itertools.count())
+    return f"{kind}.noname.{next(counter)}"
+
+
+def _average(worker: Worker, average: bool | None, op: str | None, name: str | None) -> bool:
+    """Horovod's rules: `average` (deprecated) and `op` are exclusive; the default is Average."""
+    if average is not None and op is not None:
+        raise ValueError("allreduce takes op or average (deprecated), not both")
+    if average is not None:
+        return bool(average)
+    op = Average if op is None else op
+    if op not in _OPS:
+        raise ValueError(f"op must be one of gradwire.torch.Average, Sum, Adasum, Min, Max, Product; got {op!r}")
+    if op not in (Average, Sum):
+        raise gradwire.TensorError(
+            f"worker {worker.rank}: op={op} of {name or 'an unnamed tensor'!r} is not supported yet: the summation "
+            "servers compute Sum and Average (docs/horovod.md lists what is supported)",
+            tensor=name,
+            rank=worker.rank,
+        )
+    return op == Average
+
+
+def _check_process_set(process_set: Any) -> None:
+    if process_set is not None and getattr(process_set, "process_set_id", 0) != 0:
+        raise ValueError("gradwire runs every collective over all workers: only the global process set is supported")
+
+
+def allreduce_async(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = None,
+    *,
+    compression: type[Compressor] = Compression.none,
+    priority: int = 0,
+    inplace: bool = False,
+) -> TorchHandle:
+    """Start averaging (or summing) `tensor` over all workers; `synchronize(handle)` returns the result. The input
+    is not modified (`allreduce_async_` writes the result into it)."""
+    worker = gradwire.current_worker()
+    _check_process_set(process_set)
+    average = _average(worker, average, op, name)
+    name = _name(worker, name, "allreduce")
+    source, push_inplace = tensor, inplace
+    if prescale_factor != 1.0:
+        with torch.no_grad():
+            if inplace:
+                tensor.mul_(prescale_factor)
+            else:  # a scaled copy: the sum lands in it
+                source, push_inplace = tensor.detach() * prescale_factor, True
+    handle = _push_pull_async(source, average, name, priority, compression, worker, inplace=push_inplace)
+    handle.scale = postscale_factor
+    return handle
+
+
+def allreduce_async_(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = None,
+    *,
+    compression: type[Compressor] = Compression.none,
+    priority: int = 0,
+) -> TorchHandle:
+    """In place: start averaging (or summing) `tensor` over all workers into itself; returns a handle."""
+    return allreduce_async(
+        tensor,
+        average,
+        name,
+        op,
+        prescale_factor,
+        postscale_factor,
+        process_set,
+        compression=compression,
+        priority=priority,
+        inplace=True,
+    )
+
+
+class _AllReduce(torch.autograd.Function):
+    """allreduce as an autograd op: the gradient of an average (sum) is the average (sum) of the gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, average: bool, name: str, compression: type, scales: tuple) -> Any:
+        ctx.average, ctx.name, ctx.compression, ctx.scales = average, name, compression, scales
+        handle = allreduce_async(
+            tensor, average, name, None, scales[0], scales[1], compression=compression, inplace=False
+        )
+        return synchronize(handle)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        out = allreduce(grad, ctx.average, f"{ctx.name}.grad", ctx.compression, None, *ctx.scales)
+        return out, None, None, None, None
+
+
+def allreduce(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    compression: type[Compressor] = Compression.none,
+    op: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = None,
+) -> torch.Tensor:
+    """Average (or sum, op=Sum) `tensor` over all workers; returns a new tensor and leaves the input as it is.
+    Blocks. Differentiable."""
+    worker = gradwire.current_worker()
+    _check_process_set(process_set)
+    mean = _average(worker, average, op, name)
+    name = _name(worker, name, "allreduce")
+    scales = (prescale_factor, postscale_factor)
+    if tensor.requires_grad and torch.is_grad_enabled():
+        return _AllReduce.apply(tensor, mean, name, compression, scales)
+    return synchronize(allreduce_async(tensor, mean, name, None, *scales, compression=compression, inplace=False))
+
+
+def allreduce_(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = None,
+) -> torch.Tensor:
+    """In place: average (or sum) `tensor` over all workers into itself; returns it. Blocks."""
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+
+
+# -- BytePS's names ------------------------------------------------------------------------------------------
+
+
+def push_pull_async(
+    tensor: torch.Tensor, average: bool = True, name: str | None = None, version: int = 0, priority: int = 0
+) -> TorchHandle:
+    """BytePS: start averaging (or summing) `tensor`; the input is not modified. `synchronize` returns the result.
+    `version` is accepted for BytePS's signature; gradwire numbers rounds itself."""
+    return _byteps(tensor, average, name, priority, inplace=False)
+
+
+def push_pull_async_inplace(
+    tensor: torch.Tensor, average: bool = True, name: str | None = None, version: int = 0, priority: int = 0
+) -> TorchHandle:
+    """BytePS: start averaging (or summing) `tensor` into itself; returns a handle."""
+    return _byteps(tensor, average, name, priority, inplace=True)
+
+
+def push_pull_inplace(
+    tensor: torch.Tensor, average: bool = True, name: str | None = None, version: int = 0, priority: int = 0
+) -> torch.Tensor:
+    """BytePS: average (or sum) `tensor` into itself (blocking); returns it."""
+    return synchronize(push_pull_async_inplace(tensor, average, name, version, priority))
+
+
+def push_pull(
+    tensor: torch.Tensor,
+    average: bool = True,
+    name: str | None = None,
+    version: int = 0,
+    priority: int = 0,
+    compression: type[Compressor] = Compression.none,
+) -> torch.Tensor:
+    """BytePS: average (or sum) `tensor` over all workers (blocking); returns a new tensor, the input unchanged.
+    Differentiable."""
+    worker = gradwire.current_worker()
+    if name is None:
+        raise gradwire.TensorError(
+            f"worker {worker.rank}: push_pull needs a name that is the same on every worker (name='loss'), "
+            "as in BytePS",
+            rank=worker.rank,
+        )
+    if tensor.requires_grad and torch.is_grad_enabled():
+        return _AllReduce.apply(tensor, bool(average), name, compression, (1.0, 1.0))
+    handle = _push_pull_async(tensor, bool(average), name, priority, compression, worker, inplace=False)
+    return synchronize(handle)
+
+
+def _byteps(tensor: torch.Tensor, average: bool, name: str | None, priority: int, inplace: bool) -> TorchHandle:
+    worker = gradwire.current_worker()
+    name = _name(worker, name, "push_pull")
+    return _push_pull_async(tensor, bool(average), name, priority, Compression.none, worker, inplace=inplace)
+
+
+def poll(handle: TorchHandle) -> bool:
+    """True once the handle's result is ready (never blocks)."""
+    return handle.done()
+
+
+def synchronize(handle: TorchHandle) -> torch.Tensor:
+    """Wait for a handle (up to GRADWIRE_TIMEOUT); returns the result tensor."""
+    return handle.result(gradwire.current_worker())
+
+
+def declare(name: str) -> int:
+    """BytePS's pre-declaration of a name. gradwire declares a tensor on its first use (with its shape, which a
+    name alone does not give), so there is nothing to do ahead; kept so BytePS scripts run unchanged."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"declare needs a tensor name, got {name!r}")
+    return 0
