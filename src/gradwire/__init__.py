@@ -101,6 +101,8 @@ def init(config: Config | None = None) -> None:
             f"init() starts a worker, but GRADWIRE_ROLE={config.role}; run servers with `gradwire server`"
         )
     _worker = Worker(config).start()
+    while _departed:  # registered anew: the last generation's connections may close now
+        _departed.pop().leave()
     if not _atexit_registered:
         atexit.register(_shutdown_at_exit)
         _atexit_registered.append(True)
@@ -113,6 +115,7 @@ def shutdown() -> None:
     if _worker is not None:
         worker, _worker = _worker, None
         worker.shutdown(final=False)
+        _departed.append(worker)
 
 
 def _shutdown_at_exit() -> None:
@@ -120,9 +123,12 @@ def _shutdown_at_exit() -> None:
     if _worker is not None:
         worker, _worker = _worker, None
         worker.shutdown(final=True)  # the process ends: no init() can follow, so the job may end at once
+    while _departed:
+        _departed.pop().leave()
 
 
 _atexit_registered: list[bool] = []
+_departed: list[Worker] = []  # shut down, their scheduler connection open until init() or exit (Worker.leave)
 
 
 def is_initialized() -> bool:

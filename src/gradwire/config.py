@@ -208,9 +208,10 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "GRADWIRE_REINIT_SECONDS",
         "reinit_seconds",
         (),
-        "30",
-        "after every worker called shutdown() (not at process exit), the scheduler and servers wait this long for "
-        "the workers to init() again (a new generation of the job, Horovod's shutdown/init); 0: the job ends",
+        "60",
+        "after every worker called shutdown() in a process that lives on, the scheduler and servers wait up to "
+        "this long for them to init() again (a new generation of the job, as Horovod's shutdown/init); the job "
+        "ends sooner once every worker process has exited; 0: it ends at the last shutdown()",
     ),
     EnvVar(
         "GRADWIRE_STALL_SECONDS",
@@ -331,7 +332,7 @@ class Config:
     timeline: str = ""
     timeline_steps: int = 20
     stall_seconds: float = 60.0
-    reinit_seconds: float = 30.0
+    reinit_seconds: float = 60.0
     deterministic: bool = True
     server_failover: bool = True
     num_standby: int = 0

@@ -75,3 +75,12 @@ def test_workers_started_with_torchrun_variables():
                 proc.kill()
         scheduler.stop()
     assert not leftover_processes(marker)
+
+
+@pytest.mark.parametrize("api", ["optimizer", "ddp-hook", "byteps-ddp", "cross-barrier"])
+def test_resnet_example_keeps_workers_identical_through_every_api(api):
+    script = str(ROOT / "examples" / "resnet_train.py")
+    result = launch(2, 2, script, "--api", api, "--epochs", "1", "--samples", "96", timeout=180)
+    assert result.code == 0, result.output
+    summary = json.loads(result.lines("[worker 0] {")[0].split("] ", 1)[1])
+    assert summary["api"] == api and summary["steps"] == summary["identical_after_steps"] == 3, result.output

@@ -257,7 +257,7 @@ def test_byteps_init_keywords_and_declare():
 
 def test_a_barrier_with_a_departed_peer_fails_at_once_naming_it():
     with LocalCluster(num_workers=3, num_servers=1) as c:
-        c.workers[2].shutdown(final=False)
+        c.workers[2].shutdown()
         started = time.monotonic()
         with pytest.raises(gradwire.WorkerLost, match=r"worker 0: barrier failed: worker 2 left the job") as info:
             c.workers[0].barrier()

@@ -366,9 +366,11 @@ class Scheduler:
             if 0 <= server < len(self._servers) and int(body.get("epoch", 0)) >= self._servers[server].since_epoch:
                 self._server_lost(self._servers[server], f"worker {node.rank} lost it: {body.get('error', '?')}")
         elif op == messages.BYE:
-            node.final_bye = bool(body.get("final", True))
+            # shutdown() in a process that lives on keeps its connection open: it may init() again, and its
+            # connection closing (at exit, or once it has registered anew) is its final word
+            node.final_bye = bool(body.get("final", True)) or node.role != "worker"
             self._bye(node)
-            return True
+            return node.final_bye
         else:
             raise GradwireError(f"{node.role} {node.rank} sent unexpected op {op!r}")
         return False
@@ -485,16 +487,27 @@ class Scheduler:
 
     # -- generations: shutdown() and init() again ---------------------------------------------------
 
+    def _final_bye(self, node: Node) -> None:
+        """A worker that had called shutdown() is gone for good (its process ended, or it registered anew). Once
+        every worker of the last generation is, and no new one has registered, nobody can init() again."""
+        with self._lock:
+            node.final_bye = True
+            over = self._between == [] and node in self._workers and all(w.final_bye for w in self._workers)
+        if over:
+            self._generation.set()
+            self._end("every worker process has left; job complete")
+
     def _await_generation(self) -> None:
         """End the job unless the workers init() again within GRADWIRE_REINIT_SECONDS (all of them within
-        GRADWIRE_TIMEOUT once the first is back)."""
+        GRADWIRE_TIMEOUT once the first is back), or once every worker process has gone (`_final_bye`)."""
         if self._generation.wait(self.config.reinit_seconds):
             return
         with self._lock:
             started = bool(self._between)
         if started and self._generation.wait(self.config.timeout):
             return
-        self._end("no new generation of workers came; job complete")
+        if not self._done.is_set():
+            self._end(f"no worker called init() again within {self.config.reinit_seconds:g}s; job complete")
 
     def _new_generation(self, workers: list[Node]) -> None:
         """The same servers, afresh: every key forgotten, a new epoch, new ranks, new declarations."""
@@ -528,6 +541,9 @@ class Scheduler:
             return
         if node.role == "server" and (node in self._servers or node in self._standby):
             self._server_lost(node, str(error))
+            return
+        if node.said_bye and not node.final_bye:
+            self._final_bye(node)
             return
         with self._lock:
             if node.said_bye or node.lost or self._ending or self._done.is_set():

@@ -19,7 +19,7 @@ import gradwire
 from gradwire import barrier, is_initialized, local_rank, local_size, rank, shutdown, size
 from gradwire.config import Config
 
-from . import elastic
+from . import cross_barrier, elastic, parallel
 from .broadcast import broadcast_, broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .collectives import (
     Adasum,
@@ -63,12 +63,14 @@ __all__ = [
     "broadcast_object",
     "broadcast_optimizer_state",
     "broadcast_parameters",
+    "cross_barrier",
     "declare",
     "elastic",
     "init",
     "is_initialized",
     "local_rank",
     "local_size",
+    "parallel",
     "poll",
     "push_pull",
     "push_pull_async",

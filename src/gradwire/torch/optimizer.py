@@ -12,16 +12,13 @@ import warnings
 from collections.abc import Iterable
 from typing import Any
 
-import gradwire
 import torch
 from gradwire.config import Config
 from gradwire.errors import TensorError
-from gradwire.worker import Worker
 
-from . import fusion
 from .collectives import Average, Sum
 from .compression import Compression, Compressor
-from .ops import TorchHandle, push_pull_async
+from .gradients import GradientSync, current_worker_or_none
 
 STEP_AFTER_SYNCHRONIZE = (
     "optimizer.step() called without optimizer.skip_synchronize() context after optimizer.synchronize(). This can "
@@ -44,24 +41,8 @@ class _DistributedOptimizer:
         sparse_as_dense: bool = False,
         groups: list[list[torch.Tensor]] | None = None,
     ) -> None:
-        # bound at the first push if gradwire is not initialized yet (Horovod scripts may wrap before init())
-        self._bound: Worker | None = _current_worker_or_none()
         params = [p for group in self.param_groups for p in group["params"]]  # type: ignore[attr-defined]
-        if named_parameters is not None:
-            named = list(named_parameters)
-            names = [n for n, _ in named]
-            duplicates = sorted({n for n in names if names.count(n) > 1})
-            if duplicates:
-                raise ValueError(f"named_parameters has duplicate names: {', '.join(duplicates)}")
-            by_id = {id(p): n for n, p in named}
-            missing = [i for i, p in enumerate(params) if id(p) not in by_id]
-            if missing:
-                raise ValueError(
-                    f"named_parameters lacks {len(missing)} of the optimizer's parameters (positions {missing[:5]}): "
-                    "pass model.named_parameters() of the model whose parameters the optimizer holds"
-                )
-        else:
-            by_id = {id(p): f"param.{i}" for i, p in enumerate(params)}
+        by_id = parameter_names(params, named_parameters)
         if op not in (Average, Sum):
             raise ValueError(
                 f"op must be gradwire.torch.Average or Sum, got {op!r}: the summation servers compute sums "
@@ -69,112 +50,36 @@ class _DistributedOptimizer:
             )
         if predivide != 1.0 and op != Average:
             raise ValueError("gradient_predivide_factor not supported with op != Average")
-        self._predivide = predivide
-        self._sparse_as_dense = sparse_as_dense
-        self._names = by_id
-        self._compression = compression
-        self._passes = backward_passes_per_step
-        self._average = op == Average
-        self._handles: dict[int, TorchHandle | None] = {}  # None: in flight inside its fusion group
-        self._counts: dict[int, int] = {}
+        self._sync = GradientSync(
+            params,
+            by_id,
+            compression,
+            average=op == Average,
+            passes=backward_passes_per_step,
+            fusion_bytes=fusion_bytes,
+            predivide=predivide,
+            sparse_as_dense=sparse_as_dense,
+            groups=groups,
+        )
         self._synchronized = False
         self._skip = False
-        order = {id(p): i for i, p in enumerate(params)}
-        self._priority = {pid: len(params) - i for pid, i in order.items()}  # first layers first
-        self._params = [p for p in params if p.requires_grad]
-        self._groups = fusion.plan(self._params, by_id, fusion_bytes, groups)
-        self._group_handles: dict[str, tuple[fusion.FusionGroup, TorchHandle]] = {}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
 
     @property
-    def _worker(self) -> Worker:
-        if self._bound is None:
-            self._bound = gradwire.current_worker()
-        return self._bound
+    def _handles(self) -> dict:
+        return self._sync.handles
 
-    def _on_grad(self, param: torch.Tensor) -> None:
-        pid = id(param)
-        count = self._counts.get(pid, 0) + 1
-        if pid in self._handles:
-            raise TensorError(
-                f"gradient of {self._names[pid]!r} was computed more times than backward_passes_per_step="
-                f"{self._passes} before step(): call step() (or synchronize()) after every "
-                f"{self._passes} backward passes, or raise backward_passes_per_step"
-            )
-        self._counts[pid] = count
-        if count == self._passes:
-            self._push(param)
-
-    def _push(self, param: torch.Tensor) -> None:
-        pid = id(param)
-        grad = param.grad
-        assert grad is not None
-        if grad.is_sparse:
-            if not self._sparse_as_dense:
-                raise TensorError(
-                    f"worker {self._worker.rank}: the gradient of {self._names[pid]!r} is sparse; the summation "
-                    "servers sum dense tensors: pass DistributedOptimizer(..., sparse_as_dense=True)",
-                    tensor=self._names[pid],
-                    rank=self._worker.rank,
-                )
-            grad = param.grad = grad.to_dense()
-        scale = 1.0 / self._passes / self._predivide  # Horovod's prescale: 1/predivide; the postscale undoes it
-        if scale != 1.0:
-            grad.mul_(scale)
-        group = self._groups.get(pid)
-        if group is not None:
-            self._handles[pid] = None
-            if group.add(param, grad):
-                priority = max(self._priority[id(p)] for p in group.params)
-                handle = push_pull_async(
-                    group.buffer,
-                    average=self._average,
-                    name=f"grad.{group.name}",
-                    priority=priority,
-                    compression=self._compression,
-                    worker=self._worker,
-                )
-                handle.scale = self._predivide
-                self._group_handles[group.name] = (group, handle)
-            return
-        handle = push_pull_async(
-            grad,
-            average=self._average,
-            name=f"grad.{self._names[pid]}",
-            priority=self._priority[pid],
-            compression=self._compression,
-            worker=self._worker,
-        )
-        handle.scale = self._predivide
-        self._handles[pid] = handle
+    @property
+    def _groups(self) -> dict:
+        return self._sync.groups
 
     def synchronize(self) -> None:
         """Wait for every gradient's push_pull (before clipping, say); then call step() within skip_synchronize()."""
-        for p in self._params:
-            if id(p) not in self._handles:
-                # no gradient on this rank this step (or fewer passes than expected): it still takes part in
-                # the sum, as zeros if need be, or every other rank would wait for it
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                self._push(p)
-        for handle in self._handles.values():
-            if handle is not None:
-                handle.result(self._worker)
-        for group, handle in self._group_handles.values():
-            handle.result(self._worker)
-            group.scatter()
-        self._handles.clear()
-        self._group_handles.clear()
-        self._counts.clear()
+        self._sync.synchronize()
         self._synchronized = True
 
     def _elastic_clear(self) -> None:
         """Forget push_pulls cancelled by a membership change (elastic.run calls it before the job re-forms)."""
-        self._handles.clear()
-        self._group_handles.clear()
-        self._counts.clear()
-        for group in set(self._groups.values()):
-            group.ready.clear()
+        self._sync.clear()
         self._synchronized = False
 
     def skip_synchronize(self) -> _SkipSynchronize:
@@ -192,19 +97,33 @@ class _DistributedOptimizer:
         return super().step(closure)  # type: ignore[misc]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._handles:
+        if self._sync.handles:
             raise TensorError(
-                f"zero_grad() called with {len(self._handles)} push_pulls pending: call step() or synchronize() "
+                f"zero_grad() called with {len(self._sync.handles)} push_pulls pending: call step() or synchronize() "
                 "first, or the gradients being summed would be zeroed under the transfer"
             )
         return super().zero_grad(set_to_none)  # type: ignore[misc]
 
 
-def _current_worker_or_none() -> Worker | None:
-    try:
-        return gradwire.current_worker()
-    except gradwire.ConfigError:
-        return None
+def parameter_names(
+    params: list[torch.Tensor], named_parameters: Iterable[tuple[str, torch.Tensor]] | None
+) -> dict[int, str]:
+    """Each parameter's name, by id: from `named_parameters` (checked: no duplicates, none missing), or by position."""
+    if named_parameters is None:
+        return {id(p): f"param.{i}" for i, p in enumerate(params)}
+    named = list(named_parameters)
+    names = [n for n, _ in named]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"named_parameters has duplicate names: {', '.join(duplicates)}")
+    by_id = {id(p): n for n, p in named}
+    missing = [i for i, p in enumerate(params) if id(p) not in by_id]
+    if missing:
+        raise ValueError(
+            f"named_parameters lacks {len(missing)} of the optimizer's parameters (positions {missing[:5]}): "
+            "pass model.named_parameters() of the model whose parameters the optimizer holds"
+        )
+    return by_id
 
 
 class _SkipSynchronize:
@@ -266,7 +185,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         size = -(-len(params) // num_groups)
         groups = [params[i : i + size] for i in range(0, len(params), size)]
     if fusion_bytes is None:
-        worker = _current_worker_or_none()
+        worker = current_worker_or_none()
         fusion_bytes = (worker.config if worker is not None else Config.from_env()).fusion_bytes
     cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
     wrapped = cls.__new__(cls)

@@ -131,6 +131,14 @@ class Worker:
         log.info("worker %d/%d ready with %d servers", self.rank, self.size, len(self._links))
         return self
 
+    def leave(self) -> None:
+        """After `shutdown(final=False)`: close the scheduler connection, the worker's last word (its process
+        ends, or it has joined the job's next generation). Idempotent."""
+        if self._scheduler is not None:
+            self._scheduler.close()
+        if self._control_thread is not None and self._control_thread is not threading.current_thread():
+            self._control_thread.join(SHUTDOWN_JOIN_SECONDS)
+
     def _apply_book(self, book: dict) -> None:
         self.rank, self.size, self.epoch = book["rank"], book["num_workers"], book["epoch"]
         self.placement = book.get("placement") or {}  # the scheduler's weights and the rates it used
@@ -255,8 +263,9 @@ class Worker:
     def shutdown(self, final: bool = True) -> None:
         """Say bye to the servers and the scheduler, close everything, and join this worker's threads. Idempotent.
 
-        `final=False` (gradwire.shutdown()): this process may init() again, so once every worker has left, the
-        scheduler and servers wait GRADWIRE_REINIT_SECONDS for a new generation instead of ending the job.
+        `final=False` (gradwire.shutdown()): this process may init() again. The scheduler connection stays open
+        until `leave()` (or the process's end) closes it; until every worker has left so, or for at most
+        GRADWIRE_REINIT_SECONDS, the scheduler and servers wait for a new generation instead of ending the job.
 
         Joining matters: daemon threads still alive when the interpreter finalizes have been seen to abort the
         process ("terminate called without an active exception") once PyTorch is loaded.
@@ -275,10 +284,11 @@ class Worker:
                 self._scheduler.send_json(FrameType.CONTROL, {"op": messages.BYE, "final": final})
             except GradwireError:
                 pass
-            self._scheduler.close()
+            if final:
+                self._scheduler.close()
         for link in self._links:
             link.join(SHUTDOWN_JOIN_SECONDS)
-        if self._control_thread is not None and self._control_thread is not threading.current_thread():
+        if final and self._control_thread is not None and self._control_thread is not threading.current_thread():
             self._control_thread.join(SHUTDOWN_JOIN_SECONDS)
         if self.admin is not None:
             self.admin.stop()

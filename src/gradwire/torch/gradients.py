@@ -1,0 +1,174 @@
+"""Gradients pushed as backward produces them, and waited for: what DistributedOptimizer, BytePS's
+DistributedDataParallel and CrossBarrier share.
+
+A post-accumulate-grad hook on every parameter starts that gradient's push_pull the moment autograd has accumulated
+it (after `passes` backward passes), so communication overlaps the rest of the backward pass. Priority follows layer
+order: the first layers' gradients leave first, since the next forward pass needs them first (and backward produces
+them last). Small gradients travel fused (fusion.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import gradwire
+import torch
+from gradwire.errors import TensorError
+from gradwire.worker import Worker
+
+from . import fusion
+from .compression import Compressor
+from .ops import TorchHandle, push_pull_async
+
+
+class GradientSync:
+    """The push_pulls of one set of parameters' gradients. Not thread-safe: hooks run on the backward thread.
+
+    `params` in model order, `names` by parameter id (the same on every worker). The worker is bound at the first
+    push, so this may be built before `gradwire.init()`.
+    """
+
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        names: dict[int, str],
+        compression: type[Compressor],
+        average: bool = True,
+        passes: int = 1,
+        fusion_bytes: int = 0,
+        predivide: float = 1.0,
+        sparse_as_dense: bool = False,
+        groups: list[list[torch.Tensor]] | None = None,
+        prefix: str = "grad.",
+        owner: str = "DistributedOptimizer",
+    ) -> None:
+        self._bound: Worker | None = current_worker_or_none()
+        self.names = names
+        self.compression = compression
+        self.average = average
+        self.passes = passes
+        self.predivide = predivide
+        self.sparse_as_dense = sparse_as_dense
+        self.prefix, self.owner = prefix, owner
+        self.priority = {id(p): len(params) - i for i, p in enumerate(params)}  # first layers first
+        self.params = [p for p in params if p.requires_grad]
+        self.by_id = {id(p): p for p in self.params}
+        self.groups = fusion.plan(self.params, names, fusion_bytes, groups)
+        self.handles: dict[int, TorchHandle | None] = {}  # None: in flight inside its fusion group
+        self.group_handles: dict[str, tuple[fusion.FusionGroup, TorchHandle]] = {}
+        self.counts: dict[int, int] = {}
+        self.enabled = True  # off inside DDP's no_sync(): gradients accumulate locally
+        self.on_all_pushed: Callable[[], None] | None = None
+        self.hooks = [p.register_post_accumulate_grad_hook(self.on_grad) for p in self.params]
+
+    @property
+    def worker(self) -> Worker:
+        if self._bound is None:
+            self._bound = gradwire.current_worker()
+        return self._bound
+
+    def on_grad(self, param: torch.Tensor) -> None:
+        if not self.enabled:
+            return
+        pid = id(param)
+        if pid in self.handles:
+            raise TensorError(
+                f"worker {self.worker.rank}: the gradient of {self.names[pid]!r} was computed more times than "
+                f"backward_passes_per_step={self.passes} before step(): call step() (or synchronize()) after every "
+                f"{self.passes} backward passes, or raise backward_passes_per_step",
+                tensor=self.names[pid],
+                rank=self.worker.rank,
+            )
+        self.counts[pid] = self.counts.get(pid, 0) + 1
+        if self.counts[pid] == self.passes:
+            self.push(param)
+            if self.on_all_pushed is not None and len(self.handles) == len(self.params):
+                self.on_all_pushed()
+
+    def push(self, param: torch.Tensor) -> None:
+        """Start the push_pull of `param`'s gradient (or add it to its fusion group, which leaves when full)."""
+        pid = id(param)
+        grad = param.grad
+        assert grad is not None
+        if grad.is_sparse:
+            if not self.sparse_as_dense:
+                raise TensorError(
+                    f"worker {self.worker.rank}: the gradient of {self.names[pid]!r} is sparse; the summation "
+                    f"servers sum dense tensors: pass {self.owner}(..., sparse_as_dense=True)",
+                    tensor=self.names[pid],
+                    rank=self.worker.rank,
+                )
+            grad = param.grad = grad.to_dense()
+        scale = 1.0 / self.passes / self.predivide  # Horovod's prescale: 1/predivide; the postscale undoes it
+        if scale != 1.0:
+            grad.mul_(scale)
+        group = self.groups.get(pid)
+        if group is None:
+            self.handles[pid] = self._start(grad, self.names[pid], self.priority[pid])
+            return
+        self.handles[pid] = None
+        if group.add(param, grad):
+            priority = max(self.priority[id(p)] for p in group.params)
+            self.group_handles[group.name] = (group, self._start(group.buffer, group.name, priority))
+
+    def _start(self, tensor: torch.Tensor, name: str, priority: int) -> TorchHandle:
+        handle = push_pull_async(
+            tensor, self.average, f"{self.prefix}{name}", priority, self.compression, worker=self.worker
+        )
+        handle.scale = self.predivide
+        return handle
+
+    def push_missing(self) -> None:
+        """Push every gradient not pushed yet: a parameter with no gradient on this rank this step (or fewer passes
+        than expected) still takes part in the sum, as zeros if need be, or every other rank would wait for it."""
+        for p in self.params:
+            if id(p) not in self.handles:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                self.push(p)
+
+    def wait(self, params: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """Wait for the sums of `params` (all pushed ones if None) and put them into their gradients; returns the
+        parameters whose sums arrived (a fused group's members arrive together)."""
+        ids = set(self.handles) if params is None else {id(p) for p in params} & set(self.handles)
+        arrived: list[torch.Tensor] = []
+        for pid in ids:
+            handle = self.handles.pop(pid, None)
+            if handle is not None:
+                handle.result(self.worker)
+                arrived.append(self.by_id[pid])
+                continue
+            group = self.groups[pid]
+            entry = self.group_handles.pop(group.name, None)
+            if entry is None:  # its group is not full (or was waited for already)
+                continue
+            entry[1].result(self.worker)
+            group.scatter()
+            for member in group.params:
+                self.handles.pop(id(member), None)
+            arrived.extend(group.params)
+        for p in arrived:
+            self.counts.pop(id(p), None)
+        return arrived
+
+    def synchronize(self) -> None:
+        """Push what is missing, then wait for every sum."""
+        self.push_missing()
+        self.wait()
+        self.handles.clear()
+        self.counts.clear()
+
+    def clear(self) -> None:
+        """Forget push_pulls cancelled by a membership change (elastic) without waiting for them."""
+        self.handles.clear()
+        self.group_handles.clear()
+        self.counts.clear()
+        for group in set(self.groups.values()):
+            group.ready.clear()
+
+
+def current_worker_or_none() -> Worker | None:
+    try:
+        return gradwire.current_worker()
+    except gradwire.ConfigError:
+        return None

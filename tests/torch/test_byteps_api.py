@@ -1,0 +1,158 @@
+"""BytePS's module wrapper (gradwire.torch.parallel.DistributedDataParallel) and CrossBarrier, on an in-process
+cluster: the same parameters as one process with the whole batch, or as DistributedOptimizer, step by step."""
+
+import pytest
+
+import gradwire
+import gradwire.torch as gwt
+import torch
+from gradwire.testing import LocalCluster
+
+N = 2
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with LocalCluster(num_workers=N, num_servers=2, partition_bytes=16 << 10) as c:
+        yield c
+
+
+def run(cluster, fn):
+    def wrapped(worker):
+        with gradwire.use_worker(worker):
+            return fn(worker.rank)
+
+    return cluster.run(wrapped)
+
+
+def _model(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))
+
+
+def _bn_model(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(2, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(64, 2)
+    )
+
+
+def _data(steps, batch, shape=(10,), classes=3):
+    g = torch.Generator().manual_seed(42)
+    return [
+        (torch.randn(batch * N, *shape, generator=g), torch.randint(0, classes, (batch * N,), generator=g))
+        for _ in range(steps)
+    ]
+
+
+def test_byteps_ddp_matches_one_process_with_the_whole_batch(cluster):
+    data, batch = _data(8, 4), 4
+    reference = _model(0)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for x, y in data:
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(reference(x), y).backward()
+        opt.step()
+    models = [_model(rank) for rank in range(N)]  # rank 1 starts elsewhere: the wrapper broadcasts rank 0's
+
+    def worker(rank):
+        model = gwt.parallel.DistributedDataParallel(models[rank])
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for x, y in data:
+            opt.zero_grad()
+            sl = slice(rank * batch, (rank + 1) * batch)
+            torch.nn.functional.cross_entropy(model(x[sl]), y[sl]).backward()
+            assert not model._sync.handles  # backward returned with the averages in place
+            opt.step()
+        return models[rank]
+
+    for model in run(cluster, worker):
+        for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_byteps_ddp_no_sync_and_buffers(cluster):
+    data = _data(4, 2, shape=(2, 6, 6), classes=2)
+    models = [_bn_model(rank) for rank in range(N)]
+
+    def worker(rank):
+        model = gwt.parallel.DistributedDataParallel(models[rank])
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        for i, (x, y) in enumerate(data):
+            sl = slice(rank * 2, (rank + 1) * 2)
+            if i % 2 == 0:
+                opt.zero_grad()
+                with model.no_sync():  # accumulate locally; pushed with the next backward
+                    torch.nn.functional.cross_entropy(model(x[sl]), y[sl]).backward()
+                assert not model._sync.handles
+                continue
+            torch.nn.functional.cross_entropy(model(x[sl]), y[sl]).backward()
+            opt.step()
+        model(data[0][0][:1])  # a forward broadcasts rank 0's buffers
+        return models[rank].state_dict()
+
+    a, b = run(cluster, worker)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+@pytest.mark.parametrize("fusion_bytes", [0, 1 << 20], ids=["unfused", "fused"])
+def test_cross_barrier_gives_distributed_optimizer_s_parameters(cluster, fusion_bytes):
+    data, batch = _data(6, 4), 4
+
+    models = {cross: [_model(0) for _ in range(N)] for cross in (False, True)}  # torch's RNG is not per thread
+
+    def train(cross):
+        def worker(rank):
+            model = models[cross][rank]
+            opt = gwt.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                named_parameters=model.named_parameters(),
+                fusion_bytes=fusion_bytes,
+            )
+            if cross:
+                opt = gwt.cross_barrier.CrossBarrier(model, opt, num_steps=len(data))
+            after = []
+            for x, y in data:
+                opt.zero_grad()
+                sl = slice(rank * batch, (rank + 1) * batch)
+                torch.nn.functional.cross_entropy(model(x[sl]), y[sl]).backward()
+                opt.step()
+                if cross:
+                    opt.synchronize()
+                after.append([p.detach().clone() for p in model.parameters()])
+            return after
+
+        return run(cluster, worker)
+
+    plain, crossed = train(False), train(True)
+    for rank in range(N):
+        for step_plain, step_crossed in zip(plain[rank], crossed[rank], strict=True):
+            for a, b in zip(step_plain, step_crossed, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_cross_barrier_applies_updates_as_the_next_forward_reaches_each_layer(cluster):
+    models = [_model(0) for _ in range(N)]
+
+    def worker(rank):
+        model = models[rank]
+        opt = gwt.cross_barrier.CrossBarrier(
+            model,
+            gwt.DistributedOptimizer(  # unfused: each layer's sums travel (and arrive) on their own
+                torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), fusion_bytes=0
+            ),
+        )
+        x = torch.ones(4, 10)
+        model(x).sum().backward()
+        before = model[2].weight.detach().clone()
+        opt.step()  # returns with the sums possibly still in flight: nothing applied yet
+        assert len(opt._pending) == 4 and torch.equal(model[2].weight, before)
+        model[0](x)  # only the first layer's forward: its update is applied, the last layer's still waits
+        assert len(opt._pending) == 2
+        model(x)
+        assert not opt._pending and not torch.equal(model[2].weight, before)
+        return True
+
+    assert run(cluster, worker) == [True] * N
