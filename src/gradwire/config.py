@@ -74,8 +74,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "GRADWIRE_UNANSWERED",
         "unanswered",
         (),
-        "8",
-        "partitions a worker may have pushed to one server whose sum has not come back (0: no cap)",
+        "0",
+        "partitions a worker may have pushed to one server whose sum has not come back, except ones earlier in the "
+        "job-wide order (0: no cap, the default: with pacing it measured no gain)",
     ),
     EnvVar(
         "GRADWIRE_CREDIT_BYTES",
@@ -255,9 +256,10 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "GRADWIRE_PLACEMENT",
         "placement",
         (),
-        "model",
-        "how bytes are split over servers (scheduler): `model`, the optimal split for the nodes' link rates "
-        "(GRADWIRE_LINK_RATE, equal if unset); `auto`, the same with rates measured at start-up; `equal`, "
+        "auto",
+        "how bytes are split over servers (scheduler): `auto`, the optimal split for link rates measured at "
+        "start-up (which also set the partition size and window, gradwire/tuning.py; GRADWIRE_LINK_RATE given on "
+        "every node is used instead); `model`, the same for GRADWIRE_LINK_RATE only (equal if unset); `equal`, "
         "every server alike (docs/placement.md)",
     ),
     EnvVar(
@@ -307,7 +309,7 @@ class Config:
     host: str = "127.0.0.1"
     partition_bytes: int = 4 * MiB
     window: int = 4
-    unanswered: int = 8
+    unanswered: int = 0
     credit_bytes: int = 256 * MiB
     pacing: int = 8
     fusion_bytes: int = 1 * MiB
@@ -340,9 +342,11 @@ class Config:
     min_workers: int = 0
     max_workers: int = 0
     colocated: bool = False
-    placement: str = "model"
+    placement: str = "auto"
     server_efficiency: float = 1.0
     link_rate: str = ""
+    # the fields set by the user (environment or overrides), which the scheduler's derived tuning never replaces
+    explicit: frozenset[str] = dataclasses.field(default=frozenset(), repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._check()
@@ -360,7 +364,16 @@ class Config:
         if "scheduler" not in values and env.get("DMLC_PS_ROOT_URI"):
             values["scheduler"] = f"{env['DMLC_PS_ROOT_URI']}:{env.get('DMLC_PS_ROOT_PORT', '0')}"
         values.update(overrides)
+        values.setdefault("explicit", frozenset(values))
         return cls(**values)  # type: ignore[arg-type]
+
+    def tuned(self, tuning: dict | None) -> Config:
+        """This config with the scheduler's derived settings (gradwire/tuning.py) for every field not set
+        explicitly; unchanged without them."""
+        if not tuning:
+            return self
+        fields = {f: int(tuning[f]) for f in ("partition_bytes", "window", "unanswered") if f in tuning}
+        return dataclasses.replace(self, **{f: v for f, v in fields.items() if f not in self.explicit})
 
     def link_rate_bytes(self) -> float:
         """GRADWIRE_LINK_RATE in bytes per second (0.0 when unset)."""

@@ -47,7 +47,14 @@ class LocalCluster:
     ) -> None:
         """`colocated` of the `num_servers` servers say they run on a worker host (GRADWIRE_COLOCATED); here every
         node shares this process's host."""
-        base = Config(num_workers=num_workers, num_servers=num_servers, timeout=30.0, switch_interval=0, **config)  # type: ignore[arg-type]
+        base = Config(
+            num_workers=num_workers,
+            num_servers=num_servers,
+            timeout=30.0,
+            switch_interval=0,
+            explicit=frozenset(config),
+            **config,  # type: ignore[arg-type]
+        )
         scheduler_config = dataclasses.replace(base, role="scheduler")
         self.scheduler = (Scheduler(scheduler_config, clock) if clock else Scheduler(scheduler_config)).start()
         base = dataclasses.replace(base, scheduler=self.scheduler.address)

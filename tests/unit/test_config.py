@@ -67,7 +67,7 @@ def test_secret_is_not_in_repr_and_reads_from_a_file(tmp_path):
 def test_every_field_has_one_variable():
     import dataclasses
 
-    fields = {f.name for f in dataclasses.fields(Config)}
+    fields = {f.name for f in dataclasses.fields(Config)} - {"explicit"}  # which of them the user set
     assert {v.field for v in ENV_VARS} == fields
     assert len({v.name for v in ENV_VARS}) == len(ENV_VARS)
 
@@ -97,3 +97,13 @@ def test_the_table_defaults_are_the_dataclass_defaults():
         assert (_parse(var, var.default) if var.default else expected) == expected, var.name
         if not var.default:
             assert expected in ("", None), var.name
+
+
+def test_explicit_settings_win_over_the_derived_tuning():
+    derived = {"partition_bytes": 32768, "window": 6, "unanswered": 0}
+    tuned = Config.from_env({}).tuned(derived)
+    assert (tuned.partition_bytes, tuned.window, tuned.unanswered) == (32768, 6, 0)
+    mine = Config.from_env({"GRADWIRE_PARTITION_BYTES": "65536", "BYTEPS_PARTITION_BYTES": "1"}).tuned(derived)
+    assert (mine.partition_bytes, mine.window) == (65536, 6)
+    assert Config.from_env({}, window=9).tuned(derived).window == 9  # overrides count as explicit
+    assert Config.from_env({}).tuned(None) == Config.from_env({})

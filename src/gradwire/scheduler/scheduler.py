@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from gradwire import tuning
 from gradwire.admin.http import AdminServer, json_handler
 from gradwire.admin.metrics import Metrics
 from gradwire.config import Config
@@ -93,6 +94,7 @@ class Scheduler:
         # epoch -> (set once every live worker reported, {worker rank: {key: (round held, round resent)}})
         self._failover_states: dict[int, tuple[threading.Event, dict[int, dict]]] = {}
         self.placement_info: dict = {}  # the placement's mode, rates and weights (in the address book, /status)
+        self.tuning: dict | None = None  # the data path's settings derived from the links (tuning.py)
         self.declarations: Declarations | None = None  # once ranks are fixed
         self._barrier: list[tuple[Node, int]] = []
         self._ending = False  # every worker said bye; servers are being shut down
@@ -246,7 +248,8 @@ class Scheduler:
         except GradwireError as e:
             self._abort_locked(str(e))
             return
-        if self.config.placement == "auto":  # measure first, without the lock; then the same as below
+        given = all(n.link_rate > 0 for n in self._workers + [s for s in self._servers if not s.colocated])
+        if self.config.placement == "auto" and not given:  # measure first, without the lock; then as below
             threading.Thread(target=self._measure_then_publish, name="gw-sched-probe", daemon=True).start()
             return
         self._publish_locked()
@@ -285,6 +288,10 @@ class Scheduler:
         weights, self.placement_info = placement_weights(
             self.config.placement, self._workers, self._servers, self.config.server_efficiency
         )
+        rates = (self.placement_info.get("rates_bytes_per_s") or {}).get("worker_hosts")
+        self.tuning = tuning.derive(rates).as_dict() if rates else None
+        if self.tuning:
+            log.info("data path tuning: %s", self.tuning["reason"])
         self.declarations = Declarations(
             self.config,
             [s.slot_bytes for s in self._servers],
@@ -308,6 +315,7 @@ class Scheduler:
             "servers": servers,
             "workers": [w.host for w in self._workers],
             "placement": self.placement_info,
+            "tuning": self.tuning,  # derived from the links (gradwire/tuning.py); None when their rates are unknown
         }
 
     def _rendezvous_deadline(self) -> None:

@@ -66,6 +66,8 @@ def cluster_status(s: Scheduler) -> dict:
             "healthy": not s.abort_reason
             and all(node_state(n) != "lost" for n in s._workers + [x for x in s._servers if not x.lost]),
             "failovers": list(s.failovers),
+            "placement": s.placement_info,
+            "data_path": s.tuning,  # the settings derived from the measured links, and why (tuning.py)
             "elastic": None
             if s.membership is None
             else {

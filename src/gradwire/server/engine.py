@@ -43,7 +43,7 @@ from gradwire.errors import TensorError
 from gradwire.protocol import dtypes
 from gradwire.protocol.frames import SEED
 from gradwire.ring import Ring, RingClosed, Slot
-from gradwire.transport.shm import NO_SLOT, SHM_PAYLOAD
+from gradwire.transport.shm import NO_SLOT
 
 log = logging.getLogger("gradwire.server")
 
@@ -62,7 +62,6 @@ class KeyState:
         "pulls",
         "pushed",
         "round",
-        "held",
         "scratch",
         "seeded",
         "stage",
@@ -88,7 +87,6 @@ class KeyState:
         self.turn = [0, 0]  # deterministic mode: the rank whose contribution is added next
         self.staged = [0, 0]  # bitmask of ranks whose early contributions wait in `stage`
         self.stage: list[list[np.ndarray | None]] = [[None] * num_workers for _ in range(2)]  # allocated on need
-        self.held: list[list[np.ndarray | None]] = [[None] * num_workers for _ in range(2)]  # views of shared slots
         self.seeded = [False, False]  # the round's sum came as a seed (a failover), not from contributions
 
 
@@ -247,18 +245,16 @@ class Engine:
         wire = slot.data.view(dtype.wire)
         if state.count[i] == 0:
             state.started[i] = self.clock()
-        released = 0  # held contributions added now, to acknowledge
-        held = False
         if not self.deterministic:
             self._add(state, i, dtype, wire, first=state.count[i] == 0)
         elif slot.sender == state.turn[i]:
             self._add(state, i, dtype, wire, first=slot.sender == 0)
-            released = self._drain(state, i, dtype)
-        elif slot.flags & SHM_PAYLOAD:  # early, in the worker's shared slot: keep a view, acknowledge it later
-            state.held[i][slot.sender] = wire
-            state.staged[i] |= bit
-            held = True
-        else:  # early: it waits in its staging buffer (where a socket's reader received it, or copied from the ring)
+            self._drain(state, i, dtype)
+        else:
+            # early: it waits in its staging buffer (where a socket's reader received it, or copied from the ring or
+            # the worker's shared slot), and is acknowledged now. Holding a shared slot until the contribution's
+            # turn instead saved that copy but kept it in the worker's window: workers whose hooks submit keys in
+            # different orders then filled their windows with contributions waiting for each other.
             if not slot.landed:
                 self._stage(state, i, slot.sender)[:] = wire
             state.staged[i] |= bit
@@ -267,14 +263,7 @@ class Engine:
         if state.count[i] < self.num_workers:
             # The worker's window counts contributions not yet in, not sums not yet out: a window of
             # unanswered sums deadlocks when workers' windows fill with different keys.
-            if not held:
-                self._ack(slot.sender, slot.key, slot.round)
-            rank = 0
-            while released:  # held contributions added just now: their shared slots are free again
-                if released & 1:
-                    self._ack(rank, slot.key, slot.round)
-                released >>= 1
-                rank += 1
+            self._ack(slot.sender, slot.key, slot.round)
         else:  # complete: the RESULT is the last pusher's acknowledgement too
             if state.narrow:
                 dtypes.narrow(dtype, state.acc[i], state.out[i])
@@ -287,23 +276,16 @@ class Engine:
         else:
             dtypes.add_into(dtype, state.acc[i], wire, state.scratch)
 
-    def _drain(self, state: KeyState, i: int, dtype: dtypes.DType) -> int:
-        """After rank `turn` was added: add the early contributions that are now next in rank order. Returns the
-        bitmask of those that were held in shared slots (to acknowledge)."""
-        released = 0
+    def _drain(self, state: KeyState, i: int, dtype: dtypes.DType) -> None:
+        """After rank `turn` was added: add the early contributions that are now next in rank order."""
         state.turn[i] += 1
         while state.staged[i] >> state.turn[i] & 1:
             rank = state.turn[i]
-            held = state.held[i][rank]
-            source = held if held is not None else state.stage[i][rank]
+            source = state.stage[i][rank]
             assert source is not None
             dtypes.add_into(dtype, state.acc[i], source, state.scratch)
-            if held is not None:
-                state.held[i][rank] = None
-                released |= 1 << rank
             state.staged[i] &= ~(1 << rank)
             state.turn[i] += 1
-        return released
 
     def _seed(self, state: KeyState, i: int, slot: Slot, dtype: dtypes.DType) -> None:
         """A worker resends a sum it holds (after a failover): complete the round with it, answer its pushers.
@@ -318,8 +300,6 @@ class Engine:
         state.out[i][:] = slot.data.view(dtype.wire)
         state.round[i], state.count[i], state.pushed[i] = slot.round, self.num_workers, self.everyone
         state.turn[i], state.staged[i], state.seeded[i] = self.num_workers, 0, True
-        for rank in range(self.num_workers):  # held pushes are answered by the RESULT below, which frees them
-            state.held[i][rank] = None
         if waiting:
             self.seeded_answers += bin(waiting).count("1")
             self._reply(slot.key, slot.round, slot.dtype, memoryview(state.out[i]).cast("B"), state.pulls[i], waiting)

@@ -97,6 +97,7 @@ class Worker:
         self.joining = 0
         self.resets: list[dict] = []
         self.placement: dict = {}
+        self.tuning: dict | None = None  # the scheduler's derived data-path settings (gradwire/tuning.py)
         self._rejoin_id = -1
 
     # -- life cycle ------------------------------------------------------------------------------
@@ -141,6 +142,8 @@ class Worker:
 
     def _apply_book(self, book: dict) -> None:
         self.rank, self.size, self.epoch = book["rank"], book["num_workers"], book["epoch"]
+        self.tuning = book.get("tuning")
+        self.config = self.config.tuned(self.tuning)  # derived from the links, where not set explicitly
         self.placement = book.get("placement") or {}  # the scheduler's weights and the rates it used
         hosts = book.get("workers") or []
         same_host = [r for r, h in enumerate(hosts) if h == hosts[self.rank]] if hosts else [self.rank]
@@ -257,6 +260,13 @@ class Worker:
             "credit_in_flight_bytes": self.credit.used if self.credit else 0,
             "servers": links,
             "aborted": str(self._abort) if self._abort else None,
+            "data_path": {
+                "partition_bytes": self._partition_bytes,
+                "window": self.config.window,
+                "unanswered": self.config.unanswered,
+                "why": (self.tuning or {}).get("reason", "the defaults and GRADWIRE_* settings"),
+                "set_explicitly": sorted(self.config.explicit & {"partition_bytes", "window", "unanswered"}),
+            },
             **self.metrics.snapshot(),
         }
 
@@ -385,7 +395,8 @@ class Worker:
             servers = list(tensor.servers)
         for part, key, server in zip(tensor.parts, tensor.keys, servers, strict=True):
             sl = slice(part.start, part.start + part.count)
-            work = Work(name, key, tensor.round, tensor.dtype.code, flat_in[sl], flat_out[sl], n, handle)
+            rnd, code = tensor.round, tensor.dtype.code
+            work = Work(tensor.name, key, rnd, code, flat_in[sl], flat_out[sl], n, handle, part.index)
             self._links[server].submit(work, priority)
         return handle
 

@@ -1,0 +1,71 @@
+"""The data path's settings, derived from the job's links: partition size, window, and the cap on unanswered pushes.
+
+A pure function of measured (or given) link rates, so it is tested as a table. The scheduler derives the settings
+once the rates are known (the rendezvous's link probe, GRADWIRE_PLACEMENT=auto, or GRADWIRE_LINK_RATE) and puts
+them in the address book; each worker uses them for every setting the user did not set (explicit GRADWIRE_* wins).
+
+Why these rules (measured on emulated 25-100 Mbit/s links, docs/netem.md; 2-core machine):
+- Partition size: a partition should take about PARTITION_SECONDS on the worker's link. Shorter, and the Python cost
+  of each partition (tens of microseconds on each side, per frame and per wake-up) becomes a sizeable share of the
+  link's time; longer, and a step has too few partitions per server to overlap one partition's push with another's
+  pull, and each round's start and end (one partition's time, with the link half idle) grow. At 100 Mbit/s this
+  gives 32 KiB, at 50 Mbit/s 16 KiB: the sizes hand-tuning found best (n = 4 on 100 Mbit/s: 4 MiB partitions took
+  2.86 s for 16 MiB, 32 KiB 1.54 s). On loopback and shared memory (GB/s) it stays at the 4 MiB default.
+- Window (pushes not yet acknowledged, per server): enough to cover the link's bandwidth-delay product twice over,
+  and at least WINDOW_BYTES in flight per server, so small partitions keep the link busy (16 KiB took window 8).
+- Cap on unanswered partitions: off. With pacing (worker/link.py Credit) it no longer changed anything: n = 4,
+  k = 4, 100 Mbit/s, 16 MiB: 1.44 s with a cap of 4, 1.46 s without; n = 8, k = 8, 50 Mbit/s: 3.08 s with 16, 3.05 s
+  without (`python -m gradwire.bench.netem` runs of 2026-11-30, docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+KiB, MiB = 1 << 10, 1 << 20
+PARTITION_SECONDS = 0.0035  # about a partition's time on the worker's link (rounded down to a power of two)
+MIN_PARTITION, MAX_PARTITION = 16 * KiB, 4 * MiB
+WINDOW_BYTES = 128 * KiB  # at least this much unacknowledged per server
+MIN_WINDOW, MAX_WINDOW = 4, 64
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Settings for the data path, and why."""
+
+    partition_bytes: int
+    window: int
+    unanswered: int
+    rate_bytes_per_s: float  # the link rate they were derived from (0: unknown)
+    rtt_seconds: float
+    reason: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def derive(worker_rates: Sequence[float], rtt_seconds: float = 0.0, default_partition: int = 4 * MiB) -> Tuning:
+    """Settings for workers whose links run at `worker_rates` bytes/s (one per worker host; measured or given),
+    with round-trip time `rtt_seconds`. Unknown rates (empty, or any <= 0) keep the defaults."""
+    rates = [r for r in worker_rates if r > 0]
+    if not rates or len(rates) != len(worker_rates):
+        return Tuning(default_partition, MIN_WINDOW, 0, 0.0, rtt_seconds, "link rates unknown: defaults")
+    rate = sorted(rates)[len(rates) // 2]  # the median: every worker must cut tensors the same way
+    partition = _pow2_floor(rate * PARTITION_SECONDS)
+    partition = max(MIN_PARTITION, min(MAX_PARTITION, default_partition, partition))
+    bdp = rate * rtt_seconds
+    window = max(MIN_WINDOW, math.ceil(WINDOW_BYTES / partition), math.ceil(2 * bdp / partition))
+    window = min(MAX_WINDOW, window)
+    reason = (
+        f"{rate * 8 / 1e6:.0f} Mbit/s per worker: {partition // KiB} KiB partitions take "
+        f"{partition / rate * 1e3:.2f} ms on the link; window {window} covers "
+        f"{max(WINDOW_BYTES, 2 * bdp) / KiB:.0f} KiB (2x the bandwidth-delay product, at least "
+        f"{WINDOW_BYTES // KiB} KiB)"
+    )
+    return Tuning(partition, window, 0, rate, rtt_seconds, reason)
+
+
+def _pow2_floor(x: float) -> int:
+    return 1 << max(0, int(math.floor(math.log2(max(x, 1.0)))))
