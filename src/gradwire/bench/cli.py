@@ -48,6 +48,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--links", default=None, metavar="DIR", help="with --netem: sample every link's use over time into DIR"
     )
     parser.add_argument("--plot", default=None, help="with --netem: write a PNG of time against n")
+    parser.add_argument(
+        "--train",
+        action="store_true",
+        help="with --netem: end-to-end training (a 3.8M-parameter CNN+MLP) with DistributedOptimizer and the DDP "
+        "hook, against DDP over gloo",
+    )
+    parser.add_argument("--steps", type=int, default=8, help="with --train: timed steps per way")
+    parser.add_argument(
+        "--hand-tuned",
+        action="store_true",
+        help="with --netem: impose the partition/window settings hand-tuning found (Topology.tuning()) instead of "
+        "gradwire's own choice from the measured links",
+    )
     parser.add_argument("--write-docs", default=None, help="with --netem: replace the netem section of this file")
 
 

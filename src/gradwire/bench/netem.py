@@ -110,8 +110,8 @@ def run_config(
                         bound,
                         row["times"],
                         cpu,
-                        int(env.get("GRADWIRE_WINDOW", "4")) if system == "gradwire" else 0,
-                        int(env.get("GRADWIRE_PARTITION_BYTES", "0")) if system == "gradwire" else 0,
+                        int(row.get("data_path", {}).get("window", 0)),
+                        int(row.get("data_path", {}).get("partition_bytes", 0)),
                         topo.colocate and system == "gradwire",
                         env.get("GRADWIRE_PLACEMENT", "model") if system == "gradwire" else "",
                         busy,
@@ -214,3 +214,57 @@ def plot(records: list[Record], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+TRAIN_WAYS = ("optimizer", "hook", "ddp")  # gradwire's DistributedOptimizer, DDP with gradwire's hook, DDP over gloo
+
+
+def run_train_config(topo: Topology, steps: int, warmup: int, env: dict[str, str], timeout: float = 1800) -> list[dict]:
+    """End-to-end training (bench/train.py) the three ways, one after the other in one emulated cluster: per way the
+    median step time and samples per second."""
+    results = []
+    with EmulatedCluster(topo) as cluster:
+        for way in TRAIN_WAYS:
+            argv = [sys.executable, "-m", "gradwire.bench.train", way, str(steps), str(warmup)]
+            if way == "ddp":
+                start = start_gloo
+                job_env = os.environ | env
+            else:
+                start = start_gradwire
+                job_env = os.environ | env | {"GLOO_SOCKET_IFNAME": "eth0"}
+            rows, cpu = _timed(lambda start=start, argv=argv, job_env=job_env: start(cluster, argv, job_env), timeout)
+            row = rows[0]
+            median = statistics.median(row["times"])
+            results.append(
+                {
+                    "way": way,
+                    "workers": topo.workers,
+                    "servers": topo.servers,
+                    "worker_rate": topo.worker_rate,
+                    "server_rate": topo.server_rate,
+                    "parameters": row["parameters"],
+                    "step_seconds_median": median,
+                    "step_seconds_all": row["times"],
+                    "samples_per_s": row["samples_per_step"] / median,
+                    "cpu_utilization": cpu,
+                }
+            )
+    ddp = next(r for r in results if r["way"] == "ddp")
+    for r in results:
+        r["x_ddp_samples_per_s"] = r["samples_per_s"] / ddp["samples_per_s"]
+    return results
+
+
+def train_table(results: list[dict]) -> str:
+    """Markdown: per configuration and way, the step time, samples/s and the ratio to DDP over gloo."""
+    lines = [
+        "| n | k | rate | way | parameters | step s (median) | samples/s | x DDP (gloo) | CPU use |",
+        "|---:|---:|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r['workers']} | {r['servers']} | {r['worker_rate']} / {r['server_rate']} | {r['way']} "
+            f"| {r['parameters'] / 1e6:.1f}M | {r['step_seconds_median']:.2f} | {r['samples_per_s']:.1f} "
+            f"| {r['x_ddp_samples_per_s']:.2f}x | {r['cpu_utilization']:.0%} |"
+        )
+    return "\n".join(lines)

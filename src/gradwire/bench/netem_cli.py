@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import re
 import shlex
 import sys
 
-from gradwire.bench.netem import DEFAULT_CONFIGS, Record, plot, run_config, table, to_json
+from gradwire.bench.netem import (
+    DEFAULT_CONFIGS,
+    Record,
+    plot,
+    run_config,
+    run_train_config,
+    table,
+    to_json,
+    train_table,
+)
 from gradwire.netem import NetemUnavailable, Topology
 from gradwire.netem.cluster import check_available
 
@@ -34,10 +44,14 @@ def run_netem(args: argparse.Namespace, sizes: list[int], env: dict[str, str]) -
     except NetemUnavailable as e:
         print(f"gradwire bench --netem: {e}", file=sys.stderr)
         return 2
+    if args.train:
+        return run_train(args, env)
     results: list[list[Record]] = []
     for n, k, worker_rate, server_rate, colocate in parse_configs(args.configs):
         topo = Topology(n, k, worker_rate, server_rate, colocate=colocate)
-        records = run_config(topo, sizes, args.repeats, args.warmup, topo.tuning() | env, links_dir=args.links)
+        # gradwire's own choices (tuning.py) unless --hand-tuned asks for the settings hand-tuning found
+        chosen = (topo.tuning() if args.hand_tuned else {}) | env
+        records = run_config(topo, sizes, args.repeats, args.warmup, chosen, links_dir=args.links)
         results.append(records)
         if args.json:
             for r in records:
@@ -52,6 +66,25 @@ def run_netem(args: argparse.Namespace, sizes: list[int], env: dict[str, str]) -
         plot(flat, args.plot)
     if args.write_docs:
         _write_docs(args.write_docs, text, args.plot, env, args.section)
+    return 0
+
+
+def run_train(args: argparse.Namespace, env: dict[str, str]) -> int:
+    """`--netem --train`: end-to-end training against DDP over gloo, per configuration (default: n = 4, k = 4,
+    100 Mbit/s)."""
+    configs = parse_configs(args.configs) if args.configs else [(4, 4, "100mbit", "100mbit", False)]
+    every = []
+    for n, k, worker_rate, server_rate, colocate in configs:
+        topo = Topology(n, k, worker_rate, server_rate, colocate=colocate)
+        results = run_train_config(topo, args.steps, args.warmup, (topo.tuning() if args.hand_tuned else {}) | env)
+        every += results
+        for r in results:
+            if args.json:
+                print(json.dumps(r), flush=True)
+        if not args.json:
+            print(train_table(results), flush=True)
+    if not args.json and len(configs) > 1:
+        print("\n" + train_table(every))
     return 0
 
 

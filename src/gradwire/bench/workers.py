@@ -32,7 +32,8 @@ def run_gradwire(sizes: list[int], repeats: int, warmup: int) -> None:
                 times.append(elapsed)
         assert buf[0] == gw.size() and buf[-1] == gw.size(), (buf[0], gw.size())
         if gw.rank() == 0:
-            print(json.dumps({"bytes": nbytes, "times": times}), flush=True)
+            chosen = gw.current_worker().status()["data_path"]  # what gradwire chose (or was told), and why
+            print(json.dumps({"bytes": nbytes, "times": times, "data_path": chosen}), flush=True)
     gw.shutdown()
 
 

@@ -53,8 +53,8 @@ class Job:
 
 def start_gradwire(cluster: EmulatedCluster, argv: Sequence[str], env: Mapping[str, str] | None = None) -> Job:
     """Scheduler, servers and workers (running `argv`) each on their own emulated host; with the topology's
-    `colocate`, a server beside each worker too. Each node is told its link's rate (GRADWIRE_LINK_RATE, the
-    placement model's input) unless GRADWIRE_PLACEMENT=auto, where the scheduler measures them instead."""
+    `colocate`, a server beside each worker too. As a user would run it: the scheduler measures the links (the
+    default GRADWIRE_PLACEMENT=auto); with GRADWIRE_PLACEMENT=model each node is told its link's rate instead."""
     topo = cluster.topology
     sched = topo.of("scheduler")[0]
     base = dict(env or os.environ) | {
@@ -79,10 +79,10 @@ def start_gradwire(cluster: EmulatedCluster, argv: Sequence[str], env: Mapping[s
     base["GRADWIRE_SCHEDULER"] = first.split(" listening on ", 1)[1].split()[0]
     # keep reading, or a chatty scheduler would block on a full pipe
     threading.Thread(target=_drain, args=(scheduler.stdout,), daemon=True).start()
-    auto = base.get("GRADWIRE_PLACEMENT") == "auto"
+    given = base.get("GRADWIRE_PLACEMENT") == "model"  # else (the default, auto) the scheduler measures the links
 
     def node_env(h, rank: int) -> dict[str, str]:
-        rate = {} if auto else {"GRADWIRE_LINK_RATE": h.up}
+        rate = {"GRADWIRE_LINK_RATE": h.up} if given else {}
         return base | rate | {"GRADWIRE_HOST": h.address, "GRADWIRE_RANK": str(rank)}
 
     services = [scheduler] + [

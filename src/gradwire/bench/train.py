@@ -1,0 +1,106 @@
+"""End-to-end training as a benchmark: `python -m gradwire.bench.train {optimizer|hook|ddp} STEPS WARMUP`.
+
+A microbenchmark is not the workload: here a model with layers of mixed sizes (a conv stack with BatchNorm, then a
+3M-parameter MLP) trains for real, gradients leave in backward order as hooks fire, and workers drift apart in time
+(each computes on its own random batch, on shared cores). The three ways:
+- `optimizer`: gradwire's DistributedOptimizer (Horovod's shape);
+- `hook`: torch's DistributedDataParallel with gradwire's comm hook (DDP's buckets through the summation servers);
+- `ddp`: torch's DistributedDataParallel over gloo, the peer.
+Rank 0 prints one JSON line: every timed step's seconds, the samples per step, the parameter count.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+
+BATCH = 32
+
+
+def model():
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 32, 3, padding=1),
+        torch.nn.BatchNorm2d(32),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(32, 64, 3, padding=1),
+        torch.nn.BatchNorm2d(64),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(4),
+        torch.nn.Flatten(),
+        torch.nn.Linear(64 * 8 * 8, 768),
+        torch.nn.ReLU(),
+        torch.nn.Linear(768, 768),
+        torch.nn.ReLU(),
+        torch.nn.Linear(768, 10),
+    )
+
+
+def _gloo(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    init = os.environ.get("GRADWIRE_BENCH_INIT")
+    if init is None:  # the hook's process group, beside a gradwire job: rank 0 picks the port, gradwire tells all
+        import gradwire.torch as gw
+
+        address = None
+        if rank == 0:
+            with socket.socket() as s:
+                s.bind((os.environ.get("GRADWIRE_HOST", "127.0.0.1"), 0))
+                address = s.getsockname()[:2]
+        host, port = gw.broadcast_object(address, root_rank=0, name="bench.gloo.address")
+        init = f"tcp://{host}:{port}"
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+
+
+def main(way: str, steps: int, warmup: int) -> None:
+    import torch.nn.functional as F
+
+    import torch
+
+    torch.set_num_threads(1)
+    net = model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    if way == "ddp":
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        _gloo(rank, world)
+        net = torch.nn.parallel.DistributedDataParallel(net)
+    else:
+        import gradwire.torch as gw
+
+        gw.init()
+        rank, world = gw.rank(), gw.size()
+        if way == "optimizer":
+            opt = gw.DistributedOptimizer(opt, named_parameters=net.named_parameters())
+        else:
+            _gloo(rank, world)
+            inner = net
+            net = torch.nn.parallel.DistributedDataParallel(net)
+            net.register_comm_hook(gw.PushPullHookState(inner), gw.push_pull_hook)
+    g = torch.Generator().manual_seed(rank)
+    times = []
+    for step in range(warmup + steps):
+        x, y = torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        F.cross_entropy(net(x), y).backward()
+        opt.step()
+        if step >= warmup:
+            times.append(time.perf_counter() - t0)
+    params = sum(p.numel() for p in net.parameters())
+    if rank == 0:
+        print(json.dumps({"way": way, "times": times, "samples_per_step": BATCH * world, "parameters": params}))
+        sys.stdout.flush()
+    if way != "ddp":
+        import gradwire.torch as gw
+
+        gw.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
