@@ -66,3 +66,4 @@ def test_top_renders_a_running_job():
     assert "phase running" in out.stdout and "healthy" in out.stdout
     for node in ("worker 0", "worker 1", "server 0"):
         assert node in out.stdout
+    assert "data path: 4096 KiB partitions, window 4:" in out.stdout  # measured on loopback: the large default

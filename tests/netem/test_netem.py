@@ -113,6 +113,28 @@ def test_auto_placement_measures_the_links_and_splits_as_the_configured_truth_wo
     assert chosen["colocated"] == [False, True, True, True]
 
 
+def test_the_partition_size_chosen_for_20_mbit_links_is_far_below_loopback_s():
+    """No GRADWIRE_* tuning set: the scheduler measures the links and derives the data path's settings."""
+    script = [sys.executable, str(ROOT / "tests" / "netem" / "placement_job.py")]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADWIRE_")}
+    with EmulatedCluster(Topology(workers=2, servers=2, worker_rate="20mbit", server_rate="20mbit")) as c:
+        outputs = start_gradwire(c, script, env).wait(timeout=120)
+    shaped = [json.loads(out.split("DATA_PATH ", 1)[1].splitlines()[0]) for out in outputs]
+    loopback = subprocess.run(
+        [sys.executable, "-m", "gradwire", "launch", "-n", "2", "-s", "2", "--", *script],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert loopback.returncode == 0, loopback.stdout + loopback.stderr
+    local = json.loads(loopback.stdout.split("DATA_PATH ", 1)[1].splitlines()[0])
+    assert shaped[0] == shaped[1] and "Mbit/s" in shaped[0]["why"] and not shaped[0]["set_explicitly"]
+    assert shaped[0]["partition_bytes"] == 16 << 10 and shaped[0]["window"] == 8, shaped
+    assert local["partition_bytes"] >= 64 * shaped[0]["partition_bytes"], (local, shaped)
+
+
 def test_teardown_leaves_nothing_even_after_a_failure_inside():
     cluster = EmulatedCluster(Topology(workers=2, servers=1))
     with pytest.raises(RuntimeError, match="boom"):

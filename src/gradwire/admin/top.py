@@ -29,6 +29,12 @@ def render(status: dict) -> str:
     lines = [head]
     if status.get("abort_reason"):
         lines.append(f"aborted: {status['abort_reason']}")
+    data_path = status.get("data_path")
+    if data_path:  # derived from the measured links (gradwire/tuning.py)
+        lines.append(
+            f"data path: {data_path['partition_bytes'] // 1024} KiB partitions, window {data_path['window']}: "
+            f"{data_path['reason']}"
+        )
     lines.append(f"{'node':<10} {'state':<6} {'rounds/s':>9} {'MB/s':>9} {'placed MB':>10} {'hb age':>7}  admin")
     placed = {s["rank"]: s["placed_bytes"] for s in status.get("servers", [])}
     for n in status["nodes"]:
