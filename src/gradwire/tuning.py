@@ -13,9 +13,13 @@ Why these rules (measured on emulated 25-100 Mbit/s links, docs/netem.md; 2-core
   2.86 s for 16 MiB, 32 KiB 1.54 s). On loopback and shared memory (GB/s) it stays at the 4 MiB default.
 - Window (pushes not yet acknowledged, per server): enough to cover the link's bandwidth-delay product twice over,
   and at least WINDOW_BYTES in flight per server, so small partitions keep the link busy (16 KiB took window 8).
-- Cap on unanswered partitions: off. With pacing (worker/link.py Credit) it no longer changed anything: n = 4,
-  k = 4, 100 Mbit/s, 16 MiB: 1.44 s with a cap of 4, 1.46 s without; n = 8, k = 8, 50 Mbit/s: 3.08 s with 16, 3.05 s
-  without (`python -m gradwire.bench.netem` runs of 2026-11-30, docs/benchmarks.md).
+- Cap on unanswered partitions: only where the dedicated servers' links together are slower than the workers'
+  (fan-in is the bottleneck, and TCP shares a server's download unfairly among its pushers, so workers that run ahead
+  starve the rounds): n = 4, k = 2, 100 Mbit/s, 16 MiB: 2.85 s with a cap of 4 against 3.16-3.26 s without. Where
+  the servers keep up, pacing (worker/link.py Credit) already keeps workers in step and the cap changed nothing:
+  n = 4, k = 4: 1.44 s with a cap of 4, 1.46 s without; n = 8, k = 8, 50 Mbit/s: 3.08 s with 16, 3.05 s without
+  (2026-11-30, docs/benchmarks.md). The cap never holds back a partition that comes earlier in the job-wide order
+  than an unanswered one (worker/link.py), so it cannot stall training whatever order hooks fire in.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ PARTITION_SECONDS = 0.0035  # about a partition's time on the worker's link (rou
 MIN_PARTITION, MAX_PARTITION = 16 * KiB, 4 * MiB
 WINDOW_BYTES = 128 * KiB  # at least this much unacknowledged per server
 MIN_WINDOW, MAX_WINDOW = 4, 64
+FAN_IN_CAP = 4  # unanswered partitions per server where the servers' links are the bottleneck
 
 
 @dataclass(frozen=True)
@@ -46,9 +51,15 @@ class Tuning:
         return asdict(self)
 
 
-def derive(worker_rates: Sequence[float], rtt_seconds: float = 0.0, default_partition: int = 4 * MiB) -> Tuning:
+def derive(
+    worker_rates: Sequence[float],
+    rtt_seconds: float = 0.0,
+    default_partition: int = 4 * MiB,
+    server_rates: Sequence[float] = (),
+) -> Tuning:
     """Settings for workers whose links run at `worker_rates` bytes/s (one per worker host; measured or given),
-    with round-trip time `rtt_seconds`. Unknown rates (empty, or any <= 0) keep the defaults."""
+    dedicated servers at `server_rates`, with round-trip time `rtt_seconds`. Unknown rates (empty, or any <= 0)
+    keep the defaults."""
     rates = [r for r in worker_rates if r > 0]
     if not rates or len(rates) != len(worker_rates):
         return Tuning(default_partition, MIN_WINDOW, 0, 0.0, rtt_seconds, "link rates unknown: defaults")
@@ -58,13 +69,20 @@ def derive(worker_rates: Sequence[float], rtt_seconds: float = 0.0, default_part
     bdp = rate * rtt_seconds
     window = max(MIN_WINDOW, math.ceil(WINDOW_BYTES / partition), math.ceil(2 * bdp / partition))
     window = min(MAX_WINDOW, window)
+    # the servers' links are the bottleneck: fan-in from every worker, which TCP shares unfairly
+    fan_in = bool(server_rates) and sum(server_rates) < 0.99 * sum(rates)
+    cap = FAN_IN_CAP if fan_in else 0
     reason = (
         f"{rate * 8 / 1e6:.0f} Mbit/s per worker: {partition // KiB} KiB partitions take "
         f"{partition / rate * 1e3:.2f} ms on the link; window {window} covers "
         f"{max(WINDOW_BYTES, 2 * bdp) / KiB:.0f} KiB (2x the bandwidth-delay product, at least "
         f"{WINDOW_BYTES // KiB} KiB)"
     )
-    return Tuning(partition, window, 0, rate, rtt_seconds, reason)
+    if fan_in:
+        reason += (
+            f"; the servers' links ({sum(server_rates) * 8 / 1e6:.0f} Mbit/s together) are the bottleneck: cap {cap}"
+        )
+    return Tuning(partition, window, cap, rate, rtt_seconds, reason)
 
 
 def _pow2_floor(x: float) -> int:

@@ -48,3 +48,12 @@ def test_every_worker_derives_the_same_from_the_median_rate():
 
 def test_never_above_the_configured_largest_partition():
     assert derive([2e9], default_partition=1 * MiB).partition_bytes == 1 * MiB
+
+
+def test_the_cap_only_where_the_servers_links_are_the_bottleneck():
+    workers = [mbit(100)] * 4
+    assert derive(workers, server_rates=[mbit(100)] * 4).unanswered == 0
+    assert derive(workers, server_rates=[mbit(100)] * 2).unanswered == 4  # k = 2: fan-in
+    assert derive(workers, server_rates=[mbit(25)] * 4).unanswered == 4  # quarter-rate servers
+    assert derive([mbit(50)] * 8, server_rates=[mbit(50)] * 8).unanswered == 0
+    assert "bottleneck" in derive(workers, server_rates=[mbit(100)] * 2).reason

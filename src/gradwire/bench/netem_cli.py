@@ -65,7 +65,7 @@ def run_netem(args: argparse.Namespace, sizes: list[int], env: dict[str, str]) -
     if args.plot:
         plot(flat, args.plot)
     if args.write_docs:
-        _write_docs(args.write_docs, text, args.plot, env, args.section)
+        _write_docs(args.write_docs, text, args.plot, env, args.section, args.hand_tuned)
     return 0
 
 
@@ -96,14 +96,19 @@ def _tuning(workers: int) -> str:
     )
 
 
-def _write_docs(path: str, text: str, plot_path: str | None, env: dict[str, str], name: str = "netem") -> None:
+def _write_docs(
+    path: str, text: str, plot_path: str | None, env: dict[str, str], name: str = "netem", hand_tuned: bool = False
+) -> None:
     begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
     command = "sudo .venv/bin/gradwire " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     overrides = ", ".join(f"{k}={v}" for k, v in sorted(env.items()))
-    settings = (("overrides " + overrides + "; otherwise ") if overrides else "") + (
-        f"per configuration Topology.tuning(): {_tuning(4)} below 8 workers; {_tuning(8)} from 8 workers (the "
-        "partition, window column)"
+    chosen = (
+        f"per configuration Topology.tuning(): {_tuning(4)} below 8 workers; {_tuning(8)} from 8 workers"
+        if hand_tuned
+        else "gradwire's own, derived from the links it measured at start-up (no GRADWIRE_* tuning set)"
     )
+    settings = (("overrides " + overrides + "; otherwise ") if overrides else "") + chosen
+    settings += " (the partition, window column)"
     section = (
         f"{begin}\n```bash\n{command}\n```\nMeasured {datetime.date.today()}, gradwire settings: {settings}.\n\n"
         f"{text}\n" + ("\n![time against n](netem.png)\n" if plot_path else "") + f"{end}"

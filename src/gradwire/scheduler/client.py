@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 
 from gradwire.config import Config
 from gradwire.errors import GradwireTimeout, JobAborted, RemoteProtocolError
@@ -11,25 +13,73 @@ from gradwire.protocol.frames import MAX_CONTROL_BYTES, FrameType, decode_json, 
 from gradwire.scheduler import probe
 from gradwire.transport import tcp
 
+log = logging.getLogger("gradwire.rendezvous")
 
-def join(config: Config, role: str, **registration: object) -> tuple[tcp.Connection, dict]:
+
+FIRST_RETRY_SECONDS = 0.05  # the wait before the second try to reach the scheduler; doubled each time ...
+MAX_RETRY_SECONDS = 2.0  # ... up to this
+LOG_EVERY_SECONDS = 5.0  # how often a waiting node says what it waits for
+
+
+def join(
+    config: Config, role: str, clock: Callable[[], float] = time.monotonic, **registration: object
+) -> tuple[tcp.Connection, dict]:
     """Connect to the scheduler, authenticate, register, and wait for the address book.
 
-    Blocks until every node of the job has registered (at most `config.timeout`). Returns the scheduler
-    connection (kept open for control traffic) and the address book. Raises JobAborted if the job was aborted
-    during rendezvous, GradwireTimeout if it never completed.
+    Any start order works: a scheduler that is not listening yet (refused, unreachable) is tried again with capped
+    exponential backoff, and one whose connection drops before the book arrives (it restarted during the
+    rendezvous) is joined again, until `config.timeout` from the first try; a node logs what it waits for every
+    LOG_EVERY_SECONDS, not every try. Returns the scheduler connection (kept open for control traffic) and the
+    address book. Raises JobAborted if the job was aborted during rendezvous, GradwireTimeout naming the address if
+    the scheduler was never reached or the rendezvous never completed, AuthenticationError at once for a wrong
+    secret (trying again cannot fix it).
     """
+    deadline = clock() + config.timeout
+    delay, last_log, tries = FIRST_RETRY_SECONDS, clock(), 0
+    while True:
+        tries += 1
+        try:
+            conn = _register(config, role, max(0.1, deadline - clock()), registration)
+            book = _await(conn, config, role, deadline, clock)
+        except (OSError, tcp.ConnectionClosed) as e:
+            now = clock()
+            if now >= deadline:
+                raise GradwireTimeout(
+                    f"{role}: could not join the job at the scheduler {config.scheduler} in {config.timeout:g}s "
+                    f"({tries} tries; last: {e}): is the scheduler running there, and GRADWIRE_SCHEDULER right?"
+                ) from None
+            if now - last_log >= LOG_EVERY_SECONDS:
+                log.warning("%s: waiting for the scheduler at %s (%s); trying again", role, config.scheduler, e)
+                last_log = now
+            time.sleep(min(delay, deadline - now))  # the last try comes at the deadline
+            delay = min(MAX_RETRY_SECONDS, delay * 2)
+            continue
+        if messages.check(book) == messages.ABORT:
+            conn.close()
+            raise JobAborted(f"job aborted during rendezvous: {book['message']}")
+        return conn, book
+
+
+def _register(config: Config, role: str, timeout: float, registration: dict) -> tcp.Connection:
     conn = tcp.connect(
         config.scheduler_address,
         secret=config.secret_bytes(),
         role=role,
         rank=config.rank or 0,
         max_payload=0,
-        timeout=config.timeout,
+        timeout=min(timeout, config.handshake_timeout),
     )
     body = {"op": messages.REGISTER, "role": role, "rank": config.rank, "host": config.host} | registration
-    conn.send_json(FrameType.CONTROL, body)
-    conn.sock.settimeout(config.timeout)
+    try:
+        conn.send_json(FrameType.CONTROL, body)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _await(conn: tcp.Connection, config: Config, role: str, deadline: float, clock: Callable[[], float]) -> dict:
+    conn.sock.settimeout(max(0.1, deadline - clock()))
     try:
         book = _await_book(conn)
     except GradwireTimeout:
@@ -38,11 +88,11 @@ def join(config: Config, role: str, **registration: object) -> tuple[tcp.Connect
             f"{role}: rendezvous with the scheduler at {config.scheduler} timed out after {config.timeout}s: are all "
             f"{config.num_workers} workers and {config.num_servers} servers started?"
         ) from None
-    conn.sock.settimeout(None)
-    if messages.check(book) == messages.ABORT:
+    except BaseException:
         conn.close()
-        raise JobAborted(f"job aborted during rendezvous: {book['message']}")
-    return conn, book
+        raise
+    conn.sock.settimeout(None)
+    return book
 
 
 def _await_book(conn: tcp.Connection) -> dict:

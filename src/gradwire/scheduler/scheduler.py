@@ -288,8 +288,13 @@ class Scheduler:
         weights, self.placement_info = placement_weights(
             self.config.placement, self._workers, self._servers, self.config.server_efficiency
         )
-        rates = (self.placement_info.get("rates_bytes_per_s") or {}).get("worker_hosts")
-        self.tuning = tuning.derive(rates).as_dict() if rates else None
+        rates = self.placement_info.get("rates_bytes_per_s") or {}
+        dedicated = [
+            r
+            for r, c in zip(rates.get("servers") or [], self.placement_info.get("colocated") or [], strict=False)
+            if not c
+        ]
+        self.tuning = tuning.derive(rates["worker_hosts"], server_rates=dedicated).as_dict() if rates else None
         if self.tuning:
             log.info("data path tuning: %s", self.tuning["reason"])
         self.declarations = Declarations(
