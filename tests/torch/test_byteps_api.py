@@ -3,27 +3,9 @@ cluster: the same parameters as one process with the whole batch, or as Distribu
 
 import pytest
 
-import gradwire
 import gradwire.torch as gwt
 import torch
-from gradwire.testing import LocalCluster
-
-N = 2
-torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with LocalCluster(num_workers=N, num_servers=2, partition_bytes=16 << 10) as c:
-        yield c
-
-
-def run(cluster, fn):
-    def wrapped(worker):
-        with gradwire.use_worker(worker):
-            return fn(worker.rank)
-
-    return cluster.run(wrapped)
+from tests.torch.inprocess import N, run
 
 
 def _model(seed):

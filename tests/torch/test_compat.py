@@ -10,24 +10,9 @@ import gradwire
 import gradwire.torch as gwt
 import torch
 from gradwire.testing import LocalCluster
+from tests.torch.inprocess import N, run
 
-N = 2
-torch.set_num_threads(1)
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64]
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with LocalCluster(num_workers=N, num_servers=2, partition_bytes=16 << 10) as c:
-        yield c
-
-
-def run(cluster, fn):
-    def wrapped(worker):
-        with gradwire.use_worker(worker):
-            return fn(worker.rank)
-
-    return cluster.run(wrapped)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

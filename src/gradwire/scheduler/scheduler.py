@@ -148,7 +148,7 @@ class Scheduler:
         if self.admin is not None:
             self.admin.stop()
             self.admin = None
-        self._listener.close()
+        tcp.close_listener(self._listener)  # free the port at once: a restarted scheduler may bind it again
         for node in list(self._nodes):
             node.conn.close()
 

@@ -186,10 +186,25 @@ def listen(host: str, port: int = 0, backlog: int = 128) -> socket.socket:
     """A listening socket; port 0 lets the kernel pick (read it back with getsockname)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(backlog)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(backlog)
+    except BaseException:
+        sock.close()
+        raise
     return sock
+
+
+def close_listener(sock: socket.socket) -> None:
+    """Close a listening socket so that its port is free at once. A bare close() leaves the port listening while
+    another thread is blocked in accept() on it (Linux keeps the socket until that call returns): shutdown() first
+    wakes that thread."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # not connected (some kernels say so for listeners): close() alone then
+    sock.close()
 
 
 def connect(
