@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import threading
 from collections.abc import Iterator
 
@@ -37,6 +38,7 @@ from gradwire.errors import (
     WorkerLost,
     WorkersJoining,
 )
+from gradwire.launch import torchrun
 from gradwire.worker import Handle, Worker
 
 __version__ = "0.1.0"
@@ -95,7 +97,11 @@ def init(config: Config | None = None) -> None:
     global _worker
     if _worker is not None:
         return
-    config = config or Config.from_env()
+    if config is None:
+        env: dict[str, str] = dict(os.environ)
+        if torchrun.detected(env):  # torchrun started us and no scheduler was given: start the job's roles
+            env |= torchrun.bootstrap(env)
+        config = Config.from_env(env)
     if config.role != "worker":
         raise ConfigError(
             f"init() starts a worker, but GRADWIRE_ROLE={config.role}; run servers with `gradwire server`"

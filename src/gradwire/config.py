@@ -206,6 +206,14 @@ ENV_VARS: tuple[EnvVar, ...] = (
     ),
     EnvVar("GRADWIRE_TIMELINE_STEPS", "timeline_steps", (), "20", "steps the timeline keeps (the most recent)"),
     EnvVar(
+        "GRADWIRE_SERVERS_PER_NODE",
+        "servers_per_node",
+        (),
+        "1",
+        "under torchrun with no GRADWIRE_SCHEDULER: servers that local rank 0 of each node starts beside its workers "
+        "(docs/deploy.md)",
+    ),
+    EnvVar(
         "GRADWIRE_REINIT_SECONDS",
         "reinit_seconds",
         (),
@@ -335,6 +343,7 @@ class Config:
     timeline_steps: int = 20
     stall_seconds: float = 60.0
     reinit_seconds: float = 60.0
+    servers_per_node: int = 1
     deterministic: bool = True
     server_failover: bool = True
     num_standby: int = 0

@@ -135,6 +135,39 @@ def test_the_partition_size_chosen_for_20_mbit_links_is_far_below_loopback_s():
     assert local["partition_bytes"] >= 64 * shaped[0]["partition_bytes"], (local, shaped)
 
 
+def test_torchrun_across_two_emulated_hosts_starts_gradwire_by_itself():
+    """Two hosts, `torchrun --nnodes 2 --nproc-per-node 2` with c10d rendezvous on the first: nothing but
+    gradwire.init() in the script; correct sums, a trained model, and no gradwire process left afterwards."""
+    import uuid
+
+    marker = uuid.uuid4().hex
+    topo = Topology(workers=2, servers=1)  # the server host stays idle: torchrun's nodes bring their own servers
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADWIRE_")} | {"PYTHONUNBUFFERED": "1"}
+    job = str(ROOT / "tests" / "multiprocess" / "torchrun_job.py")
+    with EmulatedCluster(topo) as c:
+        first = topo.of("worker")[0]
+        pick = "import socket, sys; s = socket.socket(); s.bind((sys.argv[1], 0)); print(s.getsockname()[1])"
+        port = c.spawn(first, [sys.executable, "-c", pick, first.address], stdout=subprocess.PIPE, text=True)
+        port = port.communicate(timeout=30)[0].strip()  # a free port in that host's namespace, for the rendezvous
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2"]
+        argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{first.address}:{port}", "--rdzv-id", marker]
+        procs = [
+            c.spawn(h, argv + [job, marker], env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for h in topo.of("worker")
+        ]
+        outputs = [p.communicate(timeout=180)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], outputs
+        text = "\n".join(outputs)
+        for rank in range(4):
+            assert f"DONE rank {rank} of 4 with 2 servers {marker}" in text, text
+        pids = [int(p) for line in text.splitlines() if line.startswith("CHILDREN") for p in line.split()[1:]]
+        assert len(pids) == 3, text  # the scheduler, and a server per node
+        deadline = time.monotonic() + 10
+        while any(os.path.exists(f"/proc/{p}") for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in pids if os.path.exists(f"/proc/{p}")]
+
+
 def test_teardown_leaves_nothing_even_after_a_failure_inside():
     cluster = EmulatedCluster(Topology(workers=2, servers=1))
     with pytest.raises(RuntimeError, match="boom"):

@@ -1,0 +1,144 @@
+"""Under torchrun, `gradwire.init()` starts the job itself: no scheduler or server to start by hand.
+
+    torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint host:29400 train.py
+
+With torchrun's variables present (TORCHELASTIC_RUN_ID and friends) and no GRADWIRE_SCHEDULER given:
+- the process torchrun makes global rank 0 starts the scheduler (a `gradwire scheduler` child process, on a port the
+  kernel picks, on MASTER_ADDR's side) and makes a fresh job secret;
+- local rank 0 of every node starts GRADWIRE_SERVERS_PER_NODE (default 1) colocated servers beside its workers;
+- every worker then joins with the scheduler's address, the secret, WORLD_SIZE workers and GROUP_WORLD_SIZE x
+  GRADWIRE_SERVERS_PER_NODE servers.
+The address and the secret travel through torchrun's own store (the TCPStore at MASTER_ADDR:MASTER_PORT, the one
+`init_process_group("env://")` uses), under keys of this run and restart, so a restarted worker group starts a new
+job. The children live and die with the job: they end with it (the servers when the scheduler ends it or is gone,
+the scheduler once every worker has left), and the process that started them stops them at its exit.
+
+This is how Slurm (`srun torchrun ...`) and Kubernetes (Kubeflow's PyTorchJob runs torchrun) run gradwire too: see
+docs/deploy.md.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import secrets
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping
+from datetime import timedelta
+
+from gradwire.config import Config
+from gradwire.errors import ConfigError
+
+log = logging.getLogger("gradwire.torchrun")
+CHILDREN: list[subprocess.Popen] = []  # started by this process: stopped at its exit
+
+
+def detected(env: Mapping[str, str]) -> bool:
+    """True where torchrun started this process and the user gave no scheduler."""
+    return "TORCHELASTIC_RUN_ID" in env and "MASTER_ADDR" in env and not env.get("GRADWIRE_SCHEDULER")
+
+
+def bootstrap(env: Mapping[str, str], timeout: float = 300.0) -> dict[str, str]:
+    """Start what this process must start (scheduler, servers) and return the GRADWIRE_* variables of the job.
+
+    Blocks until the scheduler's address is published (at most `timeout`). Raises ConfigError when torchrun's
+    variables are incomplete or PyTorch is missing (its store carries the address)."""
+    try:
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        local_rank, nodes = int(env["LOCAL_RANK"]), int(env.get("GROUP_WORLD_SIZE", "1"))
+        master, master_port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+    except (KeyError, ValueError) as e:
+        raise ConfigError(f"torchrun's variables are incomplete or malformed ({e}); set GRADWIRE_SCHEDULER") from None
+    per_node = Config.from_env(env).servers_per_node
+    prefix = f"gradwire/{env['TORCHELASTIC_RUN_ID']}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    store = _store(master, master_port, rank, env, timeout)
+    job = {
+        "GRADWIRE_NUM_WORKERS": str(world),
+        # the colocated servers, unless the user counts dedicated server machines in too
+        "GRADWIRE_NUM_SERVERS": env.get("GRADWIRE_NUM_SERVERS") or str(nodes * per_node),
+        "GRADWIRE_RANK": str(rank),
+        "GRADWIRE_TIMEOUT": env.get("GRADWIRE_TIMEOUT", str(int(timeout))),
+    }
+    if rank == 0:
+        secret = env.get("GRADWIRE_SECRET") or secrets.token_hex(32)
+        port = _start_scheduler(env | job | {"GRADWIRE_SECRET": secret})
+        store.set(prefix + "secret", secret)
+        store.set(prefix + "scheduler", f"{master}:{port}")
+    store.wait([prefix + "scheduler", prefix + "secret"], timedelta(seconds=timeout))
+    job["GRADWIRE_SCHEDULER"] = store.get(prefix + "scheduler").decode()
+    job["GRADWIRE_SECRET"] = store.get(prefix + "secret").decode()
+    job["GRADWIRE_HOST"] = env.get("GRADWIRE_HOST") or _address_towards(master)
+    if local_rank == 0:
+        for _ in range(per_node):
+            _spawn([sys.executable, "-m", "gradwire", "server"], env | job | {"GRADWIRE_COLOCATED": "1"}, "server")
+    return job
+
+
+def _store(master: str, port: int, rank: int, env: Mapping[str, str], timeout: float):
+    try:
+        from torch.distributed import TCPStore
+    except ImportError:
+        raise ConfigError("under torchrun gradwire needs PyTorch to share the scheduler's address") from None
+    # the agent's store (torchrun's default), else rank 0 hosts it, as init_process_group("env://") does
+    agent = env.get("TORCHELASTIC_USE_AGENT_STORE", "False") == "True"
+    return TCPStore(master, port, is_master=rank == 0 and not agent, timeout=timedelta(seconds=timeout))
+
+
+def _start_scheduler(env: Mapping[str, str]) -> int:
+    """The job's scheduler, listening on every address; returns its port (read from its first line)."""
+    child = _spawn(
+        [sys.executable, "-m", "gradwire", "scheduler"],
+        dict(env) | {"GRADWIRE_SCHEDULER": "0.0.0.0:0", "GRADWIRE_HOST": env["MASTER_ADDR"]},
+        "scheduler",
+        stdout=subprocess.PIPE,
+    )
+    assert child.stdout is not None
+    first = child.stdout.readline()
+    if " listening on " not in first:
+        child.kill()
+        raise ConfigError(f"the gradwire scheduler did not start under torchrun: {first.strip()!r}")
+    threading.Thread(target=_drain, args=(child.stdout,), daemon=True).start()
+    return int(first.split(" listening on ", 1)[1].split()[0].rsplit(":", 1)[1])
+
+
+def _spawn(argv: list[str], env: Mapping[str, str], what: str, stdout: int | None = None) -> subprocess.Popen:
+    # the worker's rank is not the child's: servers take theirs in order of arrival
+    env = {k: v for k, v in env.items() if k not in ("GRADWIRE_RANK", "RANK", "DMLC_WORKER_ID")}
+    child = subprocess.Popen(argv, env={**env, "GRADWIRE_ROLE": what}, stdout=stdout, text=True)
+    if not CHILDREN:
+        atexit.register(stop_children)
+    CHILDREN.append(child)
+    log.info("started the job's %s (pid %d)", what, child.pid)
+    return child
+
+
+def stop_children(grace: float = 5.0) -> None:
+    """Wait a moment for the children to end with the job, then stop those still running."""
+    for child in CHILDREN:
+        try:
+            child.wait(grace)
+        except subprocess.TimeoutExpired:
+            child.terminate()
+            try:
+                child.wait(grace)
+            except subprocess.TimeoutExpired:
+                child.kill()
+
+
+def _address_towards(host: str) -> str:
+    """This host's address on the route to `host` (a UDP connect sends nothing; it only picks the route)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def _drain(stream) -> None:
+    with stream:
+        for _ in stream:
+            pass

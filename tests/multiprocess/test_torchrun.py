@@ -1,0 +1,80 @@
+"""torchrun starts everything: a script that calls nothing but gradwire.init() gets a scheduler (from global rank 0)
+and a server per node (from each local rank 0), and nothing is left running after the job."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.multiprocess.harness import ROOT
+
+pytestmark = pytest.mark.multiprocess
+JOB = str(ROOT / "tests" / "multiprocess" / "torchrun_job.py")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
+def _env():
+    # as a user's shell would have it: no GRADWIRE_* set
+    return {k: v for k, v in os.environ.items() if not k.startswith(("GRADWIRE_", "DMLC_"))} | {"PYTHONUNBUFFERED": "1"}
+
+
+def _run(cmds, timeout=120):
+    procs = [
+        subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for cmd in cmds
+    ]
+    outputs = []
+    for i, proc in enumerate(procs):
+        try:
+            outputs.append(proc.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise AssertionError(f"torchrun {i} hung past {timeout}s") from None
+        assert proc.returncode == 0, outputs[-1]
+    return "\n".join(outputs)
+
+
+def _children_gone(output, timeout=10.0):
+    pids = [int(p) for line in output.splitlines() if line.startswith("CHILDREN") for p in line.split()[1:]]
+    deadline = time.monotonic() + timeout
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in pids if Path(f"/proc/{p}").exists() and "State:\tZ" not in _status(p)]
+        time.sleep(0.1)
+    return pids, alive
+
+
+def _status(pid):
+    try:
+        return Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return "State:\tZ"
+
+
+def test_torchrun_standalone_needs_nothing_but_init():
+    marker = uuid.uuid4().hex
+    output = _run([TORCHRUN + ["--standalone", "--nproc-per-node", "2", JOB, marker]])
+    for rank in range(2):
+        assert f"DONE rank {rank} of 2 with 1 servers {marker}" in output, output
+    pids, alive = _children_gone(output)
+    assert len(pids) == 2 and not alive, (pids, alive, output)  # the scheduler and the node's server, both ended
+
+
+def test_torchrun_two_nodes_with_c10d_rendezvous():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    marker = uuid.uuid4().hex
+    node = TORCHRUN + ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d"]
+    node += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", marker, JOB, marker]
+    output = _run([node, node])
+    for rank in range(2):
+        assert f"DONE rank {rank} of 2 with 2 servers {marker}" in output, output  # one server per node
+    pids, alive = _children_gone(output)
+    assert len(pids) == 3 and not alive, (pids, alive, output)  # a scheduler and two servers

@@ -1,0 +1,29 @@
+"""Worker script for torchrun: nothing but gradwire.init(); sums checked exactly; a tiny model trained; the pids of
+the roles this process started, for the test to check that nothing is left."""
+
+import sys
+
+import gradwire
+import gradwire.torch as gw
+import torch
+from gradwire.launch import torchrun
+
+gw.init()
+total = gw.allreduce(torch.full((1000,), float(gw.rank() + 1)), op=gw.Sum, name="sum")
+n = gw.size()
+assert torch.all(total == n * (n + 1) / 2), total[:4]
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 2)
+opt = gw.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters())
+g = torch.Generator().manual_seed(gw.rank())
+for _ in range(3):
+    opt.zero_grad()
+    model(torch.randn(4, 8, generator=g)).pow(2).mean().backward()
+    opt.step()
+digest = float(sum(p.detach().sum() for p in model.parameters()))
+digests = gw.allreduce(torch.tensor([digest]), op=gw.Sum, name="digest")
+assert abs(float(digests[0]) - n * digest) < 1e-4 * max(1.0, abs(digest)), (digests, digest)  # same model everywhere
+print(f"CHILDREN {' '.join(str(c.pid) for c in torchrun.CHILDREN)}", flush=True)
+servers = len(gradwire.current_worker().status()["servers"])
+print(f"DONE rank {gw.rank()} of {n} with {servers} servers {sys.argv[1]}", flush=True)
+gw.shutdown()
