@@ -151,8 +151,17 @@ def test_torchrun_across_two_emulated_hosts_starts_gradwire_by_itself():
         port = port.communicate(timeout=30)[0].strip()  # a free port in that host's namespace, for the rendezvous
         argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2"]
         argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{first.address}:{port}", "--rdzv-id", marker]
+        # the namespaces share this machine's hostname, so each node says its address (--local-addr) and which
+        # one hosts the rendezvous (is_host), as hosts with their own names would not need to
         procs = [
-            c.spawn(h, argv + [job, marker], env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            c.spawn(
+                h,
+                argv + ["--local-addr", h.address, "--rdzv-conf", f"is_host={str(h is first).lower()}", job, marker],
+                env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
             for h in topo.of("worker")
         ]
         outputs = [p.communicate(timeout=180)[0] for p in procs]

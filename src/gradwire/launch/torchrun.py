@@ -55,6 +55,8 @@ def bootstrap(env: Mapping[str, str], timeout: float = 300.0) -> dict[str, str]:
     per_node = Config.from_env(env).servers_per_node
     prefix = f"gradwire/{env['TORCHELASTIC_RUN_ID']}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
     store = _store(master, master_port, rank, env, timeout)
+    # where the other nodes reach this one: MASTER_ADDR is not that (c10d rendezvous gives each node "localhost")
+    host = env.get("GRADWIRE_HOST") or this_host_address(master)
     job = {
         "GRADWIRE_NUM_WORKERS": str(world),
         # the colocated servers, unless the user counts dedicated server machines in too
@@ -66,11 +68,11 @@ def bootstrap(env: Mapping[str, str], timeout: float = 300.0) -> dict[str, str]:
         secret = env.get("GRADWIRE_SECRET") or secrets.token_hex(32)
         port = _start_scheduler(env | job | {"GRADWIRE_SECRET": secret})
         store.set(prefix + "secret", secret)
-        store.set(prefix + "scheduler", f"{master}:{port}")
+        store.set(prefix + "scheduler", f"{host}:{port}")
     store.wait([prefix + "scheduler", prefix + "secret"], timedelta(seconds=timeout))
     job["GRADWIRE_SCHEDULER"] = store.get(prefix + "scheduler").decode()
     job["GRADWIRE_SECRET"] = store.get(prefix + "secret").decode()
-    job["GRADWIRE_HOST"] = env.get("GRADWIRE_HOST") or _address_towards(master)
+    job["GRADWIRE_HOST"] = host
     if local_rank == 0:
         for _ in range(per_node):
             _spawn([sys.executable, "-m", "gradwire", "server"], env | job | {"GRADWIRE_COLOCATED": "1"}, "server")
@@ -91,7 +93,7 @@ def _start_scheduler(env: Mapping[str, str]) -> int:
     """The job's scheduler, listening on every address; returns its port (read from its first line)."""
     child = _spawn(
         [sys.executable, "-m", "gradwire", "scheduler"],
-        dict(env) | {"GRADWIRE_SCHEDULER": "0.0.0.0:0", "GRADWIRE_HOST": env["MASTER_ADDR"]},
+        dict(env) | {"GRADWIRE_SCHEDULER": "0.0.0.0:0"},
         "scheduler",
         stdout=subprocess.PIPE,
     )
@@ -128,14 +130,36 @@ def stop_children(grace: float = 5.0) -> None:
                 child.kill()
 
 
-def _address_towards(host: str) -> str:
-    """This host's address on the route to `host` (a UDP connect sends nothing; it only picks the route)."""
+def this_host_address(towards: str) -> str:
+    """This host's address as other hosts see it: the source address of the route to `towards` (a UDP connect sends
+    nothing), or, where that is loopback (`towards` is this host), the first non-loopback IPv4 address of an
+    interface; 127.0.0.1 if there is none (a single machine)."""
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((host, 9))
-            return s.getsockname()[0]
+            s.connect((towards, 9))
+            address = s.getsockname()[0]
+        if not address.startswith("127."):
+            return address
     except OSError:
-        return "127.0.0.1"
+        pass
+    for _, name in socket.if_nameindex():
+        address = _interface_address(name)
+        if address and not address.startswith("127."):
+            return address
+    return "127.0.0.1"
+
+
+def _interface_address(name: str) -> str | None:
+    import fcntl
+    import struct
+
+    SIOCGIFADDR = 0x8915  # noqa: N806 - Linux's name
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+        except OSError:
+            return None  # no IPv4 address on it
+    return socket.inet_ntoa(packed[20:24])
 
 
 def _drain(stream) -> None:
