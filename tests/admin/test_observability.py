@@ -1,6 +1,7 @@
 """The admin endpoint, metrics, cluster status and the timeline, on an in-process cluster."""
 
 import json
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -107,6 +108,13 @@ def test_timeline_is_valid_json_with_every_stage(cluster):
         assert any(e["ph"] == "C" and e["name"] == "bytes in flight" for e in events)
         names = {e["args"]["name"] for e in events if e["ph"] == "M"}
         assert f"worker {w.rank}" in names and "server 0" in names
+    # one time base for every worker (the job's wall clock, in microseconds): the same step lies side by side
+    firsts = []
+    for w in cluster.workers:
+        events = json.loads(Path(w.timeline.path).read_text())["traceEvents"]
+        firsts.append(min(e["ts"] for e in events if e["ph"] == "X"))
+    assert all(abs(ts / 1e6 - time.time()) < 60 for ts in firsts), firsts
+    assert abs(firsts[0] - firsts[1]) < 5e6, firsts
 
 
 def test_timeline_keeps_only_the_last_steps_and_stays_valid(tmp_path):

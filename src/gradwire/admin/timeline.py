@@ -28,8 +28,14 @@ def path_for(template: str, rank: int) -> str:
 class Timeline:
     """Collects events in memory (thread-safe) and keeps the file current."""
 
-    def __init__(self, path: str, rank: int, steps: int = 20, tracks: dict[int, str] | None = None) -> None:
+    def __init__(
+        self, path: str, rank: int, steps: int = 20, tracks: dict[int, str] | None = None, skew: float = 0.0
+    ) -> None:
+        """`skew`: seconds to add to this host's wall clock to get the job's (the scheduler's), so that every
+        worker's trace, from any host, lies on one time base and opens side by side in one viewer."""
         self.path, self.rank = path, rank
+        # events come stamped with time.monotonic(); the trace is in microseconds of the job's wall clock
+        self._offset = time.time() - time.monotonic() + skew
         self._steps: deque[list[dict]] = deque(maxlen=max(1, steps))
         self._steps.append([])
         self._meta = [{"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"worker {rank}"}}]
@@ -52,7 +58,7 @@ class Timeline:
         event = {
             "ph": "X",
             "name": name,
-            "ts": start * 1e6,
+            "ts": (start + self._offset) * 1e6,
             "dur": max(0.0, end - start) * 1e6,
             "pid": self.rank,
             "tid": tid,
@@ -63,7 +69,7 @@ class Timeline:
             self._dirty = True
 
     def counter(self, name: str, at: float, value: float) -> None:
-        event = {"ph": "C", "name": name, "ts": at * 1e6, "pid": self.rank, "args": {"bytes": value}}
+        event = {"ph": "C", "name": name, "ts": (at + self._offset) * 1e6, "pid": self.rank, "args": {"bytes": value}}
         with self._lock:
             self._steps[-1].append(event)
             self._dirty = True

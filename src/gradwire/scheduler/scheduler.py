@@ -321,6 +321,7 @@ class Scheduler:
             "workers": [w.host for w in self._workers],
             "placement": self.placement_info,
             "tuning": self.tuning,  # derived from the links (gradwire/tuning.py); None when their rates are unknown
+            "wall_time": time.time(),  # the job's clock: workers align their timelines to it
         }
 
     def _rendezvous_deadline(self) -> None:

@@ -99,6 +99,7 @@ class Worker:
         self.placement: dict = {}
         self.tuning: dict | None = None  # the scheduler's derived data-path settings (gradwire/tuning.py)
         self._rejoin_id = -1
+        self._clock_skew = 0.0  # the scheduler's wall clock minus this host's (seconds)
 
     # -- life cycle ------------------------------------------------------------------------------
 
@@ -115,7 +116,11 @@ class Worker:
         if self.config.timeline:
             tracks = {i: f"server {i}" for i in range(len(book["servers"]))}
             self.timeline = Timeline(
-                timeline.path_for(self.config.timeline, self.rank), self.rank, self.config.timeline_steps, tracks
+                timeline.path_for(self.config.timeline, self.rank),
+                self.rank,
+                self.config.timeline_steps,
+                tracks,
+                skew=self._clock_skew,
             )
         self._connect_all(book["servers"])
         self.metrics.gauge(
@@ -228,6 +233,8 @@ class Worker:
         return arena
 
     def _rendezvous(self) -> dict:
+        """Join the job; also the skew of this host's wall clock against the scheduler's, from the address book's
+        stamp (late by the book's one-way trip: well under a millisecond on a LAN), for the timeline's time base."""
         self._scheduler, book = join(
             self.config,
             "worker",
@@ -237,6 +244,7 @@ class Worker:
             host_id=tcp.host_identity(),
             link_rate=self.config.link_rate_bytes(),
         )
+        self._clock_skew = float(book.get("wall_time", time.time())) - time.time()
         return book
 
     def status(self) -> dict:
