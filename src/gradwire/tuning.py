@@ -1,8 +1,9 @@
 """The data path's settings, derived from the job's links: partition size, window, and the cap on unanswered pushes.
 
-A pure function of measured (or given) link rates, so it is tested as a table. The scheduler derives the settings
-once the rates are known (the rendezvous's link probe, GRADWIRE_PLACEMENT=auto, or GRADWIRE_LINK_RATE) and puts
-them in the address book; each worker uses them for every setting the user did not set (explicit GRADWIRE_* wins).
+A pure function of measured (or given) link rates and round-trip time, so it is tested as a table. The scheduler
+derives the settings once the rates are known (the rendezvous's link probe, GRADWIRE_PLACEMENT=auto, which also times
+each node's round trip; or GRADWIRE_LINK_RATE) and puts them in the address book; each worker uses them for every
+setting the user did not set (explicit GRADWIRE_* wins).
 
 Why these rules (measured on emulated 25-100 Mbit/s links, docs/netem.md; 2-core machine):
 - Partition size: a partition should take about PARTITION_SECONDS on the worker's link. Shorter, and the Python cost
@@ -73,7 +74,8 @@ def derive(
     fan_in = bool(server_rates) and sum(server_rates) < 0.99 * sum(rates)
     cap = FAN_IN_CAP if fan_in else 0
     reason = (
-        f"{rate * 8 / 1e6:.0f} Mbit/s per worker: {partition // KiB} KiB partitions take "
+        f"{rate * 8 / 1e6:.0f} Mbit/s per worker, RTT {rtt_seconds * 1e3:.2f} ms: {partition // KiB} KiB partitions "
+        f"take "
         f"{partition / rate * 1e3:.2f} ms on the link; window {window} covers "
         f"{max(WINDOW_BYTES, 2 * bdp) / KiB:.0f} KiB (2x the bandwidth-delay product, at least "
         f"{WINDOW_BYTES // KiB} KiB)"

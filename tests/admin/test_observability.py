@@ -128,3 +128,11 @@ def test_timeline_keeps_only_the_last_steps_and_stays_valid(tmp_path):
     assert kept == [3, 4]
     tl.close()
     assert path_for("out/{rank}.json", 2) == "out/2.json" and path_for("trace.json", 1) == "trace.rank1.json"
+
+
+def test_status_shows_the_data_path_settings_chosen_from_the_measured_links(cluster):
+    chosen = json.loads(_get(cluster.scheduler.admin_url + "/status")[2])["data_path"]
+    assert chosen["rate_bytes_per_s"] > 0 and 0 < chosen["rtt_seconds"] < 1.0  # measured at the rendezvous
+    assert chosen["partition_bytes"] == 4 << 20 and "Mbit/s per worker, RTT" in chosen["reason"]  # loopback: large
+    mine = cluster.workers[0].status()["data_path"]
+    assert mine["partition_bytes"] == 64 << 10 and mine["set_explicitly"] == ["partition_bytes"]  # the test's wins

@@ -24,8 +24,10 @@ PROMOTE = "promote"  # scheduler -> standby server: you are now server `rank`, i
 REPLACE = "replace"  # scheduler -> worker: server `server` is gone; its keys are on `standby` or `moved` tensors
 RESET = "reset"  # elastic: scheduler -> worker: the workers changed, cancel and rejoin; -> server: start epoch afresh
 REJOIN = "rejoin"  # elastic: worker -> scheduler (a request): ready for the new membership; the reply is the book
-PROBE = "probe"  # scheduler -> node in rendezvous: send `send` PROBE frames of `bytes`, or `report` the rate of ours
-PROBE_RESULT = "probe_result"  # node -> scheduler: the rate (bytes/s) at which our PROBE frames reached it
+PROBE = "probe"  # scheduler -> node in rendezvous: send `send` PROBE frames of `bytes`, `report` the rate of ours,
+# or answer a `ping` at once
+PROBE_RESULT = "probe_result"  # node -> scheduler: the rate (bytes/s) at which our PROBE frames reached it (`down`),
+# or `pong`
 FAILOVER_STATE = "failover_state"  # worker -> scheduler: per moved key, [round of its saved sum, round it resends]
 SEED = "seed"  # scheduler -> worker: resend the saved sums of these [key, round] (a round some worker still needs)
 MEMBERS = "members"  # elastic: scheduler -> worker: `joining` workers wait to join (at the next commit)
@@ -50,7 +52,7 @@ _REQUIRED = {
     FAILOVER_STATE: ("epoch", "keys"),
     SEED: ("epoch", "keys"),
     PROBE: (),
-    PROBE_RESULT: ("down",),
+    PROBE_RESULT: (),  # `down` or `pong`: checked where it is read (probe.py)
 }
 
 

@@ -110,7 +110,9 @@ def _await_book(conn: tcp.Connection) -> dict:
         body = decode_json(conn.recv_body(header))
         if messages.check(body) != messages.PROBE:
             return body
-        if body.get("report"):
+        if body.get("ping"):  # the scheduler times our round trip (probe.round_trip)
+            conn.send_json(FrameType.CONTROL, {"op": messages.PROBE_RESULT, "pong": True})
+        elif body.get("report"):
             conn.send_json(FrameType.CONTROL, {"op": messages.PROBE_RESULT, "down": probe.rate(arrivals)})
             arrivals = []
         else:

@@ -27,6 +27,9 @@ FRAME_BYTES = 128 * 1024
 _PAYLOAD = bytes(FRAME_BYTES)
 
 
+PINGS = 3  # round trips timed before the bursts; the fastest is the node's RTT
+
+
 class Probe:
     """One node's measurement, filled by its connection thread (`on_frame`, `on_result`)."""
 
@@ -35,6 +38,7 @@ class Probe:
         self.down = 0.0
         self.up_done = threading.Event()
         self.down_done = threading.Event()
+        self.pong = threading.Event()
 
     def on_frame(self) -> None:
         self.arrivals.append(time.monotonic())
@@ -42,8 +46,28 @@ class Probe:
             self.up_done.set()
 
     def on_result(self, body: dict) -> None:
+        if body.get("pong"):
+            self.pong.set()
+            return
+        if not isinstance(body.get("down"), (int, float)):
+            raise GradwireError(f"a probe result needs `down` (a rate) or `pong`, got {sorted(body)}")
         self.down = float(body["down"])
         self.down_done.set()
+
+
+def round_trip(node: Node, timeout: float) -> float:
+    """The node's round-trip time to the scheduler, in seconds: the fastest of PINGS small control exchanges."""
+    probe = node.probe = Probe()
+    best = float("inf")
+    for _ in range(PINGS):
+        probe.pong.clear()
+        sent = time.monotonic()
+        node.conn.send_json(FrameType.CONTROL, {"op": messages.PROBE, "ping": True})
+        if not probe.pong.wait(timeout):
+            raise GradwireError(f"{node.role} {node.rank} did not answer a ping in {timeout}s")
+        best = min(best, time.monotonic() - sent)
+    node.probe = None
+    return best
 
 
 def measure(node: Node, timeout: float) -> float:

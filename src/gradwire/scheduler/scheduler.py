@@ -66,6 +66,7 @@ class Node:
     stats: dict = field(default_factory=dict)  # the counters of its last heartbeat
     colocated: bool = False  # a server on a worker host (GRADWIRE_COLOCATED)
     link_rate: float = 0.0  # bytes/s: configured (GRADWIRE_LINK_RATE) or measured (GRADWIRE_PLACEMENT=auto)
+    rtt: float = 0.0  # seconds, to the scheduler (measured with the link rate; 0: not measured)
     probe: Probe | None = None  # a measurement in progress
     probe_buffer: bytearray = field(default_factory=bytearray, repr=False)
     rate: float = 0.0  # bytes per second pushed and pulled, between its last two heartbeats
@@ -264,6 +265,7 @@ class Scheduler:
                     node.link_rate = hosts[key]
                     continue
                 node.probe_buffer = bytearray(probe.FRAME_BYTES)
+                node.rtt = probe.round_trip(node, self.config.timeout)
                 node.link_rate = hosts[key] = probe.measure(node, self.config.timeout)
                 node.probe_buffer = bytearray()
         except GradwireError as e:
@@ -294,7 +296,10 @@ class Scheduler:
             for r, c in zip(rates.get("servers") or [], self.placement_info.get("colocated") or [], strict=False)
             if not c
         ]
-        self.tuning = tuning.derive(rates["worker_hosts"], server_rates=dedicated).as_dict() if rates else None
+        # a worker-server round trip is about the mean of the two nodes' round trips to the scheduler (a star)
+        rtts = sorted(n.rtt for n in self._workers + self._servers if n.rtt > 0)
+        rtt = rtts[len(rtts) // 2] if rtts else 0.0
+        self.tuning = tuning.derive(rates["worker_hosts"], rtt, server_rates=dedicated).as_dict() if rates else None
         if self.tuning:
             log.info("data path tuning: %s", self.tuning["reason"])
         self.declarations = Declarations(
