@@ -41,7 +41,7 @@ def _run(cmds, timeout=120):
 
 
 def _children_gone(output, timeout=10.0):
-    pids = [int(p) for line in output.splitlines() if line.startswith("CHILDREN") for p in line.split()[1:]]
+    pids = [int(p) for line in output.splitlines() if "CHILDREN" in line for p in line.split() if p.isdigit()]
     deadline = time.monotonic() + timeout
     alive = pids
     while alive and time.monotonic() < deadline:

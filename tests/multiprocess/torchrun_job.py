@@ -23,7 +23,10 @@ for _ in range(3):
 digest = float(sum(p.detach().sum() for p in model.parameters()))
 digests = gw.allreduce(torch.tensor([digest]), op=gw.Sum, name="digest")
 assert abs(float(digests[0]) - n * digest) < 1e-4 * max(1.0, abs(digest)), (digests, digest)  # same model everywhere
-print(f"CHILDREN {' '.join(str(c.pid) for c in torchrun.CHILDREN)}", flush=True)
+if torchrun.CHILDREN:  # one write per line: the ranks of a node share torchrun's stdout
+    sys.stdout.write(f"CHILDREN {' '.join(str(c.pid) for c in torchrun.CHILDREN)}\n")
+    sys.stdout.flush()
 servers = len(gradwire.current_worker().status()["servers"])
-print(f"DONE rank {gw.rank()} of {n} with {servers} servers {sys.argv[1]}", flush=True)
+sys.stdout.write(f"DONE rank {gw.rank()} of {n} with {servers} servers {sys.argv[1]}\n")
+sys.stdout.flush()
 gw.shutdown()
