@@ -61,14 +61,16 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "partition_bytes",
         ("BYTEPS_PARTITION_BYTES",),
         str(4 * MiB),
-        "largest partition in bytes (element-aligned)",
+        "largest partition in bytes (element-aligned); unset, it is derived from the measured links (about 3.5 ms "
+        "of the link per partition, at most this default; docs/netem.md)",
     ),
     EnvVar(
         "GRADWIRE_WINDOW",
         "window",
         (),
         "4",
-        "unanswered partitions a worker keeps in flight per server",
+        "partitions a worker keeps unacknowledged per server; unset, it is derived from the links (at least 4, "
+        "128 KiB and twice the bandwidth-delay product)",
     ),
     EnvVar(
         "GRADWIRE_UNANSWERED",
@@ -76,7 +78,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
         (),
         "0",
         "partitions a worker may have pushed to one server whose sum has not come back, except ones earlier in the "
-        "job-wide order (0: no cap, the default: with pacing it measured no gain)",
+        "job-wide order; 0: no cap. Unset, it is derived: 4 where the servers' links are the bottleneck, else none",
     ),
     EnvVar(
         "GRADWIRE_CREDIT_BYTES",
