@@ -18,9 +18,10 @@ worker's reply queue. Decisions and why:
   buffer for the rank (`landing`), not into a ring slot: an early one then waits there with no copy (copying
   it out of the ring slot cost 10% of a torch job's throughput over TCP on two cores, docs/benchmarks.md). The
   buffer is free when the next round in it arrives, by the argument for double buffering below.
-  A contribution in a worker's shared-memory slot is not copied: the engine keeps a view of the slot and
-  acknowledges it (which frees the slot) only once it is added. Rank r only ever waits for ranks below it, and
-  rank 0 never waits, so holding acknowledgements back cannot deadlock.
+  An early contribution in a worker's shared-memory slot is copied into that staging buffer too, and every
+  contribution is acknowledged as soon as it is in. (Keeping a view of the slot and acknowledging it only once
+  added saved that copy, but kept it in the worker's window: workers whose hooks submit keys in different orders
+  filled their windows with contributions waiting for each other.)
 - Seeds (after a failover, see docs/faults.md): a worker that already holds the sum of a round resends it
   flagged SEED; the round is then complete here, and every worker that pushed it (before or after) gets that
   sum, so workers the dead server never answered get the bytes the others already have.
@@ -250,11 +251,8 @@ class Engine:
         elif slot.sender == state.turn[i]:
             self._add(state, i, dtype, wire, first=slot.sender == 0)
             self._drain(state, i, dtype)
-        else:
-            # early: it waits in its staging buffer (where a socket's reader received it, or copied from the ring or
-            # the worker's shared slot), and is acknowledged now. Holding a shared slot until the contribution's
-            # turn instead saved that copy but kept it in the worker's window: workers whose hooks submit keys in
-            # different orders then filled their windows with contributions waiting for each other.
+        else:  # early: it waits in its staging buffer (where a socket's reader received it, or copied from the ring
+            # or the worker's shared slot), and is acknowledged now (see the module's docstring)
             if not slot.landed:
                 self._stage(state, i, slot.sender)[:] = wire
             state.staged[i] |= bit

@@ -369,6 +369,7 @@ class Server:
         afresh for the new number of workers in the new epoch; then tell the scheduler. With `forget` (a new
         generation of workers after shutdown() and init()), every key is dropped: they declare theirs anew."""
         epoch, num_workers = int(body["epoch"]), int(body["num_workers"])
+        forget = bool(body.get("forget", False))
         deadline = time.monotonic() + self.config.timeout
         with self._links_lock:
             self.epoch = epoch  # frames of the old epoch are refused from now on
@@ -378,9 +379,8 @@ class Server:
         while (self._links or any(e.ring.occupancy for e in self._engines)) and time.monotonic() < deadline:
             time.sleep(0.001)
         for engine in self._engines:
-            engine.reset(num_workers, forget=bool(body.get("forget", False)))
+            engine.reset(num_workers, forget=forget)
         self.num_workers, self._everyone = num_workers, (1 << num_workers) - 1
-        forget = bool(body.get("forget", False))
         (log.info if forget else log.warning)(
             "epoch %d: starting afresh with %d workers%s", epoch, num_workers, " (a new generation)" if forget else ""
         )

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import gradwire
 import torch
+from gradwire.config import Config
 from gradwire.errors import TensorError
 from gradwire.worker import Worker
 
@@ -25,7 +26,7 @@ class GradientSync:
     """The push_pulls of one set of parameters' gradients. Not thread-safe: hooks run on the backward thread.
 
     `params` in model order, `names` by parameter id (the same on every worker). The worker is bound at the first
-    push, so this may be built before `gradwire.init()`.
+    push, so this may be built before `gradwire.init()`. `fusion_bytes` None: the job's GRADWIRE_FUSION_BYTES.
     """
 
     def __init__(
@@ -35,7 +36,7 @@ class GradientSync:
         compression: type[Compressor],
         average: bool = True,
         passes: int = 1,
-        fusion_bytes: int = 0,
+        fusion_bytes: int | None = None,
         predivide: float = 1.0,
         sparse_as_dense: bool = False,
         groups: list[list[torch.Tensor]] | None = None,
@@ -53,6 +54,8 @@ class GradientSync:
         self.priority = {id(p): len(params) - i for i, p in enumerate(params)}  # first layers first
         self.params = [p for p in params if p.requires_grad]
         self.by_id = {id(p): p for p in self.params}
+        if fusion_bytes is None:
+            fusion_bytes = (self._bound.config if self._bound is not None else Config.from_env()).fusion_bytes
         self.groups = fusion.plan(self.params, names, fusion_bytes, groups)
         self.handles: dict[int, TorchHandle | None] = {}  # None: in flight inside its fusion group
         self.group_handles: dict[str, tuple[fusion.FusionGroup, TorchHandle]] = {}

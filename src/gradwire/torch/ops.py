@@ -107,7 +107,6 @@ def push_pull_async(
             tensor=name,
             rank=worker.rank,
         )
-    output = tensor if inplace else torch.empty_like(tensor, memory_format=torch.contiguous_format)
     staged = None
     if wire.device.type != "cpu":
         staged = torch.empty(wire.shape, dtype=wire.dtype, pin_memory=torch.cuda.is_available())
@@ -115,8 +114,12 @@ def push_pull_async(
         wire = staged
     elif not wire.is_contiguous() or (not inplace and wire.data_ptr() == source.data_ptr()):
         wire = wire.contiguous() if inplace else wire.clone(memory_format=torch.contiguous_format)
-    if not inplace and staged is None and wire.dtype == tensor.dtype and wire.data_ptr() != source.data_ptr():
+    if inplace:
+        output = tensor
+    elif staged is None and wire.dtype == tensor.dtype and wire.data_ptr() != source.data_ptr():
         output = wire  # a fresh copy already: the sum lands in it, and it is the result
+    else:  # compressed or staged: the result is decompressed (or copied back) into a tensor of the input's kind
+        output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
     array, dtype = as_numpy(wire)
     worker_average = average and dtype != "bfloat16"
     handle = worker.push_pull_async(array, name, worker_average, priority, out=array, dtype=dtype)

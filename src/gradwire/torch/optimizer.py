@@ -13,12 +13,11 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from gradwire.config import Config
 from gradwire.errors import TensorError
 
 from .collectives import Average, Sum
 from .compression import Compression, Compressor
-from .gradients import GradientSync, current_worker_or_none
+from .gradients import GradientSync
 
 STEP_AFTER_SYNCHRONIZE = (
     "optimizer.step() called without optimizer.skip_synchronize() context after optimizer.synchronize(). This can "
@@ -36,7 +35,7 @@ class _DistributedOptimizer:
         compression: type[Compressor],
         backward_passes_per_step: int,
         op: str,
-        fusion_bytes: int,
+        fusion_bytes: int | None,
         predivide: float = 1.0,
         sparse_as_dense: bool = False,
         groups: list[list[torch.Tensor]] | None = None,
@@ -184,9 +183,6 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
             raise ValueError(f"num_groups must be >= 0, got {num_groups}")
         size = -(-len(params) // num_groups)
         groups = [params[i : i + size] for i in range(0, len(params), size)]
-    if fusion_bytes is None:
-        worker = current_worker_or_none()
-        fusion_bytes = (worker.config if worker is not None else Config.from_env()).fusion_bytes
     cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)

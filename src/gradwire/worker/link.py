@@ -67,6 +67,7 @@ class Work:
         "credited",
         "dtype",
         "handle",
+        "index",
         "key",
         "nbytes",
         "order",
@@ -96,9 +97,8 @@ class Work:
         index: int = 0,
         seed: bool = False,
     ) -> None:
-        self.tensor, self.key, self.round, self.dtype = tensor, key, rnd, dtype
-        # the job-wide order of flow control (see ServerLink._next): every worker gives a partition the same one
-        self.order: tuple = (rnd, 0, tensor, index)
+        self.tensor, self.key, self.round, self.dtype, self.index = tensor, key, rnd, dtype, index
+        self.order: tuple = ()  # the job-wide order of flow control, set when queued (see ServerLink._next)
         self.send = memoryview(send).cast("B")
         self.out = out
         self.nbytes = out.nbytes
@@ -278,7 +278,7 @@ class ServerLink:
 
     def submit(self, work: Work, priority: int) -> None:
         """Queue a partition; higher priority leaves first, equal priorities in submission order."""
-        work.order = (work.round, -priority, work.tensor, work.order[3])
+        work.order = (work.round, -priority, work.tensor, work.index)  # the same on every worker
         with self._cond:
             if self._closed is not None:
                 assert work.handle is not None
@@ -438,35 +438,38 @@ class ServerLink:
         pushing it while earlier sums are out. (The earlier rule, a fixed 100 ms escape, stalled every server link
         to one partition per 100 ms in training: 7.5 s a step against DDP's 2.2 s.)
         """
-        stalled_since: float | None = None
-        while self._closed is None and self.lost is None:
-            if self._heap and (self._heap[0][2].seed or self._in_flight < self.window):
-                work = self._next()
-                if work is not None:
-                    if stalled_since is not None:
-                        self.capped_seconds += time.monotonic() - stalled_since
-                    return work
-                now = time.monotonic()
-                stalled_since = stalled_since or now
-                if now - max(stalled_since, self._last_answer) > LIVENESS_SECONDS:
-                    self.cap_escapes += 1
-                    log.warning(
-                        "worker %d: the cap on unanswered partitions to server %d held every queued partition for "
-                        "%.1f s with no answer; sending one anyway (workers pushing keys in different orders and "
-                        "waiting in between)",
-                        self.rank,
-                        self.server,
-                        LIVENESS_SECONDS,
-                    )
-                    self.capped_seconds += now - stalled_since
-                    return heapq.heappop(self._heap)[2]
-                self._cond.wait(LIVENESS_SECONDS / 4)
-            else:
-                if stalled_since is not None:
-                    self.capped_seconds += time.monotonic() - stalled_since
-                    stalled_since = None
+        capped_since: float | None = None  # since when the cap has held back every queued partition
+        work = None
+        while work is None and self._closed is None and self.lost is None:
+            if not (self._heap and (self._heap[0][2].seed or self._in_flight < self.window)):
+                capped_since = self._end_capped(capped_since)  # now the window (or an empty queue) holds it
                 self._cond.wait()
-        return None
+                continue
+            work = self._next()
+            if work is not None:
+                break
+            now = time.monotonic()
+            capped_since = capped_since or now
+            if now - max(capped_since, self._last_answer) > LIVENESS_SECONDS:
+                self.cap_escapes += 1
+                log.warning(
+                    "worker %d: the cap on unanswered partitions to server %d held every queued partition for "
+                    "%.1f s with no answer; sending one anyway (workers pushing keys in different orders and "
+                    "waiting in between)",
+                    self.rank,
+                    self.server,
+                    LIVENESS_SECONDS,
+                )
+                work = heapq.heappop(self._heap)[2]
+            else:
+                self._cond.wait(LIVENESS_SECONDS / 4)
+        self._end_capped(capped_since)
+        return work
+
+    def _end_capped(self, since: float | None) -> None:
+        """Count the time the cap held every queued partition back (since `since`, if it did)."""
+        if since is not None:
+            self.capped_seconds += time.monotonic() - since
 
     def _next(self) -> Work | None:
         """The highest-priority queued partition the cap lets go (see `_wait_to_send`), taken off the queue."""

@@ -401,9 +401,9 @@ class Worker:
         n = self.size if average else 1
         with self._lock:
             servers = list(tensor.servers)
+        rnd, code = tensor.round, tensor.dtype.code
         for part, key, server in zip(tensor.parts, tensor.keys, servers, strict=True):
             sl = slice(part.start, part.start + part.count)
-            rnd, code = tensor.round, tensor.dtype.code
             work = Work(tensor.name, key, rnd, code, flat_in[sl], flat_out[sl], n, handle, part.index)
             self._links[server].submit(work, priority)
         return handle

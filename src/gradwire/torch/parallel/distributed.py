@@ -22,11 +22,10 @@ from typing import Any
 
 import gradwire
 import torch
-from gradwire.config import Config
 
 from ..broadcast import broadcast_parameters
 from ..compression import Compression, Compressor
-from ..gradients import GradientSync, current_worker_or_none
+from ..gradients import GradientSync
 
 
 class DistributedDataParallel(torch.nn.Module):
@@ -47,13 +46,10 @@ class DistributedDataParallel(torch.nn.Module):
         self.device_ids = list(device_ids or [])
         self.broadcast_buffers = broadcast_buffers
         named = list(module.named_parameters())
-        worker = current_worker_or_none()
-        fusion_bytes = (worker.config if worker is not None else Config.from_env()).fusion_bytes
         self._sync = GradientSync(
             [p for _, p in named],
             {id(p): n for n, p in named},
             compression,
-            fusion_bytes=fusion_bytes,
             prefix="Gradient.",
             owner="DistributedDataParallel",
         )
