@@ -13,11 +13,14 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from gradwire import partition
 from gradwire.config import Config
 from gradwire.errors import TensorError
 from gradwire.placement import Placement
 from gradwire.protocol import dtypes, messages
+from gradwire.server import ops
 
 
 @dataclass
@@ -31,8 +34,25 @@ class Declaration:
     partition_bytes: int
     keys: list[int] = field(default_factory=list)
     sizes: list[int] = field(default_factory=list)
+    key_op: str = "sum"  # what its keys compute (server/ops.py)
+    slices: list[list[int]] | None = None  # per rank, the [first element, count] of the result it pulls
     ready: threading.Event = field(default_factory=threading.Event)  # set once every owning server knows its keys
     error: str | None = None
+
+
+def _key_slices(sizes: list[int], slices: list[list[int]], itemsize: int) -> list[list[list[int]]]:
+    """Per key (partitions of `sizes` bytes, in order), per rank: the [start byte, bytes] of the key that falls in
+    the rank's slice [first element, count] of the tensor (empty where they miss)."""
+    out, start = [], 0
+    for nbytes in sizes:
+        end = start + nbytes
+        per_rank = []
+        for first, count in slices:
+            lo, hi = max(start, first * itemsize), min(end, (first + count) * itemsize)
+            per_rank.append([lo - start, hi - lo] if hi > lo else [0, 0])
+        out.append(per_rank)
+        start = end
+    return out
 
 
 class Declarations:
@@ -47,8 +67,10 @@ class Declarations:
         slot_bytes: Sequence[int],
         send: Callable[[int, dict], None],
         weights: Sequence[float] | None = None,
+        num_workers: int = 0,
     ) -> None:
         self.config = config
+        self.num_workers = num_workers  # whose slices a declaration may give
         self.slot_bytes = min(slot_bytes)
         self.placement = Placement(len(slot_bytes), weights)
         self.tensors: dict[str, Declaration] = {}
@@ -63,8 +85,14 @@ class Declarations:
         """Answer a worker's declaration: {servers, partition_bytes}, or {error} (with abort=False if only the
         declarer's request is wrong, rather than the job's workers disagreeing)."""
         name, shape, dtype = str(body["name"]), [int(d) for d in body["shape"]], str(body["dtype"])
-        if dtype not in dtypes.BY_NAME or any(d < 0 for d in shape) or len(shape) > 32:
-            return {"error": f"tensor {name!r}: bad declaration {dtype}{shape}", "abort": False}
+        key_op, slices = str(body.get("key_op", "sum")), body.get("slices")
+        if dtype not in dtypes.BY_NAME or any(d < 0 for d in shape) or len(shape) > 32 or key_op not in ops.OPS:
+            return {"error": f"tensor {name!r}: bad declaration {key_op} of {dtype}{shape}", "abort": False}
+        if slices is not None:
+            slices = [[int(a), int(b)] for a, b in slices]
+            num = int(np.prod(shape, dtype=np.int64))
+            if len(slices) != self.num_workers or any(a < 0 or b < 0 or a + b > num for a, b in slices):
+                return {"error": f"tensor {name!r}: bad slices {slices} of {num} elements", "abort": False}
         with self._lock:
             known = self.tensors.get(name)
             new = known is None
@@ -73,11 +101,13 @@ class Declarations:
                     known = self._place(name, shape, dtype, rank, int(body["partition_bytes"]))
                 except TensorError as e:
                     return {"error": str(e), "abort": False}
-        if known.shape != shape or known.dtype != dtype:
+                known.key_op, known.slices = key_op, slices
+        if known.shape != shape or known.dtype != dtype or known.key_op != key_op or known.slices != slices:
             return {
                 "error": (
-                    f"tensor {name!r} declared as {dtype}{shape} by worker {rank} but as {known.dtype}{known.shape} "
-                    f"by worker {known.rank}: every worker must declare the same shape and dtype"
+                    f"tensor {name!r} declared as {key_op} of {dtype}{shape} (slices {slices}) by worker {rank} but "
+                    f"as {known.key_op} of {known.dtype}{known.shape} (slices {known.slices}) by worker {known.rank}: "
+                    "every worker must call the same collective with the same shape and dtype"
                 )
             }
         if new:
@@ -132,13 +162,19 @@ class Declarations:
 
     def _register_keys(self, name: str, decl: Declaration, only: set[int] | None = None) -> None:
         """Tell each owning server (or those in `only`) its keys and wait for every answer."""
-        code = dtypes.BY_NAME[decl.dtype].code
+        wire = dtypes.BY_NAME[decl.dtype]
+        cuts = _key_slices(decl.sizes, decl.slices, wire.itemsize) if decl.slices is not None else None
         waits = []
         for server in sorted(set(decl.servers) if only is None else only):
-            owned = [[k, code, n] for k, n, s in zip(decl.keys, decl.sizes, decl.servers, strict=True) if s == server]
+            owned = [
+                [k, wire.code, n] for k, n, s in zip(decl.keys, decl.sizes, decl.servers, strict=True) if s == server
+            ]
+            body = {"op": messages.KEYS, "keys": owned, "name": name, "key_op": decl.key_op}
+            if cuts is not None:
+                body["slices"] = {str(k): cuts[decl.keys.index(k)] for k, _, _ in owned}
             rid = next(self._ids)
             event = self._acks[rid] = threading.Event()
-            self._send(server, {"op": messages.KEYS, "id": rid, "keys": owned, "name": name})
+            self._send(server, body | {"id": rid})
             waits.append((server, rid, event))
         for server, rid, event in waits:
             if not event.wait(self.config.timeout):

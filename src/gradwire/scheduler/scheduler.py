@@ -307,6 +307,7 @@ class Scheduler:
             [s.slot_bytes for s in self._servers],
             lambda rank, body: self._servers[rank].conn.send_json(FrameType.CONTROL, body),
             weights,
+            num_workers=len(self._workers),
         )
         book = self._address_book()
         for node in self._nodes if to is None else to:

@@ -44,6 +44,7 @@ from gradwire.errors import TensorError
 from gradwire.protocol import dtypes
 from gradwire.protocol.frames import SEED
 from gradwire.ring import Ring, RingClosed, Slot
+from gradwire.server import ops
 from gradwire.transport.shm import NO_SLOT
 
 log = logging.getLogger("gradwire.server")
@@ -56,23 +57,40 @@ class KeyState:
         "acc",
         "count",
         "dtype",
+        "filled",
         "length",
+        "lengths",
         "name",
         "narrow",
+        "op",
         "out",
         "pulls",
         "pushed",
+        "results",
         "round",
         "scratch",
         "seeded",
+        "slices",
         "stage",
         "staged",
         "started",
         "turn",
     )
 
-    def __init__(self, dtype: dtypes.DType, length: int, num_workers: int, name: str = "?") -> None:
+    def __init__(
+        self,
+        dtype: dtypes.DType,
+        length: int,
+        num_workers: int,
+        name: str = "?",
+        op: ops.KeyOp = ops.SUM,
+        slices: list[tuple[int, int]] | None = None,
+    ) -> None:
         self.name = name  # the tensor's, for stall reports
+        self.op = op
+        self.slices = slices  # (start byte, bytes) of the result each rank pulls; None: all of it
+        self.filled = [0, 0]  # a gather's elements in, per buffer
+        self.lengths = [[0] * num_workers for _ in range(2)]  # elements of each staged contribution (a gather's vary)
         self.started = [0.0, 0.0]  # when each buffer's round got its first contribution (the engine's clock)
         self.dtype = dtype
         self.length = length
@@ -80,7 +98,10 @@ class KeyState:
         self.narrow = dtype.accumulate != dtype.wire
         self.acc = [np.empty(n, dtype.accumulate) for _ in range(2)]
         self.out = [np.empty(n, dtype.wire) for _ in range(2)] if self.narrow else self.acc
-        self.scratch = np.empty(n, dtype.accumulate) if dtype is dtypes.BFLOAT16 else self.acc[0]
+        self.scratch = np.empty(n, dtype.accumulate) if dtype.accumulate != dtype.wire else self.acc[0]
+        # what each buffer's round answers: the whole result, or one slice per rank (views made once, here)
+        whole = [memoryview(out).cast("B") for out in self.out]
+        self.results: list = whole if slices is None else [[w[a : a + b] for a, b in slices] for w in whole]
         self.round = [-1, -1]
         self.count = [0, 0]
         self.pushed = [0, 0]  # bitmask of ranks that pushed the round in this buffer
@@ -91,8 +112,9 @@ class KeyState:
         self.seeded = [False, False]  # the round's sum came as a seed (a failover), not from contributions
 
 
-# reply(key, round, dtype code, payload view, pull slot per rank, bitmask of ranks) -> None: queue the sum for them
-Reply = Callable[[int, int, int, memoryview, list[int], int], None]
+# reply(key, round, dtype code, payload, pull slot per rank, bitmask of ranks) -> None: queue the result for them;
+# the payload is one view for all, or a list with each rank's view (a key declared with slices)
+Reply = Callable[[int, int, int, "memoryview | list[memoryview]", list[int], int], None]
 # fail(slot, message) -> None: send an ERROR for the slot's key to its sender
 Fail = Callable[[Slot, str], None]
 # ack(rank, key, round) -> None: tell one worker its contribution is in
@@ -156,14 +178,22 @@ class Engine:
             self.ring.release(available)
             next_seq = available + 1
 
-    def declare(self, key: int, dtype: dtypes.DType, length: int, name: str = "?") -> None:
+    def declare(
+        self,
+        key: int,
+        dtype: dtypes.DType,
+        length: int,
+        name: str = "?",
+        op: ops.KeyOp = ops.SUM,
+        slices: list[tuple[int, int]] | None = None,
+    ) -> None:
         """Allocate a key's accumulators (called by the scheduler link when the key is declared).
 
         From another thread: a whole KeyState is built first and then published by one dict assignment, which
         is atomic, so the engine sees either no state or a complete one. Redeclaring the same key is a no-op.
         """
         if key not in self.keys:
-            self.keys[key] = KeyState(dtype, length, self.num_workers, name)
+            self.keys[key] = KeyState(dtype, length, self.num_workers, name, op, slices)
 
     def reset(self, num_workers: int, forget: bool = False) -> None:
         """Elastic: start every key afresh for `num_workers` workers (`forget`: drop every key, and its memory).
@@ -175,14 +205,15 @@ class Engine:
             self.keys = {}
             return
         for key, state in list(self.keys.items()):
-            self.keys[key] = KeyState(state.dtype, state.length, num_workers, state.name)
+            slices = state.slices if state.slices is None or len(state.slices) == num_workers else None
+            self.keys[key] = KeyState(state.dtype, state.length, num_workers, state.name, state.op, slices)
 
     def landing(self, key: int, rnd: int, sender: int) -> np.ndarray | None:
         """Where a reader may receive `sender`'s contribution to `key`'s round `rnd` directly (deterministic sums
         only; None: into a ring slot). Called by the one reader of that sender's connection, after `check`; the
         buffer is allocated once per key, rank and round buffer."""
         state = self.keys.get(key)
-        if not self.deterministic or sender == 0 or state is None or sender >= self.num_workers:
+        if state is None or sender == 0 or sender >= self.num_workers or not (self.deterministic or state.op.ordered):
             return None
         return self._stage(state, rnd & 1, sender).view(np.uint8)
 
@@ -199,7 +230,7 @@ class Engine:
         state = self.keys.get(key)
         if state is None:
             return f"key {key:016x} is not declared on this server"
-        if state.dtype.code != dtype or state.length != length:
+        if state.dtype.code != dtype or not (length == state.length or state.op.variable and length < state.length):
             wire = dtypes.BY_CODE[dtype].name
             return f"{length} bytes of {wire} pushed, but the key is {state.length} bytes of {state.dtype.name}"
         return None
@@ -223,7 +254,7 @@ class Engine:
         """Add one contribution (or take a seed); publish the sum when the round is complete."""
         state = self.keys.get(slot.key)
         dtype = dtypes.BY_CODE[slot.dtype]
-        if state is None or state.dtype is not dtype or state.length != slot.length:  # readers check first
+        if state is None or state.dtype is not dtype or self.check(slot.key, slot.dtype, slot.length):  # readers did
             raise TensorError(f"worker {slot.sender} pushed an undeclared or inconsistent key")
         i = slot.round & 1
         if slot.flags & SEED:
@@ -239,22 +270,23 @@ class Engine:
         if state.seeded[i] and state.count[i] == self.num_workers:
             # a worker the dead server never answered pushes a round whose sum came as a seed: answer it alone
             self.seeded_answers += 1
-            self._reply(slot.key, slot.round, slot.dtype, memoryview(state.out[i]).cast("B"), state.pulls[i], bit)
+            self._answer(state, slot.key, slot.round, slot.dtype, i, bit)
             return
         if state.pushed[i] & bit:
             raise TensorError(f"worker {slot.sender} pushed round {slot.round} twice")
         wire = slot.data.view(dtype.wire)
         if state.count[i] == 0:
             state.started[i] = self.clock()
-        if not self.deterministic:
-            self._add(state, i, dtype, wire, first=state.count[i] == 0)
+        if not (self.deterministic or state.op.ordered):
+            state.op.add(state, i, dtype, wire, state.count[i] == 0)
         elif slot.sender == state.turn[i]:
-            self._add(state, i, dtype, wire, first=slot.sender == 0)
+            state.op.add(state, i, dtype, wire, slot.sender == 0)
             self._drain(state, i, dtype)
         else:  # early: it waits in its staging buffer (where a socket's reader received it, or copied from the ring
             # or the worker's shared slot), and is acknowledged now (see the module's docstring)
             if not slot.landed:
-                self._stage(state, i, slot.sender)[:] = wire
+                self._stage(state, i, slot.sender)[: len(wire)] = wire
+            state.lengths[i][slot.sender] = len(wire)
             state.staged[i] |= bit
         state.count[i] += 1
         state.pushed[i] |= bit
@@ -263,16 +295,14 @@ class Engine:
             # unanswered sums deadlocks when workers' windows fill with different keys.
             self._ack(slot.sender, slot.key, slot.round)
         else:  # complete: the RESULT is the last pusher's acknowledgement too
+            state.op.check(state, i)
             if state.narrow:
                 dtypes.narrow(dtype, state.acc[i], state.out[i])
-            payload = memoryview(state.out[i]).cast("B")
-            self._reply(slot.key, slot.round, slot.dtype, payload, state.pulls[i], self.everyone)
+            self._answer(state, slot.key, slot.round, slot.dtype, i, self.everyone)
 
-    def _add(self, state: KeyState, i: int, dtype: dtypes.DType, wire: np.ndarray, first: bool) -> None:
-        if first:
-            dtypes.widen(dtype, wire, state.acc[i])
-        else:
-            dtypes.add_into(dtype, state.acc[i], wire, state.scratch)
+    def _answer(self, state: KeyState, key: int, rnd: int, code: int, i: int, ranks: int) -> None:
+        """Send the result of round buffer `i` to `ranks`: all of it, or each rank its slice."""
+        self._reply(key, rnd, code, state.results[i], state.pulls[i], ranks)
 
     def _drain(self, state: KeyState, i: int, dtype: dtypes.DType) -> None:
         """After rank `turn` was added: add the early contributions that are now next in rank order."""
@@ -281,7 +311,7 @@ class Engine:
             rank = state.turn[i]
             source = state.stage[i][rank]
             assert source is not None
-            dtypes.add_into(dtype, state.acc[i], source, state.scratch)
+            state.op.add(state, i, dtype, source[: state.lengths[i][rank]], rank == 0)
             state.staged[i] &= ~(1 << rank)
             state.turn[i] += 1
 
@@ -300,4 +330,4 @@ class Engine:
         state.turn[i], state.staged[i], state.seeded[i] = self.num_workers, 0, True
         if waiting:
             self.seeded_answers += bin(waiting).count("1")
-            self._reply(slot.key, slot.round, slot.dtype, memoryview(state.out[i]).cast("B"), state.pulls[i], waiting)
+            self._answer(state, slot.key, slot.round, slot.dtype, i, waiting)

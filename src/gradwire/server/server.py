@@ -17,11 +17,12 @@ import numpy as np
 from gradwire.admin.metrics import Metrics
 from gradwire.admin.node import NodeAdmin
 from gradwire.config import Config
-from gradwire.errors import GradwireError, RemoteProtocolError
+from gradwire.errors import GradwireError, RemoteProtocolError, TensorError
 from gradwire.protocol import dtypes, frames, messages
 from gradwire.protocol.frames import SEED, FrameType
 from gradwire.ring import Ring, RingClosed, Slot
 from gradwire.scheduler.client import join
+from gradwire.server import ops
 from gradwire.server.engine import Engine
 from gradwire.throttle import HandshakeGate
 from gradwire.transport import shm, tcp
@@ -290,7 +291,7 @@ class Server:
                 else:
                     landing = None if header.flags & SEED else engine.landing(header.key, header.round, header.sender)
                     slot.landed = landing is not None
-                    into = landing if landing is not None else slot.array[: header.length]
+                    into = landing[: header.length] if landing is not None else slot.array[: header.length]
                     conn.recv_into(memoryview(into))
                     slot.data, slot.pull = into, shm.NO_SLOT
                 slot.valid = True
@@ -332,13 +333,16 @@ class Server:
             raise RemoteProtocolError(f"bad shared pull slot {pull}")
         return push, pull
 
-    def _queue_reply(self, key: int, rnd: int, dtype: int, payload: memoryview, pulls: list[int], ranks: int) -> None:
+    def _queue_reply(
+        self, key: int, rnd: int, dtype: int, payload: memoryview | list[memoryview], pulls: list[int], ranks: int
+    ) -> None:
         if ranks == self._everyone:
             self.metrics.round_done()
+        sliced = isinstance(payload, list)
         for rank in range(self.num_workers):
             link = self._links.get(rank)
             if link is not None and ranks >> rank & 1:
-                link.replies.put((key, rnd, dtype, payload, pulls[rank]))
+                link.replies.put((key, rnd, dtype, payload[rank] if sliced else payload, pulls[rank]))
 
     def _queue_ack(self, rank: int, key: int, rnd: int) -> None:
         link = self._links.get(rank)
@@ -356,11 +360,22 @@ class Server:
     def _declare_keys(self, body: dict) -> None:
         """Allocate the accumulators of keys this server owns, then tell the scheduler they are ready."""
         name = str(body.get("name", "?"))
+        try:
+            op = ops.lookup(str(body.get("key_op", "sum")))
+        except TensorError as e:
+            raise RemoteProtocolError(str(e)) from None
+        slices = body.get("slices") or {}
         for key, code, length in body["keys"]:
             dtype = dtypes.BY_CODE[int(code)]
             if not 0 < int(length) <= self.config.partition_bytes or int(length) % dtype.itemsize:
                 raise RemoteProtocolError(f"scheduler declared key {int(key):016x} with {length} bytes")
-            self._engines[int(key) % len(self._engines)].declare(int(key), dtype, int(length), name)
+            cut = slices.get(str(key))
+            if cut is not None:
+                cut = [(int(a), int(b)) for a, b in cut]
+                if any(a < 0 or b < 0 or a + b > int(length) or (a | b) % dtype.itemsize for a, b in cut):
+                    raise RemoteProtocolError(f"scheduler declared key {int(key):016x} with slices {cut}")
+            engine = self._engines[int(key) % len(self._engines)]
+            engine.declare(int(key), dtype, int(length), name, op, cut)
         assert self._scheduler is not None
         self._scheduler.send_json(FrameType.CONTROL, {"op": messages.REPLY, "id": body["id"]})
 

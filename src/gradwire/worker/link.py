@@ -71,6 +71,8 @@ class Work:
         "key",
         "nbytes",
         "order",
+        "partial",
+        "push_bytes",
         "out",
         "pull_slot",
         "push_slot",
@@ -96,12 +98,15 @@ class Work:
         handle: Handle | None,
         index: int = 0,
         seed: bool = False,
+        partial: bool = False,
     ) -> None:
         self.tensor, self.key, self.round, self.dtype, self.index = tensor, key, rnd, dtype, index
         self.order: tuple = ()  # the job-wide order of flow control, set when queued (see ServerLink._next)
         self.send = memoryview(send).cast("B")
+        self.push_bytes = len(self.send)  # what this worker contributes (a gather's part may be short, or empty)
         self.out = out
-        self.nbytes = out.nbytes
+        self.nbytes = out.nbytes  # what it pulls
+        self.partial = partial  # it pulls only its slice of the key's result (so holds no sum to seed a failover)
         self.average = average
         self.handle = handle
         self.acked = False  # the server has our contribution: the window slot and credit are free again
@@ -289,7 +294,7 @@ class ServerLink:
                 work.t_queued = time.monotonic()
                 heapq.heappush(self._heap, (-priority, next(self._order), work))
                 if not work.seed:
-                    self.credit.queue(self.server, work.nbytes)
+                    self.credit.queue(self.server, work.push_bytes)
                 self._cond.notify()
                 return
         redirect(work, priority)  # this server is gone and its keys have moved
@@ -347,7 +352,7 @@ class ServerLink:
         self.credit.unpace(self.server)
         for work in works:
             if work.credited and not work.acked:
-                self.credit.release(work.nbytes)
+                self.credit.release(work.push_bytes)
             work.acked = work.credited = False
             work.push_slot = work.pull_slot = shm.NO_SLOT
         if self.arena is not None:
@@ -387,7 +392,7 @@ class ServerLink:
                 if not self._send_seed(header, work):
                     return
                 continue
-            self.credit.acquire(work.nbytes, self.server)
+            self.credit.acquire(work.push_bytes, self.server)
             work.credited = True
             work.t_sent = time.monotonic()
             if self.timeline:
@@ -396,12 +401,12 @@ class ServerLink:
                 self._push_shared(header, work)
                 continue
             frames.pack_header_into(
-                header, FrameType.PUSHPULL, work.nbytes, work.dtype, self.epoch, self.rank, work.key, work.round
+                header, FrameType.PUSHPULL, work.push_bytes, work.dtype, self.epoch, self.rank, work.key, work.round
             )
             if not self._send([header, work.send]):
                 return
             work.t_pushed = time.monotonic()
-            self.metrics.pushed(work.nbytes)
+            self.metrics.pushed(work.push_bytes)
 
     def _send(self, parts: list) -> bool:
         """Send one frame; False (and the link broken) if the connection failed."""
@@ -415,7 +420,7 @@ class ServerLink:
     def _send_seed(self, header: bytearray, work: Work) -> bool:
         """A sum this worker holds, for the key's new server (always on the socket, never a shared slot)."""
         frames.pack_header_into(
-            header, FrameType.PUSHPULL, work.nbytes, work.dtype, self.epoch, self.rank, work.key, work.round, SEED
+            header, FrameType.PUSHPULL, work.push_bytes, work.dtype, self.epoch, self.rank, work.key, work.round, SEED
         )
         return self._send([header, work.send])
 
@@ -494,11 +499,11 @@ class ServerLink:
     def _push_shared(self, header: bytearray, work: Work) -> None:
         """Copy the partition into its push slot and send the header alone (transport/shm.py)."""
         assert self.arena is not None
-        np.copyto(self.arena.push_slot(work.push_slot, work.nbytes), np.frombuffer(work.send, np.uint8))
+        np.copyto(self.arena.push_slot(work.push_slot, work.push_bytes), np.frombuffer(work.send, np.uint8))
         frames.pack_header_into(
             header,
             FrameType.PUSHPULL,
-            work.nbytes,
+            work.push_bytes,
             work.dtype,
             self.epoch,
             self.rank,
@@ -510,7 +515,7 @@ class ServerLink:
         if not self._send([header]):
             return
         work.t_pushed = time.monotonic()
-        self.metrics.pushed(work.nbytes)
+        self.metrics.pushed(work.push_bytes)
 
     def _recv_loop(self) -> None:
         np.seterr(all="ignore")  # averaging inf or nan gives inf or nan, as in the sum (see server/engine.py)
@@ -543,7 +548,7 @@ class ServerLink:
             if newly_acked or remove:  # a freed window place, or a freed unanswered place
                 self._cond.notify()
         if newly_acked:
-            self.credit.release(work.nbytes)
+            self.credit.release(work.push_bytes)
         return work
 
     def _on_ack(self, header: frames.Header) -> None:
@@ -566,7 +571,7 @@ class ServerLink:
             )
         out = work.out.reshape(-1).view(np.uint8)
         saved = None
-        if self.saved is not None:  # the sum goes to the key's saved copy first (see the module's docstring)
+        if self.saved is not None and not work.partial:  # the sum goes to the key's saved copy first (see above)
             saved = self.saved.get(work.key)
             if saved is None or len(saved.data) != work.nbytes:
                 saved = self.saved[work.key] = Saved(work.nbytes, work.dtype)  # once per key

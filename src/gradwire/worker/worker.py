@@ -315,19 +315,30 @@ class Worker:
 
     # -- tensors ---------------------------------------------------------------------------------
 
-    def declare(self, name: str, shape: tuple[int, ...] | list[int], dtype: object) -> Tensor:
+    def declare(
+        self,
+        name: str,
+        shape: tuple[int, ...] | list[int],
+        dtype: object,
+        key_op: str = "sum",
+        slices: list[tuple[int, int]] | None = None,
+    ) -> Tensor:
         """Declare a tensor (idempotent). Every worker must declare `name` with the same shape and dtype.
 
         A name used again with another shape or dtype (two models whose parameters share names, a metric whose
         length changes) is a new declaration: each (name, shape, dtype) is its own tensor on the servers, numbered
         in the order this worker first used it (`name`, then `name#1`, `name#2`, ...). Workers running the same
         program number them alike, and the scheduler checks each number's shape across workers as for any name.
+
+        `key_op` is what the servers compute over its rounds (server/ops.py: sum, min, max, product, gather), and
+        `slices`, per rank, the (first element, count) of the result that rank pulls (None: all of it).
         """
         shape = tuple(int(d) for d in shape)
         wire = dtypes.from_numpy(dtype)
+        cut = tuple((int(a), int(b)) for a, b in slices) if slices is not None else None
         with self._lock:
             versions = self._versions.setdefault(name, [])
-            signature = (shape, wire)
+            signature = (shape, wire, key_op, cut)
             if signature not in versions:
                 versions.append(signature)
             version = versions.index(signature)
@@ -335,18 +346,23 @@ class Worker:
             known = self._tensors.get(internal)
         if known is not None:
             return known
-        return self._declare_new(internal, shape, wire)
+        return self._declare_new(internal, shape, wire, key_op, cut)
 
-    def _declare_new(self, name: str, shape: tuple[int, ...], wire: dtypes.DType) -> Tensor:
-        reply = self._request(
-            {
-                "op": messages.DECLARE,
-                "name": name,
-                "shape": list(shape),
-                "dtype": wire.name,
-                "partition_bytes": self._partition_bytes,
-            }
-        )
+    def _declare_new(
+        self, name: str, shape: tuple[int, ...], wire: dtypes.DType, key_op: str, slices: tuple | None
+    ) -> Tensor:
+        body = {
+            "op": messages.DECLARE,
+            "name": name,
+            "shape": list(shape),
+            "dtype": wire.name,
+            "partition_bytes": self._partition_bytes,
+        }
+        if key_op != "sum":
+            body["key_op"] = key_op
+        if slices is not None:
+            body["slices"] = [list(s) for s in slices]
+        reply = self._request(body)
         if "error" in reply:
             raise TensorError(f"worker {self.rank}: {reply['error']}", tensor=name, rank=self.rank)
         num = int(np.prod(shape, dtype=np.int64))
@@ -368,8 +384,10 @@ class Worker:
         priority: int = 0,
         out: np.ndarray | None = None,
         dtype: object = None,
+        op: str = "sum",
     ) -> Handle:
         """Start summing `array` across workers; the sum (or average) lands in `out` (a new array if None).
+        `op` is the reduction: "sum" (the default), "min", "max" or "product".
 
         `out` may be `array` itself (in place). Neither may be modified until the handle completes.
         `dtype` overrides the wire dtype name (e.g. "bfloat16" for uint16-held bfloat16 bits).
@@ -395,18 +413,104 @@ class Worker:
                 tensor=name,
                 rank=self.rank,
             )
-        tensor = self.declare(name, src.shape, dtype or src.dtype)
+        tensor = self.declare(name, src.shape, dtype or src.dtype, op)
+        return self._launch(tensor, out, src.reshape(-1), 0, out.reshape(-1), 0, self.size if average else 1, priority)
+
+    def _launch(
+        self,
+        tensor: Tensor,
+        out: np.ndarray,
+        send: np.ndarray,
+        send_at: int,
+        pull: np.ndarray,
+        pull_at: int,
+        average: int,
+        priority: int,
+    ) -> Handle:
+        """Push every partition of `tensor`'s next round: `send` holds the elements [send_at, send_at + len) of the
+        tensor that this worker contributes (all of them for a reduction, its own segment for a gather); the result's
+        elements [pull_at, pull_at + len) land in `pull` (a view of `out`): all of them, or this rank's slice."""
         handle = self._begin(tensor, out)
-        flat_in, flat_out = src.reshape(-1), out.reshape(-1)
-        n = self.size if average else 1
         with self._lock:
             servers = list(tensor.servers)
         rnd, code = tensor.round, tensor.dtype.code
+        sent, pulled = len(send), len(pull)
         for part, key, server in zip(tensor.parts, tensor.keys, servers, strict=True):
-            sl = slice(part.start, part.start + part.count)
-            work = Work(tensor.name, key, rnd, code, flat_in[sl], flat_out[sl], n, handle, part.index)
+            lo, hi = part.start, part.start + part.count
+            give = send[min(max(lo - send_at, 0), sent) : min(max(hi - send_at, 0), sent)]
+            take = pull[min(max(lo - pull_at, 0), pulled) : min(max(hi - pull_at, 0), pulled)]
+            work = Work(
+                tensor.name, key, rnd, code, give, take, average, handle, part.index, partial=len(take) < hi - lo
+            )
             self._links[server].submit(work, priority)
         return handle
+
+    def reduce_scatter_async(
+        self,
+        array: np.ndarray,
+        name: str,
+        slices: list[tuple[int, int]],
+        out: np.ndarray,
+        average: bool = False,
+        priority: int = 0,
+        op: str = "sum",
+    ) -> Handle:
+        """Reduce `array` across workers and receive only this worker's part of the result: worker r receives
+        `slices[r]` = (first element, count) of the flattened result into its `out`. Each worker pushes all of its
+        array and pulls only its slice (half an allreduce's bytes). Every worker passes the same `slices`."""
+        self._check_usable()
+        src = np.ascontiguousarray(array).reshape(array.shape)
+        first, count = slices[self.rank] if len(slices) == self.size else (0, -1)
+        if out.size != count or not out.flags.c_contiguous or out.dtype != src.dtype:
+            raise TensorError(
+                f"worker {self.rank}: reduce-scatter of {name!r} with slices {slices} for {self.size} workers needs "
+                f"a C-contiguous output of {count} {src.dtype} elements, got {out.size} {out.dtype}",
+                tensor=name,
+                rank=self.rank,
+            )
+        tensor = self.declare(name, src.shape, src.dtype, op, slices)
+        n = self.size if average else 1
+        return self._launch(tensor, out, src.reshape(-1), 0, out.reshape(-1), first, n, priority)
+
+    def gather_async(
+        self,
+        array: np.ndarray,
+        name: str,
+        counts: list[int],
+        out: np.ndarray,
+        slices: list[tuple[int, int]] | None = None,
+        priority: int = 0,
+        shape: tuple[int, ...] | None = None,
+    ) -> Handle:
+        """Concatenate every worker's `array` (flattened), in rank order, on the servers.
+
+        `counts[r]` is the number of elements worker r contributes (this worker's must be `array.size`). The result
+        has sum(counts) elements; worker r receives `slices[r]` = (first, count) of them into its `out` (None: all
+        of them). So a broadcast is a gather to which only the root contributes, and an alltoall is one gather per
+        destination that only the destination pulls. Every worker passes the same `counts` and `slices`. `shape` is
+        what the tensor is declared as (checked across workers); it defaults to (sum(counts),).
+        """
+        self._check_usable()
+        counts = [int(c) for c in counts]
+        if len(counts) != self.size or counts[self.rank] != array.size or min(counts) < 0:
+            raise TensorError(
+                f"worker {self.rank}: gather of {name!r} got counts {counts} for {self.size} workers and "
+                f"{array.size} elements of its own",
+                tensor=name,
+                rank=self.rank,
+            )
+        total = sum(counts)
+        first, count = slices[self.rank] if slices is not None else (0, total)
+        if out.size != count or not out.flags.c_contiguous or out.dtype != array.dtype:
+            raise TensorError(
+                f"worker {self.rank}: gather of {name!r} needs a C-contiguous output of {count} {array.dtype} "
+                f"elements, got {out.size} {out.dtype}",
+                tensor=name,
+                rank=self.rank,
+            )
+        src = np.ascontiguousarray(array).reshape(-1)
+        tensor = self.declare(name, shape or (total,), src.dtype, "gather", slices)
+        return self._launch(tensor, out, src, sum(counts[: self.rank]), out.reshape(-1), first, 1, priority)
 
     def _begin(self, tensor: Tensor, out: np.ndarray) -> Handle:
         with self._lock:

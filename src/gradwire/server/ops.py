@@ -1,0 +1,110 @@
+"""Per-key operations: what a key's rounds compute (the engine's one extension point, docs/architecture.md).
+
+A key is declared with one operation, and the engine runs it with the machinery every key shares (the ring, the
+double-buffered rounds, the rank order of deterministic sums, the staging of early contributions, validation,
+failover seeds, metrics). An operation only says how a contribution goes into the round's accumulator:
+
+- `Reduce(ufunc)`: elementwise sum, min, max or product, in the accumulator's precision (float16 and bfloat16 in
+  float32). Sum is the default of every key.
+- `Gather`: contributions are concatenated in rank order; each may be shorter than the key, or empty. Allgather is a
+  gather whose partitions each rank fills with the part of its tensor that falls in them; a broadcast is a gather
+  to which only the root contributes.
+
+What each rank pulls is the key's, not the operation's: the whole result, or a slice of it per rank (`slices`,
+declared with the key): reducescatter is a sum with slices, and a rank whose slice misses a key pulls nothing.
+New operations (an optimizer update: issue 17) subclass `KeyOp` and are added to `OPS`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+import numpy as np
+
+from gradwire.errors import TensorError
+from gradwire.protocol import dtypes
+
+if TYPE_CHECKING:
+    from gradwire.server.engine import KeyState
+
+
+class KeyOp:
+    """How a contribution goes into a round. Stateless: one instance serves every key of its kind."""
+
+    name: ClassVar[str]
+    ordered: ClassVar[bool] = False  # contributions must go in in rank order, even when sums need not be
+    variable: ClassVar[bool] = False  # a contribution may be shorter than the key (down to empty)
+
+    def add(self, state: KeyState, i: int, dtype: dtypes.DType, wire: np.ndarray, first: bool) -> None:
+        """Put one contribution into round buffer `i` (`first`: the round's first, in the order it is added)."""
+        raise NotImplementedError
+
+    def check(self, state: KeyState, i: int) -> None:
+        """Called when every contribution is in: raise TensorError if they do not make a result."""
+
+
+class Reduce(KeyOp):
+    """An elementwise reduction by a numpy ufunc."""
+
+    def __init__(self, name: str, ufunc: np.ufunc) -> None:
+        self.name = name  # type: ignore[misc]
+        self.ufunc = ufunc
+
+    def add(self, state: KeyState, i: int, dtype: dtypes.DType, wire: np.ndarray, first: bool) -> None:
+        acc = state.acc[i]
+        if first:
+            dtypes.widen(dtype, wire, acc)
+        elif self.ufunc is np.add:
+            dtypes.add_into(dtype, acc, wire, state.scratch)
+        elif dtype.accumulate != dtype.wire:  # float16 and bfloat16: widened first
+            dtypes.widen(dtype, wire, state.scratch)
+            self.ufunc(acc, state.scratch, out=acc)
+        else:
+            self.ufunc(acc, wire, out=acc, casting="unsafe")
+
+
+class Gather(KeyOp):
+    """Concatenation in rank order (allgather, broadcast); `state.filled[i]` is how many elements are in."""
+
+    name = "gather"
+    ordered = True
+    variable = True
+
+    def add(self, state: KeyState, i: int, dtype: dtypes.DType, wire: np.ndarray, first: bool) -> None:
+        start = 0 if first else state.filled[i]
+        end = start + len(wire)
+        if end > len(state.acc[i]):
+            raise TensorError(
+                f"gather {state.name!r}: contributions of {end} elements overflow the key's {len(state.acc[i])}"
+            )
+        if len(wire):
+            dtypes.widen(dtype, wire, state.acc[i][start:end])
+        state.filled[i] = end
+
+    def check(self, state: KeyState, i: int) -> None:
+        if state.filled[i] != len(state.acc[i]):
+            raise TensorError(
+                f"gather {state.name!r}: the workers' contributions fill {state.filled[i]} of the key's "
+                f"{len(state.acc[i])} elements (their sizes disagree)"
+            )
+
+
+OPS: dict[str, KeyOp] = {
+    op.name: op
+    for op in (
+        Reduce("sum", np.add),
+        Reduce("min", np.minimum),
+        Reduce("max", np.maximum),
+        Reduce("product", np.multiply),
+        Gather(),
+    )
+}
+SUM = OPS["sum"]
+
+
+def lookup(name: str) -> KeyOp:
+    """The operation called `name`; TensorError naming the known ones otherwise."""
+    try:
+        return OPS[name]
+    except KeyError:
+        raise TensorError(f"unknown per-key operation {name!r}; known: {', '.join(sorted(OPS))}") from None
