@@ -35,6 +35,7 @@ from gradwire.errors import (
     ProtocolError,
     RemoteProtocolError,
     TensorError,
+    TensorMismatch,
     WorkerLost,
     WorkersJoining,
 )
@@ -56,6 +57,7 @@ __all__ = [
     "ProtocolError",
     "RemoteProtocolError",
     "TensorError",
+    "TensorMismatch",
     "Worker",
     "WorkerLost",
     "WorkersJoining",

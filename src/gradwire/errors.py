@@ -48,8 +48,13 @@ class AuthenticationError(GradwireError):
     """The peer failed the HMAC challenge-response: it does not hold the job secret."""
 
 
-class TensorError(GradwireError):
-    """A tensor is declared or used inconsistently across workers or calls."""
+class TensorError(GradwireError, ValueError):
+    """A tensor is declared or used inconsistently across workers or calls (a ValueError, as Horovod's are)."""
+
+
+class TensorMismatch(TensorError, RuntimeError):
+    """Workers called one collective with different shapes, dtypes or arguments (a RuntimeError too: Horovod raises
+    one for this, on every rank)."""
 
 
 class JobAborted(GradwireError):

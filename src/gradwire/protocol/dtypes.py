@@ -1,7 +1,7 @@
 """The element types gradwire moves, their wire codes, and how a server sums each.
 
 float16 and bfloat16 are summed in float32 (accumulating many halves in half precision loses the
-low bits of the gradient); every other type is summed in itself.
+low bits of the gradient); every other type is summed in itself (integers wrap around, as in torch).
 """
 
 from __future__ import annotations
@@ -35,6 +35,10 @@ _TABLE = (
     DType(4, "int32", np.dtype(np.int32), np.dtype(np.int32)),
     DType(5, "int64", np.dtype(np.int64), np.dtype(np.int64)),
     DType(6, "bfloat16", np.dtype(np.uint16), np.dtype(np.float32)),
+    DType(7, "uint8", np.dtype(np.uint8), np.dtype(np.uint8)),
+    DType(8, "int8", np.dtype(np.int8), np.dtype(np.int8)),
+    DType(9, "int16", np.dtype(np.int16), np.dtype(np.int16)),
+    DType(10, "bool", np.dtype(np.bool_), np.dtype(np.bool_)),  # a sum is a logical or, a product an and
 )
 BY_CODE = {d.code: d for d in _TABLE}
 BY_NAME = {d.name: d for d in _TABLE}

@@ -36,8 +36,14 @@ class Declaration:
     sizes: list[int] = field(default_factory=list)
     key_op: str = "sum"  # what its keys compute (server/ops.py)
     slices: list[list[int]] | None = None  # per rank, the [first element, count] of the result it pulls
+    meta: str | None = None  # anything else the workers must agree on (a broadcast's root)
     ready: threading.Event = field(default_factory=threading.Event)  # set once every owning server knows its keys
     error: str | None = None
+
+
+def _describe(key_op: str, dtype: str, shape: list[int], slices: list | None, meta: str | None) -> str:
+    extra = "".join(f", {k} {v}" for k, v in (("slices", slices), ("meta", meta)) if v is not None)
+    return f"{key_op} of {dtype}{shape}{extra}"
 
 
 def _key_slices(sizes: list[int], slices: list[list[int]], itemsize: int) -> list[list[list[int]]]:
@@ -85,7 +91,8 @@ class Declarations:
         """Answer a worker's declaration: {servers, partition_bytes}, or {error} (with abort=False if only the
         declarer's request is wrong, rather than the job's workers disagreeing)."""
         name, shape, dtype = str(body["name"]), [int(d) for d in body["shape"]], str(body["dtype"])
-        key_op, slices = str(body.get("key_op", "sum")), body.get("slices")
+        key_op, slices, meta = str(body.get("key_op", "sum")), body.get("slices"), body.get("meta")
+        meta = None if meta is None else str(meta)
         if dtype not in dtypes.BY_NAME or any(d < 0 for d in shape) or len(shape) > 32 or key_op not in ops.OPS:
             return {"error": f"tensor {name!r}: bad declaration {key_op} of {dtype}{shape}", "abort": False}
         if slices is not None:
@@ -101,13 +108,16 @@ class Declarations:
                     known = self._place(name, shape, dtype, rank, int(body["partition_bytes"]))
                 except TensorError as e:
                     return {"error": str(e), "abort": False}
-                known.key_op, known.slices = key_op, slices
-        if known.shape != shape or known.dtype != dtype or known.key_op != key_op or known.slices != slices:
+                known.key_op, known.slices, known.meta = key_op, slices, meta
+        mine, theirs = (
+            (key_op, dtype, shape, slices, meta),
+            (known.key_op, known.dtype, known.shape, known.slices, known.meta),
+        )
+        if mine != theirs:
             return {
                 "error": (
-                    f"tensor {name!r} declared as {key_op} of {dtype}{shape} (slices {slices}) by worker {rank} but "
-                    f"as {known.key_op} of {known.dtype}{known.shape} (slices {known.slices}) by worker {known.rank}: "
-                    "every worker must call the same collective with the same shape and dtype"
+                    f"tensor {name!r} declared as {_describe(*mine)} by worker {rank} but as {_describe(*theirs)} by "
+                    f"worker {known.rank}: every worker must call the same collective with the same shape and dtype"
                 )
             }
         if new:

@@ -45,23 +45,27 @@ def _name(worker: Worker, name: str | None, kind: str) -> str:
     return f"{kind}.noname.{next(counter)}"
 
 
-def _average(worker: Worker, average: bool | None, op: str | None, name: str | None) -> bool:
-    """Horovod's rules: `average` (deprecated) and `op` are exclusive; the default is Average."""
+_KEY_OPS = {Average: "sum", Sum: "sum", Min: "min", Max: "max", Product: "product"}
+
+
+def _reduction(worker: Worker, average: bool | None, op: str | None, name: str | None) -> tuple[str, bool]:
+    """Horovod's rules: `average` (deprecated) and `op` are exclusive; the default is Average. Returns the servers'
+    operation and whether to divide by the number of workers."""
     if average is not None and op is not None:
         raise ValueError("allreduce takes op or average (deprecated), not both")
     if average is not None:
-        return bool(average)
+        return "sum", bool(average)
     op = Average if op is None else op
     if op not in _OPS:
         raise ValueError(f"op must be one of gradwire.torch.Average, Sum, Adasum, Min, Max, Product; got {op!r}")
-    if op not in (Average, Sum):
+    if op == Adasum:
         raise gradwire.TensorError(
-            f"worker {worker.rank}: op={op} of {name or 'an unnamed tensor'!r} is not supported yet: the summation "
-            "servers compute Sum and Average (docs/horovod.md lists what is supported)",
+            f"worker {worker.rank}: op=adasum of {name or 'an unnamed tensor'!r} is not supported: Adasum combines "
+            "pairs of gradients recursively, which summation servers do not (docs/horovod.md)",
             tensor=name,
             rank=worker.rank,
         )
-    return op == Average
+    return _KEY_OPS[op], op == Average
 
 
 def _check_process_set(process_set: Any) -> None:
@@ -86,7 +90,7 @@ def allreduce_async(
     is not modified (`allreduce_async_` writes the result into it)."""
     worker = gradwire.current_worker()
     _check_process_set(process_set)
-    average = _average(worker, average, op, name)
+    key_op, average = _reduction(worker, average, op, name)
     name = _name(worker, name, "allreduce")
     source, push_inplace = tensor, inplace
     if prescale_factor != 1.0:
@@ -95,7 +99,7 @@ def allreduce_async(
                 tensor.mul_(prescale_factor)
             else:  # a scaled copy: the sum lands in it
                 source, push_inplace = tensor.detach() * prescale_factor, True
-    handle = _push_pull_async(source, average, name, priority, compression, worker, inplace=push_inplace)
+    handle = _push_pull_async(source, average, name, priority, compression, worker, push_inplace, key_op)
     handle.scale = postscale_factor
     return handle
 
@@ -131,16 +135,15 @@ class _AllReduce(torch.autograd.Function):
     """allreduce as an autograd op: the gradient of an average (sum) is the average (sum) of the gradients."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, average: bool, name: str, compression: type, scales: tuple) -> Any:
-        ctx.average, ctx.name, ctx.compression, ctx.scales = average, name, compression, scales
-        handle = allreduce_async(
-            tensor, average, name, None, scales[0], scales[1], compression=compression, inplace=False
-        )
+    def forward(ctx: Any, tensor: torch.Tensor, op: str, name: str, compression: type, scales: tuple) -> Any:
+        ctx.op, ctx.name, ctx.compression, ctx.scales = op, name, compression, scales
+        handle = allreduce_async(tensor, None, name, op, scales[0], scales[1], compression=compression, inplace=False)
         return synchronize(handle)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        out = allreduce(grad, ctx.average, f"{ctx.name}.grad", ctx.compression, None, *ctx.scales)
+        # Horovod's: the gradient goes through the same reduction (for min, max and product too)
+        out = allreduce(grad, None, f"{ctx.name}.grad", ctx.compression, ctx.op, *ctx.scales)
         return out, None, None, None, None
 
 
@@ -158,12 +161,13 @@ def allreduce(
     Blocks. Differentiable."""
     worker = gradwire.current_worker()
     _check_process_set(process_set)
-    mean = _average(worker, average, op, name)
+    key_op, mean = _reduction(worker, average, op, name)
+    op = (Average if mean else Sum) if key_op == "sum" else op
     name = _name(worker, name, "allreduce")
     scales = (prescale_factor, postscale_factor)
     if tensor.requires_grad and torch.is_grad_enabled():
-        return _AllReduce.apply(tensor, mean, name, compression, scales)
-    return synchronize(allreduce_async(tensor, mean, name, None, *scales, compression=compression, inplace=False))
+        return _AllReduce.apply(tensor, op, name, compression, scales)
+    return synchronize(allreduce_async(tensor, None, name, op, *scales, compression=compression, inplace=False))
 
 
 def allreduce_(
@@ -177,6 +181,93 @@ def allreduce_(
 ) -> torch.Tensor:
     """In place: average (or sum) `tensor` over all workers into itself; returns it. Blocks."""
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+
+
+# -- grouped: one call for a list of tensors ---------------------------------------------------------------------
+
+
+def grouped_allreduce_async(
+    tensors: list[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = None,
+    *,
+    inplace: bool = False,
+) -> Any:
+    """Start an allreduce of each tensor of the list (each its own tensor on the servers, `name.i`); `synchronize`
+    returns the list of results. The inputs are not modified."""
+    from .exchange import GroupHandle
+
+    worker = gradwire.current_worker()
+    _reduction(worker, average, op, name)  # the arguments' errors once, before anything is pushed
+    name = _name(worker, name, "grouped_allreduce")
+    start = allreduce_async_ if inplace else allreduce_async
+    return GroupHandle(
+        [
+            start(t, average, f"{name}.{i}", op, prescale_factor, postscale_factor, process_set)
+            for i, t in enumerate(tensors)
+        ]
+    )
+
+
+def grouped_allreduce_async_(
+    tensors: list[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = None,
+) -> Any:
+    """In place: start an allreduce of each tensor of the list into itself."""
+    return grouped_allreduce_async(
+        tensors, average, name, op, prescale_factor, postscale_factor, process_set, inplace=True
+    )
+
+
+def grouped_allreduce(
+    tensors: list[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    compression: type[Compressor] = Compression.none,
+    op: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = None,
+) -> list[torch.Tensor]:
+    """Allreduce each tensor of the list; returns new tensors. Blocks. Differentiable (each as `allreduce`)."""
+    worker = gradwire.current_worker()
+    _reduction(worker, average, op, name)
+    name = _name(worker, name, "grouped_allreduce")
+    if any(t.requires_grad for t in tensors) and torch.is_grad_enabled():
+        return [
+            allreduce(t, average, f"{name}.{i}", compression, op, prescale_factor, postscale_factor, process_set)
+            for i, t in enumerate(tensors)
+        ]
+    handles = [
+        allreduce_async(
+            t, average, f"{name}.{i}", op, prescale_factor, postscale_factor, process_set, compression=compression
+        )
+        for i, t in enumerate(tensors)
+    ]
+    return [synchronize(h) for h in handles]
+
+
+def grouped_allreduce_(
+    tensors: list[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = None,
+) -> list[torch.Tensor]:
+    """In place: allreduce each tensor of the list into itself; returns them. Blocks."""
+    handle = grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor, process_set)
+    return synchronize(handle)
 
 
 # -- BytePS's names ------------------------------------------------------------------------------------------
@@ -222,7 +313,7 @@ def push_pull(
             rank=worker.rank,
         )
     if tensor.requires_grad and torch.is_grad_enabled():
-        return _AllReduce.apply(tensor, bool(average), name, compression, (1.0, 1.0))
+        return _AllReduce.apply(tensor, Average if average else Sum, name, compression, (1.0, 1.0))
     handle = _push_pull_async(tensor, bool(average), name, priority, compression, worker, inplace=False)
     return synchronize(handle)
 
@@ -233,13 +324,14 @@ def _byteps(tensor: torch.Tensor, average: bool, name: str | None, priority: int
     return _push_pull_async(tensor, bool(average), name, priority, Compression.none, worker, inplace=inplace)
 
 
-def poll(handle: TorchHandle) -> bool:
+def poll(handle: Any) -> bool:
     """True once the handle's result is ready (never blocks)."""
     return handle.done()
 
 
-def synchronize(handle: TorchHandle) -> torch.Tensor:
-    """Wait for a handle (up to GRADWIRE_TIMEOUT); returns the result tensor."""
+def synchronize(handle: Any) -> Any:
+    """Wait for a handle (up to GRADWIRE_TIMEOUT); returns its result: a tensor, a list of them (grouped), or an
+    alltoall's (output, received splits)."""
     return handle.result(gradwire.current_worker())
 
 

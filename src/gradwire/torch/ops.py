@@ -16,7 +16,18 @@ from gradwire.worker import Handle, Worker
 
 from .compression import Compression, Compressor
 
-_SUPPORTED = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64}
+_SUPPORTED = {
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.bool,
+}
 
 
 class TorchHandle:
@@ -79,11 +90,13 @@ def push_pull_async(
     compression: type[Compressor] = Compression.none,
     worker: Worker | None = None,
     inplace: bool = True,
+    op: str = "sum",
 ) -> TorchHandle:
     """Start summing `tensor` across workers. Returns a handle whose `result` is the sum (or average).
 
     In place (the default here) the result is written into `tensor`; otherwise `tensor` is left as it is and the
     result is a new tensor of its shape, dtype and device (BytePS's `push_pull` and Horovod's `allreduce`).
+    `op` is the servers' reduction: "sum" (averaged when `average`), "min", "max" or "product".
     """
     worker = worker or gradwire.current_worker()
     if name is None:
@@ -122,6 +135,6 @@ def push_pull_async(
         output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
     array, dtype = as_numpy(wire)
     worker_average = average and dtype != "bfloat16"
-    handle = worker.push_pull_async(array, name, worker_average, priority, out=array, dtype=dtype)
+    handle = worker.push_pull_async(array, name, worker_average, priority, out=array, dtype=dtype, op=op)
     divide_by = worker.size if average and not worker_average else 1
     return TorchHandle(handle, output, wire, ctx, compression, staged, divide_by)

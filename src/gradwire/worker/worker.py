@@ -24,6 +24,7 @@ from gradwire.errors import (
     JobAborted,
     MembershipChanged,
     TensorError,
+    TensorMismatch,
     WorkerLost,
     abort_error,
 )
@@ -100,6 +101,7 @@ class Worker:
         self.tuning: dict | None = None  # the scheduler's derived data-path settings (gradwire/tuning.py)
         self._rejoin_id = -1
         self._clock_skew = 0.0  # the scheduler's wall clock minus this host's (seconds)
+        self.hosts: list[str] = []
 
     # -- life cycle ------------------------------------------------------------------------------
 
@@ -137,6 +139,30 @@ class Worker:
         log.info("worker %d/%d ready with %d servers", self.rank, self.size, len(self._links))
         return self
 
+    def start_timeline(self, path: str) -> None:
+        """Start writing this worker's timeline to `path` (`{rank}` in it is replaced), as GRADWIRE_TIMELINE does;
+        a timeline already being written is closed first."""
+        self.stop_timeline()
+        tracks = {link.server: f"server {link.server}" for link in self._links}
+        timeline = Timeline(
+            path.format(rank=self.rank) if "{rank}" in path else path,
+            self.rank,
+            self.config.timeline_steps,
+            tracks,
+            skew=self._clock_skew,
+        )
+        self.timeline = timeline
+        for link in self._links:
+            link.timeline = timeline
+
+    def stop_timeline(self) -> None:
+        """Stop writing the timeline (its file keeps what was written)."""
+        timeline, self.timeline = self.timeline, None
+        for link in self._links:
+            link.timeline = None
+        if timeline is not None:
+            timeline.close()
+
     def leave(self) -> None:
         """After `shutdown(final=False)`: close the scheduler connection, the worker's last word (its process
         ends, or it has joined the job's next generation). Idempotent."""
@@ -151,6 +177,7 @@ class Worker:
         self.config = self.config.tuned(self.tuning)  # derived from the links, where not set explicitly
         self.placement = book.get("placement") or {}  # the scheduler's weights and the rates it used
         hosts = book.get("workers") or []
+        self.hosts = list(hosts)  # each worker's host, by rank (cross_rank, is_homogeneous)
         same_host = [r for r, h in enumerate(hosts) if h == hosts[self.rank]] if hosts else [self.rank]
         self.local_rank = self.config.local_rank if self.config.local_rank is not None else same_host.index(self.rank)
         self.local_size = self.config.local_size if self.config.local_size is not None else len(same_host)
@@ -322,6 +349,7 @@ class Worker:
         dtype: object,
         key_op: str = "sum",
         slices: list[tuple[int, int]] | None = None,
+        meta: str | None = None,
     ) -> Tensor:
         """Declare a tensor (idempotent). Every worker must declare `name` with the same shape and dtype.
 
@@ -331,14 +359,15 @@ class Worker:
         program number them alike, and the scheduler checks each number's shape across workers as for any name.
 
         `key_op` is what the servers compute over its rounds (server/ops.py: sum, min, max, product, gather), and
-        `slices`, per rank, the (first element, count) of the result that rank pulls (None: all of it).
+        `slices`, per rank, the (first element, count) of the result that rank pulls (None: all of it). `meta` is
+        anything else every worker must agree on (a broadcast's root rank), checked like the shape.
         """
         shape = tuple(int(d) for d in shape)
         wire = dtypes.from_numpy(dtype)
         cut = tuple((int(a), int(b)) for a, b in slices) if slices is not None else None
         with self._lock:
             versions = self._versions.setdefault(name, [])
-            signature = (shape, wire, key_op, cut)
+            signature = (shape, wire, key_op, cut, meta)
             if signature not in versions:
                 versions.append(signature)
             version = versions.index(signature)
@@ -346,10 +375,10 @@ class Worker:
             known = self._tensors.get(internal)
         if known is not None:
             return known
-        return self._declare_new(internal, shape, wire, key_op, cut)
+        return self._declare_new(internal, shape, wire, key_op, cut, meta)
 
     def _declare_new(
-        self, name: str, shape: tuple[int, ...], wire: dtypes.DType, key_op: str, slices: tuple | None
+        self, name: str, shape: tuple[int, ...], wire: dtypes.DType, key_op: str, slices: tuple | None, meta: str | None
     ) -> Tensor:
         body = {
             "op": messages.DECLARE,
@@ -362,9 +391,12 @@ class Worker:
             body["key_op"] = key_op
         if slices is not None:
             body["slices"] = [list(s) for s in slices]
+        if meta is not None:
+            body["meta"] = meta
         reply = self._request(body)
         if "error" in reply:
-            raise TensorError(f"worker {self.rank}: {reply['error']}", tensor=name, rank=self.rank)
+            kind = TensorError if reply.get("abort", True) is False else TensorMismatch
+            raise kind(f"worker {self.rank}: {reply['error']}", tensor=name, rank=self.rank)
         num = int(np.prod(shape, dtype=np.int64))
         # the first declarer's partition size is the job's, so every worker cuts the tensor the same way
         parts = partition.split(num, wire.itemsize, int(reply["partition_bytes"]))
@@ -454,6 +486,7 @@ class Worker:
         average: bool = False,
         priority: int = 0,
         op: str = "sum",
+        dtype: object = None,
     ) -> Handle:
         """Reduce `array` across workers and receive only this worker's part of the result: worker r receives
         `slices[r]` = (first element, count) of the flattened result into its `out`. Each worker pushes all of its
@@ -468,7 +501,7 @@ class Worker:
                 tensor=name,
                 rank=self.rank,
             )
-        tensor = self.declare(name, src.shape, src.dtype, op, slices)
+        tensor = self.declare(name, src.shape, dtype or src.dtype, op, slices)
         n = self.size if average else 1
         return self._launch(tensor, out, src.reshape(-1), 0, out.reshape(-1), first, n, priority)
 
@@ -481,6 +514,8 @@ class Worker:
         slices: list[tuple[int, int]] | None = None,
         priority: int = 0,
         shape: tuple[int, ...] | None = None,
+        meta: str | None = None,
+        dtype: object = None,
     ) -> Handle:
         """Concatenate every worker's `array` (flattened), in rank order, on the servers.
 
@@ -488,7 +523,8 @@ class Worker:
         has sum(counts) elements; worker r receives `slices[r]` = (first, count) of them into its `out` (None: all
         of them). So a broadcast is a gather to which only the root contributes, and an alltoall is one gather per
         destination that only the destination pulls. Every worker passes the same `counts` and `slices`. `shape` is
-        what the tensor is declared as (checked across workers); it defaults to (sum(counts),).
+        what the tensor is declared as (checked across workers); it defaults to (sum(counts),). `dtype` overrides the
+        wire dtype's name (bfloat16 held as uint16).
         """
         self._check_usable()
         counts = [int(c) for c in counts]
@@ -509,7 +545,7 @@ class Worker:
                 rank=self.rank,
             )
         src = np.ascontiguousarray(array).reshape(-1)
-        tensor = self.declare(name, shape or (total,), src.dtype, "gather", slices)
+        tensor = self.declare(name, shape or (total,), dtype or src.dtype, "gather", slices, meta)
         return self._launch(tensor, out, src, sum(counts[: self.rank]), out.reshape(-1), first, 1, priority)
 
     def _begin(self, tensor: Tensor, out: np.ndarray) -> Handle:

@@ -1,0 +1,400 @@
+"""Horovod's allgather, broadcast, alltoall and reducescatter (and their grouped, async and in-place forms) on torch
+tensors, with Horovod's names, signatures, defaults, errors and gradients. The servers carry them (see
+gradwire/collectives.py for what each costs on the wire).
+
+Tensors of any dtype gradwire carries travel from their own memory when they are contiguous CPU tensors; others
+(CUDA, non-contiguous) are copied to a contiguous CPU tensor first and the result is moved back.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any
+
+import numpy as np
+
+import gradwire
+import torch
+from gradwire import collectives
+from gradwire.worker import Handle, Worker
+
+from .collectives import Average, Sum, _check_process_set, _name, _reduction, allreduce
+from .ops import as_numpy
+
+
+def _cpu(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor with `tensor`'s values (the tensor itself when it is one)."""
+    return tensor.detach().to("cpu").contiguous()
+
+
+def _torch(array: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    """The numpy result as a tensor of `like`'s dtype and device (no copy on the CPU)."""
+    if like.dtype == torch.bfloat16:
+        out = torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    else:
+        out = torch.from_numpy(array)
+    return out.to(like.device) if like.device.type != "cpu" else out
+
+
+def _wire(tensor: torch.Tensor) -> dict:
+    """The numpy view of a contiguous CPU tensor and its wire dtype, as keyword arguments."""
+    array, dtype = as_numpy(tensor)
+    return {"array": array, "dtype": dtype}
+
+
+def _array(tensor: torch.Tensor) -> np.ndarray:
+    return as_numpy(tensor)[0]
+
+
+class ExchangeHandle:
+    """The handle of an allgather, broadcast, alltoall or reducescatter: `result` is the output tensor (for alltoall,
+    the output and the received splits), on the input's device; `done` never blocks."""
+
+    def __init__(self, handle: Handle, like: torch.Tensor, finish: Any = None, keep: Any = None) -> None:
+        self.handle, self.like, self.finish, self.keep = handle, like, finish, keep
+        self._result: Any = None
+
+    def done(self) -> bool:
+        return self.handle.done()
+
+    def result(self, worker: Worker) -> Any:
+        if self._result is None:
+            array = worker.synchronize(self.handle)
+            out = _torch(array, self.like)
+            self._result = self.finish(out) if self.finish else out
+        return self._result
+
+
+class GroupHandle:
+    """The handle of a grouped collective: `result` is the list of its tensors' results."""
+
+    def __init__(self, handles: list[Any]) -> None:
+        self.handles = handles
+
+    def done(self) -> bool:
+        return all(h.done() for h in self.handles)
+
+    def result(self, worker: Worker) -> list[torch.Tensor]:
+        return [h.result(worker) for h in self.handles]
+
+
+# -- allgather ---------------------------------------------------------------------------------------------------
+
+
+def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: Any = None) -> ExchangeHandle:
+    """Start concatenating `tensor` from every rank along the first dimension (which may differ by rank); the input
+    is not modified. `synchronize` returns the result."""
+    worker = gradwire.current_worker()
+    _check_process_set(process_set)
+    name = _name(worker, name, "allgather")
+    source = _cpu(tensor)
+    return ExchangeHandle(collectives.allgather_async(worker, name=name, **_wire(source)), tensor, keep=source)
+
+
+class _AllGather(torch.autograd.Function):
+    """The gradient of an allgather is this rank's rows of the average of the gradients (Horovod's)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None) -> Any:
+        ctx.rows = tensor.shape[0] if tensor.dim() else 1
+        return gradwire.torch.synchronize(allgather_async(tensor, name))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        reduced = allreduce(grad, average=True)
+        rows = allgather(torch.tensor([ctx.rows], dtype=torch.int64))
+        offset = int(rows[: gradwire.rank()].sum())
+        return reduced.narrow(0, offset, ctx.rows), None
+
+
+def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = None) -> torch.Tensor:
+    """Concatenate `tensor` from every rank along the first dimension. Blocks. Differentiable."""
+    _check_process_set(process_set)
+    if tensor.requires_grad and torch.is_grad_enabled():
+        return _AllGather.apply(tensor, name)
+    return gradwire.torch.synchronize(allgather_async(tensor, name))
+
+
+def grouped_allgather_async(tensors: list[torch.Tensor], name: str | None = None, process_set: Any = None) -> Any:
+    """Start an allgather of each tensor of the list; `synchronize` returns the list of results."""
+    worker = gradwire.current_worker()
+    name = _name(worker, name, "grouped_allgather")
+    return GroupHandle([allgather_async(t, f"{name}.{i}", process_set) for i, t in enumerate(tensors)])
+
+
+def grouped_allgather(tensors: list[torch.Tensor], name: str | None = None, process_set: Any = None) -> list:
+    """Allgather each tensor of the list. Blocks. Differentiable."""
+    worker = gradwire.current_worker()
+    name = _name(worker, name, "grouped_allgather")
+    return [allgather(t, f"{name}.{i}", process_set) for i, t in enumerate(tensors)]
+
+
+def allgather_object(obj: Any, name: str | None = None, process_set: Any = None) -> list:
+    """Every rank's picklable `obj`, in rank order."""
+    _check_process_set(process_set)
+    name = name or type(obj).__name__
+    payload = torch.from_numpy(np.frombuffer(_dumps(obj), np.uint8).copy())
+    sizes = allgather(torch.tensor([payload.numel()], dtype=torch.int64), f"allgather_object.{name}.sizes")
+    data = allgather(payload, f"allgather_object.{name}").numpy()
+    out, start = [], 0
+    for size in sizes.tolist():
+        out.append(_loads(data[start : start + size].tobytes()))
+        start += size
+    return out
+
+
+# -- broadcast ---------------------------------------------------------------------------------------------------
+
+
+def _broadcast(tensor: torch.Tensor, root_rank: int, name: str | None, inplace: bool) -> ExchangeHandle:
+    worker = gradwire.current_worker()
+    name = _name(worker, name, "broadcast")
+    source = _cpu(tensor)
+    into = source if inplace and source.data_ptr() == tensor.data_ptr() else torch.empty_like(source)
+    handle = collectives.broadcast_async(worker, root=root_rank, name=name, out=_array(into), **_wire(source))
+    if inplace:
+
+        def finish(out: torch.Tensor) -> torch.Tensor:
+            if out.data_ptr() != tensor.data_ptr():
+                with torch.no_grad():
+                    tensor.copy_(out.view_as(tensor))
+            return tensor
+
+        return ExchangeHandle(handle, tensor, finish, keep=source)
+    return ExchangeHandle(handle, tensor, keep=source)
+
+
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> Any:
+    """Start sending the root's `tensor` to every rank; the input is not modified."""
+    _check_process_set(process_set)
+    return _broadcast(tensor, root_rank, name, inplace=False)
+
+
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> Any:
+    """In place: start overwriting `tensor` with the root's."""
+    _check_process_set(process_set)
+    return _broadcast(tensor, root_rank, name, inplace=True)
+
+
+class _Broadcast(torch.autograd.Function):
+    """The gradient of a broadcast: the average of the gradients on the root, zero elsewhere (Horovod's)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None) -> Any:
+        ctx.root_rank = root_rank
+        return gradwire.torch.synchronize(broadcast_async(tensor, root_rank, name))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        reduced = allreduce(grad, average=True)
+        if gradwire.rank() != ctx.root_rank:
+            reduced = reduced * 0
+        return reduced, None, None
+
+
+def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> Any:
+    """The root's `tensor` on every rank, as a new tensor. Blocks. Differentiable."""
+    _check_process_set(process_set)
+    if tensor.requires_grad and torch.is_grad_enabled():
+        return _Broadcast.apply(tensor, root_rank, name)
+    return gradwire.torch.synchronize(broadcast_async(tensor, root_rank, name))
+
+
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> Any:
+    """In place: overwrite `tensor` with the root's; returns it. Blocks."""
+    return gradwire.torch.synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None, process_set: Any = None) -> Any:
+    """The root's picklable `obj` on every rank (tensors inside travel with it)."""
+    _check_process_set(process_set)
+    name = name or type(obj).__name__
+    payload = _dumps(obj) if gradwire.rank() == root_rank else b""
+    size = broadcast(torch.tensor([len(payload)], dtype=torch.int64), root_rank, f"broadcast_object.{name}.size")
+    data = torch.zeros(int(size[0]), dtype=torch.uint8)
+    if gradwire.rank() == root_rank:
+        data.numpy()[:] = np.frombuffer(payload, np.uint8)
+    data = broadcast_(data, root_rank, f"broadcast_object.{name}")
+    return obj if gradwire.rank() == root_rank else _loads(data.numpy().tobytes())
+
+
+# -- alltoall ----------------------------------------------------------------------------------------------------
+
+
+def alltoall_async(
+    tensor: torch.Tensor, splits: Any = None, name: str | None = None, process_set: Any = None
+) -> ExchangeHandle:
+    """Start sending `splits[j]` rows of `tensor` to rank j (equal splits when None); `synchronize` returns the
+    received rows (in rank order) and the received splits."""
+    worker = gradwire.current_worker()
+    _check_process_set(process_set)
+    name = _name(worker, name, "alltoall")
+    if splits is not None:
+        if isinstance(splits, torch.Tensor):
+            if splits.dtype not in (torch.int32, torch.int64) or splits.dim() > 1:
+                raise gradwire.TensorError(
+                    f"worker {worker.rank}: alltoall splits must be a 1-d tensor of int32 or int64, got "
+                    f"{splits.dtype} of shape {list(splits.shape)}",
+                    tensor=name,
+                    rank=worker.rank,
+                )
+            splits = splits.tolist()
+        splits = [int(s) for s in splits]
+    source = _cpu(tensor)
+    handle, received = collectives.alltoall_async(worker, splits=splits, name=name, **_wire(source))
+    return ExchangeHandle(handle, tensor, lambda out: (out, torch.from_numpy(received)), keep=source)
+
+
+class _AllToAll(torch.autograd.Function):
+    """The gradient of an alltoall is the alltoall of the gradient, with the received splits sent back."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: str | None) -> Any:
+        output, received = gradwire.torch.synchronize(alltoall_async(tensor, splits, name))
+        ctx.received = received
+        if splits is None:
+            return output
+        ctx.mark_non_differentiable(received)
+        return output, received
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, *unused: Any) -> Any:
+        back, _ = alltoall(grad, splits=ctx.received)
+        return back, None, None
+
+
+def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None, process_set: Any = None) -> Any:
+    """Send `splits[j]` rows of `tensor` to rank j; returns the received rows and, when `splits` was given, the
+    received splits. Blocks. Differentiable."""
+    _check_process_set(process_set)
+    if tensor.requires_grad and torch.is_grad_enabled():
+        return _AllToAll.apply(tensor, splits, name)
+    output, received = gradwire.torch.synchronize(alltoall_async(tensor, splits, name))
+    return output if splits is None else (output, received)
+
+
+# -- reducescatter -----------------------------------------------------------------------------------------------
+
+
+def reducescatter_async(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    op: str = Average,
+    process_set: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> ExchangeHandle:
+    """Start reducing `tensor` over all ranks; this rank receives its rows of the result (the first dimension split
+    as evenly as it goes, the first ranks one row more). The input is not modified."""
+    worker = gradwire.current_worker()
+    _check_process_set(process_set)
+    key_op, average = _reduction(worker, None, op, name)
+    name = _name(worker, name, "reducescatter")
+    if tensor.dim() == 0:
+        raise gradwire.TensorError(
+            f"worker {worker.rank}: reducescatter of {name!r} needs at least one dimension", tensor=name
+        )
+    source = _cpu(tensor)
+    if prescale_factor != 1.0:
+        source = source * prescale_factor
+    if average and not source.is_floating_point():
+        raise gradwire.TensorError(
+            f"worker {worker.rank}: the average of integer tensor {name!r} is not defined; use op=Sum",
+            tensor=name,
+            rank=worker.rank,
+        )
+    divide = average and source.dtype == torch.bfloat16  # bfloat16 travels as bits: divide after
+    handle = collectives.reducescatter_async(
+        worker, name=name, average=average and not divide, op=key_op, **_wire(source)
+    )
+    factor = postscale_factor / (worker.size if divide else 1)
+
+    def finish(out: torch.Tensor) -> torch.Tensor:
+        return out * factor if factor != 1.0 else out
+
+    return ExchangeHandle(handle, tensor, finish, keep=source)
+
+
+class _ReduceScatter(torch.autograd.Function):
+    """The gradient of a reducescatter is the allgather of the gradients (scaled as the forward was)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: str, scales: tuple) -> Any:
+        ctx.op, ctx.scales = op, scales
+        return gradwire.torch.synchronize(reducescatter_async(tensor, name, op, None, *scales))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        if ctx.op == Sum:
+            grad = grad * gradwire.size()
+        grad = grad * (ctx.scales[0] * ctx.scales[1])
+        return allgather(grad), None, None, None
+
+
+def reducescatter(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    compression: Any = None,
+    op: str = Average,
+    process_set: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> torch.Tensor:
+    """Reduce `tensor` over all ranks and return this rank's rows of the result. Blocks. Differentiable."""
+    _check_process_set(process_set)
+    scales = (prescale_factor, postscale_factor)
+    wire, ctx = compression.compress(tensor) if compression is not None else (tensor, None)
+    if tensor.requires_grad and torch.is_grad_enabled():
+        out = _ReduceScatter.apply(wire, name, op, scales)
+    else:
+        out = gradwire.torch.synchronize(reducescatter_async(wire, name, op, None, *scales))
+    return compression.decompress(out, ctx) if compression is not None else out
+
+
+def grouped_reducescatter_async(
+    tensors: list[torch.Tensor],
+    name: str | None = None,
+    op: str = Average,
+    process_set: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> GroupHandle:
+    """Start a reducescatter of each tensor of the list; `synchronize` returns the list of results."""
+    worker = gradwire.current_worker()
+    name = _name(worker, name, "grouped_reducescatter")
+    return GroupHandle(
+        [
+            reducescatter_async(t, f"{name}.{i}", op, process_set, prescale_factor, postscale_factor)
+            for i, t in enumerate(tensors)
+        ]
+    )
+
+
+def grouped_reducescatter(
+    tensors: list[torch.Tensor],
+    name: str | None = None,
+    compression: Any = None,
+    op: str = Average,
+    process_set: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> list[torch.Tensor]:
+    """Reducescatter each tensor of the list. Blocks. Differentiable."""
+    worker = gradwire.current_worker()
+    name = _name(worker, name, "grouped_reducescatter")
+    return [
+        reducescatter(t, f"{name}.{i}", compression, op, process_set, prescale_factor, postscale_factor)
+        for i, t in enumerate(tensors)
+    ]
+
+
+def _dumps(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf, pickle_protocol=pickle.HIGHEST_PROTOCOL)
+    return buf.getvalue()
+
+
+def _loads(data: bytes) -> Any:
+    # the bytes come from the job's ranks over authenticated connections
+    return torch.load(io.BytesIO(data), weights_only=False)
