@@ -33,6 +33,14 @@ def row_split(rows: int, size: int) -> list[int]:
     return [rows // size + (1 if r < rows % size else 0) for r in range(size)]
 
 
+def _ranks(worker: Worker, members: list[int] | None) -> list[int]:
+    """The ranks taking part (a process set's, or every worker's); this worker must be one of them."""
+    ranks = list(range(worker.size)) if members is None else sorted(members)
+    if worker.rank not in ranks or ranks[0] < 0 or ranks[-1] >= worker.size:
+        raise TensorError(f"worker {worker.rank} called a collective of the ranks {ranks}", rank=worker.rank)
+    return ranks
+
+
 def _row_elements(array: np.ndarray) -> int:
     return int(np.prod(array.shape[1:], dtype=np.int64)) if array.ndim else 1
 
@@ -45,12 +53,14 @@ def broadcast_async(
     out: np.ndarray | None = None,
     priority: int = 0,
     dtype: str | None = None,
+    members: list[int] | None = None,
 ) -> Handle:
     """Every rank receives the root's `array` (into `out`, which may be `array` itself, or a new array)."""
-    if not 0 <= root < worker.size:
+    ranks = _ranks(worker, members)
+    if root not in ranks:
         raise TensorError(
-            f"worker {worker.rank}: broadcast of {name!r} from root rank {root}, but the job has ranks 0 to "
-            f"{worker.size - 1}",
+            f"worker {worker.rank}: broadcast of {name!r} from root rank {root}, but its ranks are {ranks[0]} to "
+            f"{ranks[-1]}" + ("" if members is None else f" (the process set {ranks})"),
             tensor=name,
             rank=worker.rank,
         )
@@ -58,7 +68,15 @@ def broadcast_async(
     counts = [array.size if r == root else 0 for r in range(worker.size)]
     source = array if worker.rank == root else array.reshape(-1)[:0]
     return worker.gather_async(
-        source, name, counts, out, priority=priority, shape=array.shape, meta=f"root {root}", dtype=dtype
+        source,
+        name,
+        counts,
+        out,
+        priority=priority,
+        shape=array.shape,
+        meta=f"root {root}",
+        dtype=dtype,
+        members=members,
     )
 
 
@@ -70,8 +88,10 @@ def reducescatter_async(
     op: str = "sum",
     priority: int = 0,
     dtype: str | None = None,
+    members: list[int] | None = None,
 ) -> Handle:
-    """Reduce `array` over all ranks; this rank receives its rows of the result (see `row_split`)."""
+    """Reduce `array` over all ranks (or `members`); this rank receives its rows of the result (see `row_split`)."""
+    ranks = _ranks(worker, members)
     if array.ndim == 0:
         raise TensorError(
             f"worker {worker.rank}: reducescatter of {name!r} needs a tensor of at least one dimension (a scalar "
@@ -79,11 +99,13 @@ def reducescatter_async(
             tensor=name,
             rank=worker.rank,
         )
-    rows, per_row = row_split(array.shape[0], worker.size), _row_elements(array)
+    rows, per_row = row_split(array.shape[0], len(ranks)), _row_elements(array)
     starts = np.cumsum([0] + rows)
-    slices = [(int(starts[r]) * per_row, rows[r] * per_row) for r in range(worker.size)]
-    out = np.empty((rows[worker.rank], *array.shape[1:]), array.dtype)
-    return worker.reduce_scatter_async(array, name, slices, out, average, priority, op, dtype)
+    slices = [(0, 0)] * worker.size
+    for k, r in enumerate(ranks):
+        slices[r] = (int(starts[k]) * per_row, rows[k] * per_row)
+    out = np.empty((rows[ranks.index(worker.rank)], *array.shape[1:]), array.dtype)
+    return worker.reduce_scatter_async(array, name, slices, out, average, priority, op, dtype, members)
 
 
 class _Chain:
@@ -91,6 +113,8 @@ class _Chain:
     worker, never waiting on the network: it only declares and submits)."""
 
     def __init__(self) -> None:
+        self.in_flight: set[str] = set()  # names of two-round collectives not yet complete
+        self._lock = threading.Lock()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="gw-collectives", daemon=True)
         self._thread.start()
@@ -99,6 +123,24 @@ class _Chain:
         while True:
             fn = self._queue.get()
             fn()
+
+    def begin(self, worker: Worker, name: str) -> Handle:
+        """A handle for a new collective called `name`, completed by its later round (its output is set then);
+        TensorError if one of that name is still in flight (Horovod's duplicate-name error)."""
+        with self._lock:
+            if name in self.in_flight:
+                raise TensorError(
+                    f"worker {worker.rank}: a collective named {name!r} is already in flight: synchronize it before "
+                    "starting another of that name",
+                    tensor=name,
+                    rank=worker.rank,
+                )
+            self.in_flight.add(name)
+        return Handle(name, np.empty(0), 1, self._end)
+
+    def _end(self, handle: Handle) -> None:
+        with self._lock:
+            self.in_flight.discard(handle.name)
 
     def then(self, first: Handle, result: Handle, start: Callable[[np.ndarray], Handle]) -> None:
         """When `first` completes, run `start(first's output)` here; `result` completes with what it returns."""
@@ -138,31 +180,40 @@ def _chain(worker: Worker) -> _Chain:
         return chain
 
 
-def _pending(name: str) -> Handle:
-    """A handle completed by a later round (its output is set then)."""
-    return Handle(name, np.empty(0), 1, lambda h: None)
-
-
 def allgather_async(
-    worker: Worker, array: np.ndarray, name: str, priority: int = 0, dtype: str | None = None
+    worker: Worker,
+    array: np.ndarray,
+    name: str,
+    priority: int = 0,
+    dtype: str | None = None,
+    members: list[int] | None = None,
 ) -> Handle:
     """Concatenate every rank's `array` along the first dimension (which may differ by rank); all others match."""
     if array.ndim == 0:
         array = array.reshape(1)  # Horovod gathers a scalar as a 1-element vector
-    sizes = np.empty(worker.size, np.int64)
-    first = worker.gather_async(
-        np.array([array.shape[0]], np.int64), f"{name}.sizes", [1] * worker.size, sizes, priority=priority
-    )
-    result = _pending(name)
+    ranks = _ranks(worker, members)
+    chain = _chain(worker)
+    result = chain.begin(worker, name)
+    sizes = np.empty(len(ranks), np.int64)
+    ones = [1 if r in ranks else 0 for r in range(worker.size)]
+    try:
+        first = worker.gather_async(
+            np.array([array.shape[0]], np.int64), f"{name}.sizes", ones, sizes, priority=priority, members=members
+        )
+    except GradwireError as e:
+        result.fail(e)
+        raise
     src, per_row = np.ascontiguousarray(array), _row_elements(array)
 
     def start(dims: np.ndarray) -> Handle:
-        rows = [int(d) for d in dims]
-        out = np.empty((sum(rows), *src.shape[1:]), src.dtype)
-        counts = [d * per_row for d in rows]
-        return worker.gather_async(src, name, counts, out, priority=priority, shape=out.shape, dtype=dtype)
+        rows = dict(zip(ranks, (int(d) for d in dims), strict=True))
+        out = np.empty((sum(rows.values()), *src.shape[1:]), src.dtype)
+        counts = [rows.get(r, 0) * per_row for r in range(worker.size)]
+        return worker.gather_async(
+            src, name, counts, out, priority=priority, shape=out.shape, dtype=dtype, members=members
+        )
 
-    _chain(worker).then(first, result, start)
+    chain.then(first, result, start)
     return result
 
 
@@ -173,11 +224,13 @@ def alltoall_async(
     name: str,
     priority: int = 0,
     dtype: str | None = None,
+    members: list[int] | None = None,
 ) -> tuple[Handle, np.ndarray]:
     """Send `splits[j]` rows of `array` (in order) to rank j and receive, in rank order, the rows each rank sends
     to this one. Returns the handle of the received rows and the array of the row counts received from each rank
     (filled once the handle completes)."""
-    n, rank = worker.size, worker.rank
+    ranks = _ranks(worker, members)
+    n, rank, me = len(ranks), worker.rank, ranks.index(worker.rank)
     if array.ndim == 0:
         raise TensorError(f"worker {rank}: alltoall of {name!r} needs at least one dimension", tensor=name, rank=rank)
     if splits is None:
@@ -197,31 +250,43 @@ def alltoall_async(
             tensor=name,
             rank=rank,
         )
+    chain = _chain(worker)
+    result = chain.begin(worker, name)
     matrix = np.empty(n * n, np.int64)
-    first = worker.gather_async(np.array(splits, np.int64), f"{name}.splits", [n] * n, matrix, priority=priority)
+    counts = [n if r in ranks else 0 for r in range(worker.size)]
+    try:
+        first = worker.gather_async(
+            np.array(splits, np.int64), f"{name}.splits", counts, matrix, priority=priority, members=members
+        )
+    except GradwireError as e:
+        result.fail(e)
+        raise
     received = np.empty(n, np.int32)
-    result = _pending(name)
     src, per_row = np.ascontiguousarray(array), _row_elements(array)
     offsets = np.cumsum([0] + splits) * per_row
 
     def start(flat: np.ndarray) -> Handle:
-        table = flat.reshape(n, n)  # table[r][j]: rows rank r sends to rank j
-        received[:] = table[:, rank]
+        table = flat.reshape(n, n)  # table[a][b]: rows the a-th rank sends to the b-th (of `ranks`)
+        received[:] = table[:, me]
         out = np.empty((int(received.sum()), *src.shape[1:]), src.dtype)
         flat_src = src.reshape(-1)
         handles = []
-        for j in range(n):
-            counts = [int(table[r][j]) * per_row for r in range(n)]
+        for b, dest in enumerate(ranks):
+            counts = [0] * worker.size
+            for a, r in enumerate(ranks):
+                counts[r] = int(table[a][b]) * per_row
             total = sum(counts)
-            slices = [(0, total if r == j else 0) for r in range(n)]
-            into = out if j == rank else out.reshape(-1)[:0]
-            give = flat_src[offsets[j] : offsets[j + 1]]
+            slices = [(0, total if r == dest else 0) for r in range(worker.size)]
+            into = out if dest == rank else out.reshape(-1)[:0]
+            give = flat_src[offsets[b] : offsets[b + 1]]
             handles.append(
-                worker.gather_async(give, f"{name}.to{j}", counts, into, slices, priority, (total,), dtype=dtype)
+                worker.gather_async(
+                    give, f"{name}.to{dest}", counts, into, slices, priority, (total,), dtype=dtype, members=members
+                )
             )
         return _all(handles, out, name)
 
-    _chain(worker).then(first, result, start)
+    chain.then(first, result, start)
     return result, received
 
 

@@ -57,6 +57,11 @@ class TensorMismatch(TensorError, RuntimeError):
     one for this, on every rank)."""
 
 
+class NotSupported(TensorError, NotImplementedError):
+    """A collective or operation gradwire does not carry (Adasum); a NotImplementedError, so a RuntimeError too, as
+    Horovod raises for an operation its backend lacks."""
+
+
 class JobAborted(GradwireError):
     """The job was aborted by another node's failure; the reason names the node."""
 

@@ -19,6 +19,7 @@ def test_the_cap_keeps_a_fast_worker_from_running_ahead_of_the_rounds():
     with LocalCluster(num_workers=2, num_servers=1, partition_bytes=4096, window=8, unanswered=4) as c:
         fast, slow = c.workers
         data = np.ones(20 * 1024, np.float32)  # 20 partitions, all on the one server
+        c.run(lambda w: w.declare("t", data.shape, data.dtype))  # a tensor's first push waits for every declaration
         h = fast.push_pull_async(data, "t")
         time.sleep(0.3)
         assert len(fast._links[0]._pending) == 4  # not 8 (the window), not 20: the slow worker has not pushed yet

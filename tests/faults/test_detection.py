@@ -51,6 +51,20 @@ def test_a_stalled_round_is_reported_with_the_missing_ranks_and_the_tensor():
     with LocalCluster(num_workers=3, num_servers=1, stall_seconds=60) as c:
         server = c.servers[0]
         handles = [w.push_pull_async(np.ones(10, np.float32), "layer1.weight") for w in c.workers[:2]]
+        # its first round: the declaration waits for worker 2's (the scheduler reports that)
+        deadline = time.monotonic() + 10
+        while "called by [0, 1]" not in "".join(c.scheduler.stall_report(time.monotonic() + 61)):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        (line,) = c.scheduler.stall_report(time.monotonic() + 61)
+        assert "'layer1.weight'" in line and "worker(s) [2] to call it; called by [0, 1]" in line
+        assert c.scheduler.stall_report(time.monotonic()) == []  # not stalled yet by the real clock
+        c.workers[2].push_pull(np.ones(10, np.float32), "layer1.weight")
+        for w, h in zip(c.workers, handles, strict=False):
+            assert np.all(w.synchronize(h) == 3)
+        assert c.scheduler.stall_report(time.monotonic() + 61) == []
+        # a later round: the server reports which ranks have not pushed it
+        handles = [w.push_pull_async(np.ones(10, np.float32), "layer1.weight") for w in c.workers[:2]]
         deadline = time.monotonic() + 10
         while "pushed by [0, 1]" not in "".join(server.stall_report(time.monotonic() + 61)):
             assert time.monotonic() < deadline

@@ -1,7 +1,8 @@
 """`gradwire launch`: a whole job on this machine, with every output line prefixed by role and rank.
 
 The launcher starts the scheduler first and reads its address from its first line of output, then the
-servers and the workers with the environment set (GRADWIRE_*, and torchrun's RANK/WORLD_SIZE/LOCAL_RANK
+servers and the workers with the environment set (GRADWIRE_*, horovodrun's HOROVOD_RANK/SIZE/LOCAL_RANK/...,
+and torchrun's RANK/WORLD_SIZE/LOCAL_RANK
 for scripts that read them). It makes a fresh job secret and hands it over in the environment. It exits
 with the first failing worker's code after stopping the rest; Ctrl-C (or SIGTERM) stops everything.
 Children run in their own sessions, so a terminal's Ctrl-C reaches only the launcher, which then stops
@@ -162,6 +163,13 @@ class Launcher:
                     "LOCAL_RANK": str(r),
                     "WORLD_SIZE": str(self.num_workers),
                     "LOCAL_WORLD_SIZE": str(self.num_workers),
+                    # horovodrun's, for scripts (and Horovod's own tests) that read them
+                    "HOROVOD_RANK": str(r),
+                    "HOROVOD_SIZE": str(self.num_workers),
+                    "HOROVOD_LOCAL_RANK": str(r),
+                    "HOROVOD_LOCAL_SIZE": str(self.num_workers),
+                    "HOROVOD_CROSS_RANK": "0",
+                    "HOROVOD_CROSS_SIZE": "1",
                 },
             )
         return self._watch()
@@ -205,7 +213,7 @@ class Launcher:
         self._next_worker += 1
         self._say(f"starting worker {label} to join the job")
         extra = {"GRADWIRE_ROLE": "worker", "GRADWIRE_LOCAL_RANK": str(label), "LOCAL_RANK": str(label)}
-        replacement = self._spawn("worker", label, self.command, extra, unset=("GRADWIRE_RANK", "RANK"))
+        replacement = self._spawn("worker", label, self.command, extra, unset=("GRADWIRE_RANK", "RANK", "HOROVOD_RANK"))
         running.add(id(replacement))
 
     def _let_survivors_report(self, running: set[int]) -> None:

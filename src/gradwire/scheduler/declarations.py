@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -37,12 +38,15 @@ class Declaration:
     key_op: str = "sum"  # what its keys compute (server/ops.py)
     slices: list[list[int]] | None = None  # per rank, the [first element, count] of the result it pulls
     meta: str | None = None  # anything else the workers must agree on (a broadcast's root)
+    members: list[int] | None = None  # the ranks that take part (a process set); None: every worker
     ready: threading.Event = field(default_factory=threading.Event)  # set once every owning server knows its keys
     error: str | None = None
 
 
-def _describe(key_op: str, dtype: str, shape: list[int], slices: list | None, meta: str | None) -> str:
-    extra = "".join(f", {k} {v}" for k, v in (("slices", slices), ("meta", meta)) if v is not None)
+def _describe(
+    key_op: str, dtype: str, shape: list[int], slices: list | None, meta: str | None, members: list | None = None
+) -> str:
+    extra = "".join(f", {k} {v}" for k, v in (("slices", slices), ("meta", meta), ("ranks", members)) if v is not None)
     return f"{key_op} of {dtype}{shape}{extra}"
 
 
@@ -59,6 +63,16 @@ def _key_slices(sizes: list[int], slices: list[list[int]], itemsize: int) -> lis
         out.append(per_rank)
         start = end
     return out
+
+
+@dataclass
+class _Call:
+    """One worker's declaration of a tensor, waiting for the others'."""
+
+    rank: int
+    signature: tuple  # (key_op, dtype, shape, slices, meta): what every worker must agree on
+    partition_bytes: int
+    answer: Callable[[dict], None]
 
 
 class Declarations:
@@ -86,47 +100,137 @@ class Declarations:
         self._acks: dict[int, threading.Event] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        self._pending: dict[str, dict[int, _Call]] = {}  # declarations waiting for the other workers', by rank
+        self._since: dict[str, float] = {}  # when each pending declaration's first call came (time.monotonic)
 
-    def declare(self, rank: int, body: dict) -> dict:
-        """Answer a worker's declaration: {servers, partition_bytes}, or {error} (with abort=False if only the
-        declarer's request is wrong, rather than the job's workers disagreeing)."""
+    def declare(self, rank: int, body: dict, answer: Callable[[dict], None]) -> None:
+        """A worker's declaration; `answer(reply)` is called (maybe later, from another worker's thread) with
+        {servers, partition_bytes} or {error}: with abort=False if only the declarer's request is wrong, mismatch=True
+        if the workers disagree (then every one of them gets it, and the name is free again), neither if the job
+        cannot go on (a late worker disagrees with a tensor the others already use).
+
+        A new tensor is placed once every worker has declared it, so a disagreement is found before any byte moves.
+        """
         name, shape, dtype = str(body["name"]), [int(d) for d in body["shape"]], str(body["dtype"])
         key_op, slices, meta = str(body.get("key_op", "sum")), body.get("slices"), body.get("meta")
         meta = None if meta is None else str(meta)
+        members = body.get("members")
+        if members is not None:
+            members = sorted({int(r) for r in members})
+            if not members or members[0] < 0 or members[-1] >= self.num_workers or rank not in members:
+                answer({"error": f"tensor {name!r}: worker {rank} declared it for ranks {members}", "abort": False})
+                return
         if dtype not in dtypes.BY_NAME or any(d < 0 for d in shape) or len(shape) > 32 or key_op not in ops.OPS:
-            return {"error": f"tensor {name!r}: bad declaration {key_op} of {dtype}{shape}", "abort": False}
+            answer({"error": f"tensor {name!r}: bad declaration {key_op} of {dtype}{shape}", "abort": False})
+            return
         if slices is not None:
             slices = [[int(a), int(b)] for a, b in slices]
             num = int(np.prod(shape, dtype=np.int64))
             if len(slices) != self.num_workers or any(a < 0 or b < 0 or a + b > num for a, b in slices):
-                return {"error": f"tensor {name!r}: bad slices {slices} of {num} elements", "abort": False}
+                answer({"error": f"tensor {name!r}: bad slices {slices} of {num} elements", "abort": False})
+                return
+        call = _Call(rank, (key_op, dtype, shape, slices, meta, members), int(body["partition_bytes"]), answer)
         with self._lock:
             known = self.tensors.get(name)
-            new = known is None
             if known is None:
-                try:
-                    known = self._place(name, shape, dtype, rank, int(body["partition_bytes"]))
-                except TensorError as e:
-                    return {"error": str(e), "abort": False}
-                known.key_op, known.slices, known.meta = key_op, slices, meta
-        mine, theirs = (
-            (key_op, dtype, shape, slices, meta),
-            (known.key_op, known.dtype, known.shape, known.slices, known.meta),
-        )
-        if mine != theirs:
-            return {
-                "error": (
-                    f"tensor {name!r} declared as {_describe(*mine)} by worker {rank} but as {_describe(*theirs)} by "
-                    f"worker {known.rank}: every worker must call the same collective with the same shape and dtype"
-                )
+                calls = self._pending.setdefault(name, {})
+                self._since.setdefault(name, time.monotonic())
+                calls[rank] = call
+                if len(calls) < (self.num_workers if members is None else len(members)):
+                    return  # answered when the last worker (of its process set) declares it
+                del self._pending[name], self._since[name]
+        if known is not None:
+            self._answer_late(name, known, call)
+            return
+        self._complete(name, sorted(calls.values(), key=lambda c: c.rank))
+
+    def _complete(self, name: str, calls: list[_Call]) -> None:
+        """Every worker has declared `name`: if they agree, place it, register its keys and answer all; else tell
+        every one of them how they differ."""
+        first = calls[0]
+        differ = [c for c in calls if c.signature != first.signature]
+        if differ:
+            ways = "; ".join(f"worker {c.rank}: {_describe(*c.signature)}" for c in calls)
+            reply = {
+                "error": f"tensor {name!r} was declared differently by the workers ({ways}): every worker must call "
+                "the same collective with the same shape and dtype",
+                "mismatch": True,
             }
-        if new:
-            self._register_keys(name, known)
-        elif not known.ready.wait(self.config.timeout):
+            for c in calls:
+                c.answer(reply)
+            return
+        key_op, dtype, shape, slices, meta, members = first.signature
+        with self._lock:
+            try:
+                decl = self._place(name, shape, dtype, first.rank, min(c.partition_bytes for c in calls))
+            except TensorError as e:
+                decl = None
+                error = str(e)
+            else:
+                decl.key_op, decl.slices, decl.meta, decl.members = key_op, slices, meta, members
+        if decl is None:
+            for c in calls:
+                c.answer({"error": error, "abort": False})
+            return
+        self._register_keys(name, decl)
+        for c in calls:
+            c.answer(
+                {"error": decl.error}
+                if decl.error
+                else {"servers": decl.servers, "partition_bytes": decl.partition_bytes}
+            )
+
+    def _answer_late(self, name: str, known: Declaration, call: _Call) -> None:
+        """A declaration of a tensor the job already has (a worker that joined later, or declares again)."""
+        theirs = (known.key_op, known.dtype, known.shape, known.slices, known.meta, known.members)
+        if call.signature != theirs:
+            call.answer(
+                {
+                    "error": f"tensor {name!r} declared as {_describe(*call.signature)} by worker {call.rank} but as "
+                    f"{_describe(*theirs)} by the job's other workers: every worker must call the same collective "
+                    "with the same shape and dtype"
+                }
+            )
+            return
+        if not known.ready.wait(self.config.timeout):
             known.error = known.error or f"servers did not confirm the keys of {name!r} in {self.config.timeout}s"
-        if known.error:
-            return {"error": known.error}
-        return {"servers": known.servers, "partition_bytes": known.partition_bytes}
+        call.answer(
+            {"error": known.error}
+            if known.error
+            else {"servers": known.servers, "partition_bytes": known.partition_bytes}
+        )
+
+    def stalled(self, threshold: float, now: float | None = None) -> list[str]:
+        """One line per declaration that has waited more than `threshold` seconds for some workers'."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            waiting = [(n, c, now - self._since[n]) for n, c in self._pending.items()]
+        lines = []
+        for name, calls, waited in waiting:
+            if waited > threshold:
+                members = next(iter(calls.values())).signature[5]
+                expected = range(self.num_workers) if members is None else members
+                missing = [r for r in expected if r not in calls]
+                lines.append(
+                    f"tensor {name!r} has waited {waited:.1f}s for worker(s) {missing} to call it; "
+                    f"called by {sorted(calls)}"
+                )
+        return lines
+
+    def cancel(self, why: str, rank: int | None = None) -> None:
+        """Fail the declarations still waiting (those waiting for worker `rank`, which will never declare them; or
+        all), e.g. when a worker shuts down or the workers change."""
+        with self._lock:
+            dropped = {
+                n: c
+                for n, c in self._pending.items()
+                if rank is None or (rank not in c and rank in (next(iter(c.values())).signature[5] or [rank]))
+            }
+            for name in dropped:
+                del self._pending[name], self._since[name]
+        for name, calls in dropped.items():
+            for c in calls.values():
+                c.answer({"error": f"tensor {name!r} cannot be declared: {why}", "abort": False})
 
     def ack(self, request_id: int) -> None:
         """A server confirmed the keys of request `request_id`."""
@@ -180,6 +284,8 @@ class Declarations:
                 [k, wire.code, n] for k, n, s in zip(decl.keys, decl.sizes, decl.servers, strict=True) if s == server
             ]
             body = {"op": messages.KEYS, "keys": owned, "name": name, "key_op": decl.key_op}
+            if decl.members is not None:
+                body["members"] = decl.members
             if cuts is not None:
                 body["slices"] = {str(k): cuts[decl.keys.index(k)] for k, _, _ in owned}
             rid = next(self._ids)

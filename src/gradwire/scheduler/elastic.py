@@ -109,6 +109,8 @@ class Membership:
         """Without the lock: reset the servers, then give every member its place."""
         declarations = self.s.declarations
         assert declarations is not None
+        declarations.cancel(f"the job's workers changed (epoch {epoch})")  # the workers cancelled theirs already
+        declarations.num_workers = len(members)
         for server in [s for s in self.s._servers if not s.lost]:
             body = {"op": messages.RESET, "epoch": epoch, "num_workers": len(members)}
             if not declarations.call(server.rank, body):

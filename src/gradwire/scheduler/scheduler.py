@@ -132,7 +132,20 @@ class Scheduler:
         threading.Thread(target=self._rendezvous_deadline, name="gw-sched-deadline", daemon=True).start()
         if self.config.heartbeat_timeout > 0:
             threading.Thread(target=self._monitor, name="gw-sched-monitor", daemon=True).start()
+        if self.config.stall_seconds > 0:
+            threading.Thread(target=self._watch_stalls, name="gw-sched-stalls", daemon=True).start()
         return self
+
+    def stall_report(self, now: float | None = None) -> list[str]:
+        """One line per tensor whose declaration has waited past GRADWIRE_STALL_SECONDS for some workers' (a
+        collective that not every worker calls; the servers report rounds that wait for data)."""
+        declarations = self.declarations
+        return declarations.stalled(self.config.stall_seconds, now) if declarations is not None else []
+
+    def _watch_stalls(self) -> None:
+        while not self._done.wait(self.config.stall_seconds / 2):
+            for line in self.stall_report():
+                log.warning("stall: %s", line)
 
     def wait(self, timeout: float | None = None) -> str | None:
         """Block until the job ends; returns None on a clean end, else the abort reason."""
@@ -354,11 +367,7 @@ class Scheduler:
         if op == messages.DECLARE:
             if self.declarations is None:
                 raise GradwireError(f"worker {node.rank} declared a tensor before the rendezvous completed")
-            reply = {"op": messages.REPLY, "id": body["id"]} | self.declarations.declare(node.rank, body)
-            node.conn.send_json(FrameType.CONTROL, reply)
-            if "error" in reply and reply.pop("abort", True):  # after the reply: the declarer gets the TensorError
-                with self._lock:
-                    self._abort_locked(reply["error"])
+            self.declarations.declare(node.rank, body, lambda reply: self._answer_declaration(node, body["id"], reply))
         elif op == messages.FAILOVER_STATE and node.role == "worker":
             with self._lock:
                 entry = self._failover_states.get(int(body["epoch"]))
@@ -448,6 +457,16 @@ class Scheduler:
             self._server_lost(node, f"silent for {now - node.heard:.0f}s")
         return silent + servers
 
+    def _answer_declaration(self, node: Node, request_id: int, reply: dict) -> None:
+        try:
+            node.conn.send_json(FrameType.CONTROL, {"op": messages.REPLY, "id": request_id} | reply)
+        except GradwireError:
+            pass  # that worker's own loss is handled on its connection
+        # after the reply, so the declarer gets the TensorError; a mismatch among workers fails only the tensor
+        if "error" in reply and reply.get("abort", True) and not reply.get("mismatch"):
+            with self._lock:
+                self._abort_locked(reply["error"])
+
     def _enter_barrier(self, node: Node, request_id: int) -> None:
         with self._lock:
             self._barrier.append((node, request_id))
@@ -472,6 +491,8 @@ class Scheduler:
                 waiter.conn.send_json(FrameType.CONTROL, body)
             except GradwireError:
                 pass  # that worker's own loss is handled on its connection
+        if node.role == "worker" and self.declarations is not None:
+            self.declarations.cancel(f"worker {node.rank} left the job (called shutdown())", rank=node.rank)
         with self._lock:
             if not all(w.said_bye or w.lost for w in self._workers) or node.role != "worker":
                 return

@@ -60,6 +60,11 @@ class KeyState:
         "filled",
         "length",
         "lengths",
+        "members",
+        "need",
+        "nexts",
+        "everyone",
+        "first",
         "name",
         "narrow",
         "op",
@@ -85,8 +90,17 @@ class KeyState:
         name: str = "?",
         op: ops.KeyOp = ops.SUM,
         slices: list[tuple[int, int]] | None = None,
+        members: list[int] | None = None,
     ) -> None:
         self.name = name  # the tensor's, for stall reports
+        # the ranks that contribute to its rounds (a process set), in the order their contributions go in
+        self.members = sorted(members) if members is not None else list(range(num_workers))
+        self.need = len(self.members)
+        self.everyone = sum(1 << r for r in self.members)
+        self.first = self.members[0] if self.members else 0
+        self.nexts = [num_workers] * (num_workers + 1)  # the member after each rank, in rank order (past the last)
+        for a, b in zip(self.members, self.members[1:], strict=False):
+            self.nexts[a] = b
         self.op = op
         self.slices = slices  # (start byte, bytes) of the result each rank pulls; None: all of it
         self.filled = [0, 0]  # a gather's elements in, per buffer
@@ -106,7 +120,7 @@ class KeyState:
         self.count = [0, 0]
         self.pushed = [0, 0]  # bitmask of ranks that pushed the round in this buffer
         self.pulls = [[NO_SLOT] * num_workers for _ in range(2)]  # each worker's shared pull slot, per buffer
-        self.turn = [0, 0]  # deterministic mode: the rank whose contribution is added next
+        self.turn = [self.first, self.first]  # deterministic mode: the rank whose contribution is added next
         self.staged = [0, 0]  # bitmask of ranks whose early contributions wait in `stage`
         self.stage: list[list[np.ndarray | None]] = [[None] * num_workers for _ in range(2)]  # allocated on need
         self.seeded = [False, False]  # the round's sum came as a seed (a failover), not from contributions
@@ -186,6 +200,7 @@ class Engine:
         name: str = "?",
         op: ops.KeyOp = ops.SUM,
         slices: list[tuple[int, int]] | None = None,
+        members: list[int] | None = None,
     ) -> None:
         """Allocate a key's accumulators (called by the scheduler link when the key is declared).
 
@@ -193,7 +208,7 @@ class Engine:
         is atomic, so the engine sees either no state or a complete one. Redeclaring the same key is a no-op.
         """
         if key not in self.keys:
-            self.keys[key] = KeyState(dtype, length, self.num_workers, name, op, slices)
+            self.keys[key] = KeyState(dtype, length, self.num_workers, name, op, slices, members)
 
     def reset(self, num_workers: int, forget: bool = False) -> None:
         """Elastic: start every key afresh for `num_workers` workers (`forget`: drop every key, and its memory).
@@ -205,15 +220,19 @@ class Engine:
             self.keys = {}
             return
         for key, state in list(self.keys.items()):
-            slices = state.slices if state.slices is None or len(state.slices) == num_workers else None
-            self.keys[key] = KeyState(state.dtype, state.length, num_workers, state.name, state.op, slices)
+            same = len(state.nexts) == num_workers + 1  # a process set's ranks mean nothing among other workers
+            slices = state.slices if same else None
+            members = state.members if same else None
+            self.keys[key] = KeyState(state.dtype, state.length, num_workers, state.name, state.op, slices, members)
 
     def landing(self, key: int, rnd: int, sender: int) -> np.ndarray | None:
         """Where a reader may receive `sender`'s contribution to `key`'s round `rnd` directly (deterministic sums
         only; None: into a ring slot). Called by the one reader of that sender's connection, after `check`; the
         buffer is allocated once per key, rank and round buffer."""
         state = self.keys.get(key)
-        if state is None or sender == 0 or sender >= self.num_workers or not (self.deterministic or state.op.ordered):
+        if state is None or sender == state.first or not state.everyone >> sender & 1:
+            return None
+        if not (self.deterministic or state.op.ordered):
             return None
         return self._stage(state, rnd & 1, sender).view(np.uint8)
 
@@ -245,8 +264,8 @@ class Engine:
         for key, state in list(self.keys.items()):
             for i in (0, 1):
                 count = state.count[i]
-                if 0 < count < self.num_workers and now - state.started[i] > threshold:
-                    missing = [r for r in range(self.num_workers) if not state.pushed[i] >> r & 1]
+                if 0 < count < state.need and now - state.started[i] > threshold:
+                    missing = [r for r in state.members if not state.pushed[i] >> r & 1]
                     out.append((state.name, key, state.round[i], now - state.started[i], missing))
         return out
 
@@ -261,13 +280,15 @@ class Engine:
             self._seed(state, i, slot, dtype)
             return
         bit = 1 << slot.sender
+        if not state.everyone & bit:
+            raise TensorError(f"worker {slot.sender} is not among the ranks {state.members} of {state.name!r}")
         if state.round[i] != slot.round:
-            if 0 < state.count[i] < self.num_workers:
+            if 0 < state.count[i] < state.need:
                 raise TensorError(f"round {slot.round} arrived while round {state.round[i]} is unfinished")
             state.round[i], state.count[i], state.pushed[i] = slot.round, 0, 0
-            state.turn[i], state.staged[i], state.seeded[i] = 0, 0, False
+            state.turn[i], state.staged[i], state.seeded[i] = state.first, 0, False
         state.pulls[i][slot.sender] = slot.pull
-        if state.seeded[i] and state.count[i] == self.num_workers:
+        if state.seeded[i] and state.count[i] == state.need:
             # a worker the dead server never answered pushes a round whose sum came as a seed: answer it alone
             self.seeded_answers += 1
             self._answer(state, slot.key, slot.round, slot.dtype, i, bit)
@@ -280,7 +301,7 @@ class Engine:
         if not (self.deterministic or state.op.ordered):
             state.op.add(state, i, dtype, wire, state.count[i] == 0)
         elif slot.sender == state.turn[i]:
-            state.op.add(state, i, dtype, wire, slot.sender == 0)
+            state.op.add(state, i, dtype, wire, slot.sender == state.first)
             self._drain(state, i, dtype)
         else:  # early: it waits in its staging buffer (where a socket's reader received it, or copied from the ring
             # or the worker's shared slot), and is acknowledged now (see the module's docstring)
@@ -290,7 +311,7 @@ class Engine:
             state.staged[i] |= bit
         state.count[i] += 1
         state.pushed[i] |= bit
-        if state.count[i] < self.num_workers:
+        if state.count[i] < state.need:
             # The worker's window counts contributions not yet in, not sums not yet out: a window of
             # unanswered sums deadlocks when workers' windows fill with different keys.
             self._ack(slot.sender, slot.key, slot.round)
@@ -298,7 +319,7 @@ class Engine:
             state.op.check(state, i)
             if state.narrow:
                 dtypes.narrow(dtype, state.acc[i], state.out[i])
-            self._answer(state, slot.key, slot.round, slot.dtype, i, self.everyone)
+            self._answer(state, slot.key, slot.round, slot.dtype, i, state.everyone)
 
     def _answer(self, state: KeyState, key: int, rnd: int, code: int, i: int, ranks: int) -> None:
         """Send the result of round buffer `i` to `ranks`: all of it, or each rank its slice."""
@@ -306,14 +327,14 @@ class Engine:
 
     def _drain(self, state: KeyState, i: int, dtype: dtypes.DType) -> None:
         """After rank `turn` was added: add the early contributions that are now next in rank order."""
-        state.turn[i] += 1
+        state.turn[i] = state.nexts[state.turn[i]]
         while state.staged[i] >> state.turn[i] & 1:
             rank = state.turn[i]
             source = state.stage[i][rank]
             assert source is not None
-            state.op.add(state, i, dtype, source[: state.lengths[i][rank]], rank == 0)
+            state.op.add(state, i, dtype, source[: state.lengths[i][rank]], rank == state.first)
             state.staged[i] &= ~(1 << rank)
-            state.turn[i] += 1
+            state.turn[i] = state.nexts[rank]
 
     def _seed(self, state: KeyState, i: int, slot: Slot, dtype: dtypes.DType) -> None:
         """A worker resends a sum it holds (after a failover): complete the round with it, answer its pushers.
@@ -322,11 +343,11 @@ class Engine:
         is complete already (another worker's seed, or every contribution came in). Any sum of a round is the same
         bytes, so which seed wins does not matter.
         """
-        if state.round[i] > slot.round or (state.round[i] == slot.round and state.count[i] == self.num_workers):
+        if state.round[i] > slot.round or (state.round[i] == slot.round and state.count[i] == state.need):
             return
         waiting = state.pushed[i] if state.round[i] == slot.round else 0
         state.out[i][:] = slot.data.view(dtype.wire)
-        state.round[i], state.count[i], state.pushed[i] = slot.round, self.num_workers, self.everyone
+        state.round[i], state.count[i], state.pushed[i] = slot.round, state.need, state.everyone
         state.turn[i], state.staged[i], state.seeded[i] = self.num_workers, 0, True
         if waiting:
             self.seeded_answers += bin(waiting).count("1")

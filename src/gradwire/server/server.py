@@ -365,6 +365,11 @@ class Server:
         except TensorError as e:
             raise RemoteProtocolError(str(e)) from None
         slices = body.get("slices") or {}
+        members = body.get("members")
+        if members is not None:
+            members = sorted({int(r) for r in members})
+            if not members or members[0] < 0 or members[-1] >= self.num_workers:
+                raise RemoteProtocolError(f"scheduler declared {name!r} for ranks {members} of {self.num_workers}")
         for key, code, length in body["keys"]:
             dtype = dtypes.BY_CODE[int(code)]
             if not 0 < int(length) <= self.config.partition_bytes or int(length) % dtype.itemsize:
@@ -372,10 +377,11 @@ class Server:
             cut = slices.get(str(key))
             if cut is not None:
                 cut = [(int(a), int(b)) for a, b in cut]
-                if any(a < 0 or b < 0 or a + b > int(length) or (a | b) % dtype.itemsize for a, b in cut):
+                bad = len(cut) != self.num_workers
+                if bad or any(a < 0 or b < 0 or a + b > int(length) or (a | b) % dtype.itemsize for a, b in cut):
                     raise RemoteProtocolError(f"scheduler declared key {int(key):016x} with slices {cut}")
             engine = self._engines[int(key) % len(self._engines)]
-            engine.declare(int(key), dtype, int(length), name, op, cut)
+            engine.declare(int(key), dtype, int(length), name, op, cut, members)
         assert self._scheduler is not None
         self._scheduler.send_json(FrameType.CONTROL, {"op": messages.REPLY, "id": body["id"]})
 

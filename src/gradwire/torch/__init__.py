@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import gradwire
-from gradwire import barrier, is_initialized, local_rank, local_size, rank, shutdown, size
+from gradwire import is_initialized, local_rank, local_size, rank, shutdown, size
 from gradwire.config import Config
 
 from . import cross_barrier, elastic, parallel
@@ -166,14 +166,26 @@ __all__ = [
 ]
 
 
+def barrier(process_set: Any = None) -> None:
+    """Block until every worker (or every rank of `process_set`) has entered the barrier."""
+    if process_set is None or getattr(process_set, "ranks", None) is None:
+        gradwire.barrier()
+        return
+    import torch
+
+    # a round of a one-element sum among the set's ranks completes only once every one of them has pushed it
+    allreduce(torch.zeros(1), name="barrier", op=Sum, process_set=process_set)
+
+
 def init(config: Config | None = None, lazy: bool = True, comm: Any = None, process_sets: Any = None) -> None:
     """Join the job as a worker (Horovod's and BytePS's `init`). Blocks through the rendezvous.
 
     `lazy` (BytePS) is accepted either way: gradwire's workers connect at init and declare tensors on first use.
-    `comm` (an MPI communicator) and `process_sets` are Horovod's; gradwire runs over all workers of its job.
+    `comm` (an MPI communicator) is Horovod's: gradwire does not run over MPI. `process_sets` are registered as
+    with `add_process_set`.
     """
     if comm is not None:
         raise ValueError("gradwire does not run over MPI: init(comm=...) is not supported; start with gradwire launch")
-    if process_sets not in (None, []):
-        raise ValueError("gradwire runs every collective over all workers: process_sets are not supported")
     gradwire.init(config)
+    for ps in process_sets or []:
+        add_process_set(ps)

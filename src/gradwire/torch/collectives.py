@@ -59,7 +59,7 @@ def _reduction(worker: Worker, average: bool | None, op: str | None, name: str |
     if op not in _OPS:
         raise ValueError(f"op must be one of gradwire.torch.Average, Sum, Adasum, Min, Max, Product; got {op!r}")
     if op == Adasum:
-        raise gradwire.TensorError(
+        raise gradwire.errors.NotSupported(
             f"worker {worker.rank}: op=adasum of {name or 'an unnamed tensor'!r} is not supported: Adasum combines "
             "pairs of gradients recursively, which summation servers do not (docs/horovod.md)",
             tensor=name,
@@ -68,9 +68,23 @@ def _reduction(worker: Worker, average: bool | None, op: str | None, name: str |
     return _KEY_OPS[op], op == Average
 
 
-def _check_process_set(process_set: Any) -> None:
-    if process_set is not None and getattr(process_set, "process_set_id", 0) != 0:
-        raise ValueError("gradwire runs every collective over all workers: only the global process set is supported")
+def _scaled(tensor: torch.Tensor, factor: float) -> torch.Tensor:
+    """`tensor * factor` in `tensor`'s dtype (integers: computed in float64, truncated, as Horovod scales them)."""
+    if tensor.is_floating_point():
+        return tensor * factor
+    return (tensor.to(torch.float64) * factor).to(tensor.dtype)
+
+
+def _members(process_set: Any) -> list[int] | None:
+    """The ranks of a Horovod process set (None: the global set, every worker)."""
+    if process_set is None:
+        return None
+    ranks = getattr(process_set, "ranks", None)
+    if ranks is None:
+        return None
+    if not process_set.included():
+        raise ValueError(f"worker {gradwire.rank()} called a collective of {process_set!r}, which it is not part of")
+    return list(ranks)
 
 
 def allreduce_async(
@@ -89,17 +103,18 @@ def allreduce_async(
     """Start averaging (or summing) `tensor` over all workers; `synchronize(handle)` returns the result. The input
     is not modified (`allreduce_async_` writes the result into it)."""
     worker = gradwire.current_worker()
-    _check_process_set(process_set)
+    members = _members(process_set)
     key_op, average = _reduction(worker, average, op, name)
     name = _name(worker, name, "allreduce")
     source, push_inplace = tensor, inplace
     if prescale_factor != 1.0:
         with torch.no_grad():
+            scaled = _scaled(tensor.detach(), prescale_factor)
             if inplace:
-                tensor.mul_(prescale_factor)
+                tensor.copy_(scaled)
             else:  # a scaled copy: the sum lands in it
-                source, push_inplace = tensor.detach() * prescale_factor, True
-    handle = _push_pull_async(source, average, name, priority, compression, worker, push_inplace, key_op)
+                source, push_inplace = scaled, True
+    handle = _push_pull_async(source, average, name, priority, compression, worker, push_inplace, key_op, members)
     handle.scale = postscale_factor
     return handle
 
@@ -135,16 +150,20 @@ class _AllReduce(torch.autograd.Function):
     """allreduce as an autograd op: the gradient of an average (sum) is the average (sum) of the gradients."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, op: str, name: str, compression: type, scales: tuple) -> Any:
-        ctx.op, ctx.name, ctx.compression, ctx.scales = op, name, compression, scales
-        handle = allreduce_async(tensor, None, name, op, scales[0], scales[1], compression=compression, inplace=False)
+    def forward(
+        ctx: Any, tensor: torch.Tensor, op: str, name: str, compression: type, scales: tuple, process_set: Any
+    ) -> Any:
+        ctx.op, ctx.name, ctx.compression, ctx.scales, ctx.process_set = op, name, compression, scales, process_set
+        handle = allreduce_async(
+            tensor, None, name, op, scales[0], scales[1], process_set, compression=compression, inplace=False
+        )
         return synchronize(handle)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         # Horovod's: the gradient goes through the same reduction (for min, max and product too)
-        out = allreduce(grad, None, f"{ctx.name}.grad", ctx.compression, ctx.op, *ctx.scales)
-        return out, None, None, None, None
+        out = allreduce(grad, None, f"{ctx.name}.grad", ctx.compression, ctx.op, *ctx.scales, ctx.process_set)
+        return out, None, None, None, None, None
 
 
 def allreduce(
@@ -160,14 +179,15 @@ def allreduce(
     """Average (or sum, op=Sum) `tensor` over all workers; returns a new tensor and leaves the input as it is.
     Blocks. Differentiable."""
     worker = gradwire.current_worker()
-    _check_process_set(process_set)
+    _members(process_set)
     key_op, mean = _reduction(worker, average, op, name)
     op = (Average if mean else Sum) if key_op == "sum" else op
     name = _name(worker, name, "allreduce")
     scales = (prescale_factor, postscale_factor)
     if tensor.requires_grad and torch.is_grad_enabled():
-        return _AllReduce.apply(tensor, op, name, compression, scales)
-    return synchronize(allreduce_async(tensor, None, name, op, *scales, compression=compression, inplace=False))
+        return _AllReduce.apply(tensor, op, name, compression, scales, process_set)
+    handle = allreduce_async(tensor, None, name, op, *scales, process_set, compression=compression, inplace=False)
+    return synchronize(handle)
 
 
 def allreduce_(
@@ -313,7 +333,7 @@ def push_pull(
             rank=worker.rank,
         )
     if tensor.requires_grad and torch.is_grad_enabled():
-        return _AllReduce.apply(tensor, Average if average else Sum, name, compression, (1.0, 1.0))
+        return _AllReduce.apply(tensor, Average if average else Sum, name, compression, (1.0, 1.0), None)
     handle = _push_pull_async(tensor, bool(average), name, priority, compression, worker, inplace=False)
     return synchronize(handle)
 

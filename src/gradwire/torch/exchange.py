@@ -19,7 +19,7 @@ import torch
 from gradwire import collectives
 from gradwire.worker import Handle, Worker
 
-from .collectives import Average, Sum, _check_process_set, _name, _reduction, allreduce
+from .collectives import Average, Sum, _members, _name, _reduction, _scaled, allreduce
 from .ops import as_numpy
 
 
@@ -86,34 +86,35 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: 
     """Start concatenating `tensor` from every rank along the first dimension (which may differ by rank); the input
     is not modified. `synchronize` returns the result."""
     worker = gradwire.current_worker()
-    _check_process_set(process_set)
+    members = _members(process_set)
     name = _name(worker, name, "allgather")
     source = _cpu(tensor)
-    return ExchangeHandle(collectives.allgather_async(worker, name=name, **_wire(source)), tensor, keep=source)
+    handle = collectives.allgather_async(worker, name=name, members=members, **_wire(source))
+    return ExchangeHandle(handle, tensor, keep=source)
 
 
 class _AllGather(torch.autograd.Function):
     """The gradient of an allgather is this rank's rows of the average of the gradients (Horovod's)."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: str | None) -> Any:
-        ctx.rows = tensor.shape[0] if tensor.dim() else 1
-        return gradwire.torch.synchronize(allgather_async(tensor, name))
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, process_set: Any) -> Any:
+        ctx.rows, ctx.process_set = (tensor.shape[0] if tensor.dim() else 1), process_set
+        return gradwire.torch.synchronize(allgather_async(tensor, name, process_set))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        reduced = allreduce(grad, average=True)
-        rows = allgather(torch.tensor([ctx.rows], dtype=torch.int64))
-        offset = int(rows[: gradwire.rank()].sum())
-        return reduced.narrow(0, offset, ctx.rows), None
+        reduced = allreduce(grad, average=True, process_set=ctx.process_set)
+        rows = allgather(torch.tensor([ctx.rows], dtype=torch.int64), process_set=ctx.process_set)
+        members = _members(ctx.process_set) or list(range(gradwire.size()))
+        offset = int(rows[: members.index(gradwire.rank())].sum())
+        return reduced.narrow(0, offset, ctx.rows), None, None
 
 
 def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = None) -> torch.Tensor:
     """Concatenate `tensor` from every rank along the first dimension. Blocks. Differentiable."""
-    _check_process_set(process_set)
     if tensor.requires_grad and torch.is_grad_enabled():
-        return _AllGather.apply(tensor, name)
-    return gradwire.torch.synchronize(allgather_async(tensor, name))
+        return _AllGather.apply(tensor, name, process_set)
+    return gradwire.torch.synchronize(allgather_async(tensor, name, process_set))
 
 
 def grouped_allgather_async(tensors: list[torch.Tensor], name: str | None = None, process_set: Any = None) -> Any:
@@ -132,11 +133,11 @@ def grouped_allgather(tensors: list[torch.Tensor], name: str | None = None, proc
 
 def allgather_object(obj: Any, name: str | None = None, process_set: Any = None) -> list:
     """Every rank's picklable `obj`, in rank order."""
-    _check_process_set(process_set)
     name = name or type(obj).__name__
     payload = torch.from_numpy(np.frombuffer(_dumps(obj), np.uint8).copy())
-    sizes = allgather(torch.tensor([payload.numel()], dtype=torch.int64), f"allgather_object.{name}.sizes")
-    data = allgather(payload, f"allgather_object.{name}").numpy()
+    length = torch.tensor([payload.numel()], dtype=torch.int64)
+    sizes = allgather(length, f"allgather_object.{name}.sizes", process_set)
+    data = allgather(payload, f"allgather_object.{name}", process_set).numpy()
     out, start = [], 0
     for size in sizes.tolist():
         out.append(_loads(data[start : start + size].tobytes()))
@@ -147,12 +148,16 @@ def allgather_object(obj: Any, name: str | None = None, process_set: Any = None)
 # -- broadcast ---------------------------------------------------------------------------------------------------
 
 
-def _broadcast(tensor: torch.Tensor, root_rank: int, name: str | None, inplace: bool) -> ExchangeHandle:
+def _broadcast(
+    tensor: torch.Tensor, root_rank: int, name: str | None, inplace: bool, process_set: Any
+) -> ExchangeHandle:
     worker = gradwire.current_worker()
+    members = _members(process_set)
     name = _name(worker, name, "broadcast")
     source = _cpu(tensor)
     into = source if inplace and source.data_ptr() == tensor.data_ptr() else torch.empty_like(source)
-    handle = collectives.broadcast_async(worker, root=root_rank, name=name, out=_array(into), **_wire(source))
+    out = _array(into)
+    handle = collectives.broadcast_async(worker, root=root_rank, name=name, out=out, members=members, **_wire(source))
     if inplace:
 
         def finish(out: torch.Tensor) -> torch.Tensor:
@@ -167,38 +172,35 @@ def _broadcast(tensor: torch.Tensor, root_rank: int, name: str | None, inplace: 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> Any:
     """Start sending the root's `tensor` to every rank; the input is not modified."""
-    _check_process_set(process_set)
-    return _broadcast(tensor, root_rank, name, inplace=False)
+    return _broadcast(tensor, root_rank, name, False, process_set)
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> Any:
     """In place: start overwriting `tensor` with the root's."""
-    _check_process_set(process_set)
-    return _broadcast(tensor, root_rank, name, inplace=True)
+    return _broadcast(tensor, root_rank, name, True, process_set)
 
 
 class _Broadcast(torch.autograd.Function):
     """The gradient of a broadcast: the average of the gradients on the root, zero elsewhere (Horovod's)."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None) -> Any:
-        ctx.root_rank = root_rank
-        return gradwire.torch.synchronize(broadcast_async(tensor, root_rank, name))
+    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None, process_set: Any) -> Any:
+        ctx.root_rank, ctx.process_set = root_rank, process_set
+        return gradwire.torch.synchronize(broadcast_async(tensor, root_rank, name, process_set))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        reduced = allreduce(grad, average=True)
+        reduced = allreduce(grad, average=True, process_set=ctx.process_set)
         if gradwire.rank() != ctx.root_rank:
             reduced = reduced * 0
-        return reduced, None, None
+        return reduced, None, None, None
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> Any:
     """The root's `tensor` on every rank, as a new tensor. Blocks. Differentiable."""
-    _check_process_set(process_set)
     if tensor.requires_grad and torch.is_grad_enabled():
-        return _Broadcast.apply(tensor, root_rank, name)
-    return gradwire.torch.synchronize(broadcast_async(tensor, root_rank, name))
+        return _Broadcast.apply(tensor, root_rank, name, process_set)
+    return gradwire.torch.synchronize(broadcast_async(tensor, root_rank, name, process_set))
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> Any:
@@ -208,14 +210,14 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None, pr
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None, process_set: Any = None) -> Any:
     """The root's picklable `obj` on every rank (tensors inside travel with it)."""
-    _check_process_set(process_set)
     name = name or type(obj).__name__
     payload = _dumps(obj) if gradwire.rank() == root_rank else b""
-    size = broadcast(torch.tensor([len(payload)], dtype=torch.int64), root_rank, f"broadcast_object.{name}.size")
+    length = torch.tensor([len(payload)], dtype=torch.int64)
+    size = broadcast(length, root_rank, f"broadcast_object.{name}.size", process_set)
     data = torch.zeros(int(size[0]), dtype=torch.uint8)
     if gradwire.rank() == root_rank:
         data.numpy()[:] = np.frombuffer(payload, np.uint8)
-    data = broadcast_(data, root_rank, f"broadcast_object.{name}")
+    data = broadcast_(data, root_rank, f"broadcast_object.{name}", process_set)
     return obj if gradwire.rank() == root_rank else _loads(data.numpy().tobytes())
 
 
@@ -228,7 +230,7 @@ def alltoall_async(
     """Start sending `splits[j]` rows of `tensor` to rank j (equal splits when None); `synchronize` returns the
     received rows (in rank order) and the received splits."""
     worker = gradwire.current_worker()
-    _check_process_set(process_set)
+    members = _members(process_set)
     name = _name(worker, name, "alltoall")
     if splits is not None:
         if isinstance(splits, torch.Tensor):
@@ -242,7 +244,7 @@ def alltoall_async(
             splits = splits.tolist()
         splits = [int(s) for s in splits]
     source = _cpu(tensor)
-    handle, received = collectives.alltoall_async(worker, splits=splits, name=name, **_wire(source))
+    handle, received = collectives.alltoall_async(worker, splits=splits, name=name, members=members, **_wire(source))
     return ExchangeHandle(handle, tensor, lambda out: (out, torch.from_numpy(received)), keep=source)
 
 
@@ -250,9 +252,9 @@ class _AllToAll(torch.autograd.Function):
     """The gradient of an alltoall is the alltoall of the gradient, with the received splits sent back."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: str | None) -> Any:
-        output, received = gradwire.torch.synchronize(alltoall_async(tensor, splits, name))
-        ctx.received = received
+    def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: str | None, process_set: Any) -> Any:
+        output, received = gradwire.torch.synchronize(alltoall_async(tensor, splits, name, process_set))
+        ctx.received, ctx.process_set = received, process_set
         if splits is None:
             return output
         ctx.mark_non_differentiable(received)
@@ -260,17 +262,16 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, *unused: Any) -> Any:
-        back, _ = alltoall(grad, splits=ctx.received)
-        return back, None, None
+        back, _ = alltoall(grad, splits=ctx.received, process_set=ctx.process_set)
+        return back, None, None, None
 
 
 def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None, process_set: Any = None) -> Any:
     """Send `splits[j]` rows of `tensor` to rank j; returns the received rows and, when `splits` was given, the
     received splits. Blocks. Differentiable."""
-    _check_process_set(process_set)
     if tensor.requires_grad and torch.is_grad_enabled():
-        return _AllToAll.apply(tensor, splits, name)
-    output, received = gradwire.torch.synchronize(alltoall_async(tensor, splits, name))
+        return _AllToAll.apply(tensor, splits, name, process_set)
+    output, received = gradwire.torch.synchronize(alltoall_async(tensor, splits, name, process_set))
     return output if splits is None else (output, received)
 
 
@@ -288,7 +289,7 @@ def reducescatter_async(
     """Start reducing `tensor` over all ranks; this rank receives its rows of the result (the first dimension split
     as evenly as it goes, the first ranks one row more). The input is not modified."""
     worker = gradwire.current_worker()
-    _check_process_set(process_set)
+    members = _members(process_set)
     key_op, average = _reduction(worker, None, op, name)
     name = _name(worker, name, "reducescatter")
     if tensor.dim() == 0:
@@ -297,21 +298,15 @@ def reducescatter_async(
         )
     source = _cpu(tensor)
     if prescale_factor != 1.0:
-        source = source * prescale_factor
-    if average and not source.is_floating_point():
-        raise gradwire.TensorError(
-            f"worker {worker.rank}: the average of integer tensor {name!r} is not defined; use op=Sum",
-            tensor=name,
-            rank=worker.rank,
-        )
+        source = _scaled(source, prescale_factor)
     divide = average and source.dtype == torch.bfloat16  # bfloat16 travels as bits: divide after
     handle = collectives.reducescatter_async(
-        worker, name=name, average=average and not divide, op=key_op, **_wire(source)
+        worker, name=name, average=average and not divide, op=key_op, members=members, **_wire(source)
     )
-    factor = postscale_factor / (worker.size if divide else 1)
+    factor = postscale_factor / ((worker.size if members is None else len(members)) if divide else 1)
 
     def finish(out: torch.Tensor) -> torch.Tensor:
-        return out * factor if factor != 1.0 else out
+        return _scaled(out, factor) if factor != 1.0 else out
 
     return ExchangeHandle(handle, tensor, finish, keep=source)
 
@@ -320,16 +315,16 @@ class _ReduceScatter(torch.autograd.Function):
     """The gradient of a reducescatter is the allgather of the gradients (scaled as the forward was)."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: str, scales: tuple) -> Any:
-        ctx.op, ctx.scales = op, scales
-        return gradwire.torch.synchronize(reducescatter_async(tensor, name, op, None, *scales))
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: str, scales: tuple, process_set: Any) -> Any:
+        ctx.op, ctx.scales, ctx.process_set = op, scales, process_set
+        return gradwire.torch.synchronize(reducescatter_async(tensor, name, op, process_set, *scales))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         if ctx.op == Sum:
-            grad = grad * gradwire.size()
+            grad = grad * len(_members(ctx.process_set) or range(gradwire.size()))
         grad = grad * (ctx.scales[0] * ctx.scales[1])
-        return allgather(grad), None, None, None
+        return allgather(grad, process_set=ctx.process_set), None, None, None, None
 
 
 def reducescatter(
@@ -342,13 +337,12 @@ def reducescatter(
     postscale_factor: float = 1.0,
 ) -> torch.Tensor:
     """Reduce `tensor` over all ranks and return this rank's rows of the result. Blocks. Differentiable."""
-    _check_process_set(process_set)
     scales = (prescale_factor, postscale_factor)
     wire, ctx = compression.compress(tensor) if compression is not None else (tensor, None)
     if tensor.requires_grad and torch.is_grad_enabled():
-        out = _ReduceScatter.apply(wire, name, op, scales)
+        out = _ReduceScatter.apply(wire, name, op, scales, process_set)
     else:
-        out = gradwire.torch.synchronize(reducescatter_async(wire, name, op, None, *scales))
+        out = gradwire.torch.synchronize(reducescatter_async(wire, name, op, process_set, *scales))
     return compression.decompress(out, ctx) if compression is not None else out
 
 

@@ -42,7 +42,9 @@ class GradientSync:
         groups: list[list[torch.Tensor]] | None = None,
         prefix: str = "grad.",
         owner: str = "DistributedOptimizer",
+        members: list[int] | None = None,
     ) -> None:
+        self.members = members  # a process set's ranks (None: every worker)
         self._bound: Worker | None = current_worker_or_none()
         self.names = names
         self.compression = compression
@@ -116,7 +118,13 @@ class GradientSync:
 
     def _start(self, tensor: torch.Tensor, name: str, priority: int) -> TorchHandle:
         handle = push_pull_async(
-            tensor, self.average, f"{self.prefix}{name}", priority, self.compression, worker=self.worker
+            tensor,
+            self.average,
+            f"{self.prefix}{name}",
+            priority,
+            self.compression,
+            worker=self.worker,
+            members=self.members,
         )
         handle.scale = self.predivide
         return handle

@@ -61,34 +61,54 @@ def stop_timeline() -> None:
 
 
 class ProcessSet:
-    """Horovod's process set: a subset of ranks that runs collectives among itself. gradwire runs every collective
-    over all workers for now: only the global process set exists (docs/horovod.md)."""
+    """Horovod's process set: a subset of ranks whose collectives run among themselves. On the servers, a tensor
+    of a process set is its own (its name carries the ranks) and only those ranks contribute to its rounds."""
 
     def __init__(self, ranks: Any = None) -> None:
-        self.ranks = None if ranks is None else sorted(int(r) for r in ranks)
-        self.process_set_id = 0 if ranks is None else None
+        self.ranks = None if ranks is None else sorted({int(r) for r in ranks})
+        self.process_set_id: int | None = 0 if ranks is None else None  # given by add_process_set
 
-    def size(self) -> int:
-        return gradwire.size() if self.ranks is None else len(self.ranks)
+    def size(self) -> int | None:
+        if self.ranks is None:
+            return gradwire.size()
+        return len(self.ranks) if self.process_set_id is not None else None
 
-    def rank(self) -> int:
-        return gradwire.rank() if self.ranks is None else self.ranks.index(gradwire.rank())
+    def rank(self) -> int | None:
+        if self.ranks is None:
+            return gradwire.rank()
+        return self.ranks.index(gradwire.rank()) if self.included() else -1
 
-    def included(self) -> bool:
+    def included(self) -> bool | None:
         return self.ranks is None or gradwire.rank() in self.ranks
 
     def __repr__(self) -> str:
-        return "ProcessSet(global)" if self.ranks is None else f"ProcessSet({self.ranks})"
+        return "ProcessSet(global)" if self.ranks is None else f"ProcessSet(id={self.process_set_id}, {self.ranks})"
 
 
 global_process_set = ProcessSet()
+_ids: list[int] = [0]
 
 
 def add_process_set(process_set: Any) -> ProcessSet:
-    """Not supported yet: collectives among a subset of workers (docs/horovod.md)."""
-    raise ValueError("gradwire runs every collective over all workers: process sets are not supported yet")
+    """Register a process set (a ProcessSet or a list of ranks) and return it with its id. As in Horovod every
+    worker calls it, in the same order, with the same ranks; the ids follow that order."""
+    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    if ps.ranks is None or not ps.ranks:
+        raise ValueError("add_process_set needs a non-empty list of ranks")
+    size = gradwire.size()
+    if ps.ranks[0] < 0 or ps.ranks[-1] >= size:
+        raise ValueError(f"process set {ps.ranks}: ranks must lie in 0..{size - 1}")
+    if ps.ranks == list(range(size)):
+        raise ValueError(f"process set {ps.ranks} is the global process set")
+    _ids[0] += 1
+    ps.process_set_id = _ids[0]
+    return ps
 
 
-def remove_process_set(process_set: Any) -> bool:
-    """Not supported yet (see add_process_set)."""
-    raise ValueError("gradwire runs every collective over all workers: process sets are not supported yet")
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Deregister a process set; its tensors stay declared on the servers (they are small and rare). True if it
+    was registered."""
+    if process_set.ranks is None or process_set.process_set_id is None:
+        return False
+    process_set.process_set_id = None
+    return True

@@ -68,8 +68,11 @@ class TorchHandle:
         with torch.no_grad():
             if result.data_ptr() != self.output.data_ptr():
                 self.output.copy_(result.view_as(self.output))
-            if self.scale != 1.0:
-                self.output.mul_(self.scale)
+            if self.scale != 1.0:  # integers: in float64, truncated (as Horovod's postscale_factor)
+                if self.output.is_floating_point():
+                    self.output.mul_(self.scale)
+                else:
+                    self.output.copy_(self.output.to(torch.float64) * self.scale)
         self._finished = True
         return self.output
 
@@ -91,12 +94,14 @@ def push_pull_async(
     worker: Worker | None = None,
     inplace: bool = True,
     op: str = "sum",
+    members: list[int] | None = None,
 ) -> TorchHandle:
     """Start summing `tensor` across workers. Returns a handle whose `result` is the sum (or average).
 
     In place (the default here) the result is written into `tensor`; otherwise `tensor` is left as it is and the
     result is a new tensor of its shape, dtype and device (BytePS's `push_pull` and Horovod's `allreduce`).
-    `op` is the servers' reduction: "sum" (averaged when `average`), "min", "max" or "product".
+    `op` is the servers' reduction: "sum" (averaged when `average`), "min", "max" or "product"; `members` the
+    ranks that take part (a process set; None: every worker).
     """
     worker = worker or gradwire.current_worker()
     if name is None:
@@ -113,10 +118,9 @@ def push_pull_async(
             tensor=name,
             rank=worker.rank,
         )
-    if average and not wire.is_floating_point():
+    if average and wire.dtype == torch.bool:
         raise gradwire.TensorError(
-            f"worker {worker.rank}: the average of integer tensor {name!r} ({wire.dtype}) is not defined; sum it "
-            "(average=False, or op=Sum) and divide",
+            f"worker {worker.rank}: the average of bool tensor {name!r} is not defined; use op=Sum (a logical or)",
             tensor=name,
             rank=worker.rank,
         )
@@ -135,6 +139,8 @@ def push_pull_async(
         output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
     array, dtype = as_numpy(wire)
     worker_average = average and dtype != "bfloat16"
-    handle = worker.push_pull_async(array, name, worker_average, priority, out=array, dtype=dtype, op=op)
-    divide_by = worker.size if average and not worker_average else 1
+    handle = worker.push_pull_async(
+        array, name, worker_average, priority, out=array, dtype=dtype, op=op, members=members
+    )
+    divide_by = (worker.size if members is None else len(members)) if average and not worker_average else 1
     return TorchHandle(handle, output, wire, ctx, compression, staged, divide_by)

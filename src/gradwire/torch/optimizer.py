@@ -39,9 +39,11 @@ class _DistributedOptimizer:
         predivide: float = 1.0,
         sparse_as_dense: bool = False,
         groups: list[list[torch.Tensor]] | None = None,
+        members: list[int] | None = None,
     ) -> None:
         params = [p for group in self.param_groups for p in group["params"]]  # type: ignore[attr-defined]
         by_id = parameter_names(params, named_parameters)
+        self._parameter_names = {p: by_id[id(p)] for p in params}  # Horovod's attribute: parameter -> its name
         if op not in (Average, Sum):
             raise ValueError(
                 f"op must be gradwire.torch.Average or Sum, got {op!r}: the summation servers compute sums "
@@ -59,6 +61,7 @@ class _DistributedOptimizer:
             predivide=predivide,
             sparse_as_dense=sparse_as_dense,
             groups=groups,
+            members=members,
         )
         self._synchronized = False
         self._skip = False
@@ -161,7 +164,8 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
       `fusion_bytes` (default GRADWIRE_FUSION_BYTES, 1 MiB; 0 turns fusion off).
     - `sparse_as_dense`: sparse gradients (embeddings with sparse=True) are made dense and summed; without it a
       sparse gradient raises a TensorError saying so.
-    - `process_set`: only the global set (every worker). `staleness` (BytePS): only 0, synchronous training.
+    - `process_set`: the gradients are averaged among its ranks only (each set trains its own replica).
+      `staleness` (BytePS): only 0, synchronous training.
       `pipesize` (BytePS): accepted; gradwire pipelines every tensor by partitions already.
     Arguments are checked before anything else, so a wrong call fails the same way before or after `init()`.
     """
@@ -171,8 +175,8 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         raise ValueError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor}")
     if staleness != 0:
         raise ValueError(f"staleness={staleness}: gradwire's DistributedOptimizer is synchronous (staleness=0)")
-    if process_set is not None and getattr(process_set, "process_set_id", 0) != 0:
-        raise ValueError("gradwire runs every collective over all workers: only the global process set is supported")
+    if getattr(process_set, "ranks", None) is not None and getattr(process_set, "process_set_id", None) is None:
+        raise ValueError(f"{process_set!r} is not registered: call add_process_set first")
     if isinstance(groups, int):  # Horovod accepted an int here before num_groups existed
         groups, num_groups = None, groups
     if groups is not None and num_groups:
@@ -195,5 +199,6 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         gradient_predivide_factor,
         sparse_as_dense,
         groups,
+        getattr(process_set, "ranks", None),
     )
     return wrapped

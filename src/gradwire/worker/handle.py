@@ -46,6 +46,11 @@ class Handle:
             raise self.error
         return self.output
 
+    def add_parts(self, parts: int) -> None:
+        """Expect `parts` more partitions (known once the tensor's declaration completes)."""
+        with self._lock:
+            self._remaining += parts
+
     def part_done(self) -> None:
         """One partition's sum has arrived (called by receiver threads)."""
         with self._lock:

@@ -592,8 +592,8 @@ class ServerLink:
             saved.round = work.round
             source = saved.data.view(work.out.dtype)
         if work.average > 1:
-            divide = np.divide if work.out.dtype.kind == "f" else np.floor_divide
-            divide(source, work.average, out=work.out)
+            # integers: the quotient truncated toward zero, as Horovod's average of an integer tensor
+            np.divide(source, work.average, out=work.out, casting="unsafe")
         elif saved is not None:
             np.copyto(out, saved.data)
         self.metrics.pulled(work.nbytes)

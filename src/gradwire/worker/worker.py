@@ -7,6 +7,7 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,16 +43,22 @@ SEED_PRIORITY = 1 << 62  # seeds leave a new link before anything else
 
 @dataclass
 class Tensor:
-    """A declared tensor: its partitions, their keys and servers, and its round counter."""
+    """A tensor of the job: its partitions, their keys and servers (once every worker has declared it), and its
+    round counter. Calls may start before the declaration completes: they wait in `waiting` and go out with it."""
 
     name: str
     shape: tuple[int, ...]
     dtype: dtypes.DType
-    parts: list[partition.Partition]
-    keys: list[int]
-    servers: list[int]
+    parts: list[partition.Partition] = field(default_factory=list)
+    keys: list[int] = field(default_factory=list)
+    servers: list[int] = field(default_factory=list)
     round: int = 0
     in_flight: Handle | None = field(default=None, repr=False)
+    ready: threading.Event = field(default_factory=threading.Event, repr=False)  # declared, or failed
+    error: GradwireError | None = None  # why the declaration failed
+    waiting: list = field(default_factory=list, repr=False)  # fn(error or None), run once it is ready
+    user_name: str = ""
+    signature: tuple = ()
 
 
 class Worker:
@@ -350,8 +357,15 @@ class Worker:
         key_op: str = "sum",
         slices: list[tuple[int, int]] | None = None,
         meta: str | None = None,
+        wait: bool = True,
+        members: list[int] | None = None,
     ) -> Tensor:
         """Declare a tensor (idempotent). Every worker must declare `name` with the same shape and dtype.
+
+        A declaration completes when every worker has made it: the scheduler compares them all first, so a worker
+        that disagrees (another shape, dtype or collective) fails it on every worker at once with a TensorMismatch
+        naming each worker's call, before any byte moves, and the job goes on. With `wait` False this returns at
+        once; calls on the tensor then wait for the declaration and go out when it completes.
 
         A name used again with another shape or dtype (two models whose parameters share names, a metric whose
         length changes) is a new declaration: each (name, shape, dtype) is its own tensor on the servers, numbered
@@ -360,31 +374,47 @@ class Worker:
 
         `key_op` is what the servers compute over its rounds (server/ops.py: sum, min, max, product, gather), and
         `slices`, per rank, the (first element, count) of the result that rank pulls (None: all of it). `meta` is
-        anything else every worker must agree on (a broadcast's root rank), checked like the shape.
+        anything else every worker must agree on (a broadcast's root rank), checked like the shape. `members` are
+        the ranks that call it (a process set; None: every worker): only they declare it, and its rounds are theirs.
         """
         shape = tuple(int(d) for d in shape)
         wire = dtypes.from_numpy(dtype)
         cut = tuple((int(a), int(b)) for a, b in slices) if slices is not None else None
+        ranks = tuple(sorted(members)) if members is not None else None
+        signature = (shape, wire, key_op, cut, meta, ranks)
         with self._lock:
             versions = self._versions.setdefault(name, [])
-            signature = (shape, wire, key_op, cut, meta)
             if signature not in versions:
                 versions.append(signature)
             version = versions.index(signature)
             internal = name if version == 0 else f"{name}#{version}"
-            known = self._tensors.get(internal)
-        if known is not None:
-            return known
-        return self._declare_new(internal, shape, wire, key_op, cut, meta)
+            if ranks is not None:  # a process set's tensor is its own, whatever other sets call theirs
+                internal += "@ranks" + "-".join(map(str, ranks))
+            tensor = self._tensors.get(internal)
+            new = tensor is None
+            if tensor is None:
+                tensor = self._tensors[internal] = Tensor(internal, shape, wire, user_name=name, signature=signature)
+        if new:
+            self._send_declaration(tensor, key_op, cut, meta, ranks)
+        if wait:
+            if not tensor.ready.wait(self.config.timeout):
+                raise GradwireTimeout(
+                    f"worker {self.rank}: the declaration of {internal!r} did not complete in {self.config.timeout}s: "
+                    "every worker must declare it (call the same collective on it)",
+                    tensor=internal,
+                )
+            if tensor.error is not None:
+                raise tensor.error
+        return tensor
 
-    def _declare_new(
-        self, name: str, shape: tuple[int, ...], wire: dtypes.DType, key_op: str, slices: tuple | None, meta: str | None
-    ) -> Tensor:
+    def _send_declaration(
+        self, tensor: Tensor, key_op: str, slices: tuple | None, meta: str | None, members: tuple | None
+    ) -> None:
         body = {
             "op": messages.DECLARE,
-            "name": name,
-            "shape": list(shape),
-            "dtype": wire.name,
+            "name": tensor.name,
+            "shape": list(tensor.shape),
+            "dtype": tensor.dtype.name,
             "partition_bytes": self._partition_bytes,
         }
         if key_op != "sum":
@@ -393,20 +423,42 @@ class Worker:
             body["slices"] = [list(s) for s in slices]
         if meta is not None:
             body["meta"] = meta
-        reply = self._request(body)
-        if "error" in reply:
-            kind = TensorError if reply.get("abort", True) is False else TensorMismatch
-            raise kind(f"worker {self.rank}: {reply['error']}", tensor=name, rank=self.rank)
-        num = int(np.prod(shape, dtype=np.int64))
-        # the first declarer's partition size is the job's, so every worker cuts the tensor the same way
-        parts = partition.split(num, wire.itemsize, int(reply["partition_bytes"]))
-        keys = [partition.key_of(name, p.index) for p in parts]
+        if members is not None:
+            body["members"] = list(members)
+        try:
+            self._request_async(body, lambda reply: self._declared(tensor, reply))
+        except GradwireError as e:
+            self._declared(tensor, None, e)
+
+    def _declared(self, tensor: Tensor, reply: dict | None, error: GradwireError | None = None) -> None:
+        """The scheduler answered a declaration (on the control thread; `reply` None: cancelled by `error`, or by
+        an abort or a membership change): complete the tensor, and send or fail the calls that waited for it."""
+        if reply is None:
+            error = error or self._abort or self._membership_error or JobAborted(f"worker {self.rank}: cancelled")
+        elif "error" in reply:
+            kind = TensorMismatch if reply.get("mismatch") else TensorError
+            error = kind(f"worker {self.rank}: {reply['error']}", tensor=tensor.name, rank=self.rank)
         with self._lock:
-            # a failover may have moved the tensor between the scheduler's reply and now
-            servers = list(self._moves.get(name, reply["servers"]))
-            tensor = self._tensors.setdefault(name, Tensor(name, shape, wire, parts, keys, servers))
-            self._owner.update(zip(tensor.keys, tensor.servers, strict=True))
-            return tensor
+            if error is None:
+                assert reply is not None
+                num = int(np.prod(tensor.shape, dtype=np.int64))
+                # the job's partition size (the scheduler's answer), so every worker cuts the tensor the same way
+                tensor.parts = partition.split(num, tensor.dtype.itemsize, int(reply["partition_bytes"]))
+                tensor.keys = [partition.key_of(tensor.name, p.index) for p in tensor.parts]
+                # a failover may have moved the tensor between the scheduler's reply and now
+                tensor.servers = list(self._moves.get(tensor.name, reply["servers"]))
+                self._owner.update(zip(tensor.keys, tensor.servers, strict=True))
+            else:  # forgotten, so that the name may be declared again (with the shapes the workers agree on)
+                tensor.error = error
+                if self._tensors.get(tensor.name) is tensor:
+                    del self._tensors[tensor.name]
+                versions = self._versions.get(tensor.user_name, [])
+                if tensor.signature in versions and versions.index(tensor.signature) == len(versions) - 1:
+                    versions.pop()
+            waiting, tensor.waiting = tensor.waiting, []
+            tensor.ready.set()
+        for fn in waiting:
+            fn(error)
 
     def push_pull_async(
         self,
@@ -417,9 +469,11 @@ class Worker:
         out: np.ndarray | None = None,
         dtype: object = None,
         op: str = "sum",
+        members: list[int] | None = None,
     ) -> Handle:
         """Start summing `array` across workers; the sum (or average) lands in `out` (a new array if None).
-        `op` is the reduction: "sum" (the default), "min", "max" or "product".
+        `op` is the reduction: "sum" (the default), "min", "max" or "product". `members`: only these ranks take
+        part (a process set; each of them calls it, the average divides by their number).
 
         `out` may be `array` itself (in place). Neither may be modified until the handle completes.
         `dtype` overrides the wire dtype name (e.g. "bfloat16" for uint16-held bfloat16 bits).
@@ -445,8 +499,9 @@ class Worker:
                 tensor=name,
                 rank=self.rank,
             )
-        tensor = self.declare(name, src.shape, dtype or src.dtype, op)
-        return self._launch(tensor, out, src.reshape(-1), 0, out.reshape(-1), 0, self.size if average else 1, priority)
+        tensor = self.declare(name, src.shape, dtype or src.dtype, op, wait=False, members=members)
+        n = (self.size if members is None else len(members)) if average else 1
+        return self._launch(tensor, out, src.reshape(-1), 0, out.reshape(-1), 0, n, priority)
 
     def _launch(
         self,
@@ -462,19 +517,31 @@ class Worker:
         """Push every partition of `tensor`'s next round: `send` holds the elements [send_at, send_at + len) of the
         tensor that this worker contributes (all of them for a reduction, its own segment for a gather); the result's
         elements [pull_at, pull_at + len) land in `pull` (a view of `out`): all of them, or this rank's slice."""
-        handle = self._begin(tensor, out)
+        handle, rnd = self._begin(tensor, out)
+
+        def submit(error: GradwireError | None) -> None:
+            if error is not None:
+                handle.fail(error)
+                return
+            with self._lock:
+                servers = list(tensor.servers)
+            handle.add_parts(len(tensor.parts))
+            code, sent, pulled = tensor.dtype.code, len(send), len(pull)
+            for part, key, server in zip(tensor.parts, tensor.keys, servers, strict=True):
+                lo, hi = part.start, part.start + part.count
+                give = send[min(max(lo - send_at, 0), sent) : min(max(hi - send_at, 0), sent)]
+                take = pull[min(max(lo - pull_at, 0), pulled) : min(max(hi - pull_at, 0), pulled)]
+                partial = len(take) < hi - lo
+                work = Work(tensor.name, key, rnd, code, give, take, average, handle, part.index, partial=partial)
+                self._links[server].submit(work, priority)
+            handle.part_done()  # the declaration's part
+
         with self._lock:
-            servers = list(tensor.servers)
-        rnd, code = tensor.round, tensor.dtype.code
-        sent, pulled = len(send), len(pull)
-        for part, key, server in zip(tensor.parts, tensor.keys, servers, strict=True):
-            lo, hi = part.start, part.start + part.count
-            give = send[min(max(lo - send_at, 0), sent) : min(max(hi - send_at, 0), sent)]
-            take = pull[min(max(lo - pull_at, 0), pulled) : min(max(hi - pull_at, 0), pulled)]
-            work = Work(
-                tensor.name, key, rnd, code, give, take, average, handle, part.index, partial=len(take) < hi - lo
-            )
-            self._links[server].submit(work, priority)
+            declared = tensor.ready.is_set()
+            if not declared:
+                tensor.waiting.append(submit)
+        if declared:
+            submit(tensor.error)
         return handle
 
     def reduce_scatter_async(
@@ -487,6 +554,7 @@ class Worker:
         priority: int = 0,
         op: str = "sum",
         dtype: object = None,
+        members: list[int] | None = None,
     ) -> Handle:
         """Reduce `array` across workers and receive only this worker's part of the result: worker r receives
         `slices[r]` = (first element, count) of the flattened result into its `out`. Each worker pushes all of its
@@ -501,8 +569,8 @@ class Worker:
                 tensor=name,
                 rank=self.rank,
             )
-        tensor = self.declare(name, src.shape, dtype or src.dtype, op, slices)
-        n = self.size if average else 1
+        tensor = self.declare(name, src.shape, dtype or src.dtype, op, slices, wait=False, members=members)
+        n = (self.size if members is None else len(members)) if average else 1
         return self._launch(tensor, out, src.reshape(-1), 0, out.reshape(-1), first, n, priority)
 
     def gather_async(
@@ -516,6 +584,7 @@ class Worker:
         shape: tuple[int, ...] | None = None,
         meta: str | None = None,
         dtype: object = None,
+        members: list[int] | None = None,
     ) -> Handle:
         """Concatenate every worker's `array` (flattened), in rank order, on the servers.
 
@@ -545,10 +614,15 @@ class Worker:
                 rank=self.rank,
             )
         src = np.ascontiguousarray(array).reshape(-1)
-        tensor = self.declare(name, shape or (total,), dtype or src.dtype, "gather", slices, meta)
+        tensor = self.declare(
+            name, shape or (total,), dtype or src.dtype, "gather", slices, meta, wait=False, members=members
+        )
         return self._launch(tensor, out, src, sum(counts[: self.rank]), out.reshape(-1), first, 1, priority)
 
-    def _begin(self, tensor: Tensor, out: np.ndarray) -> Handle:
+    def _begin(self, tensor: Tensor, out: np.ndarray) -> tuple[Handle, int]:
+        """A handle for the tensor's next round, and that round (numbered here, in call order). The handle counts
+        one part for the declaration, and the partitions once they are known."""
+        self._check_usable()
         with self._lock:
             if tensor.in_flight is not None:
                 raise TensorError(
@@ -562,9 +636,9 @@ class Worker:
             if self._active == 0 and self.timeline:
                 self.timeline.new_step()  # a step: from no push_pull in flight to one
             self._active += 1
-            handle = Handle(tensor.name, out, len(tensor.parts), self._finished)
-            tensor.in_flight = handle if not handle.done() else None
-        return handle
+            handle = Handle(tensor.name, out, 1, self._finished)
+            tensor.in_flight = handle
+        return handle, tensor.round
 
     def _finished(self, handle: Handle) -> None:
         self.metrics.round_done()
@@ -601,11 +675,21 @@ class Worker:
         if "error" in reply:
             raise WorkerLost(f"worker {self.rank}: barrier failed: {reply['error']}", int(reply["lost_rank"]))
 
+    def _request_async(self, body: dict, callback: Callable[[dict | None], None]) -> None:
+        """Send a request without waiting: `callback(reply)` runs on the control thread when the reply comes, or
+        `callback(None)` if an abort or a membership change cancels it first."""
+        self._check_usable()
+        rid = next(self._ids)
+        with self._lock:
+            self._requests[rid] = [threading.Event(), None, callback]
+        assert self._scheduler is not None
+        self._scheduler.send_json(FrameType.CONTROL, body | {"id": rid})
+
     def _request(self, body: dict, check: bool = True, rejoin: bool = False) -> dict:
         if check:
             self._check_usable()
         rid = next(self._ids)
-        waiter: list = [threading.Event(), None]
+        waiter: list = [threading.Event(), None, None]
         with self._lock:
             self._requests[rid] = waiter
             if rejoin:
@@ -633,6 +717,8 @@ class Worker:
                     if waiter is not None:
                         waiter[1] = body
                         waiter[0].set()
+                        if waiter[2] is not None:
+                            waiter[2](body)
                 elif op == messages.ABORT:
                     self._fail_all(abort_error(body, rank=self.rank))
                     return
@@ -668,8 +754,7 @@ class Worker:
             # not our rejoin request, if one is out: its reply is the new membership
             waiters = [w for rid, w in self._requests.items() if rid != self._rejoin_id]
             self._requests = {rid: w for rid, w in self._requests.items() if rid == self._rejoin_id}
-        for waiter in waiters:
-            waiter[0].set()
+        _wake(waiters)
         for link in self._links:
             link.close(error)
 
@@ -768,7 +853,7 @@ class Worker:
                 for name, servers in moved.items():
                     self._moves[name] = servers
                     tensor = self._tensors.get(name)
-                    if tensor is not None:
+                    if tensor is not None and tensor.keys:  # (one still being declared takes `_moves` then)
                         owner.update(zip(tensor.keys, servers, strict=True))
                         tensor.servers = servers
                 moved_keys = [k for k, s in owner.items() if s == dead or s != self._owner.get(k)]
@@ -841,8 +926,7 @@ class Worker:
         with self._lock:
             waiters = list(self._requests.values())
             self._requests.clear()
-        for waiter in waiters:
-            waiter[0].set()
+        _wake(waiters)
         for link in self._links:
             link.close(error)
 
@@ -853,6 +937,14 @@ class Worker:
             raise self._membership_error
         if self._closed:
             raise ConfigError("this worker has been shut down; call init() again to start a new job")
+
+
+def _wake(waiters: list[list]) -> None:
+    """Cancel requests: blocked callers wake to find no reply; asynchronous ones are told None."""
+    for event, _, callback in waiters:
+        event.set()
+        if callback is not None:
+            callback(None)
 
 
 def _bye() -> bytes:
