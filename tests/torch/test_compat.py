@@ -197,15 +197,38 @@ def test_horovod_optimizer_keywords(cluster):
     assert all(torch.equal(a, b) for a, b in zip(keywords[0], keywords[1], strict=True))
 
 
-def test_sparse_gradients_without_sparse_as_dense_say_what_to_do(cluster):
-    def worker(rank):
-        m = torch.nn.Embedding(10, 4, sparse=True)
-        opt = gwt.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters())
-        with pytest.raises(gradwire.TensorError, match=rf"worker {rank}: the gradient of 'weight' is sparse.*"):
-            m(torch.tensor([1, 2])).sum().backward()
-        return opt._handles == {}
+@pytest.mark.parametrize("optimizer", ["sgd", "sparse_adam"])
+def test_sparse_gradients_are_summed_as_horovod_does(cluster, optimizer):
+    """Without sparse_as_dense an embedding's sparse gradient travels as an allgather of its indices and values
+    (fused, small ones are summed dense); every way gives the same parameters, on every rank, still sparse for
+    optimizers that want them so (SparseAdam)."""
 
-    assert run(cluster, worker) == [True] * N
+    def train(**kwargs):
+        def worker(rank):
+            torch.manual_seed(5)
+            m = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Flatten(), torch.nn.Linear(8, 2))
+            base = (
+                torch.optim.SGD(m.parameters(), lr=0.1)
+                if optimizer == "sgd"
+                else torch.optim.SparseAdam(list(m[0].parameters()), lr=0.1)
+            )
+            opt = gwt.DistributedOptimizer(base, named_parameters=m.named_parameters(), **kwargs)
+            for step in range(3):
+                opt.zero_grad()
+                m(torch.tensor([[rank, step], [step, 9 - rank]])).pow(2).mean().backward()
+                opt.step()
+            return [p.detach().clone() for p in m.parameters()]
+
+        return run(cluster, worker)
+
+    gathered = train(fusion_bytes=0)  # the embedding alone: the allgather path
+    fused = train()  # small: fused with the linear layer, summed dense
+    dense = train(sparse_as_dense=True)
+    for ways in (gathered, fused, dense):
+        assert all(torch.equal(a, b) for a, b in zip(ways[0], ways[1], strict=True))  # the same on every rank
+    for a, b, c in zip(gathered[0], fused[0], dense[0], strict=True):
+        torch.testing.assert_close(a, b)
+        torch.testing.assert_close(a, c)
 
 
 def test_step_after_synchronize_warns_as_horovod_does(cluster):

@@ -62,6 +62,7 @@ from .exchange import (
     grouped_reducescatter_async,
     reducescatter,
     reducescatter_async,
+    sparse_allreduce_async,
 )
 from .hook import PushPullHookState, push_pull_hook
 from .introspection import (
@@ -77,6 +78,7 @@ from .introspection import (
     gloo_built,
     gloo_enabled,
     is_homogeneous,
+    join,
     mpi_built,
     mpi_enabled,
     mpi_threads_supported,
@@ -140,6 +142,7 @@ __all__ = [
     "init",
     "is_homogeneous",
     "is_initialized",
+    "join",
     "local_rank",
     "local_size",
     "mpi_built",
@@ -160,6 +163,7 @@ __all__ = [
     "rocm_built",
     "shutdown",
     "size",
+    "sparse_allreduce_async",
     "start_timeline",
     "stop_timeline",
     "synchronize",

@@ -145,6 +145,29 @@ def allgather_object(obj: Any, name: str | None = None, process_set: Any = None)
     return out
 
 
+def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: str = Average, process_set: Any = None) -> Any:
+    """Start summing (op=Sum) or averaging a sparse tensor over the ranks, as Horovod does it: an allgather of its
+    indices and one of its values (the servers concatenate; duplicates add up when the result is used). Returns a
+    function that waits and returns the sparse result."""
+    if op not in (Average, Sum):
+        raise ValueError(f"sparse allreduce supports op=Average or Sum, got {op!r}")
+    sparse = tensor.coalesce() if not tensor.is_coalesced() else tensor
+    # allgather concatenates along the first dimension: the indices travel transposed (one row per element)
+    indices = allgather_async(sparse.indices().transpose(0, 1).contiguous(), f"{name}.indices", process_set)
+    values = allgather_async(sparse.values(), f"{name}.values", process_set)
+    divide = len(_members(process_set) or range(gradwire.size())) if op == Average else 1
+
+    def handle() -> torch.Tensor:
+        worker = gradwire.current_worker()
+        gathered = values.result(worker)
+        where = indices.result(worker)
+        if divide > 1:
+            gathered = gathered / divide
+        return torch.sparse_coo_tensor(where.transpose(0, 1), gathered, sparse.size(), check_invariants=True)
+
+    return handle
+
+
 # -- broadcast ---------------------------------------------------------------------------------------------------
 
 

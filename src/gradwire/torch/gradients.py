@@ -18,7 +18,9 @@ from gradwire.errors import TensorError
 from gradwire.worker import Worker
 
 from . import fusion
+from .collectives import Average, Sum
 from .compression import Compressor
+from .exchange import sparse_allreduce_async
 from .ops import TorchHandle, push_pull_async
 
 
@@ -45,6 +47,7 @@ class GradientSync:
         members: list[int] | None = None,
     ) -> None:
         self.members = members  # a process set's ranks (None: every worker)
+        self.resparse: set[int] = set()  # sparse gradients summed dense this step
         self._bound: Worker | None = current_worker_or_none()
         self.names = names
         self.compression = compression
@@ -72,8 +75,13 @@ class GradientSync:
             self._bound = gradwire.current_worker()
         return self._bound
 
+    @property
+    def excluded(self) -> bool:
+        """This worker is not in the process set: its optimizer steps alone (as Horovod's does)."""
+        return self.members is not None and self.worker.rank not in self.members
+
     def on_grad(self, param: torch.Tensor) -> None:
-        if not self.enabled:
+        if not self.enabled or self.excluded:
             return
         pid = id(param)
         if pid in self.handles:
@@ -95,16 +103,19 @@ class GradientSync:
         pid = id(param)
         grad = param.grad
         assert grad is not None
-        if grad.is_sparse:
-            if not self.sparse_as_dense:
-                raise TensorError(
-                    f"worker {self.worker.rank}: the gradient of {self.names[pid]!r} is sparse; the summation "
-                    f"servers sum dense tensors: pass {self.owner}(..., sparse_as_dense=True)",
-                    tensor=self.names[pid],
-                    rank=self.worker.rank,
-                )
-            grad = param.grad = grad.to_dense()
         scale = 1.0 / self.passes / self.predivide  # Horovod's prescale: 1/predivide; the postscale undoes it
+        if grad.is_sparse:
+            if not self.sparse_as_dense and pid not in self.groups:
+                # as Horovod: an allgather of its indices and values (a fused one is summed dense: it is small)
+                source = grad * scale if scale != 1.0 else grad
+                name = f"{self.prefix}{self.names[pid]}"
+                op = Average if self.average else Sum
+                with gradwire.use_worker(self.worker):
+                    gather = sparse_allreduce_async(source, name, op, _Ranks(self.members))
+                self.handles[pid] = _SparseSum(param, gather, self.predivide)  # type: ignore[assignment]
+                return
+            grad = param.grad = grad.to_dense()
+            self.resparse.add(pid)  # made sparse again once summed (SparseAdam wants sparse gradients)
         if scale != 1.0:
             grad.mul_(scale)
         group = self.groups.get(pid)
@@ -160,10 +171,15 @@ class GradientSync:
             arrived.extend(group.params)
         for p in arrived:
             self.counts.pop(id(p), None)
+            if id(p) in self.resparse and p.grad is not None:
+                self.resparse.discard(id(p))
+                p.grad = p.grad.to_sparse()
         return arrived
 
     def synchronize(self) -> None:
         """Push what is missing, then wait for every sum."""
+        if self.excluded:
+            return
         self.push_missing()
         self.wait()
         self.handles.clear()
@@ -183,3 +199,26 @@ def current_worker_or_none() -> Worker | None:
         return gradwire.current_worker()
     except gradwire.ConfigError:
         return None
+
+
+class _Ranks:
+    """A process set's ranks, in the shape the torch collectives take them."""
+
+    def __init__(self, ranks: list[int] | None) -> None:
+        self.ranks = ranks
+
+    def included(self) -> bool:
+        return True
+
+
+class _SparseSum:
+    """A sparse gradient's allgathered sum: `result` puts it into the parameter's gradient."""
+
+    def __init__(self, param: torch.Tensor, gather: Callable[[], torch.Tensor], postscale: float) -> None:
+        self.param, self.gather, self.postscale = param, gather, postscale
+
+    def result(self, worker: Worker) -> torch.Tensor:
+        with gradwire.use_worker(worker):
+            summed = self.gather()
+        self.param.grad = summed * self.postscale if self.postscale != 1.0 else summed
+        return self.param.grad

@@ -112,3 +112,15 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         return False
     process_set.process_set_id = None
     return True
+
+
+def join(device: int = -1) -> int:
+    """Horovod's join (a rank out of data lets the others' collectives go on without it) is not supported yet:
+    it raises at once rather than letting the other ranks wait for this one (docs/horovod.md)."""
+    from gradwire.errors import NotSupported
+
+    raise NotSupported(
+        f"worker {gradwire.rank()}: hvd.join() is not supported yet: give every rank the same number of batches "
+        "(e.g. torch.utils.data.distributed.DistributedSampler(drop_last=True)) (docs/horovod.md)",
+        rank=gradwire.rank(),
+    )
