@@ -195,6 +195,22 @@ def test_a_declaration_waiting_for_a_worker_that_shut_down_fails_at_once():
         b.leave()
 
 
+def test_a_collective_one_worker_skipped_for_a_barrier_fails_at_once():
+    with LocalCluster(num_workers=2, num_servers=1) as c:
+        a, b = c.workers
+        handle = a.push_pull_async(np.ones(4, np.float32), "skipped")
+        entered = threading.Thread(target=b.barrier)
+        entered.start()
+        started = time.monotonic()
+        with pytest.raises(TensorError, match=r"'skipped'.*worker 1 entered a barrier without calling it"):
+            a.synchronize(handle)
+        assert time.monotonic() - started < 2
+        a.barrier()  # the two meet in the barrier, and the job goes on
+        entered.join(5)
+        out = c.run(lambda w: w.push_pull(np.ones(4, np.float32), "skipped"))
+        assert all(np.all(o == 2) for o in out)
+
+
 def test_overflow_gives_inf_not_an_error(cluster):
     big = np.finfo(np.float32).max
     results = cluster.run(lambda w: w.push_pull(np.array([big, 1.0], np.float32), "overflow"))

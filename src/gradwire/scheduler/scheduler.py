@@ -468,6 +468,10 @@ class Scheduler:
                 self._abort_locked(reply["error"])
 
     def _enter_barrier(self, node: Node, request_id: int) -> None:
+        if node.role == "worker" and self.declarations is not None:
+            # a collective the other workers wait in, which this one skipped: they would wait for it while it waits
+            # for them here. Fail it for them now (they then reach this barrier too) rather than at the timeout.
+            self.declarations.cancel(f"worker {node.rank} entered a barrier without calling it", rank=node.rank)
         with self._lock:
             self._barrier.append((node, request_id))
             gone = [w for w in self._workers if w.said_bye and not w.lost]
