@@ -211,6 +211,28 @@ def test_a_collective_one_worker_skipped_for_a_barrier_fails_at_once():
         assert all(np.all(o == 2) for o in out)
 
 
+def test_a_collective_called_after_another_worker_entered_a_barrier_fails_at_once():
+    with LocalCluster(num_workers=2, num_servers=1) as c:
+        a, b = c.workers
+        entered = threading.Thread(target=b.barrier)
+        entered.start()
+        deadline = time.monotonic() + 5
+        while not c.scheduler._barrier:  # b waits in the barrier
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with pytest.raises(TensorError, match=r"'late'.*worker 1 entered a barrier without calling it"):
+            a.push_pull(np.ones(4, np.float32), "late")
+        a.barrier()
+        entered.join(5)
+
+
+def test_an_empty_tensor_is_a_round_and_the_servers_live_on(cluster):
+    out = cluster.run(lambda w: w.push_pull(np.zeros((0, 3), np.float32), "empty"))
+    assert all(o.shape == (0, 3) for o in out)
+    after = cluster.run(lambda w: w.push_pull(np.ones(2, np.float32), "after.empty"))
+    assert all(np.all(o == len(cluster.workers)) for o in after)
+
+
 def test_overflow_gives_inf_not_an_error(cluster):
     big = np.finfo(np.float32).max
     results = cluster.run(lambda w: w.push_pull(np.array([big, 1.0], np.float32), "overflow"))

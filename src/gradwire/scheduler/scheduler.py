@@ -368,6 +368,10 @@ class Scheduler:
             if self.declarations is None:
                 raise GradwireError(f"worker {node.rank} declared a tensor before the rendezvous completed")
             self.declarations.declare(node.rank, body, lambda reply: self._answer_declaration(node, body["id"], reply))
+            with self._lock:
+                in_barrier = [n.rank for n, _ in self._barrier]
+            for rank in in_barrier:  # a worker already waiting in a barrier will not call this collective
+                self.declarations.cancel(f"worker {rank} entered a barrier without calling it", rank=rank)
         elif op == messages.FAILOVER_STATE and node.role == "worker":
             with self._lock:
                 entry = self._failover_states.get(int(body["epoch"]))

@@ -372,7 +372,7 @@ class Server:
                 raise RemoteProtocolError(f"scheduler declared {name!r} for ranks {members} of {self.num_workers}")
         for key, code, length in body["keys"]:
             dtype = dtypes.BY_CODE[int(code)]
-            if not 0 < int(length) <= self.config.partition_bytes or int(length) % dtype.itemsize:
+            if not 0 <= int(length) <= self.config.partition_bytes or int(length) % dtype.itemsize:
                 raise RemoteProtocolError(f"scheduler declared key {int(key):016x} with {length} bytes")
             cut = slices.get(str(key))
             if cut is not None:
