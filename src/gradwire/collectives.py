@@ -157,6 +157,7 @@ class _Chain:
                 return
             handle.add_done_callback(lambda h: _forward(h, result))
 
+        result.waits_on = first.name  # until its first round is declared, the collective waits for that
         first.add_done_callback(lambda h: self._queue.put(second))
 
 

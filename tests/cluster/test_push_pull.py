@@ -226,6 +226,30 @@ def test_a_collective_called_after_another_worker_entered_a_barrier_fails_at_onc
         entered.join(5)
 
 
+def test_a_collective_started_before_a_barrier_and_joined_after_it_completes():
+    # not a skipped collective: worker 0 starts it and does not wait for it before the barrier; worker 1 calls it after
+    with LocalCluster(num_workers=2, num_servers=1) as c:
+        a, b = c.workers
+
+        def first():
+            handle = a.push_pull_async(np.ones(4, np.float32), "across")
+            time.sleep(0.2)  # worker 1 is in the barrier by now
+            a.barrier()
+            return a.synchronize(handle)
+
+        def second():
+            b.barrier()
+            return b.push_pull(np.ones(4, np.float32), "across")
+
+        results = {}
+        threads = [threading.Thread(target=lambda f=f: results.__setitem__(f.__name__, f())) for f in (first, second)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert all(np.all(results[k] == 2) for k in ("first", "second"))
+
+
 def test_an_empty_tensor_is_a_round_and_the_servers_live_on(cluster):
     out = cluster.run(lambda w: w.push_pull(np.zeros((0, 3), np.float32), "empty"))
     assert all(o.shape == (0, 3) for o in out)

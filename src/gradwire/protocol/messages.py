@@ -31,6 +31,7 @@ PROBE_RESULT = "probe_result"  # node -> scheduler: the rate (bytes/s) at which 
 FAILOVER_STATE = "failover_state"  # worker -> scheduler: per moved key, [round of its saved sum, round it resends]
 SEED = "seed"  # scheduler -> worker: resend the saved sums of these [key, round] (a round some worker still needs)
 MEMBERS = "members"  # elastic: scheduler -> worker: `joining` workers wait to join (at the next commit)
+BLOCKED = "blocked"  # worker -> scheduler: I wait (synchronize) for `name`, whose declaration is not complete
 
 _REQUIRED = {
     REGISTER: ("role", "host", "port"),
@@ -49,6 +50,7 @@ _REQUIRED = {
     RESET: ("epoch",),
     REJOIN: ("id",),
     MEMBERS: ("joining",),
+    BLOCKED: ("name",),
     FAILOVER_STATE: ("epoch", "keys"),
     SEED: ("epoch", "keys"),
     PROBE: (),

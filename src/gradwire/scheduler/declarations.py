@@ -102,6 +102,7 @@ class Declarations:
         self._lock = threading.Lock()
         self._pending: dict[str, dict[int, _Call]] = {}  # declarations waiting for the other workers', by rank
         self._since: dict[str, float] = {}  # when each pending declaration's first call came (time.monotonic)
+        self._blocked: dict[str, set[int]] = {}  # pending declarations some worker waits for (synchronize)
 
     def declare(self, rank: int, body: dict, answer: Callable[[dict], None]) -> None:
         """A worker's declaration; `answer(reply)` is called (maybe later, from another worker's thread) with
@@ -139,6 +140,7 @@ class Declarations:
                 if len(calls) < (self.num_workers if members is None else len(members)):
                     return  # answered when the last worker (of its process set) declares it
                 del self._pending[name], self._since[name]
+                self._blocked.pop(name, None)
         if known is not None:
             self._answer_late(name, known, call)
             return
@@ -217,17 +219,26 @@ class Declarations:
                 )
         return lines
 
-    def cancel(self, why: str, rank: int | None = None) -> None:
-        """Fail the declarations still waiting (those waiting for worker `rank`, which will never declare them; or
-        all), e.g. when a worker shuts down or the workers change."""
+    def blocked(self, name: str, rank: int) -> None:
+        """Worker `rank` waits (synchronize) for `name`, whose declaration is not complete."""
         with self._lock:
-            dropped = {
-                n: c
-                for n, c in self._pending.items()
-                if rank is None or (rank not in c and rank in (next(iter(c.values())).signature[5] or [rank]))
-            }
+            if name in self._pending:
+                self._blocked.setdefault(name, set()).add(rank)
+
+    def cancel(self, why: str, rank: int | None = None, blocked_only: bool = False) -> None:
+        """Fail the declarations still waiting: those waiting for worker `rank`, which will never make them (it
+        shut down, or waits in a barrier: then, with `blocked_only`, only those some worker is blocked on), or all
+        (the workers changed)."""
+        with self._lock:
+            dropped = {}
+            for name, calls in self._pending.items():
+                members = next(iter(calls.values())).signature[5]
+                waits_for_rank = rank is None or (rank not in calls and (members is None or rank in members))
+                if waits_for_rank and (not blocked_only or self._blocked.get(name)):
+                    dropped[name] = calls
             for name in dropped:
                 del self._pending[name], self._since[name]
+                self._blocked.pop(name, None)
         for name, calls in dropped.items():
             for c in calls.values():
                 c.answer({"error": f"tensor {name!r} cannot be declared: {why}", "abort": False})

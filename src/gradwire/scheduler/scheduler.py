@@ -368,10 +368,9 @@ class Scheduler:
             if self.declarations is None:
                 raise GradwireError(f"worker {node.rank} declared a tensor before the rendezvous completed")
             self.declarations.declare(node.rank, body, lambda reply: self._answer_declaration(node, body["id"], reply))
-            with self._lock:
-                in_barrier = [n.rank for n, _ in self._barrier]
-            for rank in in_barrier:  # a worker already waiting in a barrier will not call this collective
-                self.declarations.cancel(f"worker {rank} entered a barrier without calling it", rank=rank)
+        elif op == messages.BLOCKED and node.role == "worker" and self.declarations is not None:
+            self.declarations.blocked(str(body["name"]), node.rank)
+            self._break_barrier_deadlocks()
         elif op == messages.FAILOVER_STATE and node.role == "worker":
             with self._lock:
                 entry = self._failover_states.get(int(body["epoch"]))
@@ -461,6 +460,17 @@ class Scheduler:
             self._server_lost(node, f"silent for {now - node.heard:.0f}s")
         return silent + servers
 
+    def _break_barrier_deadlocks(self) -> None:
+        """A worker blocked on a collective that waits for a worker waiting in a barrier: neither can go on (the
+        barrier waits for the first). Fail that collective now, on every worker that called it."""
+        declarations = self.declarations
+        if declarations is None:
+            return
+        with self._lock:
+            in_barrier = [n.rank for n, _ in self._barrier]
+        for rank in in_barrier:
+            declarations.cancel(f"worker {rank} entered a barrier without calling it", rank=rank, blocked_only=True)
+
     def _answer_declaration(self, node: Node, request_id: int, reply: dict) -> None:
         try:
             node.conn.send_json(FrameType.CONTROL, {"op": messages.REPLY, "id": request_id} | reply)
@@ -472,16 +482,15 @@ class Scheduler:
                 self._abort_locked(reply["error"])
 
     def _enter_barrier(self, node: Node, request_id: int) -> None:
-        if node.role == "worker" and self.declarations is not None:
-            # a collective the other workers wait in, which this one skipped: they would wait for it while it waits
-            # for them here. Fail it for them now (they then reach this barrier too) rather than at the timeout.
-            self.declarations.cancel(f"worker {node.rank} entered a barrier without calling it", rank=node.rank)
         with self._lock:
             self._barrier.append((node, request_id))
             gone = [w for w in self._workers if w.said_bye and not w.lost]
-            if not gone and len(self._barrier) < sum(not w.lost for w in self._workers):
-                return
-            waiting, self._barrier = self._barrier, []
+            complete = gone or len(self._barrier) >= sum(not w.lost for w in self._workers)
+            if complete:
+                waiting, self._barrier = self._barrier, []
+        if not complete:
+            self._break_barrier_deadlocks()
+            return
         reply: dict = {"op": messages.REPLY}
         if gone:  # a worker that has left never enters: fail the barrier now instead of at the timeout
             reply |= {"error": _departed(gone), "lost_rank": gone[0].rank}

@@ -15,6 +15,7 @@ class Handle:
 
     def __init__(self, name: str, output: np.ndarray, parts: int, on_done: Callable[[Handle], None]) -> None:
         self.name = name
+        self.waits_on: str | None = None  # the tensor whose declaration it needs first, if not `name` (collectives.py)
         self.output = output
         self.error: BaseException | None = None
         self._remaining = parts

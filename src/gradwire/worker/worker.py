@@ -649,7 +649,20 @@ class Worker:
                 tensor.in_flight = None
 
     def synchronize(self, handle: Handle) -> np.ndarray:
-        """Wait for a handle; returns the output array, raises the error that failed it."""
+        """Wait for a handle; returns the output array, raises the error that failed it.
+
+        Waiting for a tensor whose declaration is not complete (other workers have not called it yet) is said to the
+        scheduler: if one of them is waiting in a barrier meanwhile, neither can go on, and the scheduler fails the
+        declaration at once rather than both waiting until the timeout (a collective one worker skipped)."""
+        if not handle.done():
+            with self._lock:
+                tensor = self._tensors.get(handle.waits_on or handle.name)
+                pending = tensor is not None and not tensor.ready.is_set()
+            if pending and self._scheduler is not None:
+                try:
+                    self._scheduler.send_json(FrameType.CONTROL, {"op": messages.BLOCKED, "name": tensor.name})
+                except GradwireError:
+                    pass  # the control loop reports a lost scheduler
         return handle.wait(self.config.timeout, describe=lambda: self._describe_outstanding(handle.name))
 
     def push_pull(self, array: np.ndarray, name: str, average: bool = False, priority: int = 0) -> np.ndarray:
