@@ -23,6 +23,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from gradwire import collectives
 from gradwire.config import Config
 from gradwire.errors import (
     AuthenticationError,
@@ -63,7 +64,10 @@ __all__ = [
     "Worker",
     "WorkerLost",
     "WorkersJoining",
+    "allgather",
+    "alltoall",
     "barrier",
+    "broadcast",
     "current_worker",
     "declare",
     "init",
@@ -75,6 +79,7 @@ __all__ = [
     "push_pull_async",
     "push_pull_inplace",
     "rank",
+    "reducescatter",
     "shutdown",
     "size",
     "synchronize",
@@ -179,9 +184,11 @@ def declare(name: str, shape: tuple[int, ...], dtype: object) -> None:
     current_worker().declare(name, shape, dtype)
 
 
-def push_pull(array: np.ndarray, name: str, average: bool = False, priority: int = 0) -> np.ndarray:
-    """Sum (or average) `array` across all workers; returns a new array. Blocks."""
-    return current_worker().push_pull(array, name, average, priority)
+def push_pull(array: np.ndarray, name: str, average: bool = False, priority: int = 0, op: str = "sum") -> np.ndarray:
+    """Sum (or average) `array` across all workers; returns a new array. Blocks. `op`: "sum", "min", "max" or
+    "product"."""
+    worker = current_worker()
+    return worker.synchronize(worker.push_pull_async(array, name, average, priority, op=op))
 
 
 def push_pull_inplace(array: np.ndarray, name: str, average: bool = False, priority: int = 0) -> np.ndarray:
@@ -190,10 +197,41 @@ def push_pull_inplace(array: np.ndarray, name: str, average: bool = False, prior
 
 
 def push_pull_async(
-    array: np.ndarray, name: str, average: bool = False, priority: int = 0, out: np.ndarray | None = None
+    array: np.ndarray,
+    name: str,
+    average: bool = False,
+    priority: int = 0,
+    out: np.ndarray | None = None,
+    op: str = "sum",
 ) -> Handle:
     """Start a push_pull; returns a handle for `poll` and `synchronize`. Higher priority leaves first."""
-    return current_worker().push_pull_async(array, name, average, priority, out)
+    return current_worker().push_pull_async(array, name, average, priority, out, op=op)
+
+
+def allgather(array: np.ndarray, name: str) -> np.ndarray:
+    """Every worker's `array` concatenated along the first dimension (which may differ by worker). Blocks."""
+    worker = current_worker()
+    return worker.synchronize(collectives.allgather_async(worker, array, name))
+
+
+def broadcast(array: np.ndarray, root: int, name: str) -> np.ndarray:
+    """The root worker's `array`, on every worker (a new array). Blocks."""
+    worker = current_worker()
+    return worker.synchronize(collectives.broadcast_async(worker, array, root, name))
+
+
+def reducescatter(array: np.ndarray, name: str, average: bool = False, op: str = "sum") -> np.ndarray:
+    """Reduce `array` over all workers; returns this worker's rows of the result (as Horovod splits them). Blocks."""
+    worker = current_worker()
+    return worker.synchronize(collectives.reducescatter_async(worker, array, name, average, op))
+
+
+def alltoall(array: np.ndarray, name: str, splits: list[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Send `splits[j]` rows of `array` to worker j (equal splits when None); returns the rows received, in rank
+    order, and how many came from each worker. Blocks."""
+    worker = current_worker()
+    handle, received = collectives.alltoall_async(worker, array, splits, name)
+    return worker.synchronize(handle), received
 
 
 def poll(handle: Handle) -> bool:

@@ -7,6 +7,7 @@ import time
 import numpy as np
 import pytest
 
+import gradwire
 from gradwire import TensorError, TensorMismatch
 from gradwire.protocol import frames
 from gradwire.protocol.frames import FrameType
@@ -255,6 +256,27 @@ def test_an_empty_tensor_is_a_round_and_the_servers_live_on(cluster):
     assert all(o.shape == (0, 3) for o in out)
     after = cluster.run(lambda w: w.push_pull(np.ones(2, np.float32), "after.empty"))
     assert all(np.all(o == len(cluster.workers)) for o in after)
+
+
+def test_the_numpy_api_carries_horovods_collectives(cluster):
+    n = len(cluster.workers)
+
+    def job(w):
+        with gradwire.use_worker(w):
+            r = w.rank
+            return (
+                gradwire.push_pull(np.array([r, -r], np.int64), "np.max", op="max"),
+                gradwire.allgather(np.full((r + 1, 2), r, np.float32), "np.ag"),
+                gradwire.broadcast(np.full(3, r, np.float64), n - 1, "np.bc"),
+                gradwire.reducescatter(np.ones((n, 2), np.float32), "np.rs"),
+                gradwire.alltoall(np.arange(n, dtype=np.int32) + 10 * r, "np.a2a"),
+            )
+
+    for r, (high, gathered, root, rows, (received, counts)) in enumerate(cluster.run(job)):
+        assert high.tolist() == [n - 1, 0]
+        assert gathered.tolist() == [[k, k] for k in range(n) for _ in range(k + 1)]
+        assert root.tolist() == [n - 1] * 3 and rows.tolist() == [[n, n]]
+        assert received.tolist() == [10 * k + r for k in range(n)] and counts.tolist() == [1] * n
 
 
 def test_overflow_gives_inf_not_an_error(cluster):

@@ -203,10 +203,15 @@ def test_sparse_gradients_are_summed_as_horovod_does(cluster, optimizer):
     (fused, small ones are summed dense); every way gives the same parameters, on every rank, still sparse for
     optimizers that want them so (SparseAdam)."""
 
+    def model():
+        torch.manual_seed(5)  # here, not in the ranks' threads: they would share torch's generator
+        return torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Flatten(), torch.nn.Linear(8, 2))
+
     def train(**kwargs):
+        models = [model() for _ in range(N)]
+
         def worker(rank):
-            torch.manual_seed(5)
-            m = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Flatten(), torch.nn.Linear(8, 2))
+            m = models[rank]
             base = (
                 torch.optim.SGD(m.parameters(), lr=0.1)
                 if optimizer == "sgd"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 
 from gradwire.bench.runner import MiB, Timing, run_gloo, run_gradwire
@@ -62,10 +63,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "gradwire's own choice from the measured links",
     )
     parser.add_argument("--write-docs", default=None, help="with --netem: replace the netem section of this file")
+    parser.add_argument(
+        "--collective",
+        default="allreduce",
+        choices=["allreduce", "allgather", "broadcast", "reducescatter"],
+        help="what to time, against gloo's same collective (each rank ends with SIZE bytes; see bench/workers.py)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     sizes = [int(float(s) * MiB) for s in args.sizes.split(",")]
+    os.environ["GRADWIRE_BENCH_COLLECTIVE"] = args.collective  # read by the benchmark's worker processes
     env = {"GRADWIRE_PARTITION_BYTES": str(args.partition_bytes)} if args.partition_bytes else {}
     if args.window:
         env["GRADWIRE_WINDOW"] = str(args.window)
@@ -96,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         for t in merged.values():
             print(json.dumps(_record(t)))
     else:
-        print(table(merged, sizes, n, k))
+        print(table(merged, sizes, n, k, args.collective))
     return 0
 
 
@@ -121,10 +129,12 @@ def _record(t: Timing) -> dict:
     }
 
 
-def table(merged: dict[tuple[str, int], Timing], sizes: list[int], n: int, k: int) -> str:
+def table(
+    merged: dict[tuple[str, int], Timing], sizes: list[int], n: int, k: int, collective: str = "allreduce"
+) -> str:
     """A markdown table: per size, both systems' median time, per-worker throughput, and the ratio."""
     lines = [
-        f"n={n} workers, k={k} servers, loopback",
+        f"{collective}: n={n} workers, k={k} servers, loopback",
         "",
         "| size | gradwire s | gradwire-tcp s | gloo s | gradwire MB/s per worker | gloo MB/s per worker "
         "| gradwire/gloo throughput | gradwire-tcp/gloo |",

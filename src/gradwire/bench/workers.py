@@ -2,6 +2,10 @@
 
 Each times one collective per size: buffers are refilled outside the timed region, every timed call
 starts after a barrier, and rank 0 prints one JSON line per size with every timing.
+
+GRADWIRE_BENCH_COLLECTIVE picks the collective (default allreduce), each defined so that a rank ends with SIZE
+bytes: allreduce (SIZE in, SIZE out), allgather (SIZE/n in), broadcast (SIZE from rank 0), reducescatter (SIZE in,
+SIZE/n out: half an allreduce's traffic for a summation server). gloo runs its own same collective.
 """
 
 from __future__ import annotations
@@ -13,26 +17,44 @@ import time
 
 import numpy as np
 
+COLLECTIVE = os.environ.get("GRADWIRE_BENCH_COLLECTIVE", "allreduce")
+
 
 def run_gradwire(sizes: list[int], repeats: int, warmup: int) -> None:
     import gradwire as gw
+    from gradwire import collectives
 
     gw.init()
+    worker, n = gw.current_worker(), gw.size()
     for nbytes in sizes:
-        buf = np.empty(nbytes // 4, np.float32)
-        name = f"bench-{nbytes}"
+        count = nbytes // 4 // n * n  # divisible by n: every rank's share is equal
+        buf = np.empty(count, np.float32)
+        part = np.empty(count // n, np.float32)
+        name = f"bench-{COLLECTIVE}-{nbytes}"
         times = []
         for i in range(warmup + repeats):
             buf.fill(1.0)
+            part.fill(1.0)
             gw.barrier()
             t0 = time.perf_counter()
-            gw.push_pull_inplace(buf, name)
+            if COLLECTIVE == "allreduce":
+                gw.push_pull_inplace(buf, name)
+                check = buf[-1] == n
+            elif COLLECTIVE == "allgather":
+                out = worker.synchronize(collectives.allgather_async(worker, part, name))
+                check = out.size == count
+            elif COLLECTIVE == "broadcast":
+                worker.synchronize(collectives.broadcast_async(worker, buf, 0, name, out=buf))
+                check = buf[-1] == 1.0
+            else:
+                out = worker.synchronize(collectives.reducescatter_async(worker, buf.reshape(n, -1), name))
+                check = out.size == count // n and out.reshape(-1)[-1] == n
             elapsed = time.perf_counter() - t0
+            assert check, COLLECTIVE
             if i >= warmup:
                 times.append(elapsed)
-        assert buf[0] == gw.size() and buf[-1] == gw.size(), (buf[0], gw.size())
         if gw.rank() == 0:
-            chosen = gw.current_worker().status()["data_path"]  # what gradwire chose (or was told), and why
+            chosen = worker.status()["data_path"]  # what gradwire chose (or was told), and why
             print(json.dumps({"bytes": nbytes, "times": times, "data_path": chosen}), flush=True)
     gw.shutdown()
 
@@ -45,17 +67,26 @@ def run_gloo(sizes: list[int], repeats: int, warmup: int) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", init_method=os.environ["GRADWIRE_BENCH_INIT"], rank=rank, world_size=world)
     for nbytes in sizes:
-        buf = torch.empty(nbytes // 4, dtype=torch.float32)
+        count = nbytes // 4 // world * world
+        buf = torch.empty(count, dtype=torch.float32)
+        parts = [torch.empty(count // world, dtype=torch.float32) for _ in range(world)]
         times = []
         for i in range(warmup + repeats):
             buf.fill_(1.0)
+            parts[rank].fill_(1.0)
             dist.barrier()
             t0 = time.perf_counter()
-            dist.all_reduce(buf)
+            if COLLECTIVE == "allreduce":
+                dist.all_reduce(buf)
+            elif COLLECTIVE == "allgather":
+                dist.all_gather(parts, parts[rank].clone())
+            elif COLLECTIVE == "broadcast":
+                dist.broadcast(buf, 0)
+            else:
+                dist.reduce_scatter_tensor(parts[rank], buf)
             elapsed = time.perf_counter() - t0
             if i >= warmup:
                 times.append(elapsed)
-        assert buf[0].item() == world
         if rank == 0:
             print(json.dumps({"bytes": nbytes, "times": times}), flush=True)
     dist.destroy_process_group()

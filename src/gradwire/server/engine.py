@@ -1,8 +1,10 @@
 """The engine: a thread that owns a share of the keys and sums their partitions.
 
-Each engine consumes one ring (ring.py) in batches. For each slot it adds the contribution into the
-key's accumulator for that round, and when all n workers are in it hands the finished sum to every
-worker's reply queue. Decisions and why:
+Each engine consumes one ring (ring.py) in batches. For each slot it puts the contribution into the
+key's accumulator for that round with the key's per-key operation (ops.py: sum by default; min, max,
+product, gather), and when every contributing rank is in (all n workers, or a process set's) it hands
+the result to their reply queues: all of it, or each rank its declared slice. Below, "sum" stands for
+any operation. Decisions and why:
 
 - Copy the first contribution, add the rest in place: one pass over memory per contribution, no zeroing.
 - Double-buffered rounds (`acc[round % 2]`): a worker pushes round r+1 of a key only after it received
