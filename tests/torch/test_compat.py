@@ -276,3 +276,37 @@ def test_a_barrier_with_a_departed_peer_fails_at_once_naming_it():
             c.workers[0].barrier()
         assert time.monotonic() - started < 1.0
         assert info.value.lost_rank == 2
+
+
+def test_sync_batch_norm_equals_batch_norm_over_the_whole_batch(cluster):
+    """Each rank holds a part of the batch; outputs, input gradients, parameter gradients and running statistics
+    match torch's BatchNorm2d over the whole batch in one process."""
+    torch.manual_seed(0)
+    full = torch.randn(4 * N, 3, 5, 5) * 3 + 1
+    upstream = torch.randn(4 * N, 3, 5, 5)
+    reference = torch.nn.BatchNorm2d(3)
+    reference.weight.data = torch.tensor([0.5, 2.0, -1.0])
+    x = full.clone().requires_grad_()
+    expected = reference(x)
+    (expected * upstream).sum().backward()
+    layers = []
+    for _ in range(N):
+        layer = gwt.SyncBatchNorm(3)
+        layer.weight.data = reference.weight.data.clone()
+        layers.append(layer)
+
+    def worker(rank):
+        part = full[4 * rank : 4 * rank + 4].clone().requires_grad_()
+        out = layers[rank](part)
+        (out * upstream[4 * rank : 4 * rank + 4]).sum().backward()
+        weight_grad = gwt.allreduce(layers[rank].weight.grad, op=gwt.Sum, name="sbn.wgrad")
+        return out.detach(), part.grad, weight_grad, layers[rank].running_mean, layers[rank].running_var
+
+    results = run(cluster, worker)
+    for rank, (out, grad, weight_grad, mean, var) in enumerate(results):
+        rows = slice(4 * rank, 4 * rank + 4)
+        torch.testing.assert_close(out, expected[rows].detach(), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(grad, x.grad[rows], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(weight_grad, reference.weight.grad, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(mean, reference.running_mean, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(var, reference.running_var, rtol=1e-4, atol=1e-5)

@@ -89,6 +89,7 @@ from .introspection import (
     stop_timeline,
 )
 from .optimizer import DistributedOptimizer
+from .sync_batch_norm import SyncBatchNorm
 
 __all__ = [
     "Adasum",
@@ -102,6 +103,7 @@ __all__ = [
     "Product",
     "PushPullHookState",
     "Sum",
+    "SyncBatchNorm",
     "add_process_set",
     "allgather",
     "allgather_async",

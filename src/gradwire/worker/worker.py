@@ -544,6 +544,15 @@ class Worker:
             submit(tensor.error)
         return handle
 
+    def _check_output(self, what: str, name: str, out: np.ndarray, count: int, dtype: np.dtype) -> None:
+        if out.size != count or not out.flags.c_contiguous or out.dtype != dtype:
+            raise TensorError(
+                f"worker {self.rank}: {what} for {self.size} workers needs a C-contiguous output of {count} {dtype} "
+                f"elements, got {out.size} {out.dtype}",
+                tensor=name,
+                rank=self.rank,
+            )
+
     def reduce_scatter_async(
         self,
         array: np.ndarray,
@@ -562,13 +571,7 @@ class Worker:
         self._check_usable()
         src = np.ascontiguousarray(array).reshape(array.shape)
         first, count = slices[self.rank] if len(slices) == self.size else (0, -1)
-        if out.size != count or not out.flags.c_contiguous or out.dtype != src.dtype:
-            raise TensorError(
-                f"worker {self.rank}: reduce-scatter of {name!r} with slices {slices} for {self.size} workers needs "
-                f"a C-contiguous output of {count} {src.dtype} elements, got {out.size} {out.dtype}",
-                tensor=name,
-                rank=self.rank,
-            )
+        self._check_output(f"reduce-scatter of {name!r} with slices {slices}", name, out, count, src.dtype)
         tensor = self.declare(name, src.shape, dtype or src.dtype, op, slices, wait=False, members=members)
         n = (self.size if members is None else len(members)) if average else 1
         return self._launch(tensor, out, src.reshape(-1), 0, out.reshape(-1), first, n, priority)
@@ -606,13 +609,7 @@ class Worker:
             )
         total = sum(counts)
         first, count = slices[self.rank] if slices is not None else (0, total)
-        if out.size != count or not out.flags.c_contiguous or out.dtype != array.dtype:
-            raise TensorError(
-                f"worker {self.rank}: gather of {name!r} needs a C-contiguous output of {count} {array.dtype} "
-                f"elements, got {out.size} {out.dtype}",
-                tensor=name,
-                rank=self.rank,
-            )
+        self._check_output(f"gather of {name!r}", name, out, count, array.dtype)
         src = np.ascontiguousarray(array).reshape(-1)
         tensor = self.declare(
             name, shape or (total,), dtype or src.dtype, "gather", slices, meta, wait=False, members=members
