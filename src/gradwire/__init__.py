@@ -187,8 +187,7 @@ def declare(name: str, shape: tuple[int, ...], dtype: object) -> None:
 def push_pull(array: np.ndarray, name: str, average: bool = False, priority: int = 0, op: str = "sum") -> np.ndarray:
     """Sum (or average) `array` across all workers; returns a new array. Blocks. `op`: "sum", "min", "max" or
     "product"."""
-    worker = current_worker()
-    return worker.synchronize(worker.push_pull_async(array, name, average, priority, op=op))
+    return current_worker().push_pull(array, name, average, priority, op)
 
 
 def push_pull_inplace(array: np.ndarray, name: str, average: bool = False, priority: int = 0) -> np.ndarray:

@@ -9,8 +9,9 @@
 - `alltoall_async`: a gather of every rank's splits (n integers each), then one gather per destination that only
   the destination pulls: every rank pushes its tensor once and pulls what is sent to it.
 
-Two-round collectives return at once: the second round is started by a helper thread when the first one's result
-arrives, so a rank never blocks in an `_async` call waiting for the others (Horovod's tests rely on that).
+Two-round collectives return at once: the second round is started by a helper thread (one per process) when the
+first one's result arrives, so a rank never blocks in an `_async` call waiting for the others (Horovod's tests rely
+on that).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 
 import numpy as np
@@ -109,20 +111,22 @@ def reducescatter_async(
 
 
 class _Chain:
-    """Runs the second rounds of two-round collectives, each when its first round's result is in (one thread per
-    worker, never waiting on the network: it only declares and submits)."""
+    """A worker's two-round collectives in flight (by name). Their second rounds run on one thread shared by every
+    worker of the process, each when its first round's result is in: that thread never waits on the network (it
+    only declares and submits), so one serves all, and nothing is left running when a worker goes."""
+
+    _queue: queue.SimpleQueue = queue.SimpleQueue()
+    _thread: threading.Thread | None = None
+    _start_lock = threading.Lock()
 
     def __init__(self) -> None:
         self.in_flight: set[str] = set()  # names of two-round collectives not yet complete
         self._lock = threading.Lock()
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="gw-collectives", daemon=True)
-        self._thread.start()
 
-    def _run(self) -> None:
+    @classmethod
+    def _run(cls) -> None:
         while True:
-            fn = self._queue.get()
-            fn()
+            cls._queue.get()()
 
     def begin(self, worker: Worker, name: str) -> Handle:
         """A handle for a new collective called `name`, completed by its later round (its output is set then);
@@ -143,7 +147,8 @@ class _Chain:
             self.in_flight.discard(handle.name)
 
     def then(self, first: Handle, result: Handle, start: Callable[[np.ndarray], Handle]) -> None:
-        """When `first` completes, run `start(first's output)` here; `result` completes with what it returns."""
+        """When `first` completes, run `start(first's output)` on the shared thread; `result` completes with what
+        it returns."""
 
         def second() -> None:
             try:
@@ -157,8 +162,12 @@ class _Chain:
                 return
             handle.add_done_callback(lambda h: _forward(h, result))
 
+        with _Chain._start_lock:
+            if _Chain._thread is None:
+                _Chain._thread = threading.Thread(target=_Chain._run, name="gw-collectives", daemon=True)
+                _Chain._thread.start()
         result.waits_on = first.name  # until its first round is declared, the collective waits for that
-        first.add_done_callback(lambda h: self._queue.put(second))
+        first.add_done_callback(lambda h: _Chain._queue.put(second))
 
 
 def _forward(done: Handle, result: Handle) -> None:
@@ -169,15 +178,15 @@ def _forward(done: Handle, result: Handle) -> None:
         result.part_done()
 
 
-_chains: dict[int, _Chain] = {}
+_chains: weakref.WeakKeyDictionary[Worker, _Chain] = weakref.WeakKeyDictionary()
 _chains_lock = threading.Lock()
 
 
 def _chain(worker: Worker) -> _Chain:
     with _chains_lock:
-        chain = _chains.get(id(worker))
+        chain = _chains.get(worker)
         if chain is None:
-            chain = _chains[id(worker)] = _Chain()
+            chain = _chains[worker] = _Chain()
         return chain
 
 

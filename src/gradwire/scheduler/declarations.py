@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -42,12 +43,30 @@ class Declaration:
     ready: threading.Event = field(default_factory=threading.Event)  # set once every owning server knows its keys
     error: str | None = None
 
+    @property
+    def signature(self) -> Signature:
+        return Signature(self.key_op, self.dtype, self.shape, self.slices, self.meta, self.members)
 
-def _describe(
-    key_op: str, dtype: str, shape: list[int], slices: list | None, meta: str | None, members: list | None = None
-) -> str:
-    extra = "".join(f", {k} {v}" for k, v in (("slices", slices), ("meta", meta), ("ranks", members)) if v is not None)
-    return f"{key_op} of {dtype}{shape}{extra}"
+    def answer(self) -> dict:
+        """What every declarer of it is told."""
+        return (
+            {"error": self.error} if self.error else {"servers": self.servers, "partition_bytes": self.partition_bytes}
+        )
+
+
+class Signature(NamedTuple):
+    """What every worker must agree on about a tensor."""
+
+    key_op: str
+    dtype: str
+    shape: list[int]
+    slices: list[list[int]] | None
+    meta: str | None
+    members: list[int] | None  # the ranks that take part (a process set); None: every worker
+
+    def __str__(self) -> str:
+        extra = (("slices", self.slices), ("meta", self.meta), ("ranks", self.members))
+        return f"{self.key_op} of {self.dtype}{self.shape}" + "".join(f", {k} {v}" for k, v in extra if v is not None)
 
 
 def _key_slices(sizes: list[int], slices: list[list[int]], itemsize: int) -> list[list[list[int]]]:
@@ -70,7 +89,7 @@ class _Call:
     """One worker's declaration of a tensor, waiting for the others'."""
 
     rank: int
-    signature: tuple  # (key_op, dtype, shape, slices, meta): what every worker must agree on
+    signature: Signature
     partition_bytes: int
     answer: Callable[[dict], None]
 
@@ -130,14 +149,14 @@ class Declarations:
             if len(slices) != self.num_workers or any(a < 0 or b < 0 or a + b > num for a, b in slices):
                 answer({"error": f"tensor {name!r}: bad slices {slices} of {num} elements", "abort": False})
                 return
-        call = _Call(rank, (key_op, dtype, shape, slices, meta, members), int(body["partition_bytes"]), answer)
+        call = _Call(rank, Signature(key_op, dtype, shape, slices, meta, members), int(body["partition_bytes"]), answer)
         with self._lock:
             known = self.tensors.get(name)
             if known is None:
                 calls = self._pending.setdefault(name, {})
                 self._since.setdefault(name, time.monotonic())
                 calls[rank] = call
-                if len(calls) < (self.num_workers if members is None else len(members)):
+                if len(calls) < len(self._expected(calls)):
                     return  # answered when the last worker (of its process set) declares it
                 del self._pending[name], self._since[name]
                 self._blocked.pop(name, None)
@@ -152,7 +171,7 @@ class Declarations:
         first = calls[0]
         differ = [c for c in calls if c.signature != first.signature]
         if differ:
-            ways = "; ".join(f"worker {c.rank}: {_describe(*c.signature)}" for c in calls)
+            ways = "; ".join(f"worker {c.rank}: {c.signature}" for c in calls)
             reply = {
                 "error": f"tensor {name!r} was declared differently by the workers ({ways}): every worker must call "
                 "the same collective with the same shape and dtype",
@@ -176,31 +195,22 @@ class Declarations:
             return
         self._register_keys(name, decl)
         for c in calls:
-            c.answer(
-                {"error": decl.error}
-                if decl.error
-                else {"servers": decl.servers, "partition_bytes": decl.partition_bytes}
-            )
+            c.answer(decl.answer())
 
     def _answer_late(self, name: str, known: Declaration, call: _Call) -> None:
         """A declaration of a tensor the job already has (a worker that joined later, or declares again)."""
-        theirs = (known.key_op, known.dtype, known.shape, known.slices, known.meta, known.members)
-        if call.signature != theirs:
+        if call.signature != known.signature:
             call.answer(
                 {
-                    "error": f"tensor {name!r} declared as {_describe(*call.signature)} by worker {call.rank} but as "
-                    f"{_describe(*theirs)} by the job's other workers: every worker must call the same collective "
+                    "error": f"tensor {name!r} declared as {call.signature} by worker {call.rank} but as "
+                    f"{known.signature} by the job's other workers: every worker must call the same collective "
                     "with the same shape and dtype"
                 }
             )
             return
         if not known.ready.wait(self.config.timeout):
             known.error = known.error or f"servers did not confirm the keys of {name!r} in {self.config.timeout}s"
-        call.answer(
-            {"error": known.error}
-            if known.error
-            else {"servers": known.servers, "partition_bytes": known.partition_bytes}
-        )
+        call.answer(known.answer())
 
     def stalled(self, threshold: float, now: float | None = None) -> list[str]:
         """One line per declaration that has waited more than `threshold` seconds for some workers'."""
@@ -210,14 +220,17 @@ class Declarations:
         lines = []
         for name, calls, waited in waiting:
             if waited > threshold:
-                members = next(iter(calls.values())).signature[5]
-                expected = range(self.num_workers) if members is None else members
-                missing = [r for r in expected if r not in calls]
+                missing = [r for r in self._expected(calls) if r not in calls]
                 lines.append(
                     f"tensor {name!r} has waited {waited:.1f}s for worker(s) {missing} to call it; "
                     f"called by {sorted(calls)}"
                 )
         return lines
+
+    def _expected(self, calls: dict[int, _Call]) -> list[int] | range:
+        """The ranks that must declare a pending tensor: its process set's, or every worker."""
+        members = next(iter(calls.values())).signature.members
+        return range(self.num_workers) if members is None else members
 
     def blocked(self, name: str, rank: int) -> None:
         """Worker `rank` waits (synchronize) for `name`, whose declaration is not complete."""
@@ -232,8 +245,7 @@ class Declarations:
         with self._lock:
             dropped = {}
             for name, calls in self._pending.items():
-                members = next(iter(calls.values())).signature[5]
-                waits_for_rank = rank is None or (rank not in calls and (members is None or rank in members))
+                waits_for_rank = rank is None or (rank not in calls and rank in self._expected(calls))
                 if waits_for_rank and (not blocked_only or self._blocked.get(name)):
                     dropped[name] = calls
             for name in dropped:

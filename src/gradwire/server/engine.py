@@ -127,6 +127,10 @@ class KeyState:
         self.stage: list[list[np.ndarray | None]] = [[None] * num_workers for _ in range(2)]  # allocated on need
         self.seeded = [False, False]  # the round's sum came as a seed (a failover), not from contributions
 
+    def fits(self, code: int, length: int) -> bool:
+        """A contribution of `length` bytes of dtype `code` may go into this key (a gather's may be shorter)."""
+        return self.dtype.code == code and (length == self.length or self.op.variable and length < self.length)
+
 
 # reply(key, round, dtype code, payload, pull slot per rank, bitmask of ranks) -> None: queue the result for them;
 # the payload is one view for all, or a list with each rank's view (a key declared with slices)
@@ -153,7 +157,6 @@ class Engine:
     ) -> None:
         self.index = index
         self.deterministic = deterministic
-        self.everyone = (1 << num_workers) - 1
         self.clock = clock
         self._ack = ack
         self.ring = ring
@@ -216,13 +219,12 @@ class Engine:
         """Elastic: start every key afresh for `num_workers` workers (`forget`: drop every key, and its memory).
         Only while nothing is in the ring (the server's connections are closed and the ring drained), so the
         engine thread touches no key meanwhile."""
+        same = num_workers == self.num_workers  # else a process set's ranks or a rank's slice mean nothing any more
         self.num_workers = num_workers
-        self.everyone = (1 << num_workers) - 1
         if forget:
             self.keys = {}
             return
         for key, state in list(self.keys.items()):
-            same = len(state.nexts) == num_workers + 1  # a process set's ranks mean nothing among other workers
             slices = state.slices if same else None
             members = state.members if same else None
             self.keys[key] = KeyState(state.dtype, state.length, num_workers, state.name, state.op, slices, members)
@@ -251,7 +253,7 @@ class Engine:
         state = self.keys.get(key)
         if state is None:
             return f"key {key:016x} is not declared on this server"
-        if state.dtype.code != dtype or not (length == state.length or state.op.variable and length < state.length):
+        if not state.fits(dtype, length):
             wire = dtypes.BY_CODE[dtype].name
             return f"{length} bytes of {wire} pushed, but the key is {state.length} bytes of {state.dtype.name}"
         return None
@@ -274,9 +276,9 @@ class Engine:
     def on_event(self, slot: Slot) -> None:
         """Add one contribution (or take a seed); publish the sum when the round is complete."""
         state = self.keys.get(slot.key)
-        dtype = dtypes.BY_CODE[slot.dtype]
-        if state is None or state.dtype is not dtype or self.check(slot.key, slot.dtype, slot.length):  # readers did
+        if state is None or not state.fits(slot.dtype, slot.length):  # readers check first
             raise TensorError(f"worker {slot.sender} pushed an undeclared or inconsistent key")
+        dtype = state.dtype
         i = slot.round & 1
         if slot.flags & SEED:
             self._seed(state, i, slot, dtype)

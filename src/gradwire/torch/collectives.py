@@ -215,6 +215,7 @@ def grouped_allreduce_async(
     postscale_factor: float = 1.0,
     process_set: Any = None,
     *,
+    compression: type[Compressor] = Compression.none,
     inplace: bool = False,
 ) -> Any:
     """Start an allreduce of each tensor of the list (each its own tensor on the servers, `name.i`); `synchronize`
@@ -224,10 +225,19 @@ def grouped_allreduce_async(
     worker = gradwire.current_worker()
     _reduction(worker, average, op, name)  # the arguments' errors once, before anything is pushed
     name = _name(worker, name, "grouped_allreduce")
-    start = allreduce_async_ if inplace else allreduce_async
     return GroupHandle(
         [
-            start(t, average, f"{name}.{i}", op, prescale_factor, postscale_factor, process_set)
+            allreduce_async(
+                t,
+                average,
+                f"{name}.{i}",
+                op,
+                prescale_factor,
+                postscale_factor,
+                process_set,
+                compression=compression,
+                inplace=inplace,
+            )
             for i, t in enumerate(tensors)
         ]
     )
@@ -267,13 +277,10 @@ def grouped_allreduce(
             allreduce(t, average, f"{name}.{i}", compression, op, prescale_factor, postscale_factor, process_set)
             for i, t in enumerate(tensors)
         ]
-    handles = [
-        allreduce_async(
-            t, average, f"{name}.{i}", op, prescale_factor, postscale_factor, process_set, compression=compression
-        )
-        for i, t in enumerate(tensors)
-    ]
-    return [synchronize(h) for h in handles]
+    handle = grouped_allreduce_async(
+        tensors, average, name, op, prescale_factor, postscale_factor, process_set, compression=compression
+    )
+    return synchronize(handle)
 
 
 def grouped_allreduce_(

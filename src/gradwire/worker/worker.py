@@ -426,6 +426,7 @@ class Worker:
         if members is not None:
             body["members"] = list(members)
         try:
+            self._check_usable()
             self._request_async(body, lambda reply: self._declared(tensor, reply))
         except GradwireError as e:
             self._declared(tensor, None, e)
@@ -500,8 +501,9 @@ class Worker:
                 rank=self.rank,
             )
         tensor = self.declare(name, src.shape, dtype or src.dtype, op, wait=False, members=members)
-        n = (self.size if members is None else len(members)) if average else 1
-        return self._launch(tensor, out, src.reshape(-1), 0, out.reshape(-1), 0, n, priority)
+        return self._launch(
+            tensor, out, src.reshape(-1), 0, out.reshape(-1), 0, self._divisor(average, members), priority
+        )
 
     def _launch(
         self,
@@ -544,6 +546,10 @@ class Worker:
             submit(tensor.error)
         return handle
 
+    def _divisor(self, average: bool, members: list[int] | None) -> int:
+        """What the sum is divided by: the number of ranks taking part, for an average."""
+        return (self.size if members is None else len(members)) if average else 1
+
     def _check_output(self, what: str, name: str, out: np.ndarray, count: int, dtype: np.dtype) -> None:
         if out.size != count or not out.flags.c_contiguous or out.dtype != dtype:
             raise TensorError(
@@ -573,7 +579,7 @@ class Worker:
         first, count = slices[self.rank] if len(slices) == self.size else (0, -1)
         self._check_output(f"reduce-scatter of {name!r} with slices {slices}", name, out, count, src.dtype)
         tensor = self.declare(name, src.shape, dtype or src.dtype, op, slices, wait=False, members=members)
-        n = (self.size if members is None else len(members)) if average else 1
+        n = self._divisor(average, members)
         return self._launch(tensor, out, src.reshape(-1), 0, out.reshape(-1), first, n, priority)
 
     def gather_async(
@@ -662,9 +668,11 @@ class Worker:
                     pass  # the control loop reports a lost scheduler
         return handle.wait(self.config.timeout, describe=lambda: self._describe_outstanding(handle.name))
 
-    def push_pull(self, array: np.ndarray, name: str, average: bool = False, priority: int = 0) -> np.ndarray:
-        """Sum `array` across workers (blocking); returns a new array."""
-        return self.synchronize(self.push_pull_async(array, name, average, priority))
+    def push_pull(
+        self, array: np.ndarray, name: str, average: bool = False, priority: int = 0, op: str = "sum"
+    ) -> np.ndarray:
+        """Sum (or reduce by `op`) `array` across workers (blocking); returns a new array."""
+        return self.synchronize(self.push_pull_async(array, name, average, priority, op=op))
 
     def push_pull_inplace(self, array: np.ndarray, name: str, average: bool = False, priority: int = 0) -> np.ndarray:
         """Sum `array` across workers into itself (blocking); returns `array`."""
@@ -685,27 +693,26 @@ class Worker:
         if "error" in reply:
             raise WorkerLost(f"worker {self.rank}: barrier failed: {reply['error']}", int(reply["lost_rank"]))
 
-    def _request_async(self, body: dict, callback: Callable[[dict | None], None]) -> None:
-        """Send a request without waiting: `callback(reply)` runs on the control thread when the reply comes, or
-        `callback(None)` if an abort or a membership change cancels it first."""
-        self._check_usable()
+    def _request_async(
+        self, body: dict, callback: Callable[[dict | None], None] | None = None, rejoin: bool = False
+    ) -> list:
+        """Send a request without waiting; returns its waiter [event set on reply, the reply, callback]. With a
+        `callback`, `callback(reply)` runs on the control thread when the reply comes, or `callback(None)` if an
+        abort or a membership change cancels it first."""
         rid = next(self._ids)
-        with self._lock:
-            self._requests[rid] = [threading.Event(), None, callback]
-        assert self._scheduler is not None
-        self._scheduler.send_json(FrameType.CONTROL, body | {"id": rid})
-
-    def _request(self, body: dict, check: bool = True, rejoin: bool = False) -> dict:
-        if check:
-            self._check_usable()
-        rid = next(self._ids)
-        waiter: list = [threading.Event(), None, None]
+        waiter: list = [threading.Event(), None, callback]
         with self._lock:
             self._requests[rid] = waiter
             if rejoin:
                 self._rejoin_id = rid
         assert self._scheduler is not None
         self._scheduler.send_json(FrameType.CONTROL, body | {"id": rid})
+        return waiter
+
+    def _request(self, body: dict, check: bool = True, rejoin: bool = False) -> dict:
+        if check:
+            self._check_usable()
+        waiter = self._request_async(body, rejoin=rejoin)
         if not waiter[0].wait(self.config.timeout):
             raise GradwireTimeout(
                 f"worker {self.rank}: scheduler did not answer {body['op']} in {self.config.timeout}s"
