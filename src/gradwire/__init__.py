@@ -42,6 +42,7 @@ from gradwire.errors import (
     WorkersJoining,
 )
 from gradwire.launch import torchrun
+from gradwire.parameters import init_parameter, optimizer_state, set_optimizer, update, update_async
 from gradwire.worker import Handle, Worker
 
 __version__ = "0.1.0"
@@ -71,18 +72,23 @@ __all__ = [
     "current_worker",
     "declare",
     "init",
+    "init_parameter",
     "is_initialized",
     "local_rank",
     "local_size",
+    "optimizer_state",
     "poll",
     "push_pull",
     "push_pull_async",
     "push_pull_inplace",
     "rank",
     "reducescatter",
+    "set_optimizer",
     "shutdown",
     "size",
     "synchronize",
+    "update",
+    "update_async",
     "use_worker",
 ]
 

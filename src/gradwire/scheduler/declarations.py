@@ -9,6 +9,7 @@ and get the same answer, or an error naming both ranks if they disagree.
 from __future__ import annotations
 
 import itertools
+import json
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -21,7 +22,7 @@ from gradwire import partition
 from gradwire.config import Config
 from gradwire.errors import TensorError
 from gradwire.placement import Placement
-from gradwire.protocol import dtypes, messages
+from gradwire.protocol import dtypes, messages, update
 from gradwire.server import ops
 
 
@@ -40,12 +41,13 @@ class Declaration:
     slices: list[list[int]] | None = None  # per rank, the [first element, count] of the result it pulls
     meta: str | None = None  # anything else the workers must agree on (a broadcast's root)
     members: list[int] | None = None  # the ranks that take part (a process set); None: every worker
+    op_args: str | None = None  # the operation's declared arguments (canonical JSON: a server-side optimizer's)
     ready: threading.Event = field(default_factory=threading.Event)  # set once every owning server knows its keys
     error: str | None = None
 
     @property
     def signature(self) -> Signature:
-        return Signature(self.key_op, self.dtype, self.shape, self.slices, self.meta, self.members)
+        return Signature(self.key_op, self.dtype, self.shape, self.slices, self.meta, self.members, self.op_args)
 
     def answer(self) -> dict:
         """What every declarer of it is told."""
@@ -63,9 +65,10 @@ class Signature(NamedTuple):
     slices: list[list[int]] | None
     meta: str | None
     members: list[int] | None  # the ranks that take part (a process set); None: every worker
+    op_args: str | None = None  # the operation's arguments (canonical JSON)
 
     def __str__(self) -> str:
-        extra = (("slices", self.slices), ("meta", self.meta), ("ranks", self.members))
+        extra = (("slices", self.slices), ("meta", self.meta), ("ranks", self.members), ("arguments", self.op_args))
         return f"{self.key_op} of {self.dtype}{self.shape}" + "".join(f", {k} {v}" for k, v in extra if v is not None)
 
 
@@ -140,16 +143,25 @@ class Declarations:
             if not members or members[0] < 0 or members[-1] >= self.num_workers or rank not in members:
                 answer({"error": f"tensor {name!r}: worker {rank} declared it for ranks {members}", "abort": False})
                 return
-        if dtype not in dtypes.BY_NAME or any(d < 0 for d in shape) or len(shape) > 32 or key_op not in ops.OPS:
+        if dtype not in dtypes.BY_NAME or any(d < 0 for d in shape) or len(shape) > 32 or not ops.known(key_op):
             answer({"error": f"tensor {name!r}: bad declaration {key_op} of {dtype}{shape}", "abort": False})
             return
+        op_args = body.get("op_args")
+        if op_args is not None or key_op in ops.BUILT:
+            try:
+                ops.build(key_op, op_args)
+                op_args = update.encode_args(op_args)
+            except (TensorError, ValueError) as e:
+                answer({"error": f"tensor {name!r}: {e}", "abort": False})
+                return
         if slices is not None:
             slices = [[int(a), int(b)] for a, b in slices]
             num = int(np.prod(shape, dtype=np.int64))
             if len(slices) != self.num_workers or any(a < 0 or b < 0 or a + b > num for a, b in slices):
                 answer({"error": f"tensor {name!r}: bad slices {slices} of {num} elements", "abort": False})
                 return
-        call = _Call(rank, Signature(key_op, dtype, shape, slices, meta, members), int(body["partition_bytes"]), answer)
+        signature = Signature(key_op, dtype, shape, slices, meta, members, op_args)
+        call = _Call(rank, signature, int(body["partition_bytes"]), answer)
         with self._lock:
             known = self.tensors.get(name)
             if known is None:
@@ -180,7 +192,7 @@ class Declarations:
             for c in calls:
                 c.answer(reply)
             return
-        key_op, dtype, shape, slices, meta, members = first.signature
+        key_op, dtype, shape, slices, meta, members, op_args = first.signature
         with self._lock:
             try:
                 decl = self._place(name, shape, dtype, first.rank, min(c.partition_bytes for c in calls))
@@ -189,6 +201,7 @@ class Declarations:
                 error = str(e)
             else:
                 decl.key_op, decl.slices, decl.meta, decl.members = key_op, slices, meta, members
+                decl.op_args = op_args
         if decl is None:
             for c in calls:
                 c.answer({"error": error, "abort": False})
@@ -309,6 +322,8 @@ class Declarations:
             body = {"op": messages.KEYS, "keys": owned, "name": name, "key_op": decl.key_op}
             if decl.members is not None:
                 body["members"] = decl.members
+            if decl.op_args is not None:
+                body["op_args"] = json.loads(decl.op_args)
             if cuts is not None:
                 body["slices"] = {str(k): cuts[decl.keys.index(k)] for k, _, _ in owned}
             rid = next(self._ids)

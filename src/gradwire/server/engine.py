@@ -67,6 +67,7 @@ class KeyState:
         "nexts",
         "everyone",
         "first",
+        "held",
         "name",
         "narrow",
         "op",
@@ -93,6 +94,7 @@ class KeyState:
         op: ops.KeyOp = ops.SUM,
         slices: list[tuple[int, int]] | None = None,
         members: list[int] | None = None,
+        previous: KeyState | None = None,
     ) -> None:
         self.name = name  # the tensor's, for stall reports
         # the ranks that contribute to its rounds (a process set), in the order their contributions go in
@@ -109,7 +111,7 @@ class KeyState:
         self.lengths = [[0] * num_workers for _ in range(2)]  # elements of each staged contribution (a gather's vary)
         self.started = [0.0, 0.0]  # when each buffer's round got its first contribution (the engine's clock)
         self.dtype = dtype
-        self.length = length
+        self.length = length = length + op.trailer  # what each push carries
         n = length // dtype.itemsize
         self.narrow = dtype.accumulate != dtype.wire
         self.acc = [np.empty(n, dtype.accumulate) for _ in range(2)]
@@ -126,6 +128,8 @@ class KeyState:
         self.staged = [0, 0]  # bitmask of ranks whose early contributions wait in `stage`
         self.stage: list[list[np.ndarray | None]] = [[None] * num_workers for _ in range(2)]  # allocated on need
         self.seeded = [False, False]  # the round's sum came as a seed (a failover), not from contributions
+        self.held = None  # what the operation keeps per key (server/optim.py)
+        op.setup(self, previous)
 
     def fits(self, code: int, length: int) -> bool:
         """A contribution of `length` bytes of dtype `code` may go into this key (a gather's may be shorter)."""
@@ -215,6 +219,18 @@ class Engine:
         if key not in self.keys:
             self.keys[key] = KeyState(dtype, length, self.num_workers, name, op, slices, members)
 
+    def answer_one(self, slot: Slot, payload: memoryview) -> None:
+        """Answer one push alone (a key's operation handled it outside the rounds)."""
+        self.answer_rank(slot.key, slot.round, slot.dtype, payload, slot.pull, slot.sender)
+
+    def answer_rank(self, key: int, rnd: int, code: int, payload: memoryview, pull: int, rank: int) -> None:
+        pulls = [NO_SLOT] * self.num_workers
+        pulls[rank] = pull
+        self._reply(key, rnd, code, payload, pulls, 1 << rank)
+
+    def ack(self, rank: int, key: int, rnd: int) -> None:
+        self._ack(rank, key, rnd)
+
     def reset(self, num_workers: int, forget: bool = False) -> None:
         """Elastic: start every key afresh for `num_workers` workers (`forget`: drop every key, and its memory).
         Only while nothing is in the ring (the server's connections are closed and the ring drained), so the
@@ -227,7 +243,8 @@ class Engine:
         for key, state in list(self.keys.items()):
             slices = state.slices if same else None
             members = state.members if same else None
-            self.keys[key] = KeyState(state.dtype, state.length, num_workers, state.name, state.op, slices, members)
+            length = state.length - state.op.trailer
+            self.keys[key] = KeyState(state.dtype, length, num_workers, state.name, state.op, slices, members, state)
 
     def landing(self, key: int, rnd: int, sender: int) -> np.ndarray | None:
         """Where a reader may receive `sender`'s contribution to `key`'s round `rnd` directly (deterministic sums
@@ -236,7 +253,7 @@ class Engine:
         state = self.keys.get(key)
         if state is None or sender == state.first or not state.everyone >> sender & 1:
             return None
-        if not (self.deterministic or state.op.ordered):
+        if not (self.deterministic or state.op.ordered) or state.op.asynchronous:
             return None
         return self._stage(state, rnd & 1, sender).view(np.uint8)
 
@@ -278,6 +295,8 @@ class Engine:
         state = self.keys.get(slot.key)
         if state is None or not state.fits(slot.dtype, slot.length):  # readers check first
             raise TensorError(f"worker {slot.sender} pushed an undeclared or inconsistent key")
+        if state.op.intercepts and state.op.intercept(self, state, slot):
+            return
         dtype = state.dtype
         i = slot.round & 1
         if slot.flags & SEED:
@@ -320,7 +339,7 @@ class Engine:
             # unanswered sums deadlocks when workers' windows fill with different keys.
             self._ack(slot.sender, slot.key, slot.round)
         else:  # complete: the RESULT is the last pusher's acknowledgement too
-            state.op.check(state, i)
+            state.op.finish(state, i)
             if state.narrow:
                 dtypes.narrow(dtype, state.acc[i], state.out[i])
             self._answer(state, slot.key, slot.round, slot.dtype, i, state.everyone)
@@ -350,7 +369,7 @@ class Engine:
         if state.round[i] > slot.round or (state.round[i] == slot.round and state.count[i] == state.need):
             return
         waiting = state.pushed[i] if state.round[i] == slot.round else 0
-        state.out[i][:] = slot.data.view(dtype.wire)
+        state.op.seeded(state, i, slot.round, slot.data.view(dtype.wire))
         state.round[i], state.count[i], state.pushed[i] = slot.round, state.need, state.everyone
         state.turn[i], state.staged[i], state.seeded[i] = self.num_workers, 0, True
         if waiting:

@@ -12,7 +12,8 @@ failover seeds, metrics). An operation only says how a contribution goes into th
 
 What each rank pulls is the key's, not the operation's: the whole result, or a slice of it per rank (`slices`,
 declared with the key): reducescatter is a sum with slices, and a rank whose slice misses a key pulls nothing.
-New operations (an optimizer update: issue 17) subclass `KeyOp` and are added to `OPS`.
+New operations subclass `KeyOp` and are added to `OPS`, or built from declared arguments by `build` (the optimizer
+update of parameter-server mode, server/optim.py, which also keeps per-key state and handles some pushes itself).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from gradwire.errors import TensorError
 from gradwire.protocol import dtypes
 
 if TYPE_CHECKING:
-    from gradwire.server.engine import KeyState
+    from gradwire.ring import Slot
+    from gradwire.server.engine import Engine, KeyState
 
 
 class KeyOp:
@@ -34,6 +36,12 @@ class KeyOp:
     name: ClassVar[str]
     ordered: ClassVar[bool] = False  # contributions must go in in rank order, even when sums need not be
     variable: ClassVar[bool] = False  # a contribution may be shorter than the key (down to empty)
+    trailer: ClassVar[int] = 0  # bytes each push carries after its data (per-push arguments; part of the key's length)
+    intercepts: ClassVar[bool] = False  # `intercept` sees each push first
+    asynchronous: bool = False  # pushes are not gathered into rounds (no staging: they go through the ring)
+
+    def setup(self, state: KeyState, previous: KeyState | None = None) -> None:
+        """Per-key state, allocated when the key is declared (`previous`: the key's state before an elastic reset)."""
 
     def add(self, state: KeyState, i: int, dtype: dtypes.DType, wire: np.ndarray, first: bool) -> None:
         """Put one contribution into round buffer `i` (`first`: the round's first, in the order it is added)."""
@@ -41,6 +49,18 @@ class KeyOp:
 
     def check(self, state: KeyState, i: int) -> None:
         """Called when every contribution is in: raise TensorError if they do not make a result."""
+
+    def finish(self, state: KeyState, i: int) -> None:
+        """Called when every contribution is in, before the result of round buffer `i` is sent."""
+        self.check(state, i)
+
+    def seeded(self, state: KeyState, i: int, rnd: int, data: np.ndarray) -> None:
+        """A worker resent the result of round `rnd` it holds (after a failover): it is buffer `i`'s result."""
+        state.out[i][:] = data
+
+    def intercept(self, engine: Engine, state: KeyState, slot: Slot) -> bool:
+        """Handle a push outside the rounds (True), or let the engine run it (False). Only with `intercepts`."""
+        return False
 
 
 class Reduce(KeyOp):
@@ -102,9 +122,30 @@ OPS: dict[str, KeyOp] = {
 SUM = OPS["sum"]
 
 
+BUILT = ("optimizer",)  # operations configured by their declaration's arguments
+
+
 def lookup(name: str) -> KeyOp:
     """The operation called `name`; TensorError naming the known ones otherwise."""
     try:
         return OPS[name]
     except KeyError:
         raise TensorError(f"unknown per-key operation {name!r}; known: {', '.join(sorted(OPS))}") from None
+
+
+def known(name: str) -> bool:
+    return name in OPS or name in BUILT
+
+
+def build(name: str, args: dict | None) -> KeyOp:
+    """The operation `name` with its declared arguments (only built operations take any); TensorError otherwise."""
+    if name == "optimizer":
+        from gradwire.server.optim import ServerUpdate
+
+        try:
+            return ServerUpdate(args or {})
+        except ValueError as e:
+            raise TensorError(f"optimizer: {e}") from None
+    if args:
+        raise TensorError(f"per-key operation {name!r} takes no arguments, got {args}")
+    return lookup(name)

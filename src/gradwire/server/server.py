@@ -22,7 +22,7 @@ from gradwire.protocol import dtypes, frames, messages
 from gradwire.protocol.frames import SEED, FrameType
 from gradwire.ring import Ring, RingClosed, Slot
 from gradwire.scheduler.client import join
-from gradwire.server import ops
+from gradwire.server import ops, optim
 from gradwire.server.engine import Engine
 from gradwire.throttle import HandshakeGate
 from gradwire.transport import shm, tcp
@@ -144,6 +144,17 @@ class Server:
         )
         self.metrics.gauge("gradwire_keys", "Keys this server sums", lambda: sum(len(e.keys) for e in self._engines))
         self.metrics.gauge("gradwire_workers_connected", "Workers connected to this server", lambda: len(self._links))
+        self.metrics.gauge(
+            "gradwire_server_optimizer_bytes",
+            "Parameters and optimizer state this server holds (parameter-server mode)",
+            lambda: optim.stats(self._key_states())["bytes"],
+        )
+        self.metrics.gauge(
+            "gradwire_server_optimizer_updates",
+            "Optimizer updates applied to this server's partitions (parameter-server mode)",
+            lambda: optim.stats(self._key_states())["updates"],
+        )
+        self.metrics.collector(self._staleness_families)
         log.info("server %d%s serving on %s:%d", self.rank, " (standby)" * self.standby, self.config.host, self.port)
         return self
 
@@ -167,6 +178,7 @@ class Server:
             "keys": sum(len(e.keys) for e in self._engines),
             "rounds_completed": self.rounds_completed,
             "ring_occupancy": sum(e.ring.occupancy for e in self._engines),
+            "optimizer": optim.stats(self._key_states()),
             "error": self.error,
             "refused_connections": self.refusals.count,
             **self.metrics.snapshot(),
@@ -186,6 +198,26 @@ class Server:
             link.conn.close()
         if self._scheduler is not None:
             self._scheduler.close()
+
+    def _key_states(self) -> list:
+        return [state for engine in self._engines for state in list(engine.keys.values())]
+
+    def _staleness_families(self) -> list:
+        """Per tensor, the staleness of the asynchronous pushes applied here (parameter-server mode)."""
+        from prometheus_client.core import GaugeMetricFamily
+
+        worst = GaugeMetricFamily(
+            "gradwire_server_staleness_max",
+            "Largest staleness of an applied asynchronous push (updates between the pusher's pull and its push)",
+            labels=["tensor"],
+        )
+        mean = GaugeMetricFamily(
+            "gradwire_server_staleness_mean", "Mean staleness of the applied asynchronous pushes", labels=["tensor"]
+        )
+        for name, (top, avg) in sorted(optim.staleness_by_tensor(self._key_states()).items()):
+            worst.add_metric([name], top)
+            mean.add_metric([name], avg)
+        return [worst, mean]
 
     @property
     def seeded_answers(self) -> int:
@@ -361,7 +393,7 @@ class Server:
         """Allocate the accumulators of keys this server owns, then tell the scheduler they are ready."""
         name = str(body.get("name", "?"))
         try:
-            op = ops.lookup(str(body.get("key_op", "sum")))
+            op = ops.build(str(body.get("key_op", "sum")), body.get("op_args"))
         except TensorError as e:
             raise RemoteProtocolError(str(e)) from None
         slices = body.get("slices") or {}
@@ -372,7 +404,7 @@ class Server:
                 raise RemoteProtocolError(f"scheduler declared {name!r} for ranks {members} of {self.num_workers}")
         for key, code, length in body["keys"]:
             dtype = dtypes.BY_CODE[int(code)]
-            if not 0 <= int(length) <= self.config.partition_bytes or int(length) % dtype.itemsize:
+            if not 0 <= int(length) + op.trailer <= self.config.partition_bytes or int(length) % dtype.itemsize:
                 raise RemoteProtocolError(f"scheduler declared key {int(key):016x} with {length} bytes")
             cut = slices.get(str(key))
             if cut is not None:

@@ -89,6 +89,7 @@ from .introspection import (
     stop_timeline,
 )
 from .optimizer import DistributedOptimizer
+from .server_optimizer import ServerOptimizer
 from .sync_batch_norm import SyncBatchNorm
 
 __all__ = [
@@ -96,6 +97,7 @@ __all__ = [
     "Average",
     "Compression",
     "DistributedOptimizer",
+    "ServerOptimizer",
     "HorovodInternalError",
     "Max",
     "Min",

@@ -66,6 +66,7 @@ class Work:
         "average",
         "credited",
         "dtype",
+        "extra",
         "handle",
         "index",
         "key",
@@ -104,6 +105,7 @@ class Work:
         self.order: tuple = ()  # the job-wide order of flow control, set when queued (see ServerLink._next)
         self.send = memoryview(send).cast("B")
         self.push_bytes = len(self.send)  # what this worker contributes (a gather's part may be short, or empty)
+        self.extra: memoryview | None = None  # bytes pushed after the data (`trail`)
         self.out = out
         self.nbytes = out.nbytes  # what it pulls
         self.partial = partial  # it pulls only its slice of the key's result (so holds no sum to seed a failover)
@@ -116,6 +118,13 @@ class Work:
         self.pull_slot = shm.NO_SLOT
         # when it was queued, taken by the sender, fully sent, and answered (time.monotonic): the stages
         self.t_queued = self.t_sent = self.t_pushed = self.t_result = 0.0
+
+    def trail(self, extra: memoryview | None) -> Work:
+        """Push `extra` after the data (a server-side update's trailer: protocol/update.py)."""
+        if extra is not None:
+            self.extra = extra
+            self.push_bytes += len(extra)
+        return self
 
 
 class LostLink:
@@ -403,7 +412,7 @@ class ServerLink:
             frames.pack_header_into(
                 header, FrameType.PUSHPULL, work.push_bytes, work.dtype, self.epoch, self.rank, work.key, work.round
             )
-            if not self._send([header, work.send]):
+            if not self._send([header, work.send] if work.extra is None else [header, work.send, work.extra]):
                 return
             work.t_pushed = time.monotonic()
             self.metrics.pushed(work.push_bytes)
@@ -499,7 +508,10 @@ class ServerLink:
     def _push_shared(self, header: bytearray, work: Work) -> None:
         """Copy the partition into its push slot and send the header alone (transport/shm.py)."""
         assert self.arena is not None
-        np.copyto(self.arena.push_slot(work.push_slot, work.push_bytes), np.frombuffer(work.send, np.uint8))
+        slot = self.arena.push_slot(work.push_slot, work.push_bytes)
+        np.copyto(slot[: len(work.send)], np.frombuffer(work.send, np.uint8))
+        if work.extra is not None:
+            np.copyto(slot[len(work.send) :], np.frombuffer(work.extra, np.uint8))
         frames.pack_header_into(
             header,
             FrameType.PUSHPULL,

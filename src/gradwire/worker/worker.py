@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import sys
 import threading
@@ -29,7 +30,7 @@ from gradwire.errors import (
     WorkerLost,
     abort_error,
 )
-from gradwire.protocol import dtypes, messages
+from gradwire.protocol import dtypes, messages, update
 from gradwire.protocol.frames import FrameType, encode_header
 from gradwire.scheduler.client import join
 from gradwire.transport import shm, tcp
@@ -59,6 +60,7 @@ class Tensor:
     waiting: list = field(default_factory=list, repr=False)  # fn(error or None), run once it is ready
     user_name: str = ""
     signature: tuple = ()
+    stateful: bool = False  # its servers hold state (parameter-server mode): seeded to a new server after a failover
 
 
 class Worker:
@@ -359,6 +361,7 @@ class Worker:
         meta: str | None = None,
         wait: bool = True,
         members: list[int] | None = None,
+        op_args: dict | None = None,
     ) -> Tensor:
         """Declare a tensor (idempotent). Every worker must declare `name` with the same shape and dtype.
 
@@ -376,12 +379,14 @@ class Worker:
         `slices`, per rank, the (first element, count) of the result that rank pulls (None: all of it). `meta` is
         anything else every worker must agree on (a broadcast's root rank), checked like the shape. `members` are
         the ranks that call it (a process set; None: every worker): only they declare it, and its rounds are theirs.
+        `op_args` configure a built operation (`optimizer`: protocol/update.py), checked across workers like the shape.
         """
         shape = tuple(int(d) for d in shape)
         wire = dtypes.from_numpy(dtype)
         cut = tuple((int(a), int(b)) for a, b in slices) if slices is not None else None
         ranks = tuple(sorted(members)) if members is not None else None
-        signature = (shape, wire, key_op, cut, meta, ranks)
+        args = update.encode_args(op_args) if op_args is not None else None
+        signature = (shape, wire, key_op, cut, meta, ranks, args)
         with self._lock:
             versions = self._versions.setdefault(name, [])
             if signature not in versions:
@@ -395,7 +400,7 @@ class Worker:
             if tensor is None:
                 tensor = self._tensors[internal] = Tensor(internal, shape, wire, user_name=name, signature=signature)
         if new:
-            self._send_declaration(tensor, key_op, cut, meta, ranks)
+            self._send_declaration(tensor, key_op, cut, meta, ranks, args)
         if wait:
             if not tensor.ready.wait(self.config.timeout):
                 raise GradwireTimeout(
@@ -408,15 +413,26 @@ class Worker:
         return tensor
 
     def _send_declaration(
-        self, tensor: Tensor, key_op: str, slices: tuple | None, meta: str | None, members: tuple | None
+        self,
+        tensor: Tensor,
+        key_op: str,
+        slices: tuple | None,
+        meta: str | None,
+        members: tuple | None,
+        args: str | None,
     ) -> None:
+        # a server-side update's pushes carry a trailer after each partition's data: partitions leave room for it
+        trailer = update.TRAILER_BYTES if key_op == "optimizer" else 0
         body = {
             "op": messages.DECLARE,
             "name": tensor.name,
             "shape": list(tensor.shape),
             "dtype": tensor.dtype.name,
-            "partition_bytes": self._partition_bytes,
+            "partition_bytes": self._partition_bytes - trailer,
         }
+        if args is not None:
+            body["op_args"] = json.loads(args)
+            tensor.stateful = True
         if key_op != "sum":
             body["key_op"] = key_op
         if slices is not None:
@@ -515,11 +531,17 @@ class Worker:
         pull_at: int,
         average: int,
         priority: int,
+        extra: np.ndarray | None = None,
+        partial: bool = False,
+        same_round: bool = False,
     ) -> Handle:
         """Push every partition of `tensor`'s next round: `send` holds the elements [send_at, send_at + len) of the
         tensor that this worker contributes (all of them for a reduction, its own segment for a gather); the result's
-        elements [pull_at, pull_at + len) land in `pull` (a view of `out`): all of them, or this rank's slice."""
-        handle, rnd = self._begin(tensor, out)
+        elements [pull_at, pull_at + len) land in `pull` (a view of `out`): all of them, or this rank's slice.
+        `extra`: bytes every partition's push carries after its data (a server-side update's trailer). `partial`: the
+        answers are not results to keep for a failover (reads of a server's state). `same_round`: not a new round
+        (a read or write that its server answers outside the rounds)."""
+        handle, rnd = self._begin(tensor, out, same_round)
 
         def submit(error: GradwireError | None) -> None:
             if error is not None:
@@ -529,13 +551,14 @@ class Worker:
                 servers = list(tensor.servers)
             handle.add_parts(len(tensor.parts))
             code, sent, pulled = tensor.dtype.code, len(send), len(pull)
+            extra_view = memoryview(extra).cast("B") if extra is not None else None
             for part, key, server in zip(tensor.parts, tensor.keys, servers, strict=True):
                 lo, hi = part.start, part.start + part.count
                 give = send[min(max(lo - send_at, 0), sent) : min(max(hi - send_at, 0), sent)]
                 take = pull[min(max(lo - pull_at, 0), pulled) : min(max(hi - pull_at, 0), pulled)]
-                partial = len(take) < hi - lo
-                work = Work(tensor.name, key, rnd, code, give, take, average, handle, part.index, partial=partial)
-                self._links[server].submit(work, priority)
+                cut = partial or len(take) < hi - lo
+                work = Work(tensor.name, key, rnd, code, give, take, average, handle, part.index, partial=cut)
+                self._links[server].submit(work.trail(extra_view), priority)
             handle.part_done()  # the declaration's part
 
         with self._lock:
@@ -622,9 +645,52 @@ class Worker:
         )
         return self._launch(tensor, out, src, sum(counts[: self.rank]), out.reshape(-1), first, 1, priority)
 
-    def _begin(self, tensor: Tensor, out: np.ndarray) -> tuple[Handle, int]:
-        """A handle for the tensor's next round, and that round (numbered here, in call order). The handle counts
-        one part for the declaration, and the partitions once they are known."""
+    def update_async(
+        self,
+        array: np.ndarray | None,
+        name: str,
+        out: np.ndarray,
+        args: dict,
+        kind: int = update.GRAD,
+        hyper: list[float] | None = None,
+        which: int = 0,
+        priority: int = 0,
+        members: list[int] | None = None,
+    ) -> Handle:
+        """Parameter-server mode (docs/ps-mode.md): tensor `name`'s servers hold its parameters and the state of the
+        optimizer `args` (protocol/update.py). `kind` GRAD: push the gradients `array`; the new parameters land in
+        `out` once every member's are in (or, asynchronous, once this worker is within the staleness bound). INIT
+        (every member, once): the first member's parameters `array` are installed and land in `out` on every member.
+        READ: tensor `which` of the servers' state lands in `out` (`array` None). WRITE: `array` becomes tensor
+        `which` (-1: the parameters, with the optimizer's state afresh); the parameters land in `out`. Reads and
+        writes go to the servers alone, outside the rounds (any worker, any time between its updates).
+        `hyper`: the algorithm's hyper-parameters for this push, in the order of update.HYPER."""
+        self._check_usable()
+        if out.dtype.name not in update.DTYPES or not out.flags.c_contiguous:
+            raise TensorError(
+                f"worker {self.rank}: a server-side optimizer's tensor {name!r} must be C-contiguous float32 or "
+                f"float64, got {out.dtype}",
+                tensor=name,
+                rank=self.rank,
+            )
+        if array is not None and (array.shape != out.shape or array.dtype != out.dtype):
+            raise TensorError(
+                f"worker {self.rank}: update of {name!r}: input {array.dtype}{list(array.shape)}, parameters "
+                f"{out.dtype}{list(out.shape)}",
+                tensor=name,
+                rank=self.rank,
+            )
+        send = np.ascontiguousarray(array).reshape(-1) if array is not None else out.reshape(-1)[:0]
+        tensor = self.declare(name, out.shape, out.dtype, "optimizer", wait=False, members=members, op_args=args)
+        extra = update.trailer(kind, which, hyper)
+        direct = kind in (update.READ, update.WRITE)
+        return self._launch(
+            tensor, out, send, 0, out.reshape(-1), 0, 1, priority, extra=extra, partial=direct, same_round=direct
+        )
+
+    def _begin(self, tensor: Tensor, out: np.ndarray, same_round: bool = False) -> tuple[Handle, int]:
+        """A handle for the tensor's next round, and that round (numbered here, in call order; `same_round`: the
+        last one again). The handle counts one part for the declaration, and the partitions once they are known."""
         self._check_usable()
         with self._lock:
             if tensor.in_flight is not None:
@@ -635,7 +701,7 @@ class Worker:
                     tensor=tensor.name,
                     rank=self.rank,
                 )
-            tensor.round += 1
+            tensor.round += 0 if same_round else 1
             if self._active == 0 and self.timeline:
                 self.timeline.new_step()  # a step: from no push_pull in flight to one
             self._active += 1
@@ -876,6 +942,7 @@ class Worker:
                 moved_keys = [k for k, s in owner.items() if s == dead or s != self._owner.get(k)]
                 self._owner = owner
             orphans += old.retire(self._resubmit)
+            seeded = self._seed_state(moved_keys)
             for work in orphans:
                 self._resubmit(work, 0)
             pending = {w.key: w.round for w in orphans}
@@ -897,7 +964,7 @@ class Worker:
             "epoch": self.epoch,
             "standby": bool(standby),
             "resent": len(orphans),
-            "seeds": 0,  # counted by _send_seeds, if the scheduler asks for any
+            "seeds": seeded,  # parameters resent for a server-side optimizer; plus _send_seeds's, if any
             "seconds": time.monotonic() - started,
             "lost_at": self._lost_at.pop(dead, None),  # wall clock: when this worker saw the connection die
             "told_at": told_at,  # when the scheduler's REPLACE arrived
@@ -911,6 +978,22 @@ class Worker:
             len(orphans),
             record["seconds"] * 1e3,
         )
+
+    def _seed_state(self, keys: list[int]) -> int:
+        """Resend the parameters this worker holds of every moved key whose servers hold state (parameter-server
+        mode, docs/ps-mode.md), ahead of its resent pushes: the new server starts from them."""
+        with self._lock:
+            stateful = {k for t in self._tensors.values() if t.stateful for k in t.keys}
+        sent = 0
+        for key in keys:
+            saved = (self._saved or {}).get(key)
+            if key in stateful and saved is not None and saved.round >= 0:
+                with self._lock:
+                    server = self._owner[key]
+                seed = Work("", key, saved.round, saved.dtype, saved.data, saved.data, 1, None, seed=True)
+                self._links[server].submit(seed, SEED_PRIORITY)
+                sent += 1
+        return sent
 
     def _send_seeds(self, body: dict) -> None:
         """Resend the sums the scheduler asked for (a round another worker still waits for). A sum already replaced

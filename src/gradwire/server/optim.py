@@ -1,0 +1,397 @@
+"""The optimizer update as a per-key operation: servers that hold parameters and optimizer state (docs/ps-mode.md).
+
+A key declared with `optimizer` keeps its partition of the parameters and of the optimizer state (`Held`, allocated
+when the key is declared). Its rounds run like any key's (ring, rank order, staging, validation, seeds): workers push
+gradients with a trailer of hyper-parameters (protocol/update.py); when every member's push is in, the sum is averaged
+(the same division the workers' DistributedOptimizer does), the optimizer steps the parameters, and every member pulls
+the new parameters. Reads and writes of the state (a checkpoint) answer their sender alone, outside the rounds.
+
+Two implementations of each algorithm. `torch` (what gradwire.torch declares) runs torch.optim's own single-tensor
+step on the partition, so the parameters are bit-identical to every worker stepping the same torch optimizer on the
+averaged gradients (partitioning does not change the bits: torch's optimizers are elementwise). `numpy` (the numpy
+API) follows torch's formulas in float32 or float64; without fused multiply-adds its last bits differ.
+
+Asynchronous mode (staleness > 0): each worker's push is applied when it arrives, scaled by 1/n (so n pushes of
+SGD move the parameters as far as one synchronous step on the average), and answered with the newest parameters; a
+worker whose pushes run more than `staleness` ahead of the slowest member's is answered only once the slowest catches up
+(stale synchronous parallel). The answer may be read while another worker's push updates the parameters (Hogwild-style:
+within one partition, some elements may be one update newer than others).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from gradwire.errors import TensorError
+from gradwire.protocol import dtypes, update
+from gradwire.protocol.frames import SEED
+from gradwire.server import ops
+
+if TYPE_CHECKING:
+    from gradwire.ring import Slot
+    from gradwire.server.engine import Engine, KeyState
+
+log = logging.getLogger("gradwire.server")
+
+
+class NumpyStep:
+    """An optimizer's state for one partition, and its step, in numpy (torch.optim's formulas)."""
+
+    def __init__(self, args: dict, params: np.ndarray) -> None:
+        self.args, self.params = args, params
+        self.algorithm = args["algorithm"]
+        self.names = update.state_names(args)
+        self.count = 0  # updates applied
+        fill = float(args.get("initial_accumulator_value", 0.0))
+        self.tensors = {n: np.full_like(params, fill if n == "sum" else 0.0) for n in self.names}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def step(self, grad: np.ndarray, hyper: np.ndarray) -> None:
+        p, t, f = self.params, self.tensors, self.params.dtype.type
+        h = [float(x) for x in hyper[: len(update.HYPER[self.algorithm])]]
+        self.count += 1
+        if self.algorithm == "sgd":
+            lr, momentum, dampening, wd, nesterov, maximize = h
+            g = -grad if maximize else grad
+            if wd:
+                g = g + f(wd) * p
+            if momentum:
+                buf = t["momentum_buffer"]
+                if self.count == 1:
+                    np.copyto(buf, g)
+                else:
+                    buf *= f(momentum)
+                    buf += f(1 - dampening) * g
+                g = g + f(momentum) * buf if nesterov else buf
+            p -= f(lr) * g
+            return
+        if self.algorithm == "adagrad":
+            lr, lr_decay, wd, eps, maximize = h
+            g = -grad if maximize else grad
+            if wd:
+                g = g + f(wd) * p
+            clr = lr / (1 + (self.count - 1) * lr_decay)
+            t["sum"] += g * g
+            p -= f(clr) * (g / (np.sqrt(t["sum"]) + f(eps)))
+            return
+        lr, beta1, beta2, eps, wd, maximize = h  # adam, adamw
+        g = -grad if maximize else grad
+        if self.algorithm == "adamw":
+            p *= f(1 - lr * wd)
+        elif wd:
+            g = g + f(wd) * p
+        m, v = t["exp_avg"], t["exp_avg_sq"]
+        m += f(1 - beta1) * (g - m)
+        v *= f(beta2)
+        v += f(1 - beta2) * g * g
+        bias1, bias2 = 1 - beta1**self.count, 1 - beta2**self.count
+        if "max_exp_avg_sq" in t:
+            np.maximum(t["max_exp_avg_sq"], v, out=t["max_exp_avg_sq"])
+            v = t["max_exp_avg_sq"]
+        denom = np.sqrt(v) / f(bias2**0.5) + f(eps)
+        p -= f(lr / bias1) * (m / denom)
+
+    def read(self, name: str) -> np.ndarray | None:
+        return self.tensors.get(name)
+
+    def write(self, name: str, data: np.ndarray) -> None:
+        np.copyto(self.tensors[name], data)
+
+    def set_count(self, count: int) -> None:
+        self.count = count
+
+
+class TorchStep:
+    """torch.optim's own optimizer over one partition (the parameters share the key's memory)."""
+
+    CLASSES = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW", "adagrad": "Adagrad"}
+
+    def __init__(self, args: dict, params: np.ndarray) -> None:
+        import torch  # only servers of torch jobs, whose environment has it
+
+        self.torch = torch
+        self.args, self.algorithm = args, args["algorithm"]
+        self.names = update.state_names(args)
+        self.param = torch.nn.Parameter(torch.from_numpy(params), requires_grad=True)
+        kwargs: dict = {"foreach": False}
+        if self.algorithm in ("adam", "adamw"):
+            kwargs["amsgrad"] = bool(args["amsgrad"])
+        if self.algorithm == "adagrad":
+            kwargs["initial_accumulator_value"] = float(args["initial_accumulator_value"])
+        self.optimizer = getattr(torch.optim, self.CLASSES[self.algorithm])([self.param], **kwargs)
+        self.count = 0
+
+    @property
+    def nbytes(self) -> int:
+        state = self.optimizer.state.get(self.param, {})
+        return sum(v.numel() * v.element_size() for v in state.values() if self.torch.is_tensor(v) and v.dim())
+
+    def step(self, grad: np.ndarray, hyper: np.ndarray) -> None:
+        group = self.optimizer.param_groups[0]
+        h = [float(x) for x in hyper[: len(update.HYPER[self.algorithm])]]
+        if self.algorithm == "sgd":
+            group["lr"], group["momentum"], group["dampening"], group["weight_decay"] = h[:4]
+            group["nesterov"], group["maximize"] = bool(h[4]), bool(h[5])
+        elif self.algorithm == "adagrad":
+            group["lr"], group["lr_decay"], group["weight_decay"], group["eps"] = h[:4]
+            group["maximize"] = bool(h[4])
+        else:
+            group["lr"], group["betas"], group["eps"], group["weight_decay"] = h[0], (h[1], h[2]), h[3], h[4]
+            group["maximize"] = bool(h[5])
+        self.param.grad = self.torch.from_numpy(grad)
+        self.optimizer.step()
+        self.param.grad = None
+        self.count += 1
+
+    def read(self, name: str) -> np.ndarray | None:
+        value = self.optimizer.state.get(self.param, {}).get(name)
+        return value.numpy() if self.torch.is_tensor(value) else None
+
+    def write(self, name: str, data: np.ndarray) -> None:
+        self.optimizer.state[self.param][name] = self.torch.from_numpy(np.array(data, copy=True))
+
+    def set_count(self, count: int) -> None:
+        self.count = count
+        if update.HAS_STEP[self.algorithm]:
+            self.optimizer.state[self.param]["step"] = self.torch.tensor(float(count), dtype=self.torch.float32)
+
+
+class Held:
+    """What a key of the optimizer holds: its parameters, the optimizer's state, and the asynchronous bookkeeping."""
+
+    def __init__(self, op: ServerUpdate, count: int, wire: np.dtype, num_workers: int) -> None:
+        self.op = op
+        self.m = count
+        self.params = np.zeros(count, wire)
+        self.scratch = np.empty(count, wire)
+        self.trailer = [np.zeros(update.TRAILER_BYTES // 8), np.zeros(update.TRAILER_BYTES // 8)]  # per round buffer
+        self.installed = False  # parameters arrived (INIT, a seed, or a write)
+        self.round = -1  # the round whose result the parameters are (sync)
+        self.restarts = 0  # times the optimizer state started afresh from seeded parameters (a failover)
+        self.stepper = self._new_stepper()
+        self.workers(num_workers)
+
+    def workers(self, num_workers: int) -> None:
+        """Asynchronous bookkeeping for `num_workers` (afresh after an elastic reset)."""
+        self.pushes = [0] * num_workers  # gradients applied, per worker
+        self.seen = [0] * num_workers  # updates applied when each worker was last answered
+        self.held: dict[int, tuple[int, int]] = {}  # worker -> (round, pull slot) of an answer held back
+        self.staleness_max = 0
+        self.staleness_sum = 0
+
+    def _new_stepper(self) -> NumpyStep | TorchStep:
+        impl = TorchStep if self.op.args["impl"] == "torch" else NumpyStep
+        return impl(self.op.args, self.params)
+
+    def install(self, params: np.ndarray) -> None:
+        """New parameters; the optimizer's state starts afresh (as a new torch optimizer's)."""
+        np.copyto(self.params, params)
+        self.stepper = self._new_stepper()
+        self.installed = True
+
+    def read(self, which: int) -> np.ndarray:
+        """Tensor `which` (protocol/update.py) as a copy: parameters, a state tensor (zeros if absent), the count."""
+        names = self.stepper.names
+        if which == 0:
+            return self.params.copy()
+        if 1 <= which <= len(names):
+            value = self.stepper.read(names[which - 1])
+            return np.zeros_like(self.params) if value is None else np.array(value, self.params.dtype)
+        if which == len(names) + 1:
+            return np.full_like(self.params, self.stepper.count)
+        raise TensorError(f"no tensor {which} in the state of a {self.op.args['algorithm']} key")
+
+    def write(self, which: int, data: np.ndarray) -> None:
+        """Tensor `which` takes `data` (-1: the parameters, with the optimizer's state afresh)."""
+        names = self.stepper.names
+        if which == -1:
+            self.install(data)
+        elif which == 0:
+            np.copyto(self.params, data)
+            self.installed = True
+        elif 1 <= which <= len(names):
+            self.stepper.write(names[which - 1], data)
+        elif which == len(names) + 1:
+            self.stepper.set_count(int(data[0]) if len(data) else 0)
+        else:
+            raise TensorError(f"no tensor {which} in the state of a {self.op.args['algorithm']} key")
+
+    @property
+    def nbytes(self) -> int:
+        return self.params.nbytes + self.stepper.nbytes
+
+
+class ServerUpdate(ops.KeyOp):
+    """Gradients in, an optimizer step on the server, parameters out (see the module's docstring)."""
+
+    name = "optimizer"
+    ordered = True  # the first member's trailer says what the round is; its hyper-parameters are the round's
+    variable = True  # a read carries only its trailer, a seed only the parameters
+    trailer = update.TRAILER_BYTES
+    intercepts = True
+
+    def __init__(self, args: dict) -> None:
+        self.args = update.check_args(args)
+        self.asynchronous = self.args["staleness"] > 0
+
+    def setup(self, state: KeyState, previous: KeyState | None = None) -> None:
+        if state.dtype.name not in update.DTYPES:
+            raise TensorError(f"a server-side optimizer holds float32 or float64 parameters, not {state.dtype.name}")
+        if previous is not None and previous.held is not None:  # an elastic reset keeps parameters and state
+            state.held = previous.held
+            state.held.workers(len(state.pulls[0]))
+        else:
+            count = (state.length - self.trailer) // state.dtype.itemsize
+            state.held = Held(self, count, np.dtype(state.dtype.wire), len(state.pulls[0]))
+        params = state.held.params
+        state.out = [params, params]
+        state.results = [memoryview(params).cast("B")] * 2
+
+    @staticmethod
+    def _trailer(data: np.ndarray) -> np.ndarray:
+        return np.frombuffer(data.view(np.uint8)[-update.TRAILER_BYTES :].tobytes(), np.float64)
+
+    def add(self, state: KeyState, i: int, dtype: dtypes.DType, wire: np.ndarray, first: bool) -> None:
+        held = state.held
+        if len(wire) * dtype.itemsize != state.length:
+            raise TensorError(f"{state.name!r}: a push of {len(wire) * dtype.itemsize} bytes, not {state.length}")
+        t = self._trailer(wire)
+        if first:
+            held.trailer[i][:] = t
+        elif t[0] != held.trailer[i][0]:
+            kinds = f"{held.trailer[i][0]:.0f} and {t[0]:.0f}"
+            raise TensorError(f"{state.name!r}: the workers pushed different kinds of round ({kinds})")
+        acc, data = state.acc[i][: held.m], wire[: held.m]
+        if held.trailer[i][0] == update.GRAD:
+            if first:
+                np.copyto(acc, data)
+            else:
+                dtypes.add_into(dtype, acc, data, state.scratch)
+        elif first:  # INIT: the first member's parameters
+            np.copyto(acc, data)
+
+    def finish(self, state: KeyState, i: int) -> None:
+        held, t = state.held, state.held.trailer[i]
+        acc = state.acc[i][: held.m]
+        if t[0] == update.INIT:
+            held.install(acc)
+        elif t[0] == update.GRAD:
+            if not held.installed:
+                raise TensorError(f"{state.name!r}: gradients pushed before the parameters (an init round)")
+            np.divide(acc, state.need, out=acc)  # the workers' average: the same division, the same bits
+            held.stepper.step(acc, t[2:])
+        else:
+            raise TensorError(f"{state.name!r}: a round of kind {t[0]:.0f}")
+        held.round = state.round[i]
+
+    def seeded(self, state: KeyState, i: int, rnd: int, data: np.ndarray) -> None:
+        """A worker resent the parameters it holds (after a failover): installed if newer than what is here."""
+        held = state.held
+        if len(data) != held.m:
+            raise TensorError(f"{state.name!r}: a seed of {len(data)} elements, not {held.m}")
+        if held.installed and rnd <= held.round:
+            return
+        restarted = held.installed or held.stepper.count > 0 or rnd > 0
+        held.install(data)
+        held.round = rnd
+        if restarted:
+            held.restarts += 1
+            log.warning(
+                "%r (a partition): parameters of round %d installed from a worker; the optimizer state of this "
+                "partition starts afresh (its server died: docs/ps-mode.md)",
+                state.name,
+                rnd,
+            )
+
+    def intercept(self, engine: Engine, state: KeyState, slot: Slot) -> bool:
+        """Reads and writes (answered to their sender alone), and every push of an asynchronous key."""
+        held = state.held
+        wire = slot.data.view(state.dtype.wire)
+        if slot.flags & SEED:
+            if not self.asynchronous:
+                return False
+            if not held.installed:
+                held.install(wire[: held.m])
+            return True
+        if len(wire) * state.dtype.itemsize < update.TRAILER_BYTES:
+            raise TensorError(f"{state.name!r}: a push of {slot.length} bytes has no trailer")
+        t = self._trailer(wire)
+        kind, which = int(t[0]), int(t[1])
+        if kind == update.READ:
+            engine.answer_one(slot, memoryview(held.read(which)).cast("B"))
+            return True
+        if kind == update.WRITE:
+            if len(wire) * state.dtype.itemsize != state.length:
+                raise TensorError(f"{state.name!r}: a write of {slot.length} bytes, not {state.length}")
+            held.write(which, wire[: held.m])
+            engine.answer_one(slot, state.results[0])
+            return True
+        if not self.asynchronous:
+            return False
+        self._push_async(engine, state, slot, wire, kind, t)
+        return True
+
+    def _push_async(
+        self, engine: Engine, state: KeyState, slot: Slot, wire: np.ndarray, kind: int, t: np.ndarray
+    ) -> None:
+        held, w = state.held, slot.sender
+        if not state.everyone >> w & 1:
+            raise TensorError(f"worker {w} is not among the ranks {state.members} of {state.name!r}")
+        if len(wire) * state.dtype.itemsize != state.length:
+            raise TensorError(f"{state.name!r}: a push of {slot.length} bytes, not {state.length}")
+        if kind == update.INIT:
+            if not held.installed:  # the first to arrive wins (every worker is answered with those parameters)
+                held.install(wire[: held.m])
+        elif kind == update.GRAD:
+            if not held.installed:
+                raise TensorError(f"{state.name!r}: gradients pushed before the parameters (an init round)")
+            staleness = held.stepper.count - held.seen[w]
+            held.staleness_max = max(held.staleness_max, staleness)
+            held.staleness_sum += staleness
+            np.divide(wire[: held.m], state.need, out=held.scratch)
+            held.stepper.step(held.scratch, t[2:])
+            held.pushes[w] += 1
+        else:
+            raise TensorError(f"{state.name!r}: a push of kind {kind}")
+        held.held[w] = (slot.round, slot.pull)
+        slowest = min(held.pushes[r] for r in state.members)
+        bound = self.args["staleness"]
+        ready = [r for r in sorted(held.held) if held.pushes[r] - slowest <= bound]
+        if w not in ready:
+            engine.ack(w, slot.key, slot.round)  # its push is in (frees its window); the answer waits
+        for r in ready:
+            rnd, pull = held.held.pop(r)
+            held.seen[r] = held.stepper.count
+            engine.answer_rank(slot.key, rnd, slot.dtype, state.results[0], pull, r)
+
+
+def stats(states: list[KeyState]) -> dict:
+    """The optimizer keys of a server: their count, bytes held, and the staleness seen (asynchronous keys)."""
+    held = [s.held for s in states if s.held is not None]
+    return {
+        "keys": len(held),
+        "bytes": sum(h.nbytes for h in held),
+        "restarts": sum(h.restarts for h in held),
+        "staleness_max": max((h.staleness_max for h in held), default=0),
+        "updates": sum(h.stepper.count for h in held),
+    }
+
+
+def staleness_by_tensor(states: list[KeyState]) -> dict[str, tuple[int, float]]:
+    """Per tensor (over its partitions here): the largest staleness seen and the mean over applied pushes."""
+    out: dict[str, list[int]] = {}
+    for s in states:
+        h = s.held
+        if h is None or not h.op.asynchronous:
+            continue
+        entry = out.setdefault(s.name, [0, 0, 0])
+        entry[0] = max(entry[0], h.staleness_max)
+        entry[1] += h.staleness_sum
+        entry[2] += sum(h.pushes)
+    return {name: (e[0], e[1] / e[2] if e[2] else 0.0) for name, e in out.items()}

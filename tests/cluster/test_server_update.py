@@ -1,0 +1,180 @@
+"""Parameter-server mode on the numpy API (issue 17): servers hold the parameters and optimizer state and apply the
+update; synchronous and bounded-staleness asynchronous; reads, writes, errors, failover. In-process clusters with
+small partitions, so every parameter spans several keys and servers."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import gradwire
+from gradwire.errors import TensorError, TensorMismatch
+from gradwire.protocol import update
+from gradwire.testing import LocalCluster
+
+N = 1000  # elements: several partitions of 1 KiB
+
+
+def _grad(rank, step, n=N):
+    return np.random.default_rng(100 * step + rank).standard_normal(n).astype(np.float32)
+
+
+def _start(rank):
+    return np.random.default_rng(7 + rank).standard_normal(N).astype(np.float32)  # differs by rank
+
+
+def _train(worker, optimizer, steps, **hyper):
+    with gradwire.use_worker(worker):
+        gradwire.set_optimizer(optimizer, **hyper)
+        w = gradwire.init_parameter(f"w.{optimizer}", _start(worker.rank))
+        for step in range(steps):
+            w = gradwire.update(f"w.{optimizer}", _grad(worker.rank, step), out=w)
+        return w
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with LocalCluster(num_workers=3, num_servers=2, partition_bytes=1024) as c:
+        yield c
+
+
+@pytest.mark.parametrize(
+    "optimizer, hyper",
+    [
+        ("sgd", {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-3}),
+        ("adam", {"lr": 1e-2, "weight_decay": 1e-2, "amsgrad": True}),
+        ("adamw", {"lr": 1e-2}),
+        ("adagrad", {"lr": 0.1, "lr_decay": 0.01, "initial_accumulator_value": 0.1}),
+    ],
+)
+def test_server_side_update_follows_torch_optimizer_on_the_averaged_gradient(cluster, optimizer, hyper):
+    torch = pytest.importorskip("torch")
+    results = cluster.run(lambda w: _train(w, optimizer, 8, **hyper))
+    for w in results[1:]:
+        assert np.array_equal(w, results[0])  # one buffer answers every worker: bit-identical everywhere
+    param = torch.nn.Parameter(torch.from_numpy(_start(0)))  # worker 0's start wins
+    kwargs = dict(hyper)
+    cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "adagrad": torch.optim.Adagrad}
+    reference = cls[optimizer]([param], **kwargs)
+    for step in range(8):
+        param.grad = torch.from_numpy(sum(_grad(r, step) for r in range(3)) / np.float32(3))
+        reference.step()
+    # numpy's formulas without torch's fused multiply-adds: the last bits may differ (docs/ps-mode.md)
+    np.testing.assert_allclose(results[0], param.detach().numpy(), rtol=2e-5, atol=2e-6)
+
+
+def test_hyper_parameters_change_at_the_next_update_and_state_reads_back(cluster):
+    def job(worker):
+        with gradwire.use_worker(worker):
+            gradwire.set_optimizer("sgd", lr=0.5, momentum=0.5)
+            w = gradwire.init_parameter("sched", np.ones(N, np.float32))
+            w = gradwire.update("sched", np.ones(N, np.float32), out=w)  # 1 - 0.5
+            gradwire.set_optimizer("sgd", lr=0.0, momentum=0.5)  # a schedule that stops the update
+            w = gradwire.update("sched", np.ones(N, np.float32), out=w)
+            return w.copy(), gradwire.optimizer_state("sched", w)
+
+    for w, state in cluster.run(job):
+        assert np.all(w == 0.5)
+        assert state["count"] == 2 and np.all(state["params"] == 0.5)
+        assert np.all(state["momentum_buffer"] == 1.5)  # 1, then 0.5 * 1 + 1
+
+
+def test_init_takes_worker_zeros_parameters(cluster):
+    def job(worker):
+        with gradwire.use_worker(worker):
+            gradwire.set_optimizer("adam")
+            return gradwire.init_parameter("init", np.full(10, worker.rank + 1.0, np.float64))
+
+    for w in cluster.run(job):
+        assert w.dtype == np.float64 and np.all(w == 1.0)
+
+
+def test_errors_are_clear(cluster):
+    with pytest.raises(ValueError, match="unknown optimizer 'lamb'"):
+        with gradwire.use_worker(cluster.workers[0]):
+            gradwire.set_optimizer("lamb")
+    with pytest.raises(ValueError, match="no hyper-parameter momentum"):
+        with gradwire.use_worker(cluster.workers[0]):
+            gradwire.set_optimizer("adam", momentum=0.9)
+    worker = cluster.workers[0]
+    with pytest.raises(TensorError, match="float32 or float64"):
+        worker.update_async(None, "half", np.zeros(4, np.float16), {"algorithm": "sgd"}, update.READ)
+
+    def disagree(worker):
+        with gradwire.use_worker(worker):
+            gradwire.set_optimizer("sgd" if worker.rank else "adam")
+            try:
+                gradwire.init_parameter("disagree", np.zeros(4, np.float32))
+            except TensorMismatch as e:
+                return str(e)
+            return "no error"
+
+    for message in cluster.run(disagree):
+        assert "declared differently" in message, message
+
+
+def test_asynchronous_a_slow_worker_holds_the_others_within_the_staleness_bound():
+    bound, steps, slow = 2, 12, 2
+    applied = [0, 0, 0]  # pushes each worker has made
+    violations = []
+    lock = threading.Lock()
+
+    def job(worker):
+        with gradwire.use_worker(worker):
+            gradwire.set_optimizer("sgd", lr=0.01, staleness=bound)
+            w = gradwire.init_parameter("async", np.zeros(N, np.float32))
+            for step in range(steps):
+                if worker.rank == slow:
+                    time.sleep(0.03)
+                with lock:
+                    applied[worker.rank] += 1
+                w = gradwire.update("async", _grad(worker.rank, step), out=w)
+                with lock:  # answered: the slowest worker must have pushed at least step + 1 - bound times
+                    if min(applied) < step + 1 - bound:
+                        violations.append((worker.rank, step, list(applied)))
+            return w
+
+    def final(worker):
+        with gradwire.use_worker(worker):
+            return gradwire.optimizer_state("async", np.zeros(N, np.float32))["params"]
+
+    with LocalCluster(num_workers=3, num_servers=2, partition_bytes=1024) as c:
+        c.run(job)
+        stats = [s.status()["optimizer"] for s in c.servers]
+        results = c.run(final)
+    assert not violations, violations
+    assert sum(s["updates"] for s in stats) == 3 * steps * len([k for s in c.servers for e in s._engines for k in e.keys])
+    assert max(s["staleness_max"] for s in stats) <= 2 * bound + 2  # updates between a worker's pull and its push
+    expected = -0.01 * sum(_grad(r, s) for r in range(3) for s in range(steps)) / np.float32(3)
+    # every push applied once, scaled by 1/n: SGD's result is the same sum, in another order
+    np.testing.assert_allclose(results[0], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_server_killed_mid_training_loses_no_parameter():
+    """A dead server's partitions restart on the survivors from the parameters the workers hold (their optimizer
+    state starts afresh, docs/ps-mode.md); the job completes, every worker with the same parameters."""
+    steps = 30
+    killed = threading.Event()
+
+    def job(worker):
+        with gradwire.use_worker(worker):
+            gradwire.set_optimizer("sgd", lr=0.05)
+            w = gradwire.init_parameter("ft", np.zeros(N, np.float32))
+            for step in range(steps):
+                if step == steps // 2 and worker.rank == 0:
+                    c.kill_server(1)  # the others wait for this worker's push meanwhile
+                    killed.set()
+                w = gradwire.update("ft", _grad(worker.rank, step), out=w)
+            return w
+
+    with LocalCluster(num_workers=3, num_servers=3, partition_bytes=1024) as c:
+        results = c.run(job)
+        assert killed.is_set() and c.scheduler.failovers
+        assert all(w.failovers[-1]["seeds"] > 0 for w in c.workers)  # each resent the parameters it held
+        assert sum(s.status()["optimizer"]["restarts"] for s in c.servers if s.rank != 1) > 0
+    for w in results[1:]:
+        assert np.array_equal(w, results[0])
+    # plain SGD has no state to lose: the parameters are what a failure-free run gives, to rounding
+    expected = -0.05 * sum(sum(_grad(r, s) for r in range(3)) / np.float32(3) for s in range(steps))
+    np.testing.assert_allclose(results[0], expected, rtol=1e-4, atol=1e-5)
