@@ -31,6 +31,7 @@ from gradwire.errors import TensorError
 from gradwire.protocol import update
 from gradwire.worker import Handle, Worker
 
+from .gradients import current_worker_or_none
 from .ops import as_numpy
 from .optimizer import parameter_names
 
@@ -290,7 +291,7 @@ def ServerOptimizer(  # noqa: N802 - a factory that returns an instance of the t
     wrapped_cls = type(cls.__name__, (_ServerOptimizer, cls), {})
     wrapped = wrapped_cls.__new__(wrapped_cls)
     wrapped.__dict__.update(template.__dict__)
-    worker = gradwire.current_worker() if gradwire.is_initialized() else None
+    worker = current_worker_or_none()
     wrapped._gradwire_setup(optimizer, names, staleness, backward_passes_per_step, worker)
     return wrapped
 
