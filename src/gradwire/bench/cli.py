@@ -64,6 +64,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--write-docs", default=None, help="with --netem: replace the netem section of this file")
     parser.add_argument(
+        "--ps",
+        action="store_true",
+        help="parameter-server mode: worker memory (25M-parameter MLP, Adam) and digits training, sync and async, "
+        "against DistributedOptimizer",
+    )
+    parser.add_argument("--slow-ms", type=float, default=20.0, help="with --ps: the slow worker's sleep per step")
+    parser.add_argument(
         "--collective",
         default="allreduce",
         choices=["allreduce", "allgather", "broadcast", "reducescatter"],
@@ -81,6 +88,10 @@ def run(args: argparse.Namespace) -> int:
         env["GRADWIRE_PLACEMENT"] = args.placement
     if args.pacing is not None:
         env["GRADWIRE_PACING"] = str(args.pacing)
+    if args.ps:
+        from gradwire.bench.ps import run_ps
+
+        return run_ps(args)
     if args.failover:
         from gradwire.bench.failover import run_failover
 

@@ -194,6 +194,14 @@ class _ServerOptimizer:
             self._finish(p, handle, staged)
         return bufs
 
+    @torch.no_grad()
+    def pull_parameters(self) -> None:
+        """Copy the servers' newest parameters into the model. Asynchronously, a worker holds the parameters of its
+        own last update, which others may have moved on from: call it (after a barrier) before evaluating."""
+        values = self._read_all(0)
+        for p in self._params:
+            p.copy_(values[id(p)])
+
     def state_dict(self) -> dict:
         """The torch optimizer's state_dict, its state gathered from the servers (the format of the same torch
         optimizer's own: a checkpoint loads into either). Not collective: any worker may call it between steps."""

@@ -1,0 +1,118 @@
+"""One worker of `gradwire bench --ps` (started by `gradwire launch`): parameter-server mode against local optimizers.
+
+    python -m gradwire.bench.ps_worker memory --mode server     # a 25M-parameter MLP with Adam; prints peak RSS
+    python -m gradwire.bench.ps_worker digits --mode server --staleness 2 --slow-ms 20
+
+Rank 0 prints one line `PS {json}`; every rank prints `RSS {json}` in the memory task.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+
+import gradwire.torch as gw
+import torch
+
+
+def _optimizer(model: torch.nn.Module, mode: str, name: str, staleness: int, **hyper: float) -> torch.optim.Optimizer:
+    if mode == "server":
+        return gw.ServerOptimizer(model, name, staleness=staleness, **hyper)
+    cls = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}[name]
+    gw.broadcast_parameters(model.state_dict(), root_rank=0)
+    return gw.DistributedOptimizer(cls(model.parameters(), **hyper), named_parameters=model.named_parameters())
+
+
+def memory(args: argparse.Namespace) -> None:
+    """A 25M-parameter MLP (float32) trained a few steps with Adam; every rank reports its peak RSS."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(2048, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 4096), torch.nn.ReLU(),
+        torch.nn.Linear(4096, 10),
+    )  # fmt: skip
+    params = sum(p.numel() for p in model.parameters())
+    optimizer = _optimizer(model, args.mode, "adam", 0, lr=1e-4)
+    x, y = torch.randn(16, 2048), torch.randint(0, 10, (16,))
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    seconds = (time.perf_counter() - start) / args.steps
+    local_state = sum(
+        v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)
+    )
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print("RSS " + json.dumps({"rank": gw.rank(), "peak_rss": peak}), flush=True)
+    if gw.rank() == 0:
+        summary = {"mode": args.mode, "params": params, "step_s": seconds, "optimizer_state_bytes_here": local_state}
+        print("PS " + json.dumps(summary), flush=True)
+
+
+def digits(args: argparse.Namespace) -> None:
+    """The README demo's CNN on scikit-learn's digits, SGD with momentum; test accuracy at the end."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits_data = load_digits()
+    x = torch.tensor(digits_data.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(digits_data.target)
+    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(32, 64, 3, padding=1), torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2), torch.nn.Flatten(), torch.nn.Linear(64 * 4 * 4, 128), torch.nn.ReLU(),
+        torch.nn.Linear(128, 10),
+    )  # fmt: skip
+    rank, size = gw.rank(), gw.size()
+    optimizer = _optimizer(model, args.mode, "sgd", args.staleness, lr=0.05, momentum=0.9)
+    xs, ys = x_train[rank::size], y_train[rank::size]
+    g = torch.Generator().manual_seed(rank)
+    steps = len(xs) // 32
+    start = time.perf_counter()
+    for _ in range(args.epochs):
+        order = torch.randperm(len(xs), generator=g)
+        for i in range(steps):
+            if rank == size - 1 and args.slow_ms:
+                time.sleep(args.slow_ms / 1e3)
+            idx = order[i * 32 : (i + 1) * 32]
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(xs[idx]), ys[idx]).backward()
+            optimizer.step()
+    seconds = time.perf_counter() - start
+    gw.barrier()  # every worker's last push is in
+    if args.mode == "server":
+        optimizer.pull_parameters()  # the newest (a worker of an asynchronous job may hold older ones)
+    with torch.no_grad():
+        accuracy = float((model(x_test).argmax(1) == y_test).float().mean())
+    if rank == 0:
+        summary = {
+            "mode": args.mode,
+            "staleness": args.staleness,
+            "slow_ms": args.slow_ms,
+            "test_accuracy": accuracy,
+            "seconds": seconds,
+            "steps_per_s": steps * args.epochs / seconds,
+        }
+        print("PS " + json.dumps(summary), flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("task", choices=["memory", "digits"])
+    p.add_argument("--mode", choices=["local", "server"], default="server")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=8)
+    p.add_argument("--staleness", type=int, default=0)
+    p.add_argument("--slow-ms", type=float, default=0.0)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    gw.init()
+    (memory if args.task == "memory" else digits)(args)
+    gw.shutdown()
+
+
+if __name__ == "__main__":
+    main()
