@@ -186,25 +186,55 @@ def test_async_keeps_the_staleness_bound_and_trains():
         assert last < 0.7 * first, (rank, first, last)
 
 
-def test_a_server_killed_mid_training_keeps_every_parameter():
-    """Adam, 3 workers, 3 servers; server 1 dies at step 10 of 20. The job completes with the same parameters on
-    every worker; the dead server's partitions went on from the parameters the workers held (their Adam moments
-    restarted: docs/ps-mode.md)."""
+@pytest.mark.parametrize("standby", [0, 1], ids=["onto-survivors", "with-a-standby"])
+def test_a_server_killed_mid_training_changes_no_bit(standby):
+    """Adam, 3 workers, 3 servers; server 1 dies at step 10 of 20. Its keys go on on their replicas, which hold the
+    parameters and Adam's moments: the result is bit-identical to DistributedOptimizer's failure-free run (done
+    first, in the same cluster)."""
     killed = threading.Event()
+    hyper = ALGORITHMS["adam"][1]
 
     def worker(rank):
+        local = _model()
+        reference = gw.DistributedOptimizer(torch.optim.Adam(local.parameters(), **hyper), local.named_parameters())
+        _steps(local, reference, rank, 20)
         model = _model()
-        optimizer = gw.ServerOptimizer(model, "adam", lr=1e-2)
+        optimizer = gw.ServerOptimizer(model, "adam", **hyper)
         for step in range(20):
             if step == 10 and rank == 0:
                 c.kill_server(1)
                 killed.set()
             _steps(model, optimizer, rank, 1, first=step)
-        return _params(model)
+        return _params(local), _params(model), reference.state_dict(), optimizer.state_dict()
 
-    with LocalCluster(num_workers=3, num_servers=3, partition_bytes=1024) as c:
+    with LocalCluster(num_workers=3, num_servers=3, num_standby=standby, partition_bytes=1024) as c:
         results = run(c, worker)
         assert killed.is_set() and [f["server"] for f in c.scheduler.failovers] == [1]
-        assert sum(s.status()["optimizer"]["restarts"] for s in c.servers if s.rank != 1) > 0
+        stats = [s.status()["optimizer"] for s in c.servers + c.standby]
+        assert sum(s["restarts"] for s in stats) == 0  # no partition's state started afresh
+        assert sum(s["replicated"] for s in stats) > 0
+    for local, served, local_state, served_state in results:
+        assert all(torch.equal(a, b) for a, b in zip(local, served, strict=True))
+        _same_state(local_state, served_state)
+
+
+def test_without_a_replica_a_dead_servers_partitions_restart_from_the_workers_parameters():
+    """One server and a standby: nowhere to replicate. The standby starts the dead server's partitions from the
+    parameters the workers hold, with Adam's moments afresh (docs/ps-mode.md): the job completes, every worker with
+    the same parameters, and the restart is counted."""
+
+    def worker(rank):
+        model = _model()
+        optimizer = gw.ServerOptimizer(model, "adam", lr=1e-2)
+        for step in range(12):
+            if step == 6 and rank == 0:
+                c.kill_server(0)
+            _steps(model, optimizer, rank, 1, first=step)
+        return _params(model)
+
+    with LocalCluster(num_workers=3, num_servers=1, num_standby=1, partition_bytes=1024) as c:
+        results = run(c, worker)
+        assert [f["to"] for f in c.scheduler.failovers] == ["standby"]
+        assert sum(s.status()["optimizer"]["restarts"] for s in c.servers + c.standby) > 0
     for params in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0], params, strict=True))

@@ -45,6 +45,9 @@ class FrameType(enum.IntEnum):
 # PUSHPULL flag: the payload is a sum the worker already received (resent to a key's new server after a failover;
 # transport/shm.py's SHM_PAYLOAD is 0x01)
 SEED = 0x02
+# PUSHPULL flag: server -> server, an update a key's primary applied, for the replica to apply alike (the header's
+# status numbers it; the replica's ACK echoes the number). Parameter-server mode, server/replica.py.
+REPLICA = 0x04
 
 DATA_TYPES = frozenset({FrameType.PUSHPULL, FrameType.RESULT})
 

@@ -42,6 +42,7 @@ class Declaration:
     meta: str | None = None  # anything else the workers must agree on (a broadcast's root)
     members: list[int] | None = None  # the ranks that take part (a process set); None: every worker
     op_args: str | None = None  # the operation's declared arguments (canonical JSON: a server-side optimizer's)
+    replicas: list[int | None] | None = None  # per key, the server holding a replica of its state (server/replica.py)
     ready: threading.Event = field(default_factory=threading.Event)  # set once every owning server knows its keys
     error: str | None = None
 
@@ -110,8 +111,10 @@ class Declarations:
         send: Callable[[int, dict], None],
         weights: Sequence[float] | None = None,
         num_workers: int = 0,
+        address_of: Callable[[int], dict] | None = None,
     ) -> None:
         self.config = config
+        self.address_of = address_of  # how a server reaches another (for replicas); None: no replicas
         self.num_workers = num_workers  # whose slices a declaration may give
         self.slot_bytes = min(slot_bytes)
         self.placement = Placement(len(slot_bytes), weights)
@@ -202,6 +205,8 @@ class Declarations:
             else:
                 decl.key_op, decl.slices, decl.meta, decl.members = key_op, slices, meta, members
                 decl.op_args = op_args
+                if op_args is not None and json.loads(op_args).get("staleness") == 0 and self.address_of is not None:
+                    decl.replicas = [self._replica_of(s) for s in decl.servers]
         if decl is None:
             for c in calls:
                 c.answer({"error": error, "abort": False})
@@ -303,6 +308,34 @@ class Declarations:
             self._register_keys(name, self.tensors[name], only={s for s in servers if s != dead})
         return moved
 
+    def _replica_of(self, server: int) -> int | None:
+        """The live server after `server` in rank order (cyclically): where its stateful keys are replicated."""
+        live = [s for s in range(len(self.placement.loads)) if s not in self.placement.dead]
+        after = [s for s in live if s > server] + [s for s in live if s < server]
+        return after[0] if after else None
+
+    def move_to_replicas(self, dead: int) -> dict[str, list[int]]:
+        """Move every replicated key of server `dead` to its replica, which holds its state (and register it there, as
+        its primary now); keys replicated on `dead` lose their replica. Returns {tensor: its servers now}."""
+        moved: dict[str, list[int]] = {}
+        with self._lock:
+            for name, decl in self.tensors.items():
+                if decl.replicas is None:
+                    continue
+                servers, replicas = list(decl.servers), list(decl.replicas)
+                for j, (primary, copy) in enumerate(zip(servers, replicas, strict=True)):
+                    if primary == dead and copy is not None and copy not in self.placement.dead and copy != dead:
+                        servers[j], replicas[j] = copy, None
+                    elif copy == dead:
+                        replicas[j] = None
+                if servers != decl.servers:
+                    moved[name] = servers
+                decl.servers, decl.replicas = servers, replicas
+        for name, servers in moved.items():
+            decl = self.tensors[name]
+            self._register_keys(name, decl, only={s for s in servers if s != dead})
+        return moved
+
     def register_all(self, server: int) -> None:
         """Register every key of `server` with it again (a standby that took a dead server's place)."""
         with self._lock:
@@ -315,17 +348,31 @@ class Declarations:
         wire = dtypes.BY_NAME[decl.dtype]
         cuts = _key_slices(decl.sizes, decl.slices, wire.itemsize) if decl.slices is not None else None
         waits = []
+        bodies = []
+        replicas = decl.replicas or [None] * len(decl.keys)
+        for server in sorted({r for r in replicas if r is not None} if only is None else set()):
+            held = [
+                [k, wire.code, n] for k, n, r in zip(decl.keys, decl.sizes, replicas, strict=True) if r == server
+            ]  # keys whose state this server replicates: declared as any key, fed by their primaries
+            bodies.append((server, {"op": messages.KEYS, "keys": held, "name": name, "key_op": decl.key_op}))
         for server in sorted(set(decl.servers) if only is None else only):
             owned = [
                 [k, wire.code, n] for k, n, s in zip(decl.keys, decl.sizes, decl.servers, strict=True) if s == server
             ]
             body = {"op": messages.KEYS, "keys": owned, "name": name, "key_op": decl.key_op}
+            pairs = zip(decl.keys, decl.servers, replicas, strict=True)
+            targets = {str(k): r for k, s, r in pairs if s == server and r is not None}
+            if targets and self.address_of is not None:
+                body["replicas"] = targets
+                body["addresses"] = {str(r): self.address_of(r) for r in set(targets.values())}
+            bodies.append((server, body))
+        for server, body in bodies:
             if decl.members is not None:
                 body["members"] = decl.members
             if decl.op_args is not None:
                 body["op_args"] = json.loads(decl.op_args)
             if cuts is not None:
-                body["slices"] = {str(k): cuts[decl.keys.index(k)] for k, _, _ in owned}
+                body["slices"] = {str(k): cuts[decl.keys.index(k)] for k, _, _ in body["keys"]}
             rid = next(self._ids)
             event = self._acks[rid] = threading.Event()
             self._send(server, body | {"id": rid})

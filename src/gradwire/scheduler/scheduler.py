@@ -321,6 +321,7 @@ class Scheduler:
             lambda rank, body: self._servers[rank].conn.send_json(FrameType.CONTROL, body),
             weights,
             num_workers=len(self._workers),
+            address_of=lambda rank: _server_entry(self._servers[rank]),
         )
         book = self._address_book()
         for node in self._nodes if to is None else to:
@@ -651,13 +652,14 @@ class Scheduler:
         assert self.declarations is not None
         log.warning("lost server %d at %s (%s): failing over in epoch %d", dead.rank, dead.host, why, epoch)
         try:
+            # keys whose optimizer state the dead server held go to their replica, which has it (server/replica.py)
+            moved = self.declarations.move_to_replicas(dead.rank)
             if standby is not None:
                 standby.conn.send_json(FrameType.CONTROL, {"op": messages.PROMOTE, "rank": dead.rank, "epoch": epoch})
                 self.declarations.register_all(dead.rank)
-                moved: dict[str, list[int]] = {}
                 address: dict | None = _server_entry(standby)
             else:
-                moved = self.declarations.evict(dead.rank)
+                moved |= self.declarations.evict(dead.rank)
                 address = None
         except (GradwireError, ValueError) as e:
             with self._lock:

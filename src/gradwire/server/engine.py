@@ -143,6 +143,9 @@ Reply = Callable[[int, int, int, "memoryview | list[memoryview]", list[int], int
 Fail = Callable[[Slot, str], None]
 # ack(rank, key, round) -> None: tell one worker its contribution is in
 Ack = Callable[[int, int, int], None]
+# forward(replica server, key, round, dtype code, payload parts, done) -> None: replicate an applied update; done()
+# once the replica has it
+Forward = Callable[[int, int, int, int, list, Callable[[], None]], None]
 
 
 class Engine:
@@ -158,8 +161,10 @@ class Engine:
         ack: Ack,
         clock: Callable[[], float] = time.monotonic,
         deterministic: bool = True,
+        forward: Forward | None = None,
     ) -> None:
         self.index = index
+        self.forward = forward  # to a key's replica server (server/replica.py); None: no replicas
         self.deterministic = deterministic
         self.clock = clock
         self._ack = ack
@@ -342,11 +347,15 @@ class Engine:
             state.op.finish(state, i)
             if state.narrow:
                 dtypes.narrow(dtype, state.acc[i], state.out[i])
-            self._answer(state, slot.key, slot.round, slot.dtype, i, state.everyone)
+            state.op.answer(self, state, slot.key, slot.round, slot.dtype, i, state.everyone)
 
     def _answer(self, state: KeyState, key: int, rnd: int, code: int, i: int, ranks: int) -> None:
         """Send the result of round buffer `i` to `ranks`: all of it, or each rank its slice."""
         self._reply(key, rnd, code, state.results[i], state.pulls[i], ranks)
+
+    def reply(self, key: int, rnd: int, code: int, payload: memoryview, pulls: list[int], ranks: int) -> None:
+        """Send `payload` to `ranks` (from any thread: the repliers' queues are thread-safe)."""
+        self._reply(key, rnd, code, payload, pulls, ranks)
 
     def _drain(self, state: KeyState, i: int, dtype: dtypes.DType) -> None:
         """After rank `turn` was added: add the early contributions that are now next in rank order."""

@@ -62,6 +62,10 @@ class KeyOp:
         """Handle a push outside the rounds (True), or let the engine run it (False). Only with `intercepts`."""
         return False
 
+    def answer(self, engine: Engine, state: KeyState, key: int, rnd: int, code: int, i: int, ranks: int) -> None:
+        """Send round buffer `i`'s result to `ranks` (an operation may first replicate what it did)."""
+        engine._answer(state, key, rnd, code, i, ranks)
+
 
 class Reduce(KeyOp):
     """An elementwise reduction by a numpy ufunc."""

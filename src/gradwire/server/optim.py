@@ -27,8 +27,9 @@ import numpy as np
 
 from gradwire.errors import TensorError
 from gradwire.protocol import dtypes, update
-from gradwire.protocol.frames import SEED
-from gradwire.server import ops
+from gradwire.protocol.frames import REPLICA, SEED
+from gradwire.server import ops, replica
+from gradwire.transport.shm import NO_SLOT
 
 if TYPE_CHECKING:
     from gradwire.ring import Slot
@@ -174,6 +175,8 @@ class Held:
         self.installed = False  # parameters arrived (INIT, a seed, or a write)
         self.round = -1  # the round whose result the parameters are (sync)
         self.restarts = 0  # times the optimizer state started afresh from seeded parameters (a failover)
+        self.replica: int | None = None  # the server that replicates this key (server/replica.py)
+        self.replicated = 0  # updates applied here as a replica
         self.stepper = self._new_stepper()
         self.workers(num_workers)
 
@@ -246,6 +249,7 @@ class ServerUpdate(ops.KeyOp):
         if previous is not None and previous.held is not None:  # an elastic reset keeps parameters and state
             state.held = previous.held
             state.held.workers(len(state.pulls[0]))
+            state.held.round = -1  # the workers number their rounds afresh
         else:
             count = (state.length - self.trailer) // state.dtype.itemsize
             state.held = Held(self, count, np.dtype(state.dtype.wire), len(state.pulls[0]))
@@ -279,6 +283,8 @@ class ServerUpdate(ops.KeyOp):
     def finish(self, state: KeyState, i: int) -> None:
         held, t = state.held, state.held.trailer[i]
         acc = state.acc[i][: held.m]
+        if state.round[i] <= held.round:  # a replica that took its primary's place, answering a round it has
+            return
         if t[0] == update.INIT:
             held.install(acc)
         elif t[0] == update.GRAD:
@@ -309,10 +315,42 @@ class ServerUpdate(ops.KeyOp):
                 rnd,
             )
 
+    def answer(self, engine: Engine, state: KeyState, key: int, rnd: int, code: int, i: int, ranks: int) -> None:
+        """Answer a round once its replica has it (if the key has one): what was applied goes there first."""
+        held = state.held
+        if held.replica is None or engine.forward is None:
+            engine._answer(state, key, rnd, code, i, ranks)
+            return
+        payload, pulls = state.results[i], list(state.pulls[i])
+        parts = [memoryview(state.acc[i][: held.m]).cast("B"), memoryview(held.trailer[i]).cast("B")]
+        engine.forward(held.replica, key, rnd, code, parts, lambda: engine.reply(key, rnd, code, payload, pulls, ranks))
+
+    def _apply_replica(self, state: KeyState, slot: Slot, wire: np.ndarray) -> None:
+        """The replica's side: apply what the key's primary applied, then acknowledge it."""
+        held = state.held
+        if len(wire) * state.dtype.itemsize != state.length:
+            raise TensorError(f"{state.name!r}: a replicated update of {slot.length} bytes, not {state.length}")
+        t = self._trailer(wire)
+        kind, which = int(t[0]), int(t[1])
+        if kind == update.GRAD:
+            held.stepper.step(wire[: held.m], t[2:])
+            held.round = slot.round
+        elif kind == update.INIT:
+            held.install(wire[: held.m])
+            held.round = slot.round
+        elif kind == update.WRITE:
+            held.write(which, wire[: held.m])
+        held.replicated += 1
+        replica.acknowledge(slot.conn, slot.key, slot.round, slot.pull)
+
     def intercept(self, engine: Engine, state: KeyState, slot: Slot) -> bool:
-        """Reads and writes (answered to their sender alone), and every push of an asynchronous key."""
+        """Reads and writes (answered to their sender alone), replicated updates, and every push of an asynchronous
+        key."""
         held = state.held
         wire = slot.data.view(state.dtype.wire)
+        if slot.flags & REPLICA:
+            self._apply_replica(state, slot, wire)
+            return True
         if slot.flags & SEED:
             if not self.asynchronous:
                 return False
@@ -330,7 +368,16 @@ class ServerUpdate(ops.KeyOp):
             if len(wire) * state.dtype.itemsize != state.length:
                 raise TensorError(f"{state.name!r}: a write of {slot.length} bytes, not {state.length}")
             held.write(which, wire[: held.m])
-            engine.answer_one(slot, state.results[0])
+            if held.replica is None or engine.forward is None:
+                engine.answer_one(slot, state.results[0])
+                return True
+            parts = [memoryview(wire.copy()).cast("B")]  # the ring slot is reused once this returns
+            pulls = [NO_SLOT] * len(state.pulls[0])
+            pulls[slot.sender] = slot.pull
+            payload, sender, key, rnd, code = state.results[0], slot.sender, slot.key, slot.round, slot.dtype
+            engine.forward(
+                held.replica, key, rnd, code, parts, lambda: engine.reply(key, rnd, code, payload, pulls, 1 << sender)
+            )
             return True
         if not self.asynchronous:
             return False
@@ -378,6 +425,7 @@ def stats(states: list[KeyState]) -> dict:
         "keys": len(held),
         "bytes": sum(h.nbytes for h in held),
         "restarts": sum(h.restarts for h in held),
+        "replicated": sum(h.replicated for h in held),  # updates applied here as a replica
         "staleness_max": max((h.staleness_max for h in held), default=0),
         "updates": sum(h.stepper.count for h in held),
     }

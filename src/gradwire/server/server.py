@@ -19,11 +19,12 @@ from gradwire.admin.node import NodeAdmin
 from gradwire.config import Config
 from gradwire.errors import GradwireError, RemoteProtocolError, TensorError
 from gradwire.protocol import dtypes, frames, messages
-from gradwire.protocol.frames import SEED, FrameType
+from gradwire.protocol.frames import REPLICA, SEED, FrameType
 from gradwire.ring import Ring, RingClosed, Slot
 from gradwire.scheduler.client import join
 from gradwire.server import ops, optim
 from gradwire.server.engine import Engine
+from gradwire.server.replica import Replicas
 from gradwire.throttle import HandshakeGate
 from gradwire.transport import shm, tcp
 
@@ -67,6 +68,13 @@ class WorkerLink:
                 self.metrics.pulled(len(payload))
 
 
+class ReplicaPeer:
+    """A connection from another server, which forwards the updates of keys this server replicates."""
+
+    def __init__(self, conn: tcp.Connection) -> None:
+        self.conn = conn
+
+
 class Server:
     """One summation server. `start()` registers with the scheduler and returns once serving."""
 
@@ -81,6 +89,7 @@ class Server:
         self.port = self._listener.getsockname()[1]
         self._unix_listener, self.unix_name = tcp.listen_unix()
         self._links: dict[int, WorkerLink] = {}
+        self._replicas: Replicas | None = None  # forwards to the servers replicating this one's keys
         self._scratch = bytearray(1 << 16)  # where refused payloads are read and dropped
         self._gate = HandshakeGate(config.max_pending_handshakes, log)
         self._links_lock = threading.Lock()
@@ -115,6 +124,7 @@ class Server:
         )
         self.rank, self.epoch, self.num_workers = book["rank"], book["epoch"], book["num_workers"]
         self.standby = bool(book.get("standby"))
+        self._replicas = Replicas(self.rank, self._secret, self.config.partition_bytes, self.config.timeout)
         for i in range(self.config.engines):
             ring = Ring(self.config.ring_slots, self.config.partition_bytes)
             self._engines.append(
@@ -126,6 +136,7 @@ class Server:
                     self._fail,
                     self._queue_ack,
                     deterministic=self.config.deterministic,
+                    forward=self._replicas.forward,
                 )
             )
         self._everyone = (1 << self.num_workers) - 1
@@ -193,6 +204,8 @@ class Server:
         self._unix_listener.close()
         for engine in self._engines:
             engine.ring.close()
+        if self._replicas is not None:
+            self._replicas.close()
         for link in list(self._links.values()):
             link.replies.put(None)
             link.conn.close()
@@ -245,6 +258,9 @@ class Server:
         link = self._authenticate(conn)
         if link is None:
             return
+        if isinstance(link, ReplicaPeer):  # a server whose keys this one replicates
+            self._serve_replica(link.conn)
+            return
         # from here a frame, once begun, must arrive whole within the frame timeout; idle between frames is fine
         sock.settimeout(self.config.frame_timeout)
         threading.Thread(
@@ -263,7 +279,41 @@ class Server:
             if self._links.get(conn.peer_rank) is link:
                 del self._links[conn.peer_rank]
 
-    def _authenticate(self, conn: tcp.Connection) -> WorkerLink | None:
+    def _serve_replica(self, conn: tcp.Connection) -> None:
+        """Read the updates a primary server forwards (its keys' replicas are here) into the rings, as worker pushes
+        are; the engines apply them and acknowledge (server/replica.py)."""
+        conn.sock.settimeout(self.config.frame_timeout)
+        try:
+            while True:
+                header = conn.recv_header(idle_ok=True)
+                if header.type == FrameType.BYE:
+                    return
+                if header.type != FrameType.PUSHPULL or not header.flags & REPLICA:
+                    raise RemoteProtocolError(f"unexpected {header.type.name} frame from server {conn.peer_rank}")
+                engine = self._engines[header.key % len(self._engines)]
+                problem = engine.check(header.key, header.dtype, header.length)
+                if problem is not None:
+                    raise RemoteProtocolError(f"replicated update: {problem}")
+                ring = engine.ring
+                seq = ring.claim()
+                slot = ring.slot(seq)
+                slot.valid = slot.landed = False
+                try:
+                    into = slot.array[: header.length]
+                    conn.recv_into(memoryview(into))
+                    slot.data, slot.valid = into, True
+                finally:
+                    slot.conn, slot.key, slot.round, slot.dtype = conn, header.key, header.round, header.dtype
+                    slot.length, slot.sender, slot.flags = header.length, 0, header.flags
+                    slot.pull = header.status  # the update's number, which the acknowledgement echoes
+                    ring.publish(seq)
+        except (GradwireError, RingClosed) as e:
+            if not self._done.is_set():
+                log.warning("closing the replica connection from server %d: %s", conn.peer_rank, e)
+        finally:
+            conn.close()
+
+    def _authenticate(self, conn: tcp.Connection) -> WorkerLink | ReplicaPeer | None:
         """The handshake, within the handshake timeout and the cap on pending handshakes; None if refused."""
         if not self._gate.enter(conn):
             return None
@@ -272,6 +322,8 @@ class Server:
             conn.handshake(self._secret, "server", self.rank, initiator=False)
             if self.standby:
                 raise RemoteProtocolError("a standby server takes connections once it replaces a dead server")
+            if conn.peer_role == "server":
+                return ReplicaPeer(conn)
             if conn.peer_role != "worker" or not 0 <= conn.peer_rank < self.num_workers:
                 raise RemoteProtocolError(f"only workers 0..{self.num_workers - 1} may connect")
             with self._links_lock:
@@ -295,8 +347,8 @@ class Server:
             if header.type == FrameType.SHM_ATTACH:
                 self._attach(link, frames.decode_json(conn.recv_body(header)))
                 continue
-            if header.type != FrameType.PUSHPULL:
-                raise RemoteProtocolError(f"unexpected {header.type.name} frame")
+            if header.type != FrameType.PUSHPULL or header.flags & REPLICA:
+                raise RemoteProtocolError(f"unexpected {header.type.name} frame (flags {header.flags:#x})")
             if header.sender != conn.peer_rank or header.epoch != self.epoch:
                 raise RemoteProtocolError(
                     f"frame claims sender {header.sender} epoch {header.epoch}; connection is worker "
@@ -397,6 +449,7 @@ class Server:
         except TensorError as e:
             raise RemoteProtocolError(str(e)) from None
         slices = body.get("slices") or {}
+        replicas = body.get("replicas") or {}
         members = body.get("members")
         if members is not None:
             members = sorted({int(r) for r in members})
@@ -414,6 +467,11 @@ class Server:
                     raise RemoteProtocolError(f"scheduler declared key {int(key):016x} with slices {cut}")
             engine = self._engines[int(key) % len(self._engines)]
             engine.declare(int(key), dtype, int(length), name, op, cut, members)
+            target = replicas.get(str(key))
+            if target is not None and self._replicas is not None:  # its updates are replicated there
+                address = body["addresses"][str(target)]
+                if self._replicas.ensure(int(target), address):
+                    engine.keys[int(key)].held.replica = int(target)
         assert self._scheduler is not None
         self._scheduler.send_json(FrameType.CONTROL, {"op": messages.REPLY, "id": body["id"]})
 
@@ -486,6 +544,8 @@ class Server:
                     self._reset(body)
                 elif op == messages.PROMOTE:  # a standby takes a dead server's place
                     self.rank, self.epoch, self.standby = int(body["rank"]), int(body["epoch"]), False
+                    if self._replicas is not None:
+                        self._replicas.rank = self.rank
                     log.warning("standby promoted: now server %d (epoch %d)", self.rank, self.epoch)
         except GradwireError as e:
             if not self._done.is_set():

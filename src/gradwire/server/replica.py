@@ -1,0 +1,148 @@
+"""Replicas of server-held optimizer state (parameter-server mode, docs/ps-mode.md).
+
+Each key of a synchronous server-side optimizer has a replica on another server (the next live one). When its primary
+finishes a round, it forwards what it applied (the averaged gradient and the round's hyper-parameters, or installed
+parameters, or a write) to the replica, which applies the same update to its own copy: torch's and numpy's steps are
+deterministic, so the two copies stay bit-identical. The primary answers the workers only once the replica has
+acknowledged, so every round a worker has seen is in the replica. When the primary dies its keys move to their
+replica (scheduler), which answers rounds it has already applied without applying them again.
+
+Costs: each server also holds its replicas' parameters and state, applies each update twice over the pool, and
+sends each round's averaged gradient once more (1/n of what it sends the workers); a round's answer waits one
+server-to-server round trip.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import Callable
+
+from gradwire.errors import GradwireError
+from gradwire.protocol import frames
+from gradwire.protocol.frames import REPLICA, FrameType
+from gradwire.transport import tcp
+
+log = logging.getLogger("gradwire.server")
+
+
+class _Link:
+    """The primary's connection to one replica server: a sender thread (engines never block on it) and a reader
+    of acknowledgements."""
+
+    def __init__(self, conn: tcp.Connection, rank: int) -> None:
+        self.conn, self.rank = conn, rank
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.pending: dict[int, Callable[[], None]] = {}
+        self.lock = threading.Lock()
+        self.dead = False
+
+    def flush(self, why: BaseException) -> None:
+        """The replica is gone: answer everything waiting for it, and forward nothing more."""
+        with self.lock:
+            if not self.dead:
+                log.warning("replica server %d lost (%s): its keys go on without a replica", self.rank, why)
+            self.dead = True
+            waiting, self.pending = list(self.pending.values()), {}
+        for done in waiting:
+            done()
+        self.conn.close()
+
+
+class Replicas:
+    """A primary server's forwards to the servers that replicate its keys. Thread-safe."""
+
+    def __init__(self, rank: int, secret: bytes, max_payload: int, timeout: float) -> None:
+        self.rank, self._secret, self._max_payload, self._timeout = rank, secret, max_payload, timeout
+        self._links: dict[int, _Link] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self.forwarded = 0
+
+    def ensure(self, rank: int, address: dict) -> bool:
+        """Connect to replica server `rank` (once); False if it cannot be reached (its keys then go unreplicated)."""
+        with self._lock:
+            link = self._links.get(rank)
+            if link is not None and not link.dead:
+                return True
+            try:
+                conn = tcp.connect(
+                    (address["host"], int(address["port"])),
+                    secret=self._secret,
+                    role="server",
+                    rank=self.rank,
+                    max_payload=self._max_payload,
+                    timeout=self._timeout,
+                )
+            except (GradwireError, OSError) as e:
+                log.warning("server %d cannot reach replica server %d at %s: %s", self.rank, rank, address, e)
+                return False
+            link = self._links[rank] = _Link(conn, rank)
+        threading.Thread(target=self._send_loop, args=(link,), name=f"gw-replica-send-{rank}", daemon=True).start()
+        threading.Thread(target=self._recv_loop, args=(link,), name=f"gw-replica-recv-{rank}", daemon=True).start()
+        return True
+
+    def forward(self, rank: int, key: int, rnd: int, code: int, parts: list, done: Callable[[], None]) -> None:
+        """Send an applied update of `key` to replica server `rank`; `done()` once it is in there (or at once, if
+        that replica is gone). `parts` must stay unchanged until then."""
+        link = self._links.get(rank)
+        if link is None or link.dead:
+            done()
+            return
+        seq = next(self._ids) & 0xFFFFFFFF
+        with link.lock:
+            if link.dead:
+                seq = -1
+            else:
+                link.pending[seq] = done
+        if seq < 0:
+            done()
+            return
+        length = sum(len(p) for p in parts)
+        header = frames.encode_header(
+            FrameType.PUSHPULL, length, flags=REPLICA, dtype=code, sender=self.rank, key=key, round=rnd, status=seq
+        )
+        link.queue.put([header, *parts])
+        self.forwarded += 1
+
+    def _send_loop(self, link: _Link) -> None:
+        while (parts := link.queue.get()) is not None:
+            try:
+                link.conn.send(parts)
+            except GradwireError as e:
+                link.flush(e)
+                return
+
+    def _recv_loop(self, link: _Link) -> None:
+        try:
+            while True:
+                header = link.conn.recv_header(idle_ok=True)
+                if header.type != FrameType.ACK:
+                    if header.type == FrameType.ERROR:
+                        body = frames.decode_json(link.conn.recv_body(header))
+                        raise GradwireError(f"replica refused an update: {body.get('message')}")
+                    raise GradwireError(f"unexpected {header.type.name} frame from replica server {link.rank}")
+                with link.lock:
+                    done = link.pending.pop(header.status, None)
+                if done is not None:
+                    done()
+        except GradwireError as e:
+            link.flush(e)
+
+    def close(self) -> None:
+        with self._lock:
+            links = list(self._links.values())
+        for link in links:
+            link.queue.put(None)
+            link.flush(GradwireError("server stopping"))
+
+
+def acknowledge(conn: object, key: int, rnd: int, seq: int) -> None:
+    """The replica's side: tell the primary its update `seq` is applied."""
+    if isinstance(conn, tcp.Connection):
+        try:
+            conn.send([frames.encode_header(FrameType.ACK, 0, key=key, round=rnd, status=seq)])
+        except GradwireError:
+            pass  # the primary is gone; its keys come here by failover
