@@ -29,6 +29,7 @@ def _run(
     timeout: float = 120,
     script: str = SCRIPT,
     options: tuple[str, ...] = (),
+    extra_env: dict[str, str] | None = None,
 ) -> dict:
     """Launch the job; when worker 0 prints KILL, SIGKILL the named process (`server 1`, `scheduler`)."""
     cmd = [sys.executable, "-m", "gradwire", "launch", "-n", str(WORKERS), "-s", str(SERVERS), *options]
@@ -39,7 +40,7 @@ def _run(
         "KILL_WAIT": "1" if wait else "0",
         "GRADWIRE_PARTITION_BYTES": "16384",  # ~20 partitions, on every server
         "GRADWIRE_HEARTBEAT_TIMEOUT": "10",
-    }
+    } | (extra_env or {})
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
@@ -116,6 +117,18 @@ def test_a_sigkilled_server_leaves_the_parameters_bit_identical(reference, kill_
     assert run["digests"] == {f"worker {r}": reference for r in range(WORKERS)}, out
     for r in range(WORKERS):  # every worker went through the failover (the kill did not land after training)
         assert run["failovers"][f"worker {r}"].startswith(f"[(1, {bool(standby)},"), out
+
+
+@pytest.mark.parametrize("standby", [0, 1], ids=["onto-survivors", "with-a-standby"])
+def test_a_sigkilled_server_in_parameter_server_mode_loses_nothing(reference, standby):
+    """ServerOptimizer (SGD with momentum: the momentum lives on the servers only): server 1 is SIGKILLed mid-run;
+    its keys go on on their replicas, and the parameters are bit-identical to DistributedOptimizer's failure-free
+    run (the synchronous server-side step is)."""
+    run = _run("server 1", 12, False, standby, extra_env={"OPTIMIZER": "server"})
+    out = run["output"]
+    assert run["code"] == 0, out
+    assert "server 1 was killed by SIGKILL" in out
+    assert run["digests"] == {f"worker {r}": reference for r in range(WORKERS)}, out
 
 
 def test_a_sigkilled_scheduler_stops_every_node_with_an_error_naming_it():

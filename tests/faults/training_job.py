@@ -1,5 +1,5 @@
 """Worker script: a small MLP trained for STEPS steps with gradwire's DistributedOptimizer, on each rank's own
-synthetic data; prints the digest of the final parameters and the failovers this worker went through.
+synthetic data (OPTIMIZER=server: ServerOptimizer, the same SGD on the servers); prints the digest of the final parameters and the failovers this worker went through.
 
 KILL_AT=k: worker 0 prints `KILL <role>` at step k (the test then SIGKILLs that process). KILL_WAIT=1: worker 0
 then waits until it has seen the failover before it pushes again (so the others are mid-round when it happens);
@@ -22,10 +22,13 @@ torch.manual_seed(0)
 model = torch.nn.Sequential(
     torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)
 )
-gw.broadcast_parameters(model.state_dict(), root_rank=0)
-opt = gw.DistributedOptimizer(
-    torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), named_parameters=model.named_parameters()
-)
+if os.environ.get("OPTIMIZER") == "server":  # parameter-server mode: parameters and momentum on the servers
+    opt = gw.ServerOptimizer(model, "sgd", lr=0.05, momentum=0.9)
+else:
+    gw.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = gw.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), named_parameters=model.named_parameters()
+    )
 data = torch.Generator().manual_seed(100 + gw.rank())
 kill_at = int(os.environ.get("KILL_AT", "-1"))
 worker = gradwire.current_worker()

@@ -40,9 +40,25 @@ class WorkerLink:
         self.replies: queue.SimpleQueue = queue.SimpleQueue()
         self.arena: shm.Arena | None = None  # shared slots, when the worker is on this host
         self._header = bytearray(frames.HEADER_SIZE)
+        self._users = 2  # the reader and the replier: the shared slots are unmapped when both are done
+        self._users_lock = threading.Lock()
+
+    def release(self) -> None:
+        """The reader or the replier is done; the last one unmaps the shared slots (the other may still use them)."""
+        with self._users_lock:
+            self._users -= 1
+            last = self._users == 0
+        if last and self.arena is not None:
+            self.arena.close()
 
     def reply_loop(self, epoch: int, sender: int) -> None:
         """Send queued sums (and ACKs) until a None arrives or the connection breaks."""
+        try:
+            self._reply_loop(epoch, sender)
+        finally:
+            self.release()
+
+    def _reply_loop(self, epoch: int, sender: int) -> None:
         header = self._header
         while (item := self.replies.get()) is not None:
             key, rnd, dtype, payload, pull = item
@@ -274,8 +290,7 @@ class Server:
         finally:
             link.replies.put(None)
             conn.close()
-            if link.arena is not None:
-                link.arena.close()
+            link.release()
             if self._links.get(conn.peer_rank) is link:
                 del self._links[conn.peer_rank]
 
