@@ -70,6 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "against DistributedOptimizer",
     )
     parser.add_argument("--slow-ms", type=float, default=20.0, help="with --ps: the slow worker's sleep per step")
+    parser.add_argument("--epochs", type=int, default=16, help="with --ps: digits training epochs")
+    parser.add_argument("--async-runs", type=int, default=3, help="with --ps: runs of each asynchronous way")
     parser.add_argument(
         "--collective",
         default="allreduce",

@@ -67,7 +67,7 @@ def digits(args: argparse.Namespace) -> None:
         torch.nn.Linear(128, 10),
     )  # fmt: skip
     rank, size = gw.rank(), gw.size()
-    optimizer = _optimizer(model, args.mode, "sgd", args.staleness, lr=0.05, momentum=0.9)
+    optimizer = _optimizer(model, args.mode, "sgd", args.staleness, lr=0.05, momentum=args.momentum)
     xs, ys = x_train[rank::size], y_train[rank::size]
     g = torch.Generator().manual_seed(rank)
     steps = len(xs) // 32
@@ -92,6 +92,7 @@ def digits(args: argparse.Namespace) -> None:
             "mode": args.mode,
             "staleness": args.staleness,
             "slow_ms": args.slow_ms,
+            "momentum": args.momentum,
             "test_accuracy": accuracy,
             "seconds": seconds,
             "steps_per_s": steps * args.epochs / seconds,
@@ -107,6 +108,7 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--staleness", type=int, default=0)
     p.add_argument("--slow-ms", type=float, default=0.0)
+    p.add_argument("--momentum", type=float, default=0.9)
     args = p.parse_args()
     torch.set_num_threads(1)
     gw.init()

@@ -205,7 +205,7 @@ class Declarations:
             else:
                 decl.key_op, decl.slices, decl.meta, decl.members = key_op, slices, meta, members
                 decl.op_args = op_args
-                if op_args is not None and json.loads(op_args).get("staleness") == 0 and self.address_of is not None:
+                if self._replicated(op_args):
                     decl.replicas = [self._replica_of(s) for s in decl.servers]
         if decl is None:
             for c in calls:
@@ -307,6 +307,12 @@ class Declarations:
         for name, servers in moved.items():
             self._register_keys(name, self.tensors[name], only={s for s in servers if s != dead})
         return moved
+
+    def _replicated(self, op_args: str | None) -> bool:
+        """A server-side optimizer's state is replicated when it is synchronous and the job fails servers over."""
+        if op_args is None or self.address_of is None or not self.config.server_failover:
+            return False
+        return json.loads(op_args).get("staleness") == 0
 
     def _replica_of(self, server: int) -> int | None:
         """The live server after `server` in rank order (cyclically): where its stateful keys are replicated."""
