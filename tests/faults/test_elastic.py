@@ -66,3 +66,21 @@ def test_an_elastic_reset_after_a_server_failover_skips_the_dead_server():
         out = c.run(lambda w: _sum_until_reset(w, 1.0))
         assert [a[0] for a in out] == [2.0, 2.0]
         assert all(link.transport == "lost" for w in c.workers for link in w._links if link.server == 1)
+
+
+def test_the_data_path_settings_are_re_derived_when_the_job_re_forms():
+    """Three workers (each as if on its own 100 Mbit/s host) and two servers: the servers' links together are slower
+    than the workers' (fan-in), so a cap on unanswered partitions. With one worker gone they keep up: the reset
+    re-derives the settings without the cap, and the survivors' new links take them."""
+    with LocalCluster(num_workers=3, num_servers=2, min_workers=2, max_workers=3, link_rate="100mbit") as c:
+        for i, node in enumerate(c.scheduler._workers):  # here they share one host
+            node.host_id = f"host{i}"
+        with c.scheduler._lock:
+            c.scheduler.retune_locked("three hosts")
+        assert c.scheduler.tuning["unanswered"] == 4
+        c.kill_worker(1)
+        c.run(lambda w: _sum_until_reset(w, 1.0))
+        assert c.scheduler.tuning["unanswered"] == 0 and "2 workers" in c.scheduler.tuning["derived_for"]
+        for worker in c.workers:
+            assert worker.tuning["unanswered"] == 0
+            assert all(link.unanswered_cap == 0 for link in worker._links if hasattr(link, "unanswered_cap"))

@@ -199,3 +199,21 @@ def test_horovods_collectives_survive_a_server_killed_mid_job():
             assert np.array_equal(gathered, want_rows) and np.array_equal(broadcast, want_root)
             assert np.array_equal(low, np.arange(1200, dtype=np.int32) - 2 * step)
             assert np.array_equal(high, np.arange(1200, dtype=np.int32) + 2 * step)
+
+
+def test_the_data_path_settings_are_re_derived_after_a_failover():
+    """Two workers and two servers on equal 100 Mbit/s links: the servers keep up, so no cap on unanswered
+    partitions. Once one server is gone, the servers' links together are slower than the workers' (fan-in): the
+    scheduler re-derives the settings, and every worker's links take the cap (gradwire/tuning.py)."""
+    with LocalCluster(num_workers=2, num_servers=2, link_rate="100mbit") as c:
+        for i, node in enumerate(c.scheduler._workers):  # as if each worker had its own host (here they share one)
+            node.host_id = f"host{i}"
+        c.run(lambda w: w.push_pull(np.ones(3000, np.float32), "g"))
+        assert all(w.tuning["unanswered"] == 0 for w in c.workers)
+        c.kill_server(1)
+        sums = c.run(lambda w: [w.push_pull(np.ones(3000, np.float32), "g")[0] for _ in range(3)])
+        assert sums == [[2.0] * 3] * 2
+        assert c.scheduler.tuning["unanswered"] == 4 and "server 1 lost" in c.scheduler.tuning["derived_for"]
+        for worker in c.workers:
+            assert worker.tuning["unanswered"] == 4
+            assert all(link.unanswered_cap == 4 for link in worker._links if hasattr(link, "unanswered_cap"))

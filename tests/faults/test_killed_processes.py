@@ -34,13 +34,17 @@ def _run(
     """Launch the job; when worker 0 prints KILL, SIGKILL the named process (`server 1`, `scheduler`)."""
     cmd = [sys.executable, "-m", "gradwire", "launch", "-n", str(WORKERS), "-s", str(SERVERS), *options]
     cmd += ["--standby-servers", str(standby), "--timeout", "30", "--", sys.executable, script]
-    env = os.environ | {
-        "KILL_AT": str(kill_at),
-        "KILL_ROLE": kill,
-        "KILL_WAIT": "1" if wait else "0",
-        "GRADWIRE_PARTITION_BYTES": "16384",  # ~20 partitions, on every server
-        "GRADWIRE_HEARTBEAT_TIMEOUT": "10",
-    } | (extra_env or {})
+    env = (
+        os.environ
+        | {
+            "KILL_AT": str(kill_at),
+            "KILL_ROLE": kill,
+            "KILL_WAIT": "1" if wait else "0",
+            "GRADWIRE_PARTITION_BYTES": "16384",  # ~20 partitions, on every server
+            "GRADWIRE_HEARTBEAT_TIMEOUT": "10",
+        }
+        | (extra_env or {})
+    )
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )

@@ -1,5 +1,6 @@
 """Worker script: a small MLP trained for STEPS steps with gradwire's DistributedOptimizer, on each rank's own
-synthetic data (OPTIMIZER=server: ServerOptimizer, the same SGD on the servers); prints the digest of the final parameters and the failovers this worker went through.
+synthetic data (OPTIMIZER=server: ServerOptimizer, the same SGD on the servers); prints the digest of the final
+parameters and the failovers this worker went through.
 
 KILL_AT=k: worker 0 prints `KILL <role>` at step k (the test then SIGKILLs that process). KILL_WAIT=1: worker 0
 then waits until it has seen the failover before it pushes again (so the others are mid-round when it happens);

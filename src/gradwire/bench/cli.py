@@ -125,7 +125,8 @@ def _merge(timings: list[Timing]) -> Timing:
     first = timings[0]
     times = [x for t in timings for x in t.times]
     peak = max(t.server_peak_rss for t in timings)
-    return Timing(first.system, first.workers, first.servers, first.bytes, times, peak)
+    worker_cpu, server_cpu = sum(t.worker_cpu for t in timings), sum(t.server_cpu for t in timings)
+    return Timing(first.system, first.workers, first.servers, first.bytes, times, peak, worker_cpu, server_cpu)
 
 
 def _record(t: Timing) -> dict:
@@ -139,6 +140,9 @@ def _record(t: Timing) -> dict:
         "samples": len(t.times),
         "throughput_bytes_per_s": t.bytes / t.median,
         "server_peak_rss_bytes": t.server_peak_rss or None,
+        "cpu_seconds_per_gb": t.cpu_per_gb(),
+        "worker_cpu_seconds_per_gb": t.cpu_per_gb("workers"),
+        "server_cpu_seconds_per_gb": t.cpu_per_gb("servers") if t.servers else None,
     }
 
 
@@ -159,6 +163,24 @@ def table(
             f"| {size / MiB:g} MiB | {gw.median:.4f} | {tcp.median:.4f} | {gl.median:.4f} | "
             f"{size / gw.median / 1e6:.0f} | {size / gl.median / 1e6:.0f} | {gl.median / gw.median:.2f}x "
             f"| {gl.median / tcp.median:.2f}x |"
+        )
+    lines += [
+        "",
+        "CPU seconds per GB reduced (all processes' CPU in the timed calls, over n x SIZE x calls; gradwire: workers + "
+        "servers):",
+        "",
+        "| size | gradwire | gradwire-tcp | gloo | gradwire/gloo | gradwire-tcp/gloo |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for size in sizes:
+        gw, tcp, gl = merged[("gradwire", size)], merged[("gradwire-tcp", size)], merged[("gloo", size)]
+        parts = [
+            f"{t.cpu_per_gb():.2f} ({t.cpu_per_gb('workers'):.2f} + {t.cpu_per_gb('servers'):.2f})" for t in (gw, tcp)
+        ]
+        base = gl.cpu_per_gb() or float("nan")
+        lines.append(
+            f"| {size / MiB:g} MiB | {parts[0]} | {parts[1]} | {gl.cpu_per_gb():.2f} | "
+            f"{gw.cpu_per_gb() / base:.2f}x | {tcp.cpu_per_gb() / base:.2f}x |"
         )
     peak = max(merged[("gradwire", s)].server_peak_rss for s in sizes)
     lines.append("")

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,18 @@ class Timing:
     bytes: int
     times: list[float]
     server_peak_rss: int = 0  # bytes, the largest over the servers (gradwire only)
+    worker_cpu: float = 0.0  # CPU seconds of every worker process in the timed calls
+    server_cpu: float = 0.0  # CPU seconds of every server process over the timed calls' span (gradwire only)
+
+    @property
+    def gigabytes(self) -> float:
+        """Bytes reduced in the timed calls, over all workers (each worker's SIZE, per call), in GB."""
+        return self.workers * self.bytes * len(self.times) / 1e9
+
+    def cpu_per_gb(self, role: str = "all") -> float:
+        """CPU seconds per GB reduced: of the workers, the servers, or all."""
+        cpu = {"workers": self.worker_cpu, "servers": self.server_cpu}.get(role, self.worker_cpu + self.server_cpu)
+        return cpu / self.gigabytes if self.gigabytes else 0.0
 
     @property
     def median(self) -> float:
@@ -37,7 +50,7 @@ def _worker_cmd(system: str, sizes: list[int], repeats: int, warmup: int) -> lis
     return [sys.executable, "-m", "gradwire.bench.workers", system, joined, str(repeats), str(warmup)]
 
 
-def _collect(procs: list[subprocess.Popen], what: str, timeout: float) -> str:
+def _collect(procs: list[subprocess.Popen], what: str, timeout: float) -> list[str]:
     outputs = []
     for rank, proc in enumerate(procs):
         try:
@@ -49,12 +62,47 @@ def _collect(procs: list[subprocess.Popen], what: str, timeout: float) -> str:
         if proc.returncode != 0:
             raise RuntimeError(f"{what} rank {rank} exited with {proc.returncode}:\n{err[-3000:]}")
         outputs.append(out)
-    return outputs[0]
+    return outputs
 
 
-def _parse(system: str, n: int, k: int, out: str) -> list[Timing]:
-    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    return [Timing(system, n, k, r["bytes"], r["times"]) for r in rows]
+def _parse(system: str, n: int, k: int, outputs: list[str], server_cpu: CpuSampler | None = None) -> list[Timing]:
+    """Rank 0's timings, with every rank's CPU seconds (and the servers' over the same span)."""
+    rows = [json.loads(line) for line in outputs[0].splitlines() if line.startswith("{")]
+    cpu = [json.loads(line[4:]) for out in outputs for line in out.splitlines() if line.startswith("CPU ")]
+    timings = []
+    for r in rows:
+        mine = [c for c in cpu if c["bytes"] == r["bytes"]]
+        t = Timing(system, n, k, r["bytes"], r["times"], worker_cpu=sum(c["cpu"] for c in mine))
+        if server_cpu is not None and mine:
+            t.server_cpu = server_cpu.between(min(c["start"] for c in mine), max(c["end"] for c in mine))
+        timings.append(t)
+    return timings
+
+
+class CpuSampler:
+    """The CPU seconds used so far by a set of processes, sampled every 20 ms (from /proc), so that the CPU spent
+    between two wall-clock times can be read afterwards (interpolated between samples)."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = pids
+        self.samples: list[tuple[float, float]] = []
+        self._last = {pid: 0.0 for pid in pids}  # a process that exited keeps its last reading
+
+    def sample(self) -> None:
+        for pid in self.pids:
+            self._last[pid] = _cpu_seconds(pid) or self._last[pid]
+        self.samples.append((time.time(), sum(self._last.values())))
+
+    def between(self, start: float, end: float) -> float:
+        return self._at(end) - self._at(start)
+
+    def _at(self, when: float) -> float:
+        before = [s for s in self.samples if s[0] <= when]
+        after = [s for s in self.samples if s[0] >= when]
+        if not before or not after:
+            return (before or after or [(0.0, 0.0)])[-1 if before else 0][1]
+        (t0, c0), (t1, c1) = before[-1], after[0]
+        return c0 if t1 == t0 else c0 + (c1 - c0) * (when - t0) / (t1 - t0)
 
 
 def run_gradwire(
@@ -95,10 +143,13 @@ def run_gradwire(
     ]
     peaks = [0]
     done = threading.Event()
+    cpu = CpuSampler([p.pid for p in servers])
 
     def sample() -> None:  # servers exit as soon as the workers say bye: read their peak while they run
-        while not done.wait(0.2):
-            peaks[0] = max([peaks[0]] + [_peak_rss(p.pid) for p in servers])
+        while not done.wait(0.02):
+            cpu.sample()
+            if len(cpu.samples) % 10 == 0:
+                peaks[0] = max([peaks[0]] + [_peak_rss(p.pid) for p in servers])
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -107,7 +158,7 @@ def run_gradwire(
         done.set()
         sampler.join()
         peak = peaks[0]
-        timings = _parse("gradwire", n, k, out)
+        timings = _parse("gradwire", n, k, out, cpu)
         for t in timings:
             t.server_peak_rss = peak
         return timings
@@ -136,6 +187,15 @@ def run_gloo(n: int, sizes: list[int], repeats: int, warmup: int, timeout: float
             for r in range(n)
         ]
         return _parse("gloo", n, 0, _collect(procs, "gloo", timeout))
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process (all its threads); 0 if it has gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _peak_rss(pid: int) -> int:

@@ -1,7 +1,9 @@
 """The processes a benchmark starts: `python -m gradwire.bench.workers {gradwire|gloo} SIZES REPEATS WARMUP`.
 
 Each times one collective per size: buffers are refilled outside the timed region, every timed call
-starts after a barrier, and rank 0 prints one JSON line per size with every timing.
+starts after a barrier, and rank 0 prints one JSON line per size with every timing. Every rank also prints the CPU
+seconds its process (all threads) spent in the timed calls, and when they began and ended (wall clock), so the
+runner can charge the servers' CPU of that span too: CPU seconds per GB.
 
 GRADWIRE_BENCH_COLLECTIVE picks the collective (default allreduce), each defined so that a rank ends with SIZE
 bytes: allreduce (SIZE in, SIZE out), allgather (SIZE/n in), broadcast (SIZE from rank 0), reducescatter (SIZE in,
@@ -31,11 +33,14 @@ def run_gradwire(sizes: list[int], repeats: int, warmup: int) -> None:
         buf = np.empty(count, np.float32)
         part = np.empty(count // n, np.float32)
         name = f"bench-{COLLECTIVE}-{nbytes}"
-        times = []
+        times, cpu, span = [], 0.0, [0.0, 0.0]
         for i in range(warmup + repeats):
             buf.fill(1.0)
             part.fill(1.0)
             gw.barrier()
+            if i == warmup:
+                span[0] = time.time()
+            c0 = time.process_time()
             t0 = time.perf_counter()
             if COLLECTIVE == "allreduce":
                 gw.push_pull_inplace(buf, name)
@@ -50,9 +55,13 @@ def run_gradwire(sizes: list[int], repeats: int, warmup: int) -> None:
                 out = worker.synchronize(collectives.reducescatter_async(worker, buf.reshape(n, -1), name))
                 check = out.size == count // n and out.reshape(-1)[-1] == n
             elapsed = time.perf_counter() - t0
+            spent = time.process_time() - c0
             assert check, COLLECTIVE
             if i >= warmup:
                 times.append(elapsed)
+                cpu += spent
+        span[1] = time.time()
+        _cpu_line(gw.rank(), nbytes, cpu, span)
         if gw.rank() == 0:
             chosen = worker.status()["data_path"]  # what gradwire chose (or was told), and why
             print(json.dumps({"bytes": nbytes, "times": times, "data_path": chosen}), flush=True)
@@ -70,11 +79,14 @@ def run_gloo(sizes: list[int], repeats: int, warmup: int) -> None:
         count = nbytes // 4 // world * world
         buf = torch.empty(count, dtype=torch.float32)
         parts = [torch.empty(count // world, dtype=torch.float32) for _ in range(world)]
-        times = []
+        times, cpu, span = [], 0.0, [0.0, 0.0]
         for i in range(warmup + repeats):
             buf.fill_(1.0)
             parts[rank].fill_(1.0)
             dist.barrier()
+            if i == warmup:
+                span[0] = time.time()
+            c0 = time.process_time()
             t0 = time.perf_counter()
             if COLLECTIVE == "allreduce":
                 dist.all_reduce(buf)
@@ -85,11 +97,21 @@ def run_gloo(sizes: list[int], repeats: int, warmup: int) -> None:
             else:
                 dist.reduce_scatter_tensor(parts[rank], buf)
             elapsed = time.perf_counter() - t0
+            spent = time.process_time() - c0
             if i >= warmup:
                 times.append(elapsed)
+                cpu += spent
+        span[1] = time.time()
+        _cpu_line(rank, nbytes, cpu, span)
         if rank == 0:
             print(json.dumps({"bytes": nbytes, "times": times}), flush=True)
     dist.destroy_process_group()
+
+
+def _cpu_line(rank: int, nbytes: int, cpu: float, span: list[float]) -> None:
+    print(
+        "CPU " + json.dumps({"rank": rank, "bytes": nbytes, "cpu": cpu, "start": span[0], "end": span[1]}), flush=True
+    )
 
 
 if __name__ == "__main__":

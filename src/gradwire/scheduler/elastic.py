@@ -117,6 +117,8 @@ class Membership:
                 with self.s._lock:
                     self.s._abort_locked(f"server {server.rank} did not reset for epoch {epoch}")
                 return
+        with self.s._lock:
+            self.s.retune_locked(f"the job re-formed with {len(members)} workers")
         book = self.s._address_book()
         for worker in members:
             body = book | {"rank": worker.rank, "epoch": epoch, "num_workers": len(members)}

@@ -298,21 +298,38 @@ class Scheduler:
         with self._lock:
             self._publish_locked()
 
+    def _derive_tuning(self, info: dict) -> dict | None:
+        """The data path's settings (gradwire/tuning.py) for the links described by `info` (placement_weights'):
+        the worker hosts' and dedicated servers' rates, and the median round trip. None when rates are unknown."""
+        rates = info.get("rates_bytes_per_s") or {}
+        if not rates:
+            return None
+        dedicated = [r for r, c in zip(rates.get("servers") or [], info.get("colocated") or [], strict=False) if not c]
+        # a worker-server round trip is about the mean of the two nodes' round trips to the scheduler (a star)
+        rtts = sorted(n.rtt for n in self._workers + self._servers if n.rtt > 0)
+        rtt = rtts[len(rtts) // 2] if rtts else 0.0
+        return tuning.derive(rates["worker_hosts"], rtt, server_rates=dedicated).as_dict()
+
+    def retune_locked(self, why: str) -> dict | None:
+        """Re-derive the settings for the job as it is now (after a failover or an elastic reset: other workers,
+        fewer servers), from the rates measured at the start. Kept as they are where a node's rate is unknown (a
+        standby or a joining worker on a host never measured). Returns the settings in force."""
+        live = [s for s in self._servers if not s.lost]
+        _, info = placement_weights(self.config.placement, self._workers, live, self.config.server_efficiency)
+        new = self._derive_tuning(info)
+        if new is not None and self.tuning is not None:
+            keys = ("partition_bytes", "window", "unanswered")
+            if any(new[k] != self.tuning[k] for k in keys):
+                log.warning("data path re-derived (%s): %s", why, new["reason"])
+            self.tuning = new | {"derived_for": why}
+        return self.tuning
+
     def _publish_locked(self, to: list[Node] | None = None) -> None:
         """Placement weights from the split model, the declarations, and the address book for everyone (or `to`)."""
         weights, self.placement_info = placement_weights(
             self.config.placement, self._workers, self._servers, self.config.server_efficiency
         )
-        rates = self.placement_info.get("rates_bytes_per_s") or {}
-        dedicated = [
-            r
-            for r, c in zip(rates.get("servers") or [], self.placement_info.get("colocated") or [], strict=False)
-            if not c
-        ]
-        # a worker-server round trip is about the mean of the two nodes' round trips to the scheduler (a star)
-        rtts = sorted(n.rtt for n in self._workers + self._servers if n.rtt > 0)
-        rtt = rtts[len(rtts) // 2] if rtts else 0.0
-        self.tuning = tuning.derive(rates["worker_hosts"], rtt, server_rates=dedicated).as_dict() if rates else None
+        self.tuning = self._derive_tuning(self.placement_info)
         if self.tuning:
             log.info("data path tuning: %s", self.tuning["reason"])
         self.declarations = Declarations(
@@ -665,7 +682,10 @@ class Scheduler:
             with self._lock:
                 self._abort_locked(f"lost server {dead.rank} at {dead.host} ({why}) and could not fail over: {e}")
             return
+        with self._lock:
+            settings = self.retune_locked(f"server {dead.rank} lost")
         body = {"op": messages.REPLACE, "epoch": epoch, "server": dead.rank, "standby": address, "moved": moved}
+        body["tuning"] = settings
         everyone, reported = threading.Event(), {}
         with self._lock:
             workers = self._live_workers()

@@ -87,6 +87,7 @@ class Worker:
         self._requests: dict[int, list] = {}
         self._ids = itertools.count(1)
         self._partition_bytes = config.partition_bytes
+        self._slot_limit = config.partition_bytes  # the servers' slot size (the address book's)
         self._abort: JobAborted | None = None
         self._closed = False
         self._control_thread: threading.Thread | None = None
@@ -191,7 +192,22 @@ class Worker:
         self.local_rank = self.config.local_rank if self.config.local_rank is not None else same_host.index(self.rank)
         self.local_size = self.config.local_size if self.config.local_size is not None else len(same_host)
         live = [s for s in book["servers"] if not s.get("lost")]
-        self._partition_bytes = min([self.config.partition_bytes] + [int(s["slot_bytes"]) for s in live])
+        self._slot_limit = min(int(s["slot_bytes"]) for s in live) if live else self.config.partition_bytes
+        self._partition_bytes = min(self.config.partition_bytes, self._slot_limit)
+
+    def _retune(self, tuning: dict | None) -> None:
+        """The scheduler re-derived the data path's settings (after a failover): every link's window and cap from
+        now on, and the partition size of tensors declared from now on (declared ones keep their keys)."""
+        if not tuning or tuning == self.tuning:
+            return
+        self.tuning = tuning
+        self.config = self.config.tuned(tuning)
+        self._partition_bytes = min(self.config.partition_bytes, self._slot_limit)
+        for link in self._links:
+            if isinstance(link, ServerLink):
+                with link._cond:
+                    link.window, link.unanswered_cap = self.config.window, self.config.unanswered
+                    link._cond.notify_all()
 
     def _connect_all(self, servers: list[dict]) -> None:
         links: list[ServerLink | LostLink] = []
@@ -917,6 +933,7 @@ class Worker:
         """
         started, told_at = time.monotonic(), time.time()
         dead, self.epoch = int(body["server"]), int(body["epoch"])
+        self._retune(body.get("tuning"))
         old = self._links[dead]
         with self._failover_lock:
             orphans = old.detach(SHUTDOWN_JOIN_SECONDS)
