@@ -27,6 +27,11 @@ class GradwireError(Exception):
         self.context = {k: v for k, v in context.items() if v is not None}
         super().__init__(message)
 
+    def __reduce__(self) -> tuple:
+        # pickled with its context (Ray and multiprocessing carry errors between processes): the default would
+        # call the class with the message alone, which WorkerLost (lost_rank required) cannot take
+        return _rebuild, (type(self), str(self), self.context)
+
 
 class ConfigError(GradwireError):
     """The configuration (environment, arguments) is invalid."""
@@ -72,6 +77,14 @@ class WorkerLost(JobAborted):
     def __init__(self, message: str, lost_rank: int, **context: object) -> None:
         self.lost_rank = lost_rank
         super().__init__(message, lost_rank=lost_rank, **context)
+
+
+def _rebuild(cls: type[GradwireError], message: str, context: dict) -> GradwireError:
+    error = cls.__new__(cls)
+    GradwireError.__init__(error, message, **context)
+    if "lost_rank" in context:  # the attribute WorkerLost keeps
+        error.lost_rank = context["lost_rank"]  # type: ignore[attr-defined]
+    return error
 
 
 def abort_error(body: dict, **context: object) -> JobAborted:
