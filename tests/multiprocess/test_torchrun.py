@@ -23,9 +23,11 @@ def _env():
     return {k: v for k, v in os.environ.items() if not k.startswith(("GRADWIRE_", "DMLC_"))} | {"PYTHONUNBUFFERED": "1"}
 
 
-def _run(cmds, timeout=120):
+def _run(cmds, timeout=120, env=None):
     procs = [
-        subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            cmd, cwd=ROOT, env=_env() | (env or {}), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         for cmd in cmds
     ]
     outputs = []
@@ -78,3 +80,32 @@ def test_torchrun_two_nodes_with_c10d_rendezvous():
         assert f"DONE rank {rank} of 2 with 2 servers {marker}" in output, output  # one server per node
     pids, alive = _children_gone(output)
     assert len(pids) == 3 and not alive, (pids, alive, output)  # a scheduler and two servers
+
+
+def test_torchrun_max_restarts_starts_a_new_job_after_a_worker_dies():
+    """Elastic torchrun: worker 1 dies mid-job; torchrun stops the group and starts it again (`--max-restarts`);
+    gradwire.init() in the new attempt starts a new job (its own scheduler and server) that completes, and the dead
+    attempt's scheduler and server end too."""
+    marker = uuid.uuid4().hex
+    cmd = TORCHRUN + ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", JOB, marker]
+    output = _run([cmd], env={"CRASH_RANK": "1"})
+    assert "CRASH rank 1 in attempt 0" in output, output
+    for rank in range(2):
+        assert f"DONE rank {rank} of 2 with 1 servers {marker} in attempt 1" in output, output
+    pids, alive = _children_gone(output, timeout=30)
+    assert len(pids) == 4 and not alive, (pids, alive, output)  # both attempts' scheduler and server, all ended
+
+
+def test_torchrun_elastic_node_range_with_c10d_rendezvous():
+    """`--nnodes 1:2`: the nodes that arrive within the rendezvous form the job (here both)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    marker = uuid.uuid4().hex
+    node = TORCHRUN + ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--max-restarts", "1"]
+    node += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", marker, JOB, marker]
+    output = _run([node, node])
+    for rank in range(2):
+        assert f"DONE rank {rank} of 2 with 2 servers {marker}" in output, output
+    pids, alive = _children_gone(output)
+    assert len(pids) == 3 and not alive, (pids, alive, output)

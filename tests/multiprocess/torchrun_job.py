@@ -1,6 +1,8 @@
 """Worker script for torchrun: nothing but gradwire.init(); sums checked exactly; a tiny model trained; the pids of
-the roles this process started, for the test to check that nothing is left."""
+the roles this process started, for the test to check that nothing is left. CRASH_RANK=r: in torchrun's first
+attempt (restart count 0) rank r dies after the first allreduce, as a crashed worker would."""
 
+import os
 import sys
 
 import gradwire
@@ -12,6 +14,14 @@ gw.init()
 total = gw.allreduce(torch.full((1000,), float(gw.rank() + 1)), op=gw.Sum, name="sum")
 n = gw.size()
 assert torch.all(total == n * (n + 1) / 2), total[:4]
+if torchrun.CHILDREN:  # one write per line: the ranks of a node share torchrun's stdout
+    sys.stdout.write(f"CHILDREN {' '.join(str(c.pid) for c in torchrun.CHILDREN)}\n")
+    sys.stdout.flush()
+attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+if os.environ.get("CRASH_RANK") == str(gw.rank()) and attempt == "0":
+    sys.stdout.write(f"CRASH rank {gw.rank()} in attempt {attempt}\n")
+    sys.stdout.flush()
+    os._exit(3)
 torch.manual_seed(0)
 model = torch.nn.Linear(8, 2)
 opt = gw.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters())
@@ -23,10 +33,7 @@ for _ in range(3):
 digest = float(sum(p.detach().sum() for p in model.parameters()))
 digests = gw.allreduce(torch.tensor([digest]), op=gw.Sum, name="digest")
 assert abs(float(digests[0]) - n * digest) < 1e-4 * max(1.0, abs(digest)), (digests, digest)  # same model everywhere
-if torchrun.CHILDREN:  # one write per line: the ranks of a node share torchrun's stdout
-    sys.stdout.write(f"CHILDREN {' '.join(str(c.pid) for c in torchrun.CHILDREN)}\n")
-    sys.stdout.flush()
 servers = len(gradwire.current_worker().status()["servers"])
-sys.stdout.write(f"DONE rank {gw.rank()} of {n} with {servers} servers {sys.argv[1]}\n")
+sys.stdout.write(f"DONE rank {gw.rank()} of {n} with {servers} servers {sys.argv[1]} in attempt {attempt}\n")
 sys.stdout.flush()
 gw.shutdown()
