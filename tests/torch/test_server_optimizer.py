@@ -238,3 +238,18 @@ def test_without_a_replica_a_dead_servers_partitions_restart_from_the_workers_pa
         assert sum(s.status()["optimizer"]["restarts"] for s in c.servers + c.standby) > 0
     for params in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0], params, strict=True))
+
+
+def test_server_memory_is_allocated_at_declaration_and_reported():
+    """Adam's state is allocated with the key (not at its first update): parameters + 2 moments, on each key's
+    server and on its replica, from the moment ServerOptimizer is built; /status and /metrics report it."""
+    params = sum(p.numel() for p in _MODEL.parameters()) * 4
+
+    def worker(rank):
+        gw.ServerOptimizer(_model(), "adam", lr=1e-3)
+
+    with LocalCluster(num_workers=2, num_servers=2, partition_bytes=1024) as c:
+        run(c, worker)
+        held = sum(s.status()["optimizer"]["bytes"] for s in c.servers)
+        assert held == 2 * 3 * params  # primary and replica, each parameters + exp_avg + exp_avg_sq
+        assert "gradwire_server_optimizer_bytes" in c.servers[0].metrics.exposition()[2].decode()

@@ -127,6 +127,11 @@ class TorchStep:
             kwargs["initial_accumulator_value"] = float(args["initial_accumulator_value"])
         self.optimizer = getattr(torch.optim, self.CLASSES[self.algorithm])([self.param], **kwargs)
         self.count = 0
+        if self.algorithm in ("adam", "adamw"):  # allocated now (at declaration), as torch's first step would
+            state = self.optimizer.state[self.param]
+            state["step"] = torch.tensor(0.0, dtype=torch.get_default_dtype())
+            for name in self.names:
+                state[name] = torch.zeros_like(self.param, memory_format=torch.preserve_format)
 
     @property
     def nbytes(self) -> int:
