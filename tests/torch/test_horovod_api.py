@@ -263,3 +263,44 @@ def test_errors_are_horovods_on_every_rank(cluster):
     for raised, after in run(cluster, worker):
         assert raised == ["TensorMismatch"] * 4
         assert torch.equal(after, torch.full((4,), float(n)))
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["new-tensors", "declared-before"])
+def test_join_lets_the_others_allreduce_with_zeros_in_its_place(cluster, cached):
+    """Horovod's join: each rank in turn joins first; the others' averages count it as zeros (divided by every
+    rank); an allgather or broadcast among them fails with a RuntimeError; join returns the last rank to join, the
+    same everywhere; and the joined rank's later collectives line up with the others' (it skipped their rounds)."""
+    n = len(cluster.workers)
+    if n == 1:
+        pytest.skip("needs two ranks")
+
+    def worker(rank):
+        out = []
+        for first in range(n):
+            a = torch.arange(12, dtype=torch.float32).reshape(3, 4) + first
+            b = torch.full((17,), 3, dtype=torch.int32)
+            tag = f"{cached}"
+            if cached:
+                hvd.allreduce(a, name=f"join.a.{tag}"), hvd.allreduce(b, name=f"join.b.{tag}")
+            if rank == first:
+                last = hvd.join()
+            else:
+                avg_a = hvd.allreduce(a, name=f"join.a.{tag}")
+                avg_b = hvd.allreduce(b, name=f"join.b.{tag}")
+                assert torch.allclose(avg_a, a * (n - 1) / n), (avg_a, a)
+                assert torch.equal(avg_b, torch.div(b * (n - 1), n, rounding_mode="trunc")), avg_b
+                with pytest.raises(RuntimeError):  # unnamed, as Horovod's test: the joined rank skipped a name
+                    hvd.allgather(a)
+                with pytest.raises(RuntimeError):
+                    hvd.broadcast(a, 0 if first else 1, name=f"join.bcast.{first}.{tag}")
+                last = hvd.join()
+            out.append(last)
+            # everyone on again: a sum over every rank, the joined one included
+            total = hvd.allreduce(torch.ones(5), name=f"join.after.{tag}", op=hvd.Sum)
+            assert torch.equal(total, torch.full((5,), float(n))), total
+        return out
+
+    results = run(cluster, worker)
+    for first in range(n):
+        lasts = {r[first] for r in results}
+        assert len(lasts) == 1 and lasts != {first}, (first, results)

@@ -48,6 +48,8 @@ SEED = 0x02
 # PUSHPULL flag: server -> server, an update a key's primary applied, for the replica to apply alike (the header's
 # status numbers it; the replica's ACK echoes the number). Parameter-server mode, server/replica.py.
 REPLICA = 0x04
+# ring event flag (never on the wire): the set of joined workers changed (hvd.join); the slot's key is the bitmask
+JOIN_EVENT = 0x80
 
 DATA_TYPES = frozenset({FrameType.PUSHPULL, FrameType.RESULT})
 

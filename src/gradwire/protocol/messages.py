@@ -32,6 +32,8 @@ FAILOVER_STATE = "failover_state"  # worker -> scheduler: per moved key, [round 
 SEED = "seed"  # scheduler -> worker: resend the saved sums of these [key, round] (a round some worker still needs)
 MEMBERS = "members"  # elastic: scheduler -> worker: `joining` workers wait to join (at the next commit)
 BLOCKED = "blocked"  # worker -> scheduler: I wait (synchronize) for `name`, whose declaration is not complete
+JOIN = "join"  # worker -> scheduler (a request): I am out of data (hvd.join); `rounds`: my round of each tensor
+JOINED = "joined"  # scheduler -> server: the workers that have joined now (`ranks`; empty once every worker has)
 
 _REQUIRED = {
     REGISTER: ("role", "host", "port"),
@@ -51,6 +53,8 @@ _REQUIRED = {
     REJOIN: ("id",),
     MEMBERS: ("joining",),
     BLOCKED: ("name",),
+    JOIN: ("id", "rounds"),
+    JOINED: ("id", "ranks"),
     FAILOVER_STATE: ("epoch", "keys"),
     SEED: ("epoch", "keys"),
     PROBE: (),

@@ -128,6 +128,7 @@ class Declarations:
         self._pending: dict[str, dict[int, _Call]] = {}  # declarations waiting for the other workers', by rank
         self._since: dict[str, float] = {}  # when each pending declaration's first call came (time.monotonic)
         self._blocked: dict[str, set[int]] = {}  # pending declarations some worker waits for (synchronize)
+        self.joined: set[int] = set()  # workers that have joined (hvd.join): declarations do not wait for them
 
     def declare(self, rank: int, body: dict, answer: Callable[[dict], None]) -> None:
         """A worker's declaration; `answer(reply)` is called (maybe later, from another worker's thread) with
@@ -165,13 +166,17 @@ class Declarations:
                 return
         signature = Signature(key_op, dtype, shape, slices, meta, members, op_args)
         call = _Call(rank, signature, int(body["partition_bytes"]), answer)
+        refusal = self._joined_refusal(name, signature) if self.joined else None
+        if refusal is not None:  # at once: the joined ranks will not call it, and the others may not under this name
+            answer(refusal)
+            return
         with self._lock:
             known = self.tensors.get(name)
             if known is None:
                 calls = self._pending.setdefault(name, {})
                 self._since.setdefault(name, time.monotonic())
                 calls[rank] = call
-                if len(calls) < len(self._expected(calls)):
+                if not set(self._expected(calls)) <= set(calls):
                     return  # answered when the last worker (of its process set) declares it
                 del self._pending[name], self._since[name]
                 self._blocked.pop(name, None)
@@ -196,6 +201,11 @@ class Declarations:
                 c.answer(reply)
             return
         key_op, dtype, shape, slices, meta, members, op_args = first.signature
+        refusal = self._joined_refusal(name, first.signature)
+        if refusal is not None:
+            for c in calls:
+                c.answer(refusal)
+            return
         with self._lock:
             try:
                 decl = self._place(name, shape, dtype, first.rank, min(c.partition_bytes for c in calls))
@@ -245,10 +255,50 @@ class Declarations:
                 )
         return lines
 
-    def _expected(self, calls: dict[int, _Call]) -> list[int] | range:
-        """The ranks that must declare a pending tensor: its process set's, or every worker."""
+    def _expected(self, calls: dict[int, _Call]) -> list[int]:
+        """The ranks that must declare a pending tensor: its process set's, or every worker; not those that have
+        joined (hvd.join: they are out of data, and an allreduce goes on with zeros in their place)."""
         members = next(iter(calls.values())).signature.members
-        return range(self.num_workers) if members is None else members
+        ranks = range(self.num_workers) if members is None else members
+        return [r for r in ranks if r not in self.joined]
+
+    def _joined_refusal(self, name: str, signature: Signature) -> dict | None:
+        """The answer to a collective that cannot go on while some of its ranks have joined (all but the reductions:
+        allgather, broadcast, alltoall, reducescatter, a server-side optimizer); None if it can."""
+        ranks = range(self.num_workers) if signature.members is None else signature.members
+        absent = sorted(self.joined & set(ranks))
+        if not absent or signature.key_op in ("sum", "min", "max", "product") and signature.slices is None:
+            return None
+        return {
+            "error": f"tensor {name!r} ({signature.key_op}): worker(s) {absent} have joined (hvd.join), and only an "
+            "allreduce goes on without them (their contributions count as zeros)",
+            "mismatch": True,
+        }
+
+    def set_joined(self, ranks: set[int]) -> None:
+        """The workers that have joined now: declarations that waited only for them complete (an allreduce), or
+        fail on every caller (a collective that cannot go on without a rank: allgather, broadcast, ...)."""
+        with self._lock:
+            self.joined = set(ranks)
+            refused = {}
+            for name, calls in list(self._pending.items()):
+                refusal = self._joined_refusal(name, next(iter(calls.values())).signature)
+                if refusal is not None:  # it would wait for a joined rank, under a name the others may never use
+                    refused[name] = (calls, refusal)
+                    del self._pending[name]
+                    self._since.pop(name, None)
+                    self._blocked.pop(name, None)
+            ready = [name for name, calls in self._pending.items() if set(self._expected(calls)) <= set(calls)]
+            completed = {}
+            for name in ready:
+                completed[name] = self._pending.pop(name)
+                self._since.pop(name, None)
+                self._blocked.pop(name, None)
+        for calls, refusal in refused.values():
+            for c in calls.values():
+                c.answer(refusal)
+        for name, calls in completed.items():
+            self._complete(name, sorted(calls.values(), key=lambda c: c.rank))
 
     def blocked(self, name: str, rank: int) -> None:
         """Worker `rank` waits (synchronize) for `name`, whose declaration is not complete."""

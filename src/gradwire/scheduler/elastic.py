@@ -111,6 +111,9 @@ class Membership:
         assert declarations is not None
         declarations.cancel(f"the job's workers changed (epoch {epoch})")  # the workers cancelled theirs already
         declarations.num_workers = len(members)
+        declarations.joined = set()
+        with self.s._lock:
+            self.s._joins = {}  # a join in progress is cancelled with the workers' other requests
         for server in [s for s in self.s._servers if not s.lost]:
             body = {"op": messages.RESET, "epoch": epoch, "num_workers": len(members)}
             if not declarations.call(server.rank, body):

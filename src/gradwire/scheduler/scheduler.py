@@ -98,6 +98,8 @@ class Scheduler:
         self.tuning: dict | None = None  # the data path's settings derived from the links (tuning.py)
         self.declarations: Declarations | None = None  # once ranks are fixed
         self._barrier: list[tuple[Node, int]] = []
+        self._joins: dict[int, tuple[Node, int, dict[str, int]]] = {}  # workers in hvd.join: (node, request, rounds)
+        self._join_lock = threading.Lock()
         self._ending = False  # every worker said bye; servers are being shut down
         # every worker called shutdown(): the job waits GRADWIRE_REINIT_SECONDS for them to init() again (a new
         # generation: the same servers, afresh); the workers of that generation as they register
@@ -406,6 +408,8 @@ class Scheduler:
                 self.declarations.ack(int(body["id"]))
         elif op == messages.BARRIER:
             self._enter_barrier(node, int(body["id"]))
+        elif op == messages.JOIN and node.role == "worker":
+            self._join(node, int(body["id"]), {str(k): int(v) for k, v in body["rounds"].items()})
         elif op == messages.REJOIN and node.role == "worker":
             with self._lock:
                 if self.membership is None:
@@ -515,6 +519,46 @@ class Scheduler:
         for waiter, rid in waiting:
             waiter.conn.send_json(FrameType.CONTROL, reply | {"id": rid})
 
+    def _join(self, node: Node, request_id: int, rounds: dict[str, int]) -> None:
+        """Worker `node` is out of data (hvd.join). Until every worker has joined, the others' allreduces go on
+        with zeros in the joined workers' place (the servers are told; declarations stop waiting for them). Once every
+        worker has, each is answered with the last to join and, per tensor, the latest round any worker reached (a
+        joined worker skipped rounds, and numbers its next one after them). One join at a time (each worker's request
+        comes on its own thread): the servers must learn the joined sets in the order they were made."""
+        with self._join_lock:
+            self._join_locked(node, request_id, rounds)
+
+    def _join_locked(self, node: Node, request_id: int, rounds: dict[str, int]) -> None:
+        with self._lock:
+            self._joins[node.rank] = (node, request_id, rounds)
+            live = [w for w in self._workers if not w.lost]
+            complete = all(w.rank in self._joins for w in live)
+            joined = set() if complete else set(self._joins)
+            servers = [s for s in self._servers if not s.lost and not s.standby]
+            waiting = list(self._joins.values()) if complete else []
+            if complete:
+                self._joins = {}
+        assert self.declarations is not None
+        # every server has it in its engines' rings before anything that follows: the declarations that complete
+        # now, and (once all have joined) the workers' next pushes, which must not be taken for joined ones'
+        body = {"op": messages.JOINED, "ranks": sorted(joined)}
+        for server in servers:
+            if not self.declarations.call(server.rank, body):
+                log.warning("server %d did not confirm the joined workers %s", server.rank, sorted(joined))
+        self.declarations.set_joined(joined)
+        if not complete:
+            return
+        latest: dict[str, int] = {}
+        for _, _, reported in waiting:
+            for name, rnd in reported.items():
+                latest[name] = max(latest.get(name, 0), rnd)
+        for waiter, rid, _ in waiting:
+            reply = {"op": messages.REPLY, "id": rid, "last": node.rank, "rounds": latest}
+            try:
+                waiter.conn.send_json(FrameType.CONTROL, reply)
+            except GradwireError:
+                pass  # its own loss is handled on its connection
+
     def _bye(self, node: Node) -> None:
         with self._lock:
             node.said_bye = True
@@ -538,7 +582,7 @@ class Scheduler:
                 and self.config.reinit_seconds > 0
                 and not all(w.final_bye for w in self._workers)
             ):
-                self._between, self._barrier = [], []
+                self._between, self._barrier, self._joins = [], [], {}
                 self._generation.clear()
                 threading.Thread(target=self._await_generation, name="gw-sched-reinit", daemon=True).start()
                 log.info(

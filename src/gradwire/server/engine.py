@@ -42,9 +42,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from gradwire.errors import TensorError
+from gradwire.errors import TensorError, TensorMismatch
 from gradwire.protocol import dtypes
-from gradwire.protocol.frames import SEED
+from gradwire.protocol.frames import JOIN_EVENT, SEED
 from gradwire.ring import Ring, RingClosed, Slot
 from gradwire.server import ops
 from gradwire.transport.shm import NO_SLOT
@@ -83,6 +83,7 @@ class KeyState:
         "staged",
         "started",
         "turn",
+        "virtual",
     )
 
     def __init__(
@@ -128,6 +129,7 @@ class KeyState:
         self.staged = [0, 0]  # bitmask of ranks whose early contributions wait in `stage`
         self.stage: list[list[np.ndarray | None]] = [[None] * num_workers for _ in range(2)]  # allocated on need
         self.seeded = [False, False]  # the round's sum came as a seed (a failover), not from contributions
+        self.virtual = [0, 0]  # ranks whose zeros stood in (they had joined): not answered
         self.held = None  # what the operation keeps per key (server/optim.py)
         op.setup(self, previous)
 
@@ -173,6 +175,8 @@ class Engine:
         self._reply = reply
         self._fail = fail
         self.keys: dict[int, KeyState] = {}
+        self.joined = 0  # workers that have joined (hvd.join), as a bitmask: zeros stand in for their contributions
+        self._zeros: dict[tuple[int, int], np.ndarray] = {}
         self.seeded_answers = 0  # workers answered with a seeded sum (after a failover)
         self._thread = threading.Thread(target=self._run, name=f"gw-engine-{index}", daemon=True)
 
@@ -242,6 +246,7 @@ class Engine:
         engine thread touches no key meanwhile."""
         same = num_workers == self.num_workers  # else a process set's ranks or a rank's slice mean nothing any more
         self.num_workers = num_workers
+        self.joined = 0
         if forget:
             self.keys = {}
             return
@@ -297,6 +302,9 @@ class Engine:
 
     def on_event(self, slot: Slot) -> None:
         """Add one contribution (or take a seed); publish the sum when the round is complete."""
+        if slot.flags & JOIN_EVENT:
+            self.set_joined(slot.key)
+            return
         state = self.keys.get(slot.key)
         if state is None or not state.fits(slot.dtype, slot.length):  # readers check first
             raise TensorError(f"worker {slot.sender} pushed an undeclared or inconsistent key")
@@ -323,31 +331,78 @@ class Engine:
             return
         if state.pushed[i] & bit:
             raise TensorError(f"worker {slot.sender} pushed round {slot.round} twice")
-        wire = slot.data.view(dtype.wire)
         if state.count[i] == 0:
-            state.started[i] = self.clock()
-        if not (self.deterministic or state.op.ordered):
-            state.op.add(state, i, dtype, wire, state.count[i] == 0)
-        elif slot.sender == state.turn[i]:
-            state.op.add(state, i, dtype, wire, slot.sender == state.first)
-            self._drain(state, i, dtype)
-        else:  # early: it waits in its staging buffer (where a socket's reader received it, or copied from the ring
-            # or the worker's shared slot), and is acknowledged now (see the module's docstring)
-            if not slot.landed:
-                self._stage(state, i, slot.sender)[: len(wire)] = wire
-            state.lengths[i][slot.sender] = len(wire)
-            state.staged[i] |= bit
-        state.count[i] += 1
-        state.pushed[i] |= bit
+            state.virtual[i] = 0
+            if self.joined & state.everyone and not isinstance(state.op, ops.Reduce):
+                raise TensorMismatch(
+                    f"{state.name!r}: worker(s) {_ranks(self.joined & state.everyone)} have joined (hvd.join): only "
+                    "allreduce goes on without them (their contributions count as zeros)"
+                )
+        self._contribute(state, i, slot.sender, slot.data.view(dtype.wire), slot.landed)
+        if state.count[i] < state.need:
+            self._join_in(state, i)  # joined workers contribute zeros (hvd.join)
         if state.count[i] < state.need:
             # The worker's window counts contributions not yet in, not sums not yet out: a window of
             # unanswered sums deadlocks when workers' windows fill with different keys.
             self._ack(slot.sender, slot.key, slot.round)
         else:  # complete: the RESULT is the last pusher's acknowledgement too
-            state.op.finish(state, i)
-            if state.narrow:
-                dtypes.narrow(dtype, state.acc[i], state.out[i])
-            state.op.answer(self, state, slot.key, slot.round, slot.dtype, i, state.everyone)
+            self._complete(state, slot.key, slot.round, slot.dtype, i)
+
+    def _contribute(self, state: KeyState, i: int, sender: int, wire: np.ndarray, landed: bool) -> None:
+        """Put `sender`'s contribution into round buffer `i`, in rank order (deterministic) or as it comes."""
+        dtype = state.dtype
+        if state.count[i] == 0:
+            state.started[i] = self.clock()
+        if not (self.deterministic or state.op.ordered):
+            state.op.add(state, i, dtype, wire, state.count[i] == 0)
+        elif sender == state.turn[i]:
+            state.op.add(state, i, dtype, wire, sender == state.first)
+            self._drain(state, i, dtype)
+        else:  # early: it waits in its staging buffer (where a socket's reader received it, or copied from the ring
+            # or the worker's shared slot), and is acknowledged now (see the module's docstring)
+            if not landed:
+                self._stage(state, i, sender)[: len(wire)] = wire
+            state.lengths[i][sender] = len(wire)
+            state.staged[i] |= 1 << sender
+        state.count[i] += 1
+        state.pushed[i] |= 1 << sender
+
+    def _complete(self, state: KeyState, key: int, rnd: int, code: int, i: int) -> None:
+        """Every contribution is in: finish the round and answer the workers that pushed (not joined ones' zeros)."""
+        state.op.finish(state, i)
+        if state.narrow:
+            dtypes.narrow(state.dtype, state.acc[i], state.out[i])
+        state.op.answer(self, state, key, rnd, code, i, state.everyone & ~state.virtual[i])
+
+    def set_joined(self, mask: int) -> None:
+        """Workers in `mask` have joined (hvd.join: out of data): the rounds of sums go on with zeros in their place,
+        those begun already included. Runs on the engine's thread (a ring event), in order with the pushes."""
+        self.joined = mask
+        if not mask:
+            return
+        for key, state in list(self.keys.items()):
+            if not isinstance(state.op, ops.Reduce):
+                continue
+            for i in (0, 1):
+                if 0 < state.count[i] < state.need and not state.seeded[i]:
+                    self._join_in(state, i)
+                    if state.count[i] == state.need:
+                        self._complete(state, key, state.round[i], state.dtype.code, i)
+
+    def _join_in(self, state: KeyState, i: int) -> None:
+        """Zeros for every joined member that has not pushed round buffer `i`'s round."""
+        missing = self.joined & state.everyone & ~state.pushed[i]
+        if not missing or not isinstance(state.op, ops.Reduce):
+            return
+        zeros = self._zeros.get((state.dtype.code, state.length))
+        if zeros is None:  # one per dtype and size, never written
+            zeros = self._zeros[(state.dtype.code, state.length)] = np.zeros(
+                state.length // state.dtype.itemsize, state.dtype.wire
+            )
+        for rank in state.members:
+            if missing >> rank & 1:
+                self._contribute(state, i, rank, zeros, False)
+                state.virtual[i] |= 1 << rank
 
     def _answer(self, state: KeyState, key: int, rnd: int, code: int, i: int, ranks: int) -> None:
         """Send the result of round buffer `i` to `ranks`: all of it, or each rank its slice."""
@@ -384,3 +439,7 @@ class Engine:
         if waiting:
             self.seeded_answers += bin(waiting).count("1")
             self._answer(state, slot.key, slot.round, slot.dtype, i, waiting)
+
+
+def _ranks(mask: int) -> list[int]:
+    return [r for r in range(mask.bit_length()) if mask >> r & 1]

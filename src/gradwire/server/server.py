@@ -19,7 +19,7 @@ from gradwire.admin.node import NodeAdmin
 from gradwire.config import Config
 from gradwire.errors import GradwireError, RemoteProtocolError, TensorError
 from gradwire.protocol import dtypes, frames, messages
-from gradwire.protocol.frames import REPLICA, SEED, FrameType
+from gradwire.protocol.frames import JOIN_EVENT, REPLICA, SEED, FrameType
 from gradwire.ring import Ring, RingClosed, Slot
 from gradwire.scheduler.client import join
 from gradwire.server import ops, optim
@@ -303,7 +303,7 @@ class Server:
                 header = conn.recv_header(idle_ok=True)
                 if header.type == FrameType.BYE:
                     return
-                if header.type != FrameType.PUSHPULL or not header.flags & REPLICA:
+                if header.type != FrameType.PUSHPULL or not header.flags & REPLICA or header.flags & JOIN_EVENT:
                     raise RemoteProtocolError(f"unexpected {header.type.name} frame from server {conn.peer_rank}")
                 engine = self._engines[header.key % len(self._engines)]
                 problem = engine.check(header.key, header.dtype, header.length)
@@ -362,7 +362,7 @@ class Server:
             if header.type == FrameType.SHM_ATTACH:
                 self._attach(link, frames.decode_json(conn.recv_body(header)))
                 continue
-            if header.type != FrameType.PUSHPULL or header.flags & REPLICA:
+            if header.type != FrameType.PUSHPULL or header.flags & (REPLICA | JOIN_EVENT):
                 raise RemoteProtocolError(f"unexpected {header.type.name} frame (flags {header.flags:#x})")
             if header.sender != conn.peer_rank or header.epoch != self.epoch:
                 raise RemoteProtocolError(
@@ -490,6 +490,28 @@ class Server:
         assert self._scheduler is not None
         self._scheduler.send_json(FrameType.CONTROL, {"op": messages.REPLY, "id": body["id"]})
 
+    def _set_joined(self, ranks: list[int]) -> None:
+        """The workers that have joined (hvd.join) changed: each engine learns it through its ring, in order with the
+        pushes it has already taken (so a round begun before goes on with zeros in their place)."""
+        mask = 0
+        for rank in ranks:
+            if not 0 <= rank < self.num_workers:
+                raise RemoteProtocolError(f"scheduler says worker {rank} joined, of {self.num_workers}")
+            mask |= 1 << rank
+        for engine in self._engines:
+            ring = engine.ring
+            seq = ring.claim()
+            slot = ring.slot(seq)
+            slot.valid, slot.landed, slot.flags, slot.key, slot.length, slot.conn = (
+                True,
+                False,
+                JOIN_EVENT,
+                mask,
+                0,
+                None,
+            )
+            ring.publish(seq)
+
     def _reset(self, body: dict) -> None:
         """Elastic: the workers changed. Drop every worker connection, let the engines drain, and start every key
         afresh for the new number of workers in the new epoch; then tell the scheduler. With `forget` (a new
@@ -557,6 +579,9 @@ class Server:
                     self._declare_keys(body)
                 elif op == messages.RESET:
                     self._reset(body)
+                elif op == messages.JOINED:
+                    self._set_joined([int(r) for r in body["ranks"]])
+                    self._scheduler.send_json(FrameType.CONTROL, {"op": messages.REPLY, "id": body["id"]})
                 elif op == messages.PROMOTE:  # a standby takes a dead server's place
                     self.rank, self.epoch, self.standby = int(body["rank"]), int(body["epoch"]), False
                     if self._replicas is not None:

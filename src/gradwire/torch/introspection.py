@@ -115,12 +115,8 @@ def remove_process_set(process_set: ProcessSet) -> bool:
 
 
 def join(device: int = -1) -> int:
-    """Horovod's join (a rank out of data lets the others' collectives go on without it) is not supported yet:
-    it raises at once rather than letting the other ranks wait for this one (docs/horovod.md)."""
-    from gradwire.errors import NotSupported
-
-    raise NotSupported(
-        f"worker {gradwire.rank()}: hvd.join() is not supported yet: give every rank the same number of batches "
-        "(e.g. torch.utils.data.distributed.DistributedSampler(drop_last=True)) (docs/horovod.md)",
-        rank=gradwire.rank(),
-    )
+    """Horovod's join: this rank is out of data. The other ranks' allreduces go on with zeros in its place (an
+    average still divides by every rank, as Horovod's does); an allgather or broadcast among them fails with a
+    RuntimeError, as Horovod's does. Blocks until every rank has joined; returns the last rank to join, the same on
+    every rank. `device` is accepted for Horovod's signature (the servers are CPU processes)."""
+    return gradwire.current_worker().join()

@@ -88,6 +88,7 @@ class Worker:
         self._ids = itertools.count(1)
         self._partition_bytes = config.partition_bytes
         self._slot_limit = config.partition_bytes  # the servers' slot size (the address book's)
+        self._round_floor: dict[str, int] = {}  # tensors others summed while this worker had joined: their rounds
         self._abort: JobAborted | None = None
         self._closed = False
         self._control_thread: threading.Thread | None = None
@@ -415,6 +416,7 @@ class Worker:
             new = tensor is None
             if tensor is None:
                 tensor = self._tensors[internal] = Tensor(internal, shape, wire, user_name=name, signature=signature)
+                tensor.round = self._round_floor.pop(internal, 0)  # rounds others summed while this worker had joined
         if new:
             self._send_declaration(tensor, key_op, cut, meta, ranks, args)
         if wait:
@@ -768,6 +770,30 @@ class Worker:
 
     # -- control ---------------------------------------------------------------------------------
 
+    def join(self) -> int:
+        """Horovod's join: this worker is out of data. Until every worker has joined, the others' allreduces go on
+        with zeros in this worker's place (an average still divides by every worker, as Horovod's does; an
+        allgather, broadcast, alltoall or reducescatter fails on them with TensorMismatch). Blocks until every worker
+        has joined (no timeout: the others may train on for long; a lost worker still ends it, with WorkerLost), then
+        returns the rank of the last to join, the same on every worker."""
+        self._check_usable()
+        with self._lock:
+            rounds = {t.name: t.round for t in self._tensors.values()}
+        waiter = self._request_async({"op": messages.JOIN, "rounds": rounds})
+        waiter[0].wait()
+        if waiter[1] is None:  # woken by an abort or a membership change
+            self._check_usable()
+            raise JobAborted(f"worker {self.rank}: join was cancelled", rank=self.rank)
+        reply = waiter[1]
+        with self._lock:  # rounds the others summed while this worker had joined: the next is after them
+            for name, rnd in reply.get("rounds", {}).items():
+                tensor = self._tensors.get(name)
+                if tensor is not None:
+                    tensor.round = max(tensor.round, int(rnd))
+                else:
+                    self._round_floor[name] = max(self._round_floor.get(name, 0), int(rnd))
+        return int(reply["last"])
+
     def barrier(self) -> None:
         """Block until every worker has entered the barrier. Raises WorkerLost at once if a worker has left the
         job (shut down) and so can never enter it."""
@@ -879,6 +905,7 @@ class Worker:
             self._apply_book(book)
             for tensor in self._tensors.values():
                 tensor.round, tensor.in_flight = 0, None
+            self._round_floor.clear()
             self._active = 0
             if self._saved is not None:
                 self._saved.clear()
