@@ -216,4 +216,5 @@ def test_the_data_path_settings_are_re_derived_after_a_failover():
         assert c.scheduler.tuning["unanswered"] == 4 and "server 1 lost" in c.scheduler.tuning["derived_for"]
         for worker in c.workers:
             assert worker.tuning["unanswered"] == 4
+            assert worker.status()["data_path"]["derived_again"] == "server 1 lost"  # /status says why
             assert all(link.unanswered_cap == 4 for link in worker._links if hasattr(link, "unanswered_cap"))

@@ -34,6 +34,7 @@ def render(status: dict) -> str:
         lines.append(
             f"data path: {data_path['partition_bytes'] // 1024} KiB partitions, window {data_path['window']}: "
             f"{data_path['reason']}"
+            + (f" (derived again: {data_path['derived_for']})" if data_path.get("derived_for") else "")
         )
     lines.append(f"{'node':<10} {'state':<6} {'rounds/s':>9} {'MB/s':>9} {'placed MB':>10} {'hb age':>7}  admin")
     placed = {s["rank"]: s["placed_bytes"] for s in status.get("servers", [])}

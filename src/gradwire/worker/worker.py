@@ -326,6 +326,7 @@ class Worker:
                 "window": self.config.window,
                 "unanswered": self.config.unanswered,
                 "why": (self.tuning or {}).get("reason", "the defaults and GRADWIRE_* settings"),
+                "derived_again": (self.tuning or {}).get("derived_for"),  # after a failover or an elastic reset
                 "set_explicitly": sorted(self.config.explicit & {"partition_bytes", "window", "unanswered"}),
             },
             **self.metrics.snapshot(),
