@@ -716,7 +716,11 @@ class Scheduler:
             # keys whose optimizer state the dead server held go to their replica, which has it (server/replica.py)
             moved = self.declarations.move_to_replicas(dead.rank)
             if standby is not None:
-                standby.conn.send_json(FrameType.CONTROL, {"op": messages.PROMOTE, "rank": dead.rank, "epoch": epoch})
+                # confirmed before the workers hear of it: they connect to it at once, and a standby not yet
+                # promoted refuses them (the dead server's keys may all have gone to replicas: nothing else to wait on)
+                promote = {"op": messages.PROMOTE, "rank": dead.rank, "epoch": epoch}
+                if not self.declarations.call(dead.rank, promote):
+                    raise GradwireError(f"the standby taking server {dead.rank}'s place did not confirm its promotion")
                 self.declarations.register_all(dead.rank)
                 address: dict | None = _server_entry(standby)
             else:

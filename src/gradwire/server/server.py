@@ -586,6 +586,8 @@ class Server:
                     self.rank, self.epoch, self.standby = int(body["rank"]), int(body["epoch"]), False
                     if self._replicas is not None:
                         self._replicas.rank = self.rank
+                    if "id" in body:
+                        self._scheduler.send_json(FrameType.CONTROL, {"op": messages.REPLY, "id": body["id"]})
                     log.warning("standby promoted: now server %d (epoch %d)", self.rank, self.epoch)
         except GradwireError as e:
             if not self._done.is_set():
