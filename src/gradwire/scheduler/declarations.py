@@ -129,6 +129,7 @@ class Declarations:
         self._since: dict[str, float] = {}  # when each pending declaration's first call came (time.monotonic)
         self._blocked: dict[str, set[int]] = {}  # pending declarations some worker waits for (synchronize)
         self.joined: set[int] = set()  # workers that have joined (hvd.join): declarations do not wait for them
+        self.departed: dict[int, str] = {}  # workers that left the job (shutdown()), and why
 
     def declare(self, rank: int, body: dict, answer: Callable[[dict], None]) -> None:
         """A worker's declaration; `answer(reply)` is called (maybe later, from another worker's thread) with
@@ -169,6 +170,10 @@ class Declarations:
         refusal = self._joined_refusal(name, signature) if self.joined else None
         if refusal is not None:  # at once: the joined ranks will not call it, and the others may not under this name
             answer(refusal)
+            return
+        gone = [r for r in (range(self.num_workers) if members is None else members) if r in self.departed]
+        if gone and name not in self.tensors:  # a worker it needs has left already: it would wait for ever
+            answer({"error": f"tensor {name!r} cannot be declared: {self.departed[gone[0]]}", "abort": False})
             return
         with self._lock:
             known = self.tensors.get(name)
@@ -305,6 +310,13 @@ class Declarations:
         with self._lock:
             if name in self._pending:
                 self._blocked.setdefault(name, set()).add(rank)
+
+    def leave(self, rank: int, why: str) -> None:
+        """Worker `rank` left the job (shutdown()): fail what waits for it, and what will (a declaration whose
+        message reaches the scheduler after the departed worker's own)."""
+        with self._lock:
+            self.departed[rank] = why
+        self.cancel(why, rank=rank)
 
     def cancel(self, why: str, rank: int | None = None, blocked_only: bool = False) -> None:
         """Fail the declarations still waiting: those waiting for worker `rank`, which will never make them (it

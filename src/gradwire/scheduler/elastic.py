@@ -111,7 +111,7 @@ class Membership:
         assert declarations is not None
         declarations.cancel(f"the job's workers changed (epoch {epoch})")  # the workers cancelled theirs already
         declarations.num_workers = len(members)
-        declarations.joined = set()
+        declarations.joined, declarations.departed = set(), {}  # ranks are numbered afresh
         with self.s._lock:
             self.s._joins = {}  # a join in progress is cancelled with the workers' other requests
         for server in [s for s in self.s._servers if not s.lost]:

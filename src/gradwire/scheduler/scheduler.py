@@ -571,7 +571,7 @@ class Scheduler:
             except GradwireError:
                 pass  # that worker's own loss is handled on its connection
         if node.role == "worker" and self.declarations is not None:
-            self.declarations.cancel(f"worker {node.rank} left the job (called shutdown())", rank=node.rank)
+            self.declarations.leave(node.rank, f"worker {node.rank} left the job (called shutdown())")
         with self._lock:
             if not all(w.said_bye or w.lost for w in self._workers) or node.role != "worker":
                 return
