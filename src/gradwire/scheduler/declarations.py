@@ -167,11 +167,11 @@ class Declarations:
                 return
         signature = Signature(key_op, dtype, shape, slices, meta, members, op_args)
         call = _Call(rank, signature, int(body["partition_bytes"]), answer)
-        refusal = self._joined_refusal(name, signature) if self.joined else None
+        refusal = self._joined_refusal(name, signature)
         if refusal is not None:  # at once: the joined ranks will not call it, and the others may not under this name
             answer(refusal)
             return
-        gone = [r for r in (range(self.num_workers) if members is None else members) if r in self.departed]
+        gone = [r for r in self._ranks(signature) if r in self.departed]
         if gone and name not in self.tensors:  # a worker it needs has left already: it would wait for ever
             answer({"error": f"tensor {name!r} cannot be declared: {self.departed[gone[0]]}", "abort": False})
             return
@@ -183,8 +183,7 @@ class Declarations:
                 calls[rank] = call
                 if not set(self._expected(calls)) <= set(calls):
                     return  # answered when the last worker (of its process set) declares it
-                del self._pending[name], self._since[name]
-                self._blocked.pop(name, None)
+                self._take_pending(name)
         if known is not None:
             self._answer_late(name, known, call)
             return
@@ -260,19 +259,28 @@ class Declarations:
                 )
         return lines
 
+    def _ranks(self, signature: Signature) -> list[int] | range:
+        """The ranks that call a tensor: its process set's, or every worker."""
+        return range(self.num_workers) if signature.members is None else signature.members
+
     def _expected(self, calls: dict[int, _Call]) -> list[int]:
         """The ranks that must declare a pending tensor: its process set's, or every worker; not those that have
         joined (hvd.join: they are out of data, and an allreduce goes on with zeros in their place)."""
-        members = next(iter(calls.values())).signature.members
-        ranks = range(self.num_workers) if members is None else members
-        return [r for r in ranks if r not in self.joined]
+        return [r for r in self._ranks(next(iter(calls.values())).signature) if r not in self.joined]
+
+    def _take_pending(self, name: str) -> dict[int, _Call]:
+        """Take a pending declaration off the books (it completes, or fails); its calls. Under the lock."""
+        self._since.pop(name, None)
+        self._blocked.pop(name, None)
+        return self._pending.pop(name)
 
     def _joined_refusal(self, name: str, signature: Signature) -> dict | None:
-        """The answer to a collective that cannot go on while some of its ranks have joined (all but the reductions:
-        allgather, broadcast, alltoall, reducescatter, a server-side optimizer); None if it can."""
-        ranks = range(self.num_workers) if signature.members is None else signature.members
-        absent = sorted(self.joined & set(ranks))
-        if not absent or signature.key_op in ("sum", "min", "max", "product") and signature.slices is None:
+        """The answer to a collective that cannot go on while some of its ranks have joined (all but the whole
+        elementwise reductions: allgather, broadcast, alltoall, reducescatter, a server-side optimizer); None if it
+        can (the engine stands zeros in for joined ranks in the same reductions)."""
+        absent = sorted(self.joined & set(self._ranks(signature)))
+        reduction = isinstance(ops.OPS.get(signature.key_op), ops.Reduce) and signature.slices is None
+        if not absent or reduction:
             return None
         return {
             "error": f"tensor {name!r} ({signature.key_op}): worker(s) {absent} have joined (hvd.join), and only an "
@@ -289,16 +297,9 @@ class Declarations:
             for name, calls in list(self._pending.items()):
                 refusal = self._joined_refusal(name, next(iter(calls.values())).signature)
                 if refusal is not None:  # it would wait for a joined rank, under a name the others may never use
-                    refused[name] = (calls, refusal)
-                    del self._pending[name]
-                    self._since.pop(name, None)
-                    self._blocked.pop(name, None)
+                    refused[name] = (self._take_pending(name), refusal)
             ready = [name for name, calls in self._pending.items() if set(self._expected(calls)) <= set(calls)]
-            completed = {}
-            for name in ready:
-                completed[name] = self._pending.pop(name)
-                self._since.pop(name, None)
-                self._blocked.pop(name, None)
+            completed = {name: self._take_pending(name) for name in ready}
         for calls, refusal in refused.values():
             for c in calls.values():
                 c.answer(refusal)
@@ -329,8 +330,7 @@ class Declarations:
                 if waits_for_rank and (not blocked_only or self._blocked.get(name)):
                     dropped[name] = calls
             for name in dropped:
-                del self._pending[name], self._since[name]
-                self._blocked.pop(name, None)
+                self._take_pending(name)
         for name, calls in dropped.items():
             for c in calls.values():
                 c.answer({"error": f"tensor {name!r} cannot be declared: {why}", "abort": False})

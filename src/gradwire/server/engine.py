@@ -339,7 +339,7 @@ class Engine:
                     "allreduce goes on without them (their contributions count as zeros)"
                 )
         self._contribute(state, i, slot.sender, slot.data.view(dtype.wire), slot.landed)
-        if state.count[i] < state.need:
+        if self.joined and state.count[i] < state.need:
             self._join_in(state, i)  # joined workers contribute zeros (hvd.join)
         if state.count[i] < state.need:
             # The worker's window counts contributions not yet in, not sums not yet out: a window of

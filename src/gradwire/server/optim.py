@@ -21,6 +21,7 @@ within one partition, some elements may be one update newer than others).
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -29,7 +30,6 @@ from gradwire.errors import TensorError
 from gradwire.protocol import dtypes, update
 from gradwire.protocol.frames import REPLICA, SEED
 from gradwire.server import ops, replica
-from gradwire.transport.shm import NO_SLOT
 
 if TYPE_CHECKING:
     from gradwire.ring import Slot
@@ -268,8 +268,7 @@ class ServerUpdate(ops.KeyOp):
 
     def add(self, state: KeyState, i: int, dtype: dtypes.DType, wire: np.ndarray, first: bool) -> None:
         held = state.held
-        if len(wire) * dtype.itemsize != state.length:
-            raise TensorError(f"{state.name!r}: a push of {len(wire) * dtype.itemsize} bytes, not {state.length}")
+        _check_whole(state, wire, "a push")
         t = self._trailer(wire)
         if first:
             held.trailer[i][:] = t
@@ -333,8 +332,7 @@ class ServerUpdate(ops.KeyOp):
     def _apply_replica(self, state: KeyState, slot: Slot, wire: np.ndarray) -> None:
         """The replica's side: apply what the key's primary applied, then acknowledge it."""
         held = state.held
-        if len(wire) * state.dtype.itemsize != state.length:
-            raise TensorError(f"{state.name!r}: a replicated update of {slot.length} bytes, not {state.length}")
+        _check_whole(state, wire, "a replicated update")
         t = self._trailer(wire)
         kind, which = int(t[0]), int(t[1])
         if kind == update.GRAD:
@@ -370,19 +368,16 @@ class ServerUpdate(ops.KeyOp):
             engine.answer_one(slot, memoryview(held.read(which)).cast("B"))
             return True
         if kind == update.WRITE:
-            if len(wire) * state.dtype.itemsize != state.length:
-                raise TensorError(f"{state.name!r}: a write of {slot.length} bytes, not {state.length}")
+            _check_whole(state, wire, "a write")
             held.write(which, wire[: held.m])
             if held.replica is None or engine.forward is None:
                 engine.answer_one(slot, state.results[0])
                 return True
-            parts = [memoryview(wire.copy()).cast("B")]  # the ring slot is reused once this returns
-            pulls = [NO_SLOT] * len(state.pulls[0])
-            pulls[slot.sender] = slot.pull
-            payload, sender, key, rnd, code = state.results[0], slot.sender, slot.key, slot.round, slot.dtype
-            engine.forward(
-                held.replica, key, rnd, code, parts, lambda: engine.reply(key, rnd, code, payload, pulls, 1 << sender)
-            )
+            # the data and the writer's answer taken now: the ring slot is reused once this returns
+            parts = [memoryview(wire.copy()).cast("B")]
+            answer = (slot.key, slot.round, slot.dtype, state.results[0], slot.pull, slot.sender)
+            done = partial(engine.answer_rank, *answer)
+            engine.forward(held.replica, slot.key, slot.round, slot.dtype, parts, done)
             return True
         if not self.asynchronous:
             return False
@@ -395,8 +390,7 @@ class ServerUpdate(ops.KeyOp):
         held, w = state.held, slot.sender
         if not state.everyone >> w & 1:
             raise TensorError(f"worker {w} is not among the ranks {state.members} of {state.name!r}")
-        if len(wire) * state.dtype.itemsize != state.length:
-            raise TensorError(f"{state.name!r}: a push of {slot.length} bytes, not {state.length}")
+        _check_whole(state, wire, "a push")
         if kind == update.INIT:
             if not held.installed:  # the first to arrive wins (every worker is answered with those parameters)
                 held.install(wire[: held.m])
@@ -421,6 +415,13 @@ class ServerUpdate(ops.KeyOp):
             rnd, pull = held.held.pop(r)
             held.seen[r] = held.stepper.count
             engine.answer_rank(slot.key, rnd, slot.dtype, state.results[0], pull, r)
+
+
+def _check_whole(state: KeyState, wire: np.ndarray, what: str) -> None:
+    """A push that must carry the key's whole data and trailer (a seed or a read carries less)."""
+    nbytes = len(wire) * state.dtype.itemsize
+    if nbytes != state.length:
+        raise TensorError(f"{state.name!r}: {what} of {nbytes} bytes, not {state.length}")
 
 
 def stats(states: list[KeyState]) -> dict:

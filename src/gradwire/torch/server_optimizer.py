@@ -22,7 +22,7 @@ worker's gradient is applied as it arrives and a worker runs at most s updates a
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import gradwire
@@ -120,14 +120,27 @@ class _ServerOptimizer:
             with torch.no_grad():
                 p.copy_(staged)
 
+    def _exchange_all(
+        self,
+        kind: int,
+        data: Callable[[torch.Tensor], torch.Tensor | None] = lambda p: None,
+        which: int = 0,
+        params: list[torch.Tensor] | None = None,
+        into: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        """One exchange of every parameter (or of `params`) with its servers: all started, then all waited for.
+        `data(p)` is what goes, `into(p)` where the answer lands (default: the parameter itself)."""
+        params = self._params if params is None else params
+        started = [(p, *self._send(p, kind, data(p), which, into(p) if into else None)) for p in params]
+        for p, handle, staged in started:
+            self._finish(p, handle, staged)
+
     def _initialize(self) -> None:
         """Every worker's parameters become the first worker's, on the servers and here (collective, once)."""
         if self._initialized:
             return
         self._initialized = True
-        started = [(p, *self._send(p, update.INIT, p)) for p in self._params]
-        for p, handle, staged in started:
-            self._finish(p, handle, staged)
+        self._exchange_all(update.INIT, lambda p: p)
 
     def _on_grad(self, p: torch.Tensor) -> None:
         if not self._initialized:
@@ -189,9 +202,7 @@ class _ServerOptimizer:
 
     def _read_all(self, which: int) -> dict[int, torch.Tensor]:
         bufs = {id(p): torch.empty(p.shape, dtype=p.dtype) for p in self._params}
-        started = [(p, *self._send(p, update.READ, None, which, bufs[id(p)])) for p in self._params]
-        for p, handle, staged in started:
-            self._finish(p, handle, staged)
+        self._exchange_all(update.READ, which=which, into=lambda p: bufs[id(p)])
         return bufs
 
     @torch.no_grad()
@@ -242,22 +253,17 @@ class _ServerOptimizer:
         if not self._initialized:
             self._initialize()
         names = update.state_names(self._args(self._params[0])) if self._params else []
-        started = [(p, *self._send(p, update.WRITE, p, -1)) for p in self._params]  # parameters; state afresh
-        for _, handle, _ in started:
-            self._w.synchronize(handle)
+        self._exchange_all(update.WRITE, lambda p: p, -1)  # the parameters, with the state afresh
         for which, name in enumerate(names, 1):
             present = [p for p in self._params if torch.is_tensor(loaded.get(p, {}).get(name))]
-            started = [(p, *self._send(p, update.WRITE, loaded[p][name], which)) for p in present]
-            for _, handle, _ in started:
-                self._w.synchronize(handle)
-        counts = []
-        for p in self._params:
+            self._exchange_all(update.WRITE, lambda p, name=name: loaded[p][name], which, present)
+
+        def count(p: torch.Tensor) -> torch.Tensor:
             entry = loaded.get(p, {})
-            count = entry["step"] if "step" in entry else int(entry.get("momentum_buffer") is not None)
-            counts.append((p, torch.full(p.shape, float(count), dtype=p.dtype)))
-        started = [(p, *self._send(p, update.WRITE, c, len(names) + 1)) for p, c in counts]
-        for _, handle, _ in started:
-            self._w.synchronize(handle)
+            steps = entry["step"] if "step" in entry else int(entry.get("momentum_buffer") is not None)
+            return torch.full(p.shape, float(steps), dtype=p.dtype)
+
+        self._exchange_all(update.WRITE, count, len(names) + 1)
 
 
 def ServerOptimizer(  # noqa: N802 - a factory that returns an instance of the torch optimizer's class

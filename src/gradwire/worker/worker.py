@@ -1029,35 +1029,29 @@ class Worker:
         mode, docs/ps-mode.md), ahead of its resent pushes: the new server starts from them."""
         with self._lock:
             stateful = {k for t in self._tensors.values() if t.stateful for k in t.keys}
-        sent = 0
-        for key in keys:
-            saved = (self._saved or {}).get(key)
-            if key in stateful and saved is not None and saved.round >= 0:
-                with self._lock:
-                    server = self._owner[key]
-                seed = Work("", key, saved.round, saved.dtype, saved.data, saved.data, 1, None, seed=True)
-                self._links[server].submit(seed, SEED_PRIORITY)
-                sent += 1
-        return sent
+        saved = self._saved or {}
+        return sum(self._seed(key, saved[key]) for key in keys if key in stateful and key in saved)
 
     def _send_seeds(self, body: dict) -> None:
         """Resend the sums the scheduler asked for (a round another worker still waits for). A sum already replaced
         by a later round's is not needed any more: that later round could only complete once everyone had this one."""
-        sent = 0
-        for key, rnd in body["keys"]:
-            saved = (self._saved or {}).get(int(key))
-            if saved is None or saved.round != int(rnd):
-                continue
-            with self._lock:
-                server = self._owner.get(int(key))
-            if server is None:
-                continue
-            seed = Work("", int(key), saved.round, saved.dtype, saved.data, saved.data, 1, None, seed=True)
-            self._links[server].submit(seed, SEED_PRIORITY)
-            sent += 1
+        saved = self._saved or {}
+        asked = [int(k) for k, rnd in body["keys"] if int(k) in saved and saved[int(k)].round == int(rnd)]
+        sent = sum(self._seed(key, saved[key]) for key in asked)
         if self.failovers:
             self.failovers[-1]["seeds"] += sent
         log.warning("worker %d: seeded %d sums the new servers' workers were waiting for", self.rank, sent)
+
+    def _seed(self, key: int, saved: Saved) -> bool:
+        """Send the sum this worker holds of `key` to the key's server, flagged SEED; False if it holds none (or the
+        key has no server)."""
+        with self._lock:
+            server = self._owner.get(key)
+        if server is None or saved.round < 0:
+            return False
+        seed = Work("", key, saved.round, saved.dtype, saved.data, saved.data, 1, None, seed=True)
+        self._links[server].submit(seed, SEED_PRIORITY)
+        return True
 
     def _resubmit(self, work: Work, priority: int) -> None:
         """Push a partition again, to its key's server now."""
