@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from gradwire.errors import JobAborted
+from gradwire.protocol import dtypes
 from gradwire.scheduler.status import cluster_status
 from gradwire.testing import FakeClock, LocalCluster
 
@@ -199,6 +200,188 @@ def test_horovods_collectives_survive_a_server_killed_mid_job():
             assert np.array_equal(gathered, want_rows) and np.array_equal(broadcast, want_root)
             assert np.array_equal(low, np.arange(1200, dtype=np.int32) - 2 * step)
             assert np.array_equal(high, np.arange(1200, dtype=np.int32) + 2 * step)
+
+
+def _answer_one_then_die(cluster: LocalCluster, killed: threading.Event, after: int) -> None:
+    """Server 0 answers its `after`-th sliced round (a reducescatter's or alltoall's) to worker 0 only, then dies: the
+    other workers wait for a round whose sum nobody holds (each worker pulled only its slice)."""
+    victim = cluster.servers[0]
+    seen = {"sliced": 0}
+    original = victim._queue_reply
+
+    def queue_reply(key, rnd, dtype, payload, pulls, ranks):
+        if not isinstance(payload, list) or killed.is_set():
+            return original(key, rnd, dtype, payload, pulls, ranks)
+        seen["sliced"] += 1
+        if seen["sliced"] != after:
+            return original(key, rnd, dtype, payload, pulls, ranks)
+        original(key, rnd, dtype, payload, pulls, ranks & 0b001)
+        deadline = time.monotonic() + 5
+        while victim._links[0].replies.qsize() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        time.sleep(0.05)
+        killed.set()
+        threading.Thread(target=lambda: cluster.kill_server(0), daemon=True).start()
+
+    victim._queue_reply = queue_reply
+    for engine in victim._engines:
+        engine._reply = queue_reply
+
+
+@pytest.mark.parametrize("collective", ["reducescatter", "alltoall"])
+def test_a_sliced_round_answered_to_some_workers_only_is_summed_again_from_their_contributions(collective):
+    """The trap of the test above, for keys whose ranks each pull only a slice: no worker holds the round's sum to
+    seed, so the workers the dead server answered replay their contributions, and the others get exact results."""
+    from gradwire import collectives
+
+    steps, n = 8, 3
+
+    def data(rank: int, step: int) -> np.ndarray:
+        rng = np.random.default_rng(rank * 7919 + step)
+        return (rng.standard_normal((3 * n + 1, 40)) * 10.0 ** rng.integers(-4, 5, (3 * n + 1, 40))).astype(np.float32)
+
+    def splits(rank: int, step: int) -> list[int]:
+        return [(rank + step + d) % 3 + d for d in range(n)] if collective == "alltoall" else []
+
+    def job(worker):
+        out = []
+        for step in range(steps):
+            x = data(worker.rank, step)
+            if collective == "reducescatter":
+                got = worker.synchronize(collectives.reducescatter_async(worker, x, "rs"))
+            else:
+                mine = splits(worker.rank, step)
+                handle, _ = collectives.alltoall_async(worker, x[: sum(mine)], mine, "a2a")
+                got = worker.synchronize(handle)
+            out.append(got.copy())
+        return out
+
+    with LocalCluster(num_workers=n, num_servers=2, partition_bytes=1024) as c:
+        killed = threading.Event()
+        _answer_one_then_die(c, killed, after=5)
+        results = c.run(job)
+        assert killed.is_set() and c.scheduler.failovers, "the trap never fired"
+    for step in range(steps):
+        for rank, per_rank in enumerate(results):
+            if collective == "reducescatter":
+                total = (data(0, step) + data(1, step)) + data(2, step)  # the servers' rank order
+                rows = collectives.row_split(total.shape[0], n)
+                want = total[sum(rows[:rank]) : sum(rows[: rank + 1])]
+            else:  # rows each sender sent to `rank`, in sender order
+                parts = []
+                for sender in range(n):
+                    cut = np.cumsum([0] + splits(sender, step))
+                    parts.append(data(sender, step)[cut[rank] : cut[rank + 1]])
+                want = np.concatenate(parts)
+            assert per_rank[step].tobytes() == want.tobytes(), f"worker {rank}, step {step}: wrong {collective}"
+
+
+WIRE = {"bfloat16": np.uint16}  # carried as its bits
+OPS = ["sum", "min", "max", "product", "allgather", "broadcast", "reducescatter", "alltoall"]
+
+
+def _contribution(name: str, rank: int, step: int, rows: int, cols: int) -> np.ndarray:
+    rng = np.random.default_rng(hash((name, rank, step)) % 2**32)
+    if name == "bool":
+        return rng.integers(0, 2, (rows, cols)).astype(bool)
+    if name == "bfloat16":  # the high halves of float32s: exact bfloat16 values
+        values = (rng.standard_normal((rows, cols)) * 10.0 ** rng.integers(-3, 4, (rows, cols))).astype(np.float32)
+        return (values.view(np.uint32) >> 16).astype(np.uint16)
+    dtype = np.dtype(name)
+    if dtype.kind == "f":
+        return (rng.standard_normal((rows, cols)) * 10.0 ** rng.integers(-3, 4, (rows, cols))).astype(dtype)
+    info = np.iinfo(dtype)
+    return rng.integers(max(info.min, -100), min(info.max, 100), (rows, cols)).astype(dtype)
+
+
+def _widen(name: str, x: np.ndarray) -> np.ndarray:
+    if name == "bfloat16":
+        return (x.astype(np.uint32) << 16).view(np.float32)
+    return x.astype(np.float32) if name == "float16" else x.copy()
+
+
+def _narrow(name: str, acc: np.ndarray) -> np.ndarray:
+    if name == "bfloat16":  # round to nearest even
+        bits = acc.view(np.uint32)
+        return ((bits + ((bits >> 16) & 1) + 0x7FFF) >> 16).astype(np.uint16)
+    with np.errstate(over="ignore"):  # a float16 product may overflow to inf, as the servers' narrowing does
+        return acc.astype(np.float16) if name == "float16" else acc
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_every_op_of_every_dtype_is_exact_across_a_server_failover(n):
+    """Each per-key operation (the four reductions, allgather with rows differing by rank, broadcast, reducescatter,
+    alltoall with uneven splits) of each dtype gradwire carries, at odd sizes, all in flight at once, step after step,
+    while a server is killed: every result is the exact one (reductions in rank order, in the accumulator's
+    precision, as the servers add)."""
+    from gradwire import collectives
+
+    steps, names = 4, list(dtypes.BY_NAME)
+
+    def shape(k: int, rank: int = 0, step: int = 0) -> tuple[int, int]:
+        return (2 * n + 1 + (k + rank + step) % 3, 3 + 2 * (k % 2))
+
+    def alltoall_splits(rank: int, step: int, rows: int) -> list[int]:
+        cut = [(rank + step + d) % 2 for d in range(n)]
+        cut[-1] += rows - sum(cut)
+        return cut
+
+    def job(worker, killed):
+        out = {}
+        for step in range(steps):
+            if step == steps // 2:
+                killed.wait(30)
+            handles = {}
+            for k, name in enumerate(names):
+                wire = None if name not in WIRE else name
+                for op in OPS:
+                    tag = f"{op}.{name}"
+                    rows, cols = shape(k, worker.rank if op == "allgather" else 0, step)
+                    x = _contribution(name, worker.rank, step, rows, cols)
+                    if op in ("sum", "min", "max", "product"):
+                        handles[tag] = worker.push_pull_async(x, tag, op=op, dtype=wire)
+                    elif op == "allgather":
+                        handles[tag] = collectives.allgather_async(worker, x, tag, dtype=wire)
+                    elif op == "broadcast":
+                        handles[tag] = collectives.broadcast_async(worker, x, (step + k) % n, tag, dtype=wire)
+                    elif op == "reducescatter":
+                        handles[tag] = collectives.reducescatter_async(worker, x, tag, dtype=wire)
+                    else:
+                        cut = alltoall_splits(worker.rank, step, rows)
+                        handles[tag], _ = collectives.alltoall_async(worker, x, cut, tag, dtype=wire)
+            for tag, handle in handles.items():
+                out[step, tag] = worker.synchronize(handle).copy()
+        return out
+
+    with LocalCluster(num_workers=n, num_servers=3, partition_bytes=256) as c:
+        killed = threading.Event()
+        killer = _kill_when(c, 1, rounds=25, killed=killed)
+        results = c.run(lambda w: job(w, killed))
+        killer.join()
+        assert c.scheduler.failovers, "the server was not killed during the job"
+    for step in range(steps):
+        for k, name in enumerate(names):
+            rows, cols = shape(k, 0, step)
+            xs = [_contribution(name, r, step, rows, cols) for r in range(n)]
+            reduced = {}
+            for op, ufunc in (("sum", np.add), ("min", np.minimum), ("max", np.maximum), ("product", np.multiply)):
+                acc = _widen(name, xs[0])
+                for x in xs[1:]:
+                    ufunc(acc, _widen(name, x), out=acc, casting="unsafe")
+                reduced[op] = _narrow(name, acc)
+            gathered = np.concatenate([_contribution(name, r, step, *shape(k, r, step)) for r in range(n)])
+            split = np.cumsum([0] + collectives.row_split(rows, n))
+            for rank in range(n):
+                cuts = [np.cumsum([0] + alltoall_splits(r, step, rows)) for r in range(n)]
+                want = dict(reduced)
+                want["allgather"] = gathered
+                want["broadcast"] = xs[(step + k) % n]
+                want["reducescatter"] = reduced["sum"][split[rank] : split[rank + 1]]
+                want["alltoall"] = np.concatenate([xs[r][cuts[r][rank] : cuts[r][rank + 1]] for r in range(n)])
+                for op in OPS:
+                    got = results[rank][step, f"{op}.{name}"]
+                    assert got.dtype == want[op].dtype and got.shape == want[op].shape, (op, name, step, rank)
+                    assert got.tobytes() == want[op].tobytes(), f"worker {rank}, step {step}: {op} of {name} differs"
 
 
 def test_the_data_path_settings_are_re_derived_after_a_failover():

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from gradwire.protocol import dtypes
-from gradwire.protocol.frames import SEED
+from gradwire.protocol.frames import REPLAY, SEED
 from gradwire.ring import Ring, Slot
 from gradwire.server.engine import Engine
 from gradwire.transport.shm import SHM_PAYLOAD
@@ -13,7 +13,7 @@ def _engine(replies, acks, fails, workers=2, deterministic=True):
         0,
         Ring(4, 64),
         workers,
-        lambda *a: replies.append((*a[:4], bytes(a[3]), a[5])),
+        lambda *a: replies.append((*a[:4], [bytes(p) for p in a[3]] if isinstance(a[3], list) else bytes(a[3]), a[5])),
         lambda s, m: fails.append(m),
         lambda *a: acks.append(a),
         deterministic=deterministic,
@@ -130,11 +130,36 @@ def test_the_scheduler_asks_one_holder_to_seed_each_round_a_worker_still_waits_f
     # key 7: worker 2 resends round 5, workers 0 and 1 hold its sum (and resend round 6): one seed, from worker 0.
     # key 8: everyone resends round 3, nobody has its sum: nothing to seed. key 9: everyone has round 4: nothing.
     reported = {
-        0: {7: (5, 6), 8: (2, 3), 9: (4, -1)},
-        1: {7: (5, 6), 8: (2, 3), 9: (4, -1)},
-        2: {7: (4, 5), 8: (2, 3), 9: (4, -1)},
+        0: {7: (5, 6, False), 8: (2, 3, False), 9: (4, -1, False)},
+        1: {7: (5, 6, False), 8: (2, 3, False), 9: (4, -1, False)},
+        2: {7: (4, 5, False), 8: (2, 3, False), 9: (4, -1, False)},
     }
     assert seeds_needed(reported) == {0: [[7, 5]]}
+    # a sliced key (reducescatter): workers 0 and 2 hold only their contributions to round 5, worker 1 resends its
+    # push: both replay theirs, or the round can never complete again
+    sliced = {0: {7: (5, 6, True)}, 1: {7: (4, 5, False)}, 2: {7: (5, -1, True)}}
+    assert seeds_needed(sliced) == {0: [[7, 5]], 2: [[7, 5]]}
+
+
+def test_replayed_contributions_complete_a_sliced_round_and_only_the_waiting_ranks_are_answered():
+    replies, acks = [], []
+    engine = _engine(replies, acks, [], workers=3)
+    engine.declare(9, dtypes.BY_NAME["float32"], 24, slices=[(0, 8), (8, 8), (16, 8)])
+    parts = [np.arange(6, dtype=np.float32) * 10.0 ** (2 * r) for r in range(3)]
+    # the dead server answered workers 0 and 2 their slices of round 5; worker 1 resends its push, the others replay
+    _push(engine, 2, parts[2].copy(), rnd=5, flags=REPLAY)
+    _push(engine, 1, parts[1].copy(), rnd=5)
+    assert not replies and acks == [(1, 9, 5)]  # worker 1's push is acknowledged, a replay never is
+    _push(engine, 0, parts[0].copy(), rnd=5, flags=REPLAY)
+    ((key, rnd, _, _, payload, ranks),) = replies
+    assert (key, rnd, ranks) == (9, 5, 0b010)  # only worker 1 is answered: its slice of the rank-order sum
+    assert bytes(payload[1]) == ((parts[0] + parts[1]) + parts[2])[2:4].tobytes()
+    _push(engine, 0, parts[0].copy(), rnd=5, flags=REPLAY)  # asked again (a second failover): dropped
+    _push(engine, 2, parts[2].copy(), rnd=3, flags=REPLAY)  # a round this buffer has moved past: dropped
+    assert len(replies) == 1
+    for rank in range(3):  # the next round goes on as usual, answered to everyone
+        _push(engine, rank, parts[rank].copy(), rnd=7)
+    assert replies[1][1] == 7 and replies[1][5] == 0b111
 
 
 def test_a_contribution_lands_in_its_key_buffer_only_where_it_may_wait():

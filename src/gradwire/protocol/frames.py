@@ -45,6 +45,10 @@ class FrameType(enum.IntEnum):
 # PUSHPULL flag: the payload is a sum the worker already received (resent to a key's new server after a failover;
 # transport/shm.py's SHM_PAYLOAD is 0x01)
 SEED = 0x02
+# PUSHPULL flag: worker -> server, a contribution to a round of a sliced key (reducescatter, alltoall) that the dead
+# server had already answered this worker for: resent after a failover so the round completes for the ranks still
+# waiting; counted like any push, never answered nor acknowledged (they pull only their slice: none holds the sum)
+REPLAY = 0x08
 # PUSHPULL flag: server -> server, an update a key's primary applied, for the replica to apply alike (the header's
 # status numbers it; the replica's ACK echoes the number). Parameter-server mode, server/replica.py.
 REPLICA = 0x04

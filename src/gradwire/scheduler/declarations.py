@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -20,10 +21,12 @@ import numpy as np
 
 from gradwire import partition
 from gradwire.config import Config
-from gradwire.errors import TensorError
+from gradwire.errors import GradwireError, TensorError
 from gradwire.placement import Placement
 from gradwire.protocol import dtypes, messages, update
 from gradwire.server import ops
+
+log = logging.getLogger("gradwire.scheduler")
 
 
 @dataclass
@@ -101,7 +104,10 @@ class _Call:
 class Declarations:
     """Every tensor of the job. Thread-safe: declarations arrive on every worker's connection thread.
 
-    `send(server_rank, body)` delivers a control message to a server; the server's reply comes back by `ack`.
+    `send(server_rank, body)` delivers a control message to a server; the server's reply comes back by `ack`. A server
+    that dies is `abandon`ed at once: nothing waits for its replies, nor sends it keys, until a standby takes its place
+    (`revive`); its keys are moved by the failover (`evict`, `move_to_replicas`), also those of a declaration
+    that was being registered as it died.
     """
 
     def __init__(
@@ -122,7 +128,11 @@ class Declarations:
         self.declared_bytes = 0
         self._keys: dict[int, str] = {}
         self._send = send
-        self._acks: dict[int, threading.Event] = {}
+        self._acks: dict[int, tuple[threading.Event, int]] = {}  # request id -> (its reply arrived, server)
+        self._dead: set[int] = set()  # servers abandoned (dead) and not yet replaced by a standby
+        # held by a failover while it moves keys and registers them on their new servers: a declaration's answer is
+        # taken either before (the workers then learn the move from the failover) or after (its servers have the keys)
+        self.moving = threading.Lock()
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._pending: dict[str, dict[int, _Call]] = {}  # declarations waiting for the other workers', by rank
@@ -226,8 +236,10 @@ class Declarations:
                 c.answer({"error": error, "abort": False})
             return
         self._register_keys(name, decl)
+        with self.moving:  # one answer for all, never one taken while a failover moves the tensor's keys
+            reply = decl.answer()
         for c in calls:
-            c.answer(decl.answer())
+            c.answer(reply)
 
     def _answer_late(self, name: str, known: Declaration, call: _Call) -> None:
         """A declaration of a tensor the job already has (a worker that joined later, or declares again)."""
@@ -242,7 +254,9 @@ class Declarations:
             return
         if not known.ready.wait(self.config.timeout):
             known.error = known.error or f"servers did not confirm the keys of {name!r} in {self.config.timeout}s"
-        call.answer(known.answer())
+        with self.moving:
+            reply = known.answer()
+        call.answer(reply)
 
     def stalled(self, threshold: float, now: float | None = None) -> list[str]:
         """One line per declaration that has waited more than `threshold` seconds for some workers'."""
@@ -337,19 +351,46 @@ class Declarations:
 
     def ack(self, request_id: int) -> None:
         """A server confirmed the keys of request `request_id`."""
-        event = self._acks.get(request_id)
-        if event is not None:
-            event.set()
+        entry = self._acks.get(request_id)
+        if entry is not None:
+            entry[0].set()
 
-    def call(self, server: int, body: dict) -> bool:
-        """Send `body` (given a request id) to a server and wait for its reply; False if none came in time."""
-        rid = next(self._ids)
-        event = self._acks[rid] = threading.Event()
+    def abandon(self, dead: int) -> None:
+        """Server `dead` is gone: stop waiting for its replies (the requests waiting go on without them)."""
+        with self._lock:
+            self._dead.add(dead)
+            for event, server in list(self._acks.values()):
+                if server == dead:
+                    event.set()
+
+    def _request(self, server: int, body: dict) -> tuple[int, threading.Event] | None:
+        """Send `body` with a new request id to `server`; None if the server is dead or the send failed (a server
+        whose connection fails is being failed over: the failover moves what it had)."""
+        rid, event = next(self._ids), threading.Event()
+        with self._lock:
+            if server in self._dead:
+                return None
+            self._acks[rid] = (event, server)
         try:
             self._send(server, body | {"id": rid})
-            return event.wait(self.config.timeout)
+        except GradwireError as e:
+            log.warning("cannot send %s to server %d: %s", body.get("op"), server, e)
+            self._acks.pop(rid, None)
+            return None
+        return rid, event
+
+    def _answered(self, server: int, rid: int, event: threading.Event) -> bool:
+        """Wait for the reply to request `rid`: True once it came, False if it did not in time or the server died."""
+        try:
+            return event.wait(self.config.timeout) and server not in self._dead
         finally:
             self._acks.pop(rid, None)
+
+    def call(self, server: int, body: dict) -> bool:
+        """Send `body` (given a request id) to a server and wait for its reply; False if none came in time (or the
+        server is dead)."""
+        request = self._request(server, body)
+        return request is not None and self._answered(server, *request)
 
     def evict(self, dead: int) -> dict[str, list[int]]:
         """Re-place every partition of server `dead` on the live servers and register the keys there (blocks until
@@ -404,6 +445,11 @@ class Declarations:
             self._register_keys(name, decl, only={s for s in servers if s != dead})
         return moved
 
+    def revive(self, server: int) -> None:
+        """A standby takes dead server `server`'s place: requests go to it again."""
+        with self._lock:
+            self._dead.discard(server)
+
     def register_all(self, server: int) -> None:
         """Register every key of `server` with it again (a standby that took a dead server's place)."""
         with self._lock:
@@ -441,14 +487,12 @@ class Declarations:
                 body["op_args"] = json.loads(decl.op_args)
             if cuts is not None:
                 body["slices"] = {str(k): cuts[decl.keys.index(k)] for k, _, _ in body["keys"]}
-            rid = next(self._ids)
-            event = self._acks[rid] = threading.Event()
-            self._send(server, body | {"id": rid})
-            waits.append((server, rid, event))
+            request = self._request(server, body)
+            if request is not None:
+                waits.append((server, *request))
         for server, rid, event in waits:
-            if not event.wait(self.config.timeout):
+            if not self._answered(server, rid, event) and server not in self._dead:
                 decl.error = f"server {server} did not confirm the keys of {name!r} in {self.config.timeout}s"
-            self._acks.pop(rid, None)
         decl.ready.set()
 
     def _place(self, name: str, shape: list[int], dtype: str, rank: int, pbytes: int) -> Declaration:

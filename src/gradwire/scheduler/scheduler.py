@@ -396,7 +396,10 @@ class Scheduler:
                 entry = self._failover_states.get(int(body["epoch"]))
                 if entry is not None:
                     everyone, reported = entry
-                    reported[node.rank] = {int(k): (int(v[0]), int(v[1])) for k, v in body["keys"].items()}
+                    reported[node.rank] = {
+                        int(k): (int(v[0]), int(v[1]), bool(v[2]) if len(v) > 2 else False)
+                        for k, v in body["keys"].items()
+                    }
                     if len(reported) >= len(self._live_workers()):
                         everyone.set()
         elif op == messages.PROBE_RESULT and node.probe is not None:
@@ -703,6 +706,8 @@ class Scheduler:
                 standby.since_epoch = self.epoch
                 self._servers[node.rank] = standby
             epoch = self.epoch
+        assert self.declarations is not None
+        self.declarations.abandon(node.rank)  # what waits on the dead server's replies goes on without them
         node.conn.close()  # fence it: a server the workers cannot reach must not go on summing
         threading.Thread(
             target=self._fail_over, args=(node, standby, epoch, why), name="gw-sched-failover", daemon=True
@@ -713,19 +718,24 @@ class Scheduler:
         assert self.declarations is not None
         log.warning("lost server %d at %s (%s): failing over in epoch %d", dead.rank, dead.host, why, epoch)
         try:
-            # keys whose optimizer state the dead server held go to their replica, which has it (server/replica.py)
-            moved = self.declarations.move_to_replicas(dead.rank)
-            if standby is not None:
-                # confirmed before the workers hear of it: they connect to it at once, and a standby not yet
-                # promoted refuses them (the dead server's keys may all have gone to replicas: nothing else to wait on)
-                promote = {"op": messages.PROMOTE, "rank": dead.rank, "epoch": epoch}
-                if not self.declarations.call(dead.rank, promote):
-                    raise GradwireError(f"the standby taking server {dead.rank}'s place did not confirm its promotion")
-                self.declarations.register_all(dead.rank)
-                address: dict | None = _server_entry(standby)
-            else:
-                moved |= self.declarations.evict(dead.rank)
-                address = None
+            with self.declarations.moving:  # declarations answered meanwhile wait: their keys may be moving
+                # keys whose optimizer state the dead server held go to their replica, which has it (server/replica.py)
+                moved = self.declarations.move_to_replicas(dead.rank)
+                if standby is not None:
+                    # confirmed before the workers hear of it: they connect to it at once, and a standby not yet
+                    # promoted refuses them (the dead server's keys may all have gone to replicas: nothing else to
+                    # wait on)
+                    promote = {"op": messages.PROMOTE, "rank": dead.rank, "epoch": epoch}
+                    self.declarations.revive(dead.rank)
+                    if not self.declarations.call(dead.rank, promote):
+                        raise GradwireError(
+                            f"the standby taking server {dead.rank}'s place did not confirm its promotion"
+                        )
+                    self.declarations.register_all(dead.rank)
+                    address: dict | None = _server_entry(standby)
+                else:
+                    moved |= self.declarations.evict(dead.rank)
+                    address = None
         except (GradwireError, ValueError) as e:
             with self._lock:
                 self._abort_locked(f"lost server {dead.rank} at {dead.host} ({why}) and could not fail over: {e}")
@@ -740,7 +750,8 @@ class Scheduler:
             self._failover_states[epoch] = (everyone, reported)
         self._tell(workers, body)  # a worker that cannot be told is lost, which its own connection reports
         # every worker reports, per moved key, the round of the sum it holds and the round it resends; a round that
-        # one worker resends and another holds the sum of was being answered when the server died: seed it
+        # one worker resends and others hold the sum (or their contributions) of was being answered when the server
+        # died: seed it (or replay them)
         if not everyone.wait(min(self.config.timeout, 60)):
             log.warning("not every worker reported its state after the failover in epoch %d", epoch)
         with self._lock:
@@ -810,17 +821,20 @@ def _server_entry(server: Node) -> dict:
     }
 
 
-def seeds_needed(reported: dict[int, dict[int, tuple[int, int]]]) -> dict[int, list[list[int]]]:
-    """{worker: [[key, round], ...]} to seed: for each moved key, a round some worker resends while another holds
-    its sum (the dead server answered some workers only). One holder per round, the lowest rank."""
+def seeds_needed(reported: dict[int, dict[int, tuple[int, int, bool]]]) -> dict[int, list[list[int]]]:
+    """{worker: [[key, round], ...]} to seed: for each moved key, a round some worker resends while others hold
+    what they got of it (the dead server answered some workers only). A holder of the sum: one seeds it, the lowest
+    rank. Holders of only their contributions (a sliced key, whose ranks each pull a slice): every one replays its
+    own, and with the waiting workers' resent pushes the round is whole again."""
     out: dict[int, list[list[int]]] = {}
     keys = {k for state in reported.values() for k in state}
     for key in sorted(keys):
         waiting = {state[key][1] for state in reported.values() if key in state and state[key][1] >= 0}
         for rnd in sorted(waiting):
             holders = sorted(r for r, state in reported.items() if key in state and state[key][0] == rnd)
-            if holders:
-                out.setdefault(holders[0], []).append([key, rnd])
+            sums = [r for r in holders if not reported[r][key][2]]
+            for rank in sums[:1] or holders:
+                out.setdefault(rank, []).append([key, rnd])
     return out
 
 

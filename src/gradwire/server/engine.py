@@ -27,6 +27,9 @@ any operation. Decisions and why:
 - Seeds (after a failover, see docs/faults.md): a worker that already holds the sum of a round resends it
   flagged SEED; the round is then complete here, and every worker that pushed it (before or after) gets that
   sum, so workers the dead server never answered get the bytes the others already have.
+- Replays (after a failover): a key whose ranks pull only their slice (reducescatter, alltoall) leaves no worker
+  holding the whole sum to seed with. Each worker the dead server had answered resends its own contribution instead,
+  flagged REPLAY: it goes in like any push, in rank order, and only the ranks still waiting are answered.
 - float16/bfloat16 accumulate in float32 and are narrowed once, into a wire-typed output buffer.
 - Accumulators are allocated once per key (on its first push), never per message.
 - Exceptions in handling one slot are reported to that worker as an ERROR for the key; the engine keeps
@@ -44,7 +47,7 @@ import numpy as np
 
 from gradwire.errors import TensorError, TensorMismatch
 from gradwire.protocol import dtypes
-from gradwire.protocol.frames import JOIN_EVENT, SEED
+from gradwire.protocol.frames import JOIN_EVENT, REPLAY, SEED
 from gradwire.ring import Ring, RingClosed, Slot
 from gradwire.server import ops
 from gradwire.transport.shm import NO_SLOT
@@ -129,7 +132,7 @@ class KeyState:
         self.staged = [0, 0]  # bitmask of ranks whose early contributions wait in `stage`
         self.stage: list[list[np.ndarray | None]] = [[None] * num_workers for _ in range(2)]  # allocated on need
         self.seeded = [False, False]  # the round's sum came as a seed (a failover), not from contributions
-        self.virtual = [0, 0]  # ranks whose zeros stood in (they had joined): not answered
+        self.virtual = [0, 0]  # ranks not answered: joined ones' zeros stood in, or they replayed (REPLAY)
         self.held = None  # what the operation keeps per key (server/optim.py)
         op.setup(self, previous)
 
@@ -318,6 +321,9 @@ class Engine:
         bit = 1 << slot.sender
         if not state.everyone & bit:
             raise TensorError(f"worker {slot.sender} is not among the ranks {state.members} of {state.name!r}")
+        replay = slot.flags & REPLAY
+        if replay and self._stale_replay(state, i, slot.round, bit):
+            return
         if state.round[i] != slot.round:
             if 0 < state.count[i] < state.need:
                 raise TensorError(f"round {slot.round} arrived while round {state.round[i]} is unfinished")
@@ -339,14 +345,26 @@ class Engine:
                     "allreduce goes on without them (their contributions count as zeros)"
                 )
         self._contribute(state, i, slot.sender, slot.data.view(dtype.wire), slot.landed)
+        if replay:
+            state.virtual[i] |= bit  # its sender had its slice from the dead server: no answer, no acknowledgement
         if self.joined and state.count[i] < state.need:
             self._join_in(state, i)  # joined workers contribute zeros (hvd.join)
+        if replay and state.count[i] < state.need:
+            return
         if state.count[i] < state.need:
             # The worker's window counts contributions not yet in, not sums not yet out: a window of
             # unanswered sums deadlocks when workers' windows fill with different keys.
             self._ack(slot.sender, slot.key, slot.round)
         else:  # complete: the RESULT is the last pusher's acknowledgement too
             self._complete(state, slot.key, slot.round, slot.dtype, i)
+
+    @staticmethod
+    def _stale_replay(state: KeyState, i: int, rnd: int, bit: int) -> bool:
+        """A replayed contribution (REPLAY, after a failover) that is not needed: its round is complete here already,
+        or past, or the sender's contribution is in (a second failover asked for it again)."""
+        if state.round[i] != rnd:
+            return state.round[i] > rnd
+        return state.count[i] == state.need or bool(state.pushed[i] & bit)
 
     def _contribute(self, state: KeyState, i: int, sender: int, wire: np.ndarray, landed: bool) -> None:
         """Put `sender`'s contribution into round buffer `i`, in rank order (deterministic) or as it comes."""

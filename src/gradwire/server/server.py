@@ -19,7 +19,7 @@ from gradwire.admin.node import NodeAdmin
 from gradwire.config import Config
 from gradwire.errors import GradwireError, RemoteProtocolError, TensorError
 from gradwire.protocol import dtypes, frames, messages
-from gradwire.protocol.frames import JOIN_EVENT, REPLICA, SEED, FrameType
+from gradwire.protocol.frames import JOIN_EVENT, REPLAY, REPLICA, SEED, FrameType
 from gradwire.ring import Ring, RingClosed, Slot
 from gradwire.scheduler.client import join
 from gradwire.server import ops, optim
@@ -388,7 +388,9 @@ class Server:
                     assert link.arena is not None
                     slot.data, slot.pull = link.arena.push_slot(push, header.length), pull
                 else:
-                    landing = None if header.flags & SEED else engine.landing(header.key, header.round, header.sender)
+                    # a seed or a replay may be stale (dropped by the engine): never into a staging buffer in use
+                    resent = header.flags & (SEED | REPLAY)
+                    landing = None if resent else engine.landing(header.key, header.round, header.sender)
                     slot.landed = landing is not None
                     into = landing[: header.length] if landing is not None else slot.array[: header.length]
                     conn.recv_into(memoryview(into))

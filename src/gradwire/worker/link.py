@@ -36,7 +36,7 @@ from gradwire.admin.metrics import Metrics
 from gradwire.admin.timeline import Timeline
 from gradwire.errors import GradwireError, JobAborted, RemoteProtocolError, TensorError, abort_error
 from gradwire.protocol import frames
-from gradwire.protocol.frames import SEED, FrameType
+from gradwire.protocol.frames import FrameType
 from gradwire.transport import shm, tcp
 from gradwire.worker.handle import Handle
 
@@ -48,14 +48,17 @@ PACE_GIVE_UP_SECONDS = 0.2  # a paced link waits at most this long for the other
 
 
 class Saved:
-    """The last sum a worker received for one key (allocated once per key): what it seeds a new server with."""
+    """What a worker keeps of its last answered round of one key (allocated once per key), to seed a new server with
+    after a failover: the sum it received, or, for a key it pulls only a slice of (reducescatter, alltoall), its own
+    contribution, which it resends flagged REPLAY so that the round can be summed again for the ranks still waiting."""
 
-    __slots__ = ("data", "dtype", "round")
+    __slots__ = ("contribution", "data", "dtype", "round")
 
-    def __init__(self, nbytes: int, dtype: int) -> None:
+    def __init__(self, nbytes: int, dtype: int, contribution: bool = False) -> None:
         self.data = np.empty(nbytes, np.uint8)
         self.dtype = dtype
         self.round = -1  # none received yet
+        self.contribution = contribution  # `data` is this worker's push, not the round's result
 
 
 class Work:
@@ -74,6 +77,7 @@ class Work:
         "order",
         "partial",
         "push_bytes",
+        "replayable",
         "out",
         "pull_slot",
         "push_slot",
@@ -98,8 +102,9 @@ class Work:
         average: int,
         handle: Handle | None,
         index: int = 0,
-        seed: bool = False,
+        seed: int = 0,
         partial: bool = False,
+        replayable: bool = False,
     ) -> None:
         self.tensor, self.key, self.round, self.dtype, self.index = tensor, key, rnd, dtype, index
         self.order: tuple = ()  # the job-wide order of flow control, set when queued (see ServerLink._next)
@@ -109,11 +114,13 @@ class Work:
         self.out = out
         self.nbytes = out.nbytes  # what it pulls
         self.partial = partial  # it pulls only its slice of the key's result (so holds no sum to seed a failover)
+        self.replayable = replayable  # a sliced round's: its contribution is kept instead (see Saved)
         self.average = average
         self.handle = handle
         self.acked = False  # the server has our contribution: the window slot and credit are free again
         self.credited = False  # holds credit (taken by the sender, given back on its ACK)
-        self.seed = seed  # a sum this worker holds, resent after a failover (no answer expected)
+        # resent after a failover, no answer expected: a sum this worker holds (SEED) or its contribution (REPLAY)
+        self.seed = seed
         self.push_slot = shm.NO_SLOT  # shared slots in use (same-host links only)
         self.pull_slot = shm.NO_SLOT
         # when it was queued, taken by the sender, fully sent, and answered (time.monotonic): the stages
@@ -427,9 +434,18 @@ class ServerLink:
         return True
 
     def _send_seed(self, header: bytearray, work: Work) -> bool:
-        """A sum this worker holds, for the key's new server (always on the socket, never a shared slot)."""
+        """A sum (SEED) or a contribution (REPLAY) this worker holds, for the key's new server (always on the socket,
+        never a shared slot)."""
         frames.pack_header_into(
-            header, FrameType.PUSHPULL, work.push_bytes, work.dtype, self.epoch, self.rank, work.key, work.round, SEED
+            header,
+            FrameType.PUSHPULL,
+            work.push_bytes,
+            work.dtype,
+            self.epoch,
+            self.rank,
+            work.key,
+            work.round,
+            work.seed,
         )
         return self._send([header, work.send])
 
@@ -583,7 +599,9 @@ class ServerLink:
             )
         out = work.out.reshape(-1).view(np.uint8)
         saved = None
-        if self.saved is not None and not work.partial:  # the sum goes to the key's saved copy first (see above)
+        if self.saved is not None and work.replayable:
+            self._keep_contribution(work)
+        elif self.saved is not None and not work.partial:  # the sum goes to the key's saved copy first (see above)
             saved = self.saved.get(work.key)
             if saved is None or len(saved.data) != work.nbytes:
                 saved = self.saved[work.key] = Saved(work.nbytes, work.dtype)  # once per key
@@ -612,6 +630,17 @@ class ServerLink:
         self._record(work, time.monotonic())
         assert work.handle is not None
         work.handle.part_done()
+
+    def _keep_contribution(self, work: Work) -> None:
+        """Copy what this worker pushed in a sliced round into the key's saved copy, as the round is answered (its
+        input is still the caller's until the handle completes): a dead server's replacement may need it again for
+        the ranks it had not answered yet."""
+        assert self.saved is not None
+        saved = self.saved.get(work.key)
+        if saved is None or len(saved.data) != len(work.send) or not saved.contribution:
+            saved = self.saved[work.key] = Saved(len(work.send), work.dtype, contribution=True)
+        saved.data[:] = work.send
+        saved.round = work.round
 
     def _record(self, work: Work, done: float) -> None:
         """The partition's four stages, into the histograms and the timeline."""

@@ -31,7 +31,7 @@ from gradwire.errors import (
     abort_error,
 )
 from gradwire.protocol import dtypes, messages, update
-from gradwire.protocol.frames import FrameType, encode_header
+from gradwire.protocol.frames import REPLAY, SEED, FrameType, encode_header
 from gradwire.scheduler.client import join
 from gradwire.transport import shm, tcp
 from gradwire.worker.handle import Handle
@@ -575,8 +575,20 @@ class Worker:
                 lo, hi = part.start, part.start + part.count
                 give = send[min(max(lo - send_at, 0), sent) : min(max(hi - send_at, 0), sent)]
                 take = pull[min(max(lo - pull_at, 0), pulled) : min(max(hi - pull_at, 0), pulled)]
-                cut = partial or len(take) < hi - lo
-                work = Work(tensor.name, key, rnd, code, give, take, average, handle, part.index, partial=cut)
+                sliced = len(take) < hi - lo
+                work = Work(
+                    tensor.name,
+                    key,
+                    rnd,
+                    code,
+                    give,
+                    take,
+                    average,
+                    handle,
+                    part.index,
+                    partial=partial or sliced,
+                    replayable=sliced and not partial,
+                )
                 self._links[server].submit(work.trail(extra_view), priority)
             handle.part_done()  # the declaration's part
 
@@ -992,8 +1004,12 @@ class Worker:
                 self._resubmit(work, 0)
             pending = {w.key: w.round for w in orphans}
             saved = self._saved or {}
-            state = {
-                str(k): [saved[k].round if k in saved else -1, pending.get(k, -1)]
+            state = {  # [round held, round resent, whether what is held is this worker's contribution]
+                str(k): [
+                    saved[k].round if k in saved else -1,
+                    pending.get(k, -1),
+                    int(k in saved and saved[k].contribution),
+                ]
                 for k in moved_keys
                 if k in saved or k in pending
             }
@@ -1033,8 +1049,9 @@ class Worker:
         return sum(self._seed(key, saved[key]) for key in keys if key in stateful and key in saved)
 
     def _send_seeds(self, body: dict) -> None:
-        """Resend the sums the scheduler asked for (a round another worker still waits for). A sum already replaced
-        by a later round's is not needed any more: that later round could only complete once everyone had this one."""
+        """Resend the sums (or, for sliced keys, the contributions) the scheduler asked for: a round another worker
+        still waits for. One already replaced by a later round's is not needed any more: that later round could only
+        complete once everyone had this one."""
         saved = self._saved or {}
         asked = [int(k) for k, rnd in body["keys"] if int(k) in saved and saved[int(k)].round == int(rnd)]
         sent = sum(self._seed(key, saved[key]) for key in asked)
@@ -1043,13 +1060,14 @@ class Worker:
         log.warning("worker %d: seeded %d sums the new servers' workers were waiting for", self.rank, sent)
 
     def _seed(self, key: int, saved: Saved) -> bool:
-        """Send the sum this worker holds of `key` to the key's server, flagged SEED; False if it holds none (or the
-        key has no server)."""
+        """Send the sum this worker holds of `key` to the key's server, flagged SEED (its contribution to a sliced
+        round: REPLAY); False if it holds none (or the key has no server)."""
         with self._lock:
             server = self._owner.get(key)
         if server is None or saved.round < 0:
             return False
-        seed = Work("", key, saved.round, saved.dtype, saved.data, saved.data, 1, None, seed=True)
+        flag = REPLAY if saved.contribution else SEED
+        seed = Work("", key, saved.round, saved.dtype, saved.data, saved.data, 1, None, seed=flag)
         self._links[server].submit(seed, SEED_PRIORITY)
         return True
 
