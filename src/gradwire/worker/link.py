@@ -416,9 +416,7 @@ class ServerLink:
             if self.arena is not None:
                 self._push_shared(header, work)
                 continue
-            frames.pack_header_into(
-                header, FrameType.PUSHPULL, work.push_bytes, work.dtype, self.epoch, self.rank, work.key, work.round
-            )
+            self._pack_push(header, work)
             if not self._send([header, work.send] if work.extra is None else [header, work.send, work.extra]):
                 return
             work.t_pushed = time.monotonic()
@@ -436,6 +434,11 @@ class ServerLink:
     def _send_seed(self, header: bytearray, work: Work) -> bool:
         """A sum (SEED) or a contribution (REPLAY) this worker holds, for the key's new server (always on the socket,
         never a shared slot)."""
+        self._pack_push(header, work, work.seed)
+        return self._send([header, work.send])
+
+    def _pack_push(self, header: bytearray, work: Work, flags: int = 0, status: int = 0) -> None:
+        """The PUSHPULL header of `work` into `header`."""
         frames.pack_header_into(
             header,
             FrameType.PUSHPULL,
@@ -445,9 +448,9 @@ class ServerLink:
             self.rank,
             work.key,
             work.round,
-            work.seed,
+            flags,
+            status,
         )
-        return self._send([header, work.send])
 
     def _wait_to_send(self) -> Work | None:
         """Wait (holding the condition) for the next partition that may go and take it off the queue; None once the
@@ -528,18 +531,7 @@ class ServerLink:
         np.copyto(slot[: len(work.send)], np.frombuffer(work.send, np.uint8))
         if work.extra is not None:
             np.copyto(slot[len(work.send) :], np.frombuffer(work.extra, np.uint8))
-        frames.pack_header_into(
-            header,
-            FrameType.PUSHPULL,
-            work.push_bytes,
-            work.dtype,
-            self.epoch,
-            self.rank,
-            work.key,
-            work.round,
-            shm.SHM_PAYLOAD,
-            work.push_slot | (work.pull_slot << 16),
-        )
+        self._pack_push(header, work, shm.SHM_PAYLOAD, work.push_slot | (work.pull_slot << 16))
         if not self._send([header]):
             return
         work.t_pushed = time.monotonic()
