@@ -1,6 +1,7 @@
 """Observability across real processes: Ctrl-C leaves valid timelines; the launcher and `gradwire top` show status."""
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -66,4 +67,8 @@ def test_top_renders_a_running_job():
     assert "phase running" in out.stdout and "healthy" in out.stdout
     for node in ("worker 0", "worker 1", "server 0"):
         assert node in out.stdout
-    assert "data path: 4096 KiB partitions, window 4:" in out.stdout  # measured on loopback: the large default
+    # the settings derived from the links measured at the start, and why: on loopback, partitions of megabytes (how
+    # many depends on the rate this loaded machine measured, 9-20 Gbit/s: 2 or 4 MiB)
+    chosen = re.search(r"data path: (\d+) KiB partitions, window (\d+): (\d+) Mbit/s", out.stdout)
+    assert chosen is not None, out.stdout
+    assert int(chosen[1]) >= 1024 and int(chosen[2]) >= 4 and int(chosen[3]) > 1000
