@@ -96,29 +96,37 @@ def test_a_server_killed_mid_training_changes_no_bit_of_any_sum(standby):
                 assert all(1 not in t.servers for t in worker._tensors.values())
 
 
+def _answer_one_then_die(cluster: LocalCluster, killed: threading.Event, after: int, sliced: bool = False) -> None:
+    """The trap: server 0 answers its `after`-th round (of a key each rank pulls only a slice of, with `sliced`) to
+    worker 0 only, then dies (`killed` is set once it is dead); the other workers wait for that round."""
+    victim = cluster.servers[0]
+    seen = {"rounds": 0}
+    original = victim._queue_reply
+
+    def queue_reply(key, rnd, dtype, payload, pulls, ranks):
+        if sliced and not isinstance(payload, list):
+            return original(key, rnd, dtype, payload, pulls, ranks)
+        seen["rounds"] += 1
+        if seen["rounds"] != after:
+            return original(key, rnd, dtype, payload, pulls, ranks)
+        original(key, rnd, dtype, payload, pulls, ranks & 0b001)  # to worker 0 only, then die
+        deadline = time.monotonic() + 5
+        while victim._links[0].replies.qsize() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        time.sleep(0.05)
+        threading.Thread(target=lambda: (cluster.kill_server(0), killed.set()), daemon=True).start()
+
+    victim._queue_reply = queue_reply
+    for engine in victim._engines:
+        engine._reply = queue_reply
+
+
 def test_a_round_answered_to_some_workers_only_is_completed_from_their_copy():
     """The trap: the server dies after sending a round's sum to worker 0 and before the others got it. Worker 0's
     input is gone (summed in place) and it has moved on; the others resend theirs, worker 0 seeds the sum it holds."""
     with LocalCluster(num_workers=3, num_servers=2, partition_bytes=4096) as c:
-        victim = c.servers[0]
-        seen = {"rounds": 0}
         killed = threading.Event()
-        original = victim._queue_reply
-
-        def queue_reply(key, rnd, dtype, payload, pulls, ranks):
-            seen["rounds"] += 1
-            if seen["rounds"] != 15:
-                return original(key, rnd, dtype, payload, pulls, ranks)
-            original(key, rnd, dtype, payload, pulls, ranks & 0b001)  # to worker 0 only, then die
-            deadline = time.monotonic() + 5
-            while victim._links[0].replies.qsize() and time.monotonic() < deadline:
-                time.sleep(0.001)
-            time.sleep(0.05)
-            threading.Thread(target=lambda: (c.kill_server(0), killed.set()), daemon=True).start()
-
-        victim._queue_reply = queue_reply
-        for engine in victim._engines:
-            engine._reply = queue_reply
+        _answer_one_then_die(c, killed, after=15)
         results = c.run(lambda w: _train(w, killed, kill_at=STEPS - 2))
         expected = _expected(3)
         for rank, sums in enumerate(results):
@@ -202,32 +210,6 @@ def test_horovods_collectives_survive_a_server_killed_mid_job():
             assert np.array_equal(high, np.arange(1200, dtype=np.int32) + 2 * step)
 
 
-def _answer_one_then_die(cluster: LocalCluster, killed: threading.Event, after: int) -> None:
-    """Server 0 answers its `after`-th sliced round (a reducescatter's or alltoall's) to worker 0 only, then dies: the
-    other workers wait for a round whose sum nobody holds (each worker pulled only its slice)."""
-    victim = cluster.servers[0]
-    seen = {"sliced": 0}
-    original = victim._queue_reply
-
-    def queue_reply(key, rnd, dtype, payload, pulls, ranks):
-        if not isinstance(payload, list) or killed.is_set():
-            return original(key, rnd, dtype, payload, pulls, ranks)
-        seen["sliced"] += 1
-        if seen["sliced"] != after:
-            return original(key, rnd, dtype, payload, pulls, ranks)
-        original(key, rnd, dtype, payload, pulls, ranks & 0b001)
-        deadline = time.monotonic() + 5
-        while victim._links[0].replies.qsize() and time.monotonic() < deadline:
-            time.sleep(0.001)
-        time.sleep(0.05)
-        killed.set()
-        threading.Thread(target=lambda: cluster.kill_server(0), daemon=True).start()
-
-    victim._queue_reply = queue_reply
-    for engine in victim._engines:
-        engine._reply = queue_reply
-
-
 @pytest.mark.parametrize("collective", ["reducescatter", "alltoall"])
 def test_a_sliced_round_answered_to_some_workers_only_is_summed_again_from_their_contributions(collective):
     """The trap of the test above, for keys whose ranks each pull only a slice: no worker holds the round's sum to
@@ -258,7 +240,7 @@ def test_a_sliced_round_answered_to_some_workers_only_is_summed_again_from_their
 
     with LocalCluster(num_workers=n, num_servers=2, partition_bytes=1024) as c:
         killed = threading.Event()
-        _answer_one_then_die(c, killed, after=5)
+        _answer_one_then_die(c, killed, after=5, sliced=True)
         results = c.run(job)
         assert killed.is_set() and c.scheduler.failovers, "the trap never fired"
     for step in range(steps):

@@ -396,10 +396,7 @@ class Scheduler:
                 entry = self._failover_states.get(int(body["epoch"]))
                 if entry is not None:
                     everyone, reported = entry
-                    reported[node.rank] = {
-                        int(k): (int(v[0]), int(v[1]), bool(v[2]) if len(v) > 2 else False)
-                        for k, v in body["keys"].items()
-                    }
+                    reported[node.rank] = {int(k): (int(v[0]), int(v[1]), bool(v[2])) for k, v in body["keys"].items()}
                     if len(reported) >= len(self._live_workers()):
                         everyone.set()
         elif op == messages.PROBE_RESULT and node.probe is not None:

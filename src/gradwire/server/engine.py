@@ -349,12 +349,11 @@ class Engine:
             state.virtual[i] |= bit  # its sender had its slice from the dead server: no answer, no acknowledgement
         if self.joined and state.count[i] < state.need:
             self._join_in(state, i)  # joined workers contribute zeros (hvd.join)
-        if replay and state.count[i] < state.need:
-            return
         if state.count[i] < state.need:
             # The worker's window counts contributions not yet in, not sums not yet out: a window of
-            # unanswered sums deadlocks when workers' windows fill with different keys.
-            self._ack(slot.sender, slot.key, slot.round)
+            # unanswered sums deadlocks when workers' windows fill with different keys. (A replay holds no window.)
+            if not replay:
+                self._ack(slot.sender, slot.key, slot.round)
         else:  # complete: the RESULT is the last pusher's acknowledgement too
             self._complete(state, slot.key, slot.round, slot.dtype, i)
 
