@@ -89,3 +89,84 @@ def derive(
 
 def _pow2_floor(x: float) -> int:
     return 1 << max(0, int(math.floor(math.log2(max(x, 1.0)))))
+
+
+# -- following the links while the job runs ---------------------------------------------------------------------------
+
+DRIFT_BAND = 2.0  # the measured rate must be this far from the rate the settings were derived from (either way) ...
+DRIFT_SAMPLES = 3  # ... in this many intervals in a row, with traffic (idle intervals neither count nor break a run)
+DRIFT_COOLDOWN_INTERVALS = 6  # no re-derivation sooner than this many intervals after the last; doubled each time
+FULL_WINDOW_SHARE = 0.5  # a slower link is believed only where the window was full this share of the busy time
+
+
+@dataclass
+class Sample:
+    """One interval of one worker's network links: bytes acknowledged, seconds with a push unacknowledged, and seconds
+    the sender waited on a full window (the links, not this worker's CPU, held it back)."""
+
+    bytes: int
+    busy_seconds: float
+    full_seconds: float
+
+    @property
+    def rate(self) -> float:
+        return self.bytes / self.busy_seconds if self.busy_seconds > 0 else 0.0
+
+
+class Drift:
+    """Decides when the links the settings were derived from are no longer the links the job has.
+
+    The model: a worker's pushes over the network move at the rate the settings were derived for (`Tuning.
+    rate_bytes_per_s`), so a step's communication takes its bytes over that rate. Measured: each interval (a heartbeat),
+    each worker's bytes acknowledged over the time some push of it was unacknowledged. Waiting for other workers
+    (stragglers, a compute phase) is not in that time: a push is acknowledged as soon as its server has it, whoever
+    else has pushed. The median over the workers is the job's measured rate.
+
+    A re-derivation is due when the measured rate is more than DRIFT_BAND times away from the model's, in
+    DRIFT_SAMPLES intervals in a row that carried traffic; the new rate is the median of those intervals. Damping:
+    - the band: the settings move in powers of two of the rate, so noise within 2x changes nothing, and the new
+      model rate is the measured one, so the next re-derivation needs another 2x move from there;
+    - a cooldown after each re-derivation, doubled every time (DRIFT_COOLDOWN_INTERVALS to start): however the links
+      behave, the settings change at most log2(job length / interval) times, so they cannot oscillate;
+    - a slower rate is believed only where the senders waited on a full window for most of the busy time: a link
+      that is slow fills its window, a worker short of CPU does not, and shrinking partitions for a CPU-bound worker
+      would cost it more CPU per byte (a spiral down to the smallest partitions);
+    - nothing moves past the partition sizes' bounds (a faster link than 4 MiB partitions need changes nothing).
+    """
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self.cooldown = DRIFT_COOLDOWN_INTERVALS * interval
+        self.not_before = 0.0
+        self.run: list[float] = []  # the measured rates of the current run of drifted intervals
+        self.direction = 0  # of that run: -1 slower, +1 faster
+        self.last: dict = {}  # the last interval's judgement, for /status
+
+    def observe(self, now: float, samples: Sequence[Sample], tuning: Tuning | dict) -> float | None:
+        """One interval's samples (one per worker that moved bytes); the rate to derive the settings for anew when a
+        re-derivation is due, else None."""
+        t = tuning if isinstance(tuning, dict) else tuning.as_dict()
+        model = float(t.get("rate_bytes_per_s") or 0.0)
+        busy = [s for s in samples if s.busy_seconds > 0 and s.bytes > 0]
+        if model <= 0 or not busy:
+            return None  # nothing to compare with, or an idle interval
+        rate = sorted(s.rate for s in busy)[len(busy) // 2]
+        full = sum(s.full_seconds for s in busy) / sum(s.busy_seconds for s in busy)
+        direction = 0
+        if rate > DRIFT_BAND * model and t["partition_bytes"] < MAX_PARTITION:
+            direction = 1
+        elif rate * DRIFT_BAND < model and t["partition_bytes"] > MIN_PARTITION and full >= FULL_WINDOW_SHARE:
+            direction = -1
+        self.last = {"measured_bytes_per_s": rate, "model_bytes_per_s": model, "window_full_share": round(full, 3)}
+        if direction == 0 or direction != self.direction:
+            self.run = []
+        self.direction = direction
+        if direction:
+            self.run = [*self.run[1 - DRIFT_SAMPLES :], rate]
+        if len(self.run) < DRIFT_SAMPLES or now < self.not_before:
+            return None
+        new = sorted(self.run)[len(self.run) // 2]
+        self.run, self.direction = [], 0
+        self.not_before = now + self.cooldown
+        self.cooldown *= 2
+        return new

@@ -1,8 +1,10 @@
 """The data path's settings as a pure function of the links (gradwire/tuning.py)."""
 
+import itertools
+
 import pytest
 
-from gradwire.tuning import MAX_PARTITION, MIN_PARTITION, derive
+from gradwire.tuning import MAX_PARTITION, MIN_PARTITION, Drift, Sample, derive
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -57,3 +59,68 @@ def test_the_cap_only_where_the_servers_links_are_the_bottleneck():
     assert derive(workers, server_rates=[mbit(25)] * 4).unanswered == 4  # quarter-rate servers
     assert derive([mbit(50)] * 8, server_rates=[mbit(50)] * 8).unanswered == 0
     assert "bottleneck" in derive(workers, server_rates=[mbit(100)] * 2).reason
+
+
+# -- the drift check (tuning.Drift) ------------------------------------------------------------------------------------
+
+
+def _settings(rate, partition=32 * KiB):
+    return {"rate_bytes_per_s": rate, "partition_bytes": partition, "window": 4, "unanswered": 0}
+
+
+def _at(rate, seconds=1.0, full=0.0, workers=4):
+    """One interval of `workers` workers moving `rate` bytes/s while busy `seconds`, the window full `full` of it."""
+    return [Sample(int(rate * seconds), seconds, full * seconds)] * workers
+
+
+def test_noise_within_the_band_never_re_derives():
+    d, model = Drift(1.0), mbit(100)
+    for i, r in enumerate([1.9, 0.6, 1.5, 0.55, 1.99, 0.51] * 10):
+        assert d.observe(float(i), _at(model * r, full=1.0), _settings(model)) is None
+
+
+def test_three_drifted_intervals_in_a_row_re_derive_for_their_median():
+    d, model = Drift(1.0), mbit(10)
+    assert d.observe(0, _at(mbit(40)), _settings(model)) is None
+    assert d.observe(1, [], _settings(model)) is None  # idle: neither counts nor breaks the run
+    assert d.observe(2, _at(mbit(30)), _settings(model)) is None
+    assert d.observe(3, _at(mbit(50)), _settings(model)) == pytest.approx(mbit(40))
+
+
+def test_an_interval_back_in_the_band_starts_the_count_again():
+    d, model = Drift(1.0), mbit(10)
+    rates = [40, 40, 15, 40, 40]
+    assert all(d.observe(i, _at(mbit(r)), _settings(model)) is None for i, r in enumerate(rates))
+    assert d.observe(5, _at(mbit(40)), _settings(model)) is not None
+
+
+def test_a_slower_rate_counts_only_where_the_window_was_full():
+    """A slow link fills the window; a worker short of CPU does not (smaller partitions would cost it more)."""
+    model = mbit(100)
+    cpu_bound, slow_link = Drift(1.0), Drift(1.0)
+    for i in range(10):
+        assert cpu_bound.observe(i, _at(mbit(20), full=0.1), _settings(model)) is None
+    assert [slow_link.observe(i, _at(mbit(20), full=0.9), _settings(model)) for i in range(3)][-1] == mbit(20)
+
+
+def test_nothing_moves_past_the_partition_bounds():
+    d = Drift(1.0)
+    at_max = _settings(mbit(100), partition=MAX_PARTITION)
+    assert all(d.observe(i, _at(mbit(1000)), at_max) is None for i in range(10))
+    at_min = _settings(mbit(100), partition=MIN_PARTITION)
+    assert all(d.observe(i, _at(mbit(10), full=1.0), at_min) is None for i in range(10))
+
+
+def test_the_cooldown_doubles_so_the_settings_cannot_oscillate():
+    """Links that swing 10x every interval, for a simulated day: each re-derivation becomes the model, and the
+    cooldown doubles after each, so the settings change a logarithmic number of times."""
+    d, settings, changes = Drift(1.0), _settings(mbit(100)), []
+    for i in range(86_400):
+        rate = mbit(1000) if (i // 3) % 2 else mbit(10)
+        new = d.observe(float(i), _at(rate, full=1.0), settings)
+        if new is not None:
+            changes.append(i)
+            settings = _settings(new)
+    assert 3 <= len(changes) <= 16
+    gaps = [b - a for a, b in itertools.pairwise(changes)]
+    assert all(b >= 2 * a - 3 for a, b in itertools.pairwise(gaps))

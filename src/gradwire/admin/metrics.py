@@ -32,6 +32,7 @@ class Metrics:
         self.rounds = 0
         self._lock = threading.Lock()
         self.started = time.monotonic()
+        self.extra: Callable[[], dict] | None = None  # more counters for the heartbeat (a worker's link use)
         self.registry = prom.CollectorRegistry(auto_describe=True) if prom else None
         if prom is None:
             return
@@ -101,7 +102,7 @@ class Metrics:
                 "bytes_pulled": self.bytes_pulled,
                 "rounds": self.rounds,
                 "uptime_seconds": time.monotonic() - self.started,
-            }
+            } | (self.extra() if self.extra else {})
 
     def exposition(self) -> tuple[int, str, bytes]:
         """The /metrics response."""

@@ -191,6 +191,18 @@ class Credit:
         self._shares: dict[int, float] = {}  # paced server -> its share
         self._queued: dict[int, int] = {}  # paced server -> bytes submitted, not yet sent
         self._cond = threading.Condition()
+        # the network links' use, for the scheduler's drift check (tuning.Drift): the time some push over a socket was
+        # unacknowledged, and the bytes acknowledged; shared-memory links move bytes at memory speed and are not counted
+        self._net_used = 0
+        self._busy_since = 0.0
+        self.busy_seconds = 0.0
+        self.busy_bytes = 0
+
+    def busy(self) -> tuple[float, int]:
+        """(seconds some push over a network link was unacknowledged, bytes acknowledged on network links)."""
+        with self._cond:
+            now = time.monotonic()
+            return self.busy_seconds + (now - self._busy_since if self._net_used else 0.0), self.busy_bytes
 
     def pace(self, server: int, share: float) -> None:
         """Pace the link to `server` (from now on) with this share of the bytes."""
@@ -222,20 +234,30 @@ class Credit:
             return True
         return self._behind(server) + self.lead >= max(self._behind(s) for s in self._shares)
 
-    def acquire(self, n: int, server: int = -1) -> None:
-        """Take `n` bytes of credit for a push to `server` (its turn, when paced)."""
+    def acquire(self, n: int, server: int = -1, network: bool = False) -> None:
+        """Take `n` bytes of credit for a push to `server` (its turn, when paced); `network`: over a socket."""
         with self._cond:
             if not self._cond.wait_for(lambda: self._may_send(server), PACE_GIVE_UP_SECONDS):
                 log.debug("pacing: the link to server %d waited %.1f s and goes anyway", server, PACE_GIVE_UP_SECONDS)
             self._cond.wait_for(lambda: self.used == 0 or self.used + n <= self.limit)
             self.used += n
+            if network:
+                if not self._net_used:
+                    self._busy_since = time.monotonic()
+                self._net_used += max(n, 1)
             if server in self._queued:
                 self._queued[server] = max(0, self._queued[server] - n)
                 self._cond.notify_all()
 
-    def release(self, n: int) -> None:
+    def release(self, n: int, network: bool = False, acked: bool = True) -> None:
+        """Give back the credit of `n` bytes pushed (`acked`: the server has them; else abandoned, after a failover)."""
         with self._cond:
             self.used -= n
+            if network:
+                self._net_used -= max(n, 1)
+                self.busy_bytes += n if acked else 0
+                if not self._net_used:
+                    self.busy_seconds += time.monotonic() - self._busy_since
             self._cond.notify_all()
 
 
@@ -261,12 +283,14 @@ class ServerLink:
         self.metrics = metrics or Metrics("worker")
         self.timeline = timeline
         self.transport = "shm" if arena else ("unix" if conn.sock.family == socket.AF_UNIX else "tcp")
+        self.network = arena is None  # bytes cross a socket (counted for the drift check: Credit.busy)
         self.window = window
         self.unanswered_cap = unanswered_cap
         self._last_answer = 0.0  # when a sum last came back on this link
         self.capped_sends = 0  # partitions sent past a full cap because they come first in the job-wide order
         self.cap_escapes = 0  # partitions sent past the cap by the liveness rule (see LIVENESS_SECONDS)
         self.capped_seconds = 0.0  # time the sender had work and window room, but the cap held all of it
+        self.full_seconds = 0.0  # time the sender had work but the window was full (waiting for the server's ACKs)
         self.credit = credit
         self._heap: list[tuple[int, int, Work]] = []
         self._order = itertools.count()
@@ -368,7 +392,7 @@ class ServerLink:
         self.credit.unpace(self.server)
         for work in works:
             if work.credited and not work.acked:
-                self.credit.release(work.push_bytes)
+                self.credit.release(work.push_bytes, self.network, acked=False)
             work.acked = work.credited = False
             work.push_slot = work.pull_slot = shm.NO_SLOT
         if self.arena is not None:
@@ -408,7 +432,7 @@ class ServerLink:
                 if not self._send_seed(header, work):
                     return
                 continue
-            self.credit.acquire(work.push_bytes, self.server)
+            self.credit.acquire(work.push_bytes, self.server, self.network)
             work.credited = True
             work.t_sent = time.monotonic()
             if self.timeline:
@@ -476,7 +500,10 @@ class ServerLink:
         while work is None and self._closed is None and self.lost is None:
             if not (self._heap and (self._heap[0][2].seed or self._in_flight < self.window)):
                 capped_since = self._end_capped(capped_since)  # now the window (or an empty queue) holds it
+                full = time.monotonic() if self._heap else 0.0
                 self._cond.wait()
+                if full:
+                    self.full_seconds += time.monotonic() - full
                 continue
             work = self._next()
             if work is not None:
@@ -568,7 +595,7 @@ class ServerLink:
             if newly_acked or remove:  # a freed window place, or a freed unanswered place
                 self._cond.notify()
         if newly_acked:
-            self.credit.release(work.push_bytes)
+            self.credit.release(work.push_bytes, self.network)
         return work
 
     def _on_ack(self, header: frames.Header) -> None:
