@@ -273,6 +273,14 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "every server alike (docs/placement.md)",
     ),
     EnvVar(
+        "GRADWIRE_ADAPT",
+        "adapt",
+        (),
+        "1",
+        "follow the links while the job runs (scheduler): when the measured rate stays 2x away from the one the "
+        "partition size and window were derived for, derive them again and re-cut the tensors (docs/netem.md); 0: off",
+    ),
+    EnvVar(
         "GRADWIRE_SERVER_EFFICIENCY",
         "server_efficiency",
         (),
@@ -354,6 +362,7 @@ class Config:
     max_workers: int = 0
     colocated: bool = False
     placement: str = "auto"
+    adapt: bool = True
     server_efficiency: float = 1.0
     link_rate: str = ""
     # the fields set by the user (environment or overrides), which the scheduler's derived tuning never replaces

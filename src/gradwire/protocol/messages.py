@@ -34,6 +34,9 @@ MEMBERS = "members"  # elastic: scheduler -> worker: `joining` workers wait to j
 BLOCKED = "blocked"  # worker -> scheduler: I wait (synchronize) for `name`, whose declaration is not complete
 JOIN = "join"  # worker -> scheduler (a request): I am out of data (hvd.join); `rounds`: my round of each tensor
 JOINED = "joined"  # scheduler -> server: the workers that have joined now (`ranks`; empty once every worker has)
+RECUT = "recut"  # scheduler -> worker: the partition size changes (`generation`): report your round of each tensor
+RECUT_ROUNDS = "recut_rounds"  # worker -> scheduler: `rounds` {tensor: round}; `fixed`: my partition size is explicit
+RETUNE = "retune"  # scheduler -> worker: new `tuning`; `switch` {tensor: first round cut anew} for `generation`
 
 _REQUIRED = {
     REGISTER: ("role", "host", "port"),
@@ -57,6 +60,9 @@ _REQUIRED = {
     JOINED: ("id", "ranks"),
     FAILOVER_STATE: ("epoch", "keys"),
     SEED: ("epoch", "keys"),
+    RECUT: ("generation",),
+    RECUT_ROUNDS: ("generation", "rounds"),
+    RETUNE: ("tuning",),
     PROBE: (),
     PROBE_RESULT: (),  # `down` or `pong`: checked where it is read (probe.py)
 }

@@ -30,6 +30,7 @@ from gradwire.errors import GradwireError
 from gradwire.protocol import frames, messages
 from gradwire.protocol.frames import FrameType
 from gradwire.scheduler import probe
+from gradwire.scheduler.adapt import Adaptation
 from gradwire.scheduler.declarations import Declarations
 from gradwire.scheduler.elastic import Membership
 from gradwire.scheduler.placing import placement_weights
@@ -96,6 +97,8 @@ class Scheduler:
         self._failover_states: dict[int, tuple[threading.Event, dict[int, dict]]] = {}
         self.placement_info: dict = {}  # the placement's mode, rates and weights (in the address book, /status)
         self.tuning: dict | None = None  # the data path's settings derived from the links (tuning.py)
+        self.rate_scale = 1.0  # the links' rate now over the one measured at the start (the drift check: adapt.py)
+        self.adaptation = Adaptation(self)
         self.declarations: Declarations | None = None  # once ranks are fixed
         self._barrier: list[tuple[Node, int]] = []
         self._joins: dict[int, tuple[Node, int, dict[str, int]]] = {}  # workers in hvd.join: (node, request, rounds)
@@ -136,7 +139,15 @@ class Scheduler:
             threading.Thread(target=self._monitor, name="gw-sched-monitor", daemon=True).start()
         if self.config.stall_seconds > 0:
             threading.Thread(target=self._watch_stalls, name="gw-sched-stalls", daemon=True).start()
+        if self.config.adapt and self.config.heartbeat_interval > 0:
+            threading.Thread(target=self._adapt_loop, name="gw-sched-adapt", daemon=True).start()
         return self
+
+    def _adapt_loop(self) -> None:
+        """Every heartbeat interval, the drift check over the workers' counters (scheduler/adapt.py)."""
+        while not self._done.wait(self.config.heartbeat_interval):
+            with self._lock:
+                self.adaptation.tick(self.clock())
 
     def stall_report(self, now: float | None = None) -> list[str]:
         """One line per tensor whose declaration has waited past GRADWIRE_STALL_SECONDS for some workers' (a
@@ -310,15 +321,23 @@ class Scheduler:
         # a worker-server round trip is about the mean of the two nodes' round trips to the scheduler (a star)
         rtts = sorted(n.rtt for n in self._workers + self._servers if n.rtt > 0)
         rtt = rtts[len(rtts) // 2] if rtts else 0.0
-        return tuning.derive(rates["worker_hosts"], rtt, server_rates=dedicated).as_dict()
+        scale = self.rate_scale  # where the drift check found the links faster or slower than measured at the start
+        workers = [r * scale for r in rates["worker_hosts"]]
+        return tuning.derive(workers, rtt, server_rates=[r * scale for r in dedicated]).as_dict()
+
+    def derived_tuning_locked(self) -> dict | None:
+        """The settings for the job as it is now: its live servers, the rates measured at the start (times the
+        drift check's scale). None where a rate is unknown."""
+        live = [s for s in self._servers if not s.lost]
+        _, info = placement_weights(self.config.placement, self._workers, live, self.config.server_efficiency)
+        return self._derive_tuning(info)
 
     def retune_locked(self, why: str) -> dict | None:
         """Re-derive the settings for the job as it is now (after a failover or an elastic reset: other workers,
         fewer servers), from the rates measured at the start. Kept as they are where a node's rate is unknown (a
         standby or a joining worker on a host never measured). Returns the settings in force."""
-        live = [s for s in self._servers if not s.lost]
-        _, info = placement_weights(self.config.placement, self._workers, live, self.config.server_efficiency)
-        new = self._derive_tuning(info)
+        self.adaptation.cancel(why)  # a re-cut in progress: the job it was for has changed
+        new = self.derived_tuning_locked()
         if new is not None and self.tuning is not None:
             keys = ("partition_bytes", "window", "unanswered")
             if any(new[k] != self.tuning[k] for k in keys):
@@ -403,6 +422,9 @@ class Scheduler:
             node.probe.on_result(body)
         elif op == messages.HEARTBEAT:
             self._heartbeat(node, body["stats"])
+        elif op == messages.RECUT_ROUNDS and node.role == "worker":
+            with self._lock:
+                self.adaptation.answered(node, body)
         elif op == messages.REPLY and node.role == "server":
             if self.declarations is not None:
                 self.declarations.ack(int(body["id"]))

@@ -68,6 +68,8 @@ def cluster_status(s: Scheduler) -> dict:
             "failovers": list(s.failovers),
             "placement": s.placement_info,
             "data_path": s.tuning,  # the settings derived from the measured links, and why (tuning.py)
+            # the drift check: the rate measured last interval against the settings', and the re-derivations so far
+            "adaptation": s.adaptation.status() if s.config.adapt else None,
             "elastic": None
             if s.membership is None
             else {

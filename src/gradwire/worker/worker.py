@@ -25,6 +25,7 @@ from gradwire.errors import (
     GradwireTimeout,
     JobAborted,
     MembershipChanged,
+    RemoteProtocolError,
     TensorError,
     TensorMismatch,
     WorkerLost,
@@ -32,6 +33,7 @@ from gradwire.errors import (
 )
 from gradwire.protocol import dtypes, messages, update
 from gradwire.protocol.frames import REPLAY, SEED, FrameType, encode_header
+from gradwire.scheduler.adapt import RECUT_AHEAD
 from gradwire.scheduler.client import join
 from gradwire.transport import shm, tcp
 from gradwire.worker.handle import Handle
@@ -61,6 +63,10 @@ class Tensor:
     user_name: str = ""
     signature: tuple = ()
     stateful: bool = False  # its servers hold state (parameter-server mode): seeded to a new server after a failover
+    # re-cut with another partition size while the job runs (scheduler/adapt.py): from round `successor[0]` on, the
+    # tensor's rounds are those of `successor[1]`, declared as `root~generation` (new keys)
+    successor: tuple[int, Tensor] | None = field(default=None, repr=False)
+    root: str = ""  # the name the calls use (this tensor's, unless it is a re-cut's successor)
 
 
 class Worker:
@@ -113,6 +119,13 @@ class Worker:
         self._rejoin_id = -1
         self._clock_skew = 0.0  # the scheduler's wall clock minus this host's (seconds)
         self.hosts: list[str] = []
+        # re-cuts (scheduler/adapt.py): the rounds reported for the one in step 1 (calls past them wait for RETUNE)
+        self._hold: dict[str, int] = {}
+        self._hold_generation = 0
+        self._released = threading.Condition(self._lock)
+        self.recuts: list[dict] = []  # each re-cut: generation, tensors, the partition size
+        self._busy_before = (0.0, 0)  # link use counted by credits since replaced (an elastic reset)
+        self._full_before = 0.0
 
     # -- life cycle ------------------------------------------------------------------------------
 
@@ -142,6 +155,7 @@ class Worker:
             lambda: self.credit.used if self.credit else 0,
         )
         self.metrics.gauge("gradwire_push_pulls_in_flight", "push_pull handles not yet complete", lambda: self._active)
+        self.metrics.extra = self._link_use
         self._control_thread = threading.Thread(target=self._control_loop, name="gw-worker-control", daemon=True)
         self._control_thread.start()
         assert self._scheduler is not None
@@ -209,6 +223,77 @@ class Worker:
                 with link._cond:
                     link.window, link.unanswered_cap = self.config.window, self.config.unanswered
                     link._cond.notify_all()
+
+    def _link_use(self) -> dict:
+        """The network links' use so far, for the heartbeat: the scheduler's drift check (tuning.Drift)."""
+        busy, moved = self.credit.busy() if self.credit else (0.0, 0)
+        full = sum(link.full_seconds for link in self._links if getattr(link, "network", False))
+        return {
+            "link_busy_seconds": self._busy_before[0] + busy,
+            "link_bytes": self._busy_before[1] + moved,
+            "window_full_seconds": self._full_before + full,
+        }
+
+    def _recut_rounds(self, body: dict) -> None:
+        """RECUT (step 1 of a re-cut, scheduler/adapt.py): report each tensor's round, and hold calls two rounds
+        past it until RETUNE says where the new partitions begin."""
+        with self._lock:
+            rounds = {}
+            for tensor in list(self._tensors.values()):
+                current = self._current(tensor)
+                # not one whose last re-cut is still ahead (its successor's round is not the calls' yet)
+                if tensor.root == tensor.name and current is self._current(tensor, next_round=True):
+                    if _recuttable(current):
+                        rounds[tensor.name] = current.round
+            self._hold = {name: r + RECUT_AHEAD for name, r in rounds.items()}
+            self._hold_generation = int(body["generation"])
+        reply = {"op": messages.RECUT_ROUNDS, "generation": body["generation"], "rounds": rounds}
+        if "partition_bytes" in self.config.explicit:
+            reply["fixed"] = True
+        assert self._scheduler is not None
+        self._scheduler.send_json(FrameType.CONTROL, reply)
+
+    def _on_retune(self, body: dict) -> None:
+        """RETUNE: new settings (scheduler/adapt.py); `switch`: per tensor, the round from which it is cut anew."""
+        self._retune(body["tuning"])
+        generation = int(body.get("generation", 0))
+        successors = []
+        with self._lock:
+            for name, first in (body.get("switch") or {}).items():
+                tensor = self._tensors.get(name)
+                if tensor is None:
+                    continue
+                last = self._current(tensor)
+                if last.successor is not None or last.round >= int(first):
+                    raise RemoteProtocolError(f"worker {self.rank}: re-cut of {name!r} at round {first} came too late")
+                if len(last.parts) == 1 and last.dtype.itemsize * int(np.prod(last.shape)) <= self._partition_bytes:
+                    continue  # one partition before and after: nothing to re-cut (the same on every worker)
+                new = Tensor(f"{name}~{generation}", last.shape, last.dtype, user_name=last.user_name, root=name)
+                new.signature, new.round = last.signature, int(first) - 1
+                self._tensors[new.name] = new
+                last.successor = (int(first), new)
+                successors.append(new)
+            if generation == self._hold_generation:
+                self._hold = {}
+                self._released.notify_all()
+        for new in successors:
+            self._send_declaration(new, "sum", None, None, None, None)
+        if successors:
+            self.recuts.append(
+                {"generation": generation, "tensors": len(successors), "partition_bytes": self._partition_bytes}
+            )
+            log.info(
+                "worker %d re-cuts %d tensors into %d-byte partitions",
+                self.rank,
+                len(successors),
+                self._partition_bytes,
+            )
+
+    def _current(self, tensor: Tensor, next_round: bool = False) -> Tensor:
+        """The tensor whose keys carry `tensor`'s rounds now (`next_round`: its next round), following re-cuts."""
+        while tensor.successor is not None and (not next_round or tensor.round + 1 >= tensor.successor[0]):
+            tensor = tensor.successor[1]
+        return tensor
 
     def _connect_all(self, servers: list[dict]) -> None:
         links: list[ServerLink | LostLink] = []
@@ -416,7 +501,9 @@ class Worker:
             tensor = self._tensors.get(internal)
             new = tensor is None
             if tensor is None:
-                tensor = self._tensors[internal] = Tensor(internal, shape, wire, user_name=name, signature=signature)
+                tensor = self._tensors[internal] = Tensor(
+                    internal, shape, wire, user_name=name, signature=signature, root=internal
+                )
                 tensor.round = self._round_floor.pop(internal, 0)  # rounds others summed while this worker had joined
         if new:
             self._send_declaration(tensor, key_op, cut, meta, ranks, args)
@@ -560,6 +647,7 @@ class Worker:
         `extra`: bytes every partition's push carries after its data (a server-side update's trailer). `partial`: the
         answers are not results to keep for a failover (reads of a server's state). `same_round`: not a new round
         (a read or write that its server answers outside the rounds)."""
+        tensor = self._follow(tensor)
         handle, rnd = self._begin(tensor, out, same_round)
 
         def submit(error: GradwireError | None) -> None:
@@ -599,6 +687,50 @@ class Worker:
         if declared:
             submit(tensor.error)
         return handle
+
+    def _follow(self, tensor: Tensor) -> Tensor:
+        """The tensor whose keys take `tensor`'s next round: itself, or its re-cut's successor from the round the
+        scheduler chose (scheduler/adapt.py). Waits while a re-cut's step 1 holds the round, and for the successor's
+        declaration (neither waits for the data path); a successor the scheduler refused is dropped on every worker
+        alike, and the tensor keeps its partitions."""
+        if tensor.successor is None and not self._hold:
+            return tensor
+        deadline = time.monotonic() + self.config.timeout
+        with self._lock:
+            while True:
+                current = self._current(tensor, next_round=True)
+                hold = self._hold.get(tensor.root)
+                if hold is None or current.round + 1 < hold:
+                    break
+                if not self._released.wait(max(0.0, deadline - time.monotonic())):
+                    raise GradwireTimeout(
+                        f"worker {self.rank}: the scheduler did not say where {tensor.root!r} is cut anew (re-cut "
+                        f"{self._hold_generation}) in {self.config.timeout}s",
+                        tensor=tensor.root,
+                    )
+            previous = [t for t in self._chain(tensor) if t is not current and t.in_flight is not None]
+        if previous:  # what _begin checks, across the re-cut
+            raise self._in_flight_error(previous[0])
+        if current is not tensor and not current.ready.wait(max(0.0, deadline - time.monotonic())):
+            raise GradwireTimeout(
+                f"worker {self.rank}: the re-cut of {tensor.root!r} was not declared in {self.config.timeout}s",
+                tensor=current.name,
+            )
+        if current.error is not None:
+            with self._lock:
+                for t in self._chain(tensor):
+                    if t.successor is not None and t.successor[1] is current:
+                        t.successor = None
+            log.warning("worker %d: %r keeps its partitions: %s", self.rank, tensor.root, current.error)
+            return self._follow(tensor)
+        return current
+
+    @staticmethod
+    def _chain(tensor: Tensor) -> list[Tensor]:
+        chain = [tensor]
+        while chain[-1].successor is not None:
+            chain.append(chain[-1].successor[1])
+        return chain
 
     def _divisor(self, average: bool, members: list[int] | None) -> int:
         """What the sum is divided by: the number of ranks taking part, for an average."""
@@ -725,13 +857,7 @@ class Worker:
         self._check_usable()
         with self._lock:
             if tensor.in_flight is not None:
-                raise TensorError(
-                    f"a push_pull of {tensor.name!r} is already in flight on worker {self.rank}: synchronize its "
-                    "handle before pushing the tensor again, or give each concurrent tensor its own name (two "
-                    "models whose parameters share names: pass named_parameters with a prefix per model)",
-                    tensor=tensor.name,
-                    rank=self.rank,
-                )
+                raise self._in_flight_error(tensor)
             tensor.round += 0 if same_round else 1
             if self._active == 0 and self.timeline:
                 self.timeline.new_step()  # a step: from no push_pull in flight to one
@@ -739,6 +865,15 @@ class Worker:
             handle = Handle(tensor.name, out, 1, self._finished)
             tensor.in_flight = handle
         return handle, tensor.round
+
+    def _in_flight_error(self, tensor: Tensor) -> TensorError:
+        return TensorError(
+            f"a push_pull of {tensor.root or tensor.name!r} is already in flight on worker {self.rank}: synchronize "
+            "its handle before pushing the tensor again, or give each concurrent tensor its own name (two "
+            "models whose parameters share names: pass named_parameters with a prefix per model)",
+            tensor=tensor.name,
+            rank=self.rank,
+        )
 
     def _finished(self, handle: Handle) -> None:
         self.metrics.round_done()
@@ -868,6 +1003,10 @@ class Worker:
                     self._membership_changed(body)
                 elif op == messages.MEMBERS:
                     self.joining = int(body["joining"])
+                elif op == messages.RECUT:
+                    self._recut_rounds(body)
+                elif op == messages.RETUNE:
+                    self._on_retune(body)
         except GradwireError as e:
             if not self._closed:
                 self._fail_all(JobAborted(f"worker {self.rank} lost the scheduler: {e}", rank=self.rank))
@@ -918,6 +1057,14 @@ class Worker:
             self._apply_book(book)
             for tensor in self._tensors.values():
                 tensor.round, tensor.in_flight = 0, None
+                tensor.successor = None  # rounds start afresh, on the tensors' first cut (a joiner knows no other)
+            self._hold = {}
+            self._released.notify_all()
+            use = self._link_use()
+            self._busy_before, self._full_before = (
+                (use["link_busy_seconds"], use["link_bytes"]),
+                use["window_full_seconds"],
+            )
             self._round_floor.clear()
             self._active = 0
             if self._saved is not None:
@@ -1094,6 +1241,12 @@ class Worker:
             raise self._membership_error
         if self._closed:
             raise ConfigError("this worker has been shut down; call init() again to start a new job")
+
+
+def _recuttable(tensor: Tensor) -> bool:
+    """A tensor that a re-cut may give new partitions: a plain sum (no slices, process set, or server-side state)
+    whose declaration has completed."""
+    return tensor.ready.is_set() and tensor.error is None and tensor.signature[2:] == ("sum", None, None, None, None)
 
 
 def _wake(waiters: list[list]) -> None:

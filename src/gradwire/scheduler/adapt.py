@@ -1,0 +1,141 @@
+"""Following the links while the job runs (GRADWIRE_ADAPT, on by default): the settings derived at the rendezvous
+(gradwire/tuning.py) are derived again when the rate the workers' links achieve drifts away from the one they were
+derived for (tuning.Drift says when, and how that is damped).
+
+Window and cap change on every link at once (RETUNE). A new partition size also re-cuts the tensors already declared,
+which every worker must do at the same round of each tensor, or a round would wait for partitions that another
+worker cuts differently. That takes two messages, neither of which waits for the data path:
+1. RECUT (generation g) to every worker. Each answers from its control thread with its round of every tensor
+   (RECUT_ROUNDS), and from then on holds any call two rounds past the one it reported until step 2 arrives.
+2. Once every worker has answered: RETUNE with the new settings and, per tensor, the first round cut anew: the
+   latest round any worker reported, plus two. No worker can have passed it (step 1's hold), so each starts that
+   round on the tensor's new partitions (declared at once, under `name~g`: new keys; the old ones stay declared)
+   and they all agree. A worker whose partition size is set explicitly (GRADWIRE_PARTITION_BYTES) vetoes the re-cut,
+   and so does a failover or an elastic reset in between (they re-derive the settings themselves).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from gradwire import tuning
+from gradwire.protocol import messages
+
+if TYPE_CHECKING:
+    from gradwire.scheduler.scheduler import Node, Scheduler
+
+log = logging.getLogger("gradwire.scheduler")
+COUNTERS = ("link_busy_seconds", "link_bytes", "window_full_seconds")  # in a worker's heartbeat (worker.status)
+RECUT_AHEAD = 2  # rounds past the latest a worker reported: the first one cut anew (see the module's step 2)
+
+
+class Adaptation:
+    """The scheduler's drift check and re-cuts; every method is called with the scheduler's lock held."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.s = scheduler
+        self.drift = tuning.Drift(scheduler.config.heartbeat_interval)
+        self.generation = 0
+        self.pending: dict | None = None  # a re-cut in step 1: generation, tuning, why, answers {rank: (rounds, fixed)}
+        self.seen: dict[int, tuple[float, ...]] = {}  # worker rank -> its counters at the last interval
+        self.history: list[dict] = []  # each re-derivation: when, why, and the settings
+
+    def tick(self, now: float) -> None:
+        """One interval: take every worker's counters, and act on the drift check's verdict."""
+        samples = self._samples()
+        if self.pending is not None:
+            if now - self.pending["started"] > self.s.config.timeout:
+                self.cancel("not every worker answered in time")
+            else:
+                self._maybe_finish()
+            return
+        if self.s.tuning is None or self.s._joins or self.s._ending:
+            return
+        rate = self.drift.observe(now, samples, self.s.tuning)
+        if rate is not None:
+            self._rederive(rate, now)
+
+    def _samples(self) -> list[tuning.Sample]:
+        out = []
+        for worker in self.s._live_workers():
+            try:
+                counters = tuple(float(worker.stats[c]) for c in COUNTERS)
+            except (KeyError, TypeError, ValueError):
+                continue
+            before, self.seen[worker.rank] = self.seen.get(worker.rank), counters
+            if before is None or any(a < b for a, b in zip(counters, before, strict=True)):
+                continue  # the first interval, or the worker started its counters afresh (an elastic reset)
+            busy, moved, full = (a - b for a, b in zip(counters, before, strict=True))
+            out.append(tuning.Sample(int(moved), busy, full))
+        return out
+
+    def _rederive(self, rate: float, now: float) -> None:
+        model = float(self.s.tuning["rate_bytes_per_s"])
+        self.s.rate_scale *= rate / model
+        why = (
+            f"the links moved {rate * 8 / 1e6:.0f} Mbit/s per worker, the settings were for {model * 8 / 1e6:.0f} "
+            f"(measured over {tuning.DRIFT_SAMPLES} intervals)"
+        )
+        new = self.s.derived_tuning_locked()
+        if new is None:
+            return
+        keys = ("partition_bytes", "window", "unanswered")
+        record = {"at": time.time(), "why": why, "recut_tensors": 0} | {k: new[k] for k in keys}
+        self.history.append(record)
+        log.warning("data path re-derived (%s): %s", why, new["reason"])
+        if new["partition_bytes"] == self.s.tuning["partition_bytes"]:
+            self._apply(new | {"derived_for": why}, {}, 0)
+            return
+        self.generation += 1
+        self.pending = {"generation": self.generation, "tuning": new, "why": why, "answers": {}, "started": now}
+        self.s._tell(self.s._live_workers(), {"op": messages.RECUT, "generation": self.generation})
+
+    def answered(self, node: Node, body: dict) -> None:
+        """A worker's RECUT_ROUNDS."""
+        if self.pending is None or int(body["generation"]) != self.pending["generation"]:
+            return  # cancelled meanwhile: the cancel's RETUNE released it
+        rounds = {str(k): int(v) for k, v in body["rounds"].items()}
+        self.pending["answers"][node.rank] = (rounds, bool(body.get("fixed")))
+        self._maybe_finish()
+
+    def _maybe_finish(self) -> None:
+        assert self.pending is not None
+        answers = self.pending["answers"]
+        live = [w.rank for w in self.s._live_workers()]
+        if not all(rank in answers for rank in live):
+            return
+        pending, self.pending = self.pending, None
+        fixed = [rank for rank in live if answers[rank][1]]
+        switch: dict[str, int] = {}
+        if fixed:
+            log.warning("tensors not re-cut: worker %s set GRADWIRE_PARTITION_BYTES", ", ".join(map(str, fixed)))
+        else:
+            names = set.intersection(*(set(answers[rank][0]) for rank in live)) if live else set()
+            switch = {name: max(answers[rank][0][name] for rank in live) + RECUT_AHEAD for name in sorted(names)}
+        self.history[-1]["recut_tensors"] = len(switch)
+        self._apply(pending["tuning"] | {"derived_for": pending["why"]}, switch, pending["generation"])
+
+    def _apply(self, settings: dict, switch: dict[str, int], generation: int) -> None:
+        self.s.tuning = settings
+        body = {"op": messages.RETUNE, "tuning": settings, "switch": switch, "generation": generation}
+        self.s._tell(self.s._live_workers(), body)
+
+    def cancel(self, why: str) -> None:
+        """Give up the re-cut in step 1 (a failover, an elastic reset, a worker that does not answer): the workers'
+        holds are released, nothing is re-cut."""
+        if self.pending is None:
+            return
+        log.warning("re-cut %d given up: %s", self.pending["generation"], why)
+        generation, self.pending = self.pending["generation"], None
+        body = {"op": messages.RETUNE, "tuning": self.s.tuning, "switch": {}, "generation": generation}
+        self.s._tell(self.s._live_workers(), body)
+
+    def status(self) -> dict:
+        """For /status and `gradwire top`."""
+        return {
+            "last_interval": {k: round(v, 3) if isinstance(v, float) else v for k, v in self.drift.last.items()},
+            "rederived": self.history[-5:],
+            "next_possible_in_seconds": round(max(0.0, self.drift.not_before - self.s.clock()), 1),
+        }
