@@ -57,6 +57,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--steps", type=int, default=8, help="with --train: timed steps per way")
     parser.add_argument(
+        "--drift",
+        default=None,
+        metavar="FROM:TO",
+        help="with --train: every link starts at rate FROM (tc's spelling) and changes to TO after the warmup steps; "
+        "gradwire following the links (the default) against GRADWIRE_ADAPT=0 and DDP over gloo",
+    )
+    parser.add_argument(
+        "--settle", type=int, default=12, help="with --drift: steps after the change that are not timed (every way)"
+    )
+    parser.add_argument(
         "--hand-tuned",
         action="store_true",
         help="with --netem: impose the partition/window settings hand-tuning found (Topology.tuning()) instead of "

@@ -11,6 +11,8 @@ import json
 import os
 import statistics
 import sys
+import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -219,20 +221,47 @@ def plot(records: list[Record], path: str) -> None:
 TRAIN_WAYS = ("optimizer", "hook", "ddp")  # gradwire's DistributedOptimizer, DDP with gradwire's hook, DDP over gloo
 
 
-def run_train_config(topo: Topology, steps: int, warmup: int, env: dict[str, str], timeout: float = 1800) -> list[dict]:
+# --drift: links that slow down mid-job, with gradwire following them (the default) and with GRADWIRE_ADAPT=0
+DRIFT_WAYS = ("optimizer", "optimizer-fixed", "ddp")
+
+
+def run_train_config(
+    topo: Topology,
+    steps: int,
+    warmup: int,
+    env: dict[str, str],
+    timeout: float = 1800,
+    drift: tuple[str, str] | None = None,
+    settle: int = 0,
+) -> list[dict]:
     """End-to-end training (bench/train.py) the three ways, one after the other in one emulated cluster: per way the
-    median step time and samples per second."""
+    median step time and samples per second. `drift` (from, to): every job starts on links of the first rate, and
+    they change to the second once rank 0 has done `warmup` steps; the `settle` steps after that are not timed
+    (every way alike), so the figures are of the new links after gradwire had time to follow them."""
     results = []
     with EmulatedCluster(topo) as cluster:
-        for way in TRAIN_WAYS:
-            argv = [sys.executable, "-m", "gradwire.bench.train", way, str(steps), str(warmup)]
+        for way in DRIFT_WAYS if drift else TRAIN_WAYS:
+            timed_from = warmup + settle
+            argv = [sys.executable, "-m", "gradwire.bench.train", way.split("-")[0], str(steps), str(timed_from)]
             if way == "ddp":
                 start = start_gloo
                 job_env = os.environ | env
             else:
                 start = start_gradwire
                 job_env = os.environ | env | {"GLOO_SOCKET_IFNAME": "eth0"}
+                if way.endswith("-fixed"):
+                    job_env |= {"GRADWIRE_ADAPT": "0"}
+            if drift:
+                cluster.reshape(drift[0])
+                progress = tempfile.NamedTemporaryFile(prefix="gw-progress-", delete=False)
+                progress.close()
+                job_env |= {"GRADWIRE_BENCH_PROGRESS": progress.name}
+                threading.Thread(
+                    target=_reshape_after, args=(cluster, progress.name, warmup, drift[1], timeout), daemon=True
+                ).start()
             rows, cpu = _timed(lambda start=start, argv=argv, job_env=job_env: start(cluster, argv, job_env), timeout)
+            if drift:
+                os.unlink(progress.name)
             row = rows[0]
             median = statistics.median(row["times"])
             results.append(
@@ -240,8 +269,8 @@ def run_train_config(topo: Topology, steps: int, warmup: int, env: dict[str, str
                     "way": way,
                     "workers": topo.workers,
                     "servers": topo.servers,
-                    "worker_rate": topo.worker_rate,
-                    "server_rate": topo.server_rate,
+                    "worker_rate": f"{drift[0]} -> {drift[1]}" if drift else topo.worker_rate,
+                    "server_rate": f"{drift[0]} -> {drift[1]}" if drift else topo.server_rate,
                     "parameters": row["parameters"],
                     "step_seconds_median": median,
                     "step_seconds_all": row["times"],
@@ -253,6 +282,21 @@ def run_train_config(topo: Topology, steps: int, warmup: int, env: dict[str, str
     for r in results:
         r["x_ddp_samples_per_s"] = r["samples_per_s"] / ddp["samples_per_s"]
     return results
+
+
+def _reshape_after(cluster: EmulatedCluster, progress: str, steps: int, rate: str, timeout: float) -> None:
+    """Change every link to `rate` once rank 0 has written `steps` (or more) to the file `progress`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(progress) as f:
+                done = int(f.read().strip() or 0)
+        except (OSError, ValueError):
+            done = 0
+        if done >= steps:
+            cluster.reshape(rate)
+            return
+        time.sleep(0.02)
 
 
 def train_table(results: list[dict]) -> str:

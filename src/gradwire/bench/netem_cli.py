@@ -76,7 +76,10 @@ def run_train(args: argparse.Namespace, env: dict[str, str]) -> int:
     every = []
     for n, k, worker_rate, server_rate, colocate in configs:
         topo = Topology(n, k, worker_rate, server_rate, colocate=colocate)
-        results = run_train_config(topo, args.steps, args.warmup, (topo.tuning() if args.hand_tuned else {}) | env)
+        drift = tuple(args.drift.split(":", 1)) if args.drift else None
+        settle = args.settle if drift else 0
+        chosen = (topo.tuning() if args.hand_tuned else {}) | env
+        results = run_train_config(topo, args.steps, args.warmup, chosen, drift=drift, settle=settle)  # type: ignore[arg-type]
         every += results
         for r in results:
             if args.json:

@@ -6,7 +6,9 @@ A microbenchmark is not the workload: here a model with layers of mixed sizes (a
 - `optimizer`: gradwire's DistributedOptimizer (Horovod's shape);
 - `hook`: torch's DistributedDataParallel with gradwire's comm hook (DDP's buckets through the summation servers);
 - `ddp`: torch's DistributedDataParallel over gloo, the peer.
-Rank 0 prints one JSON line: every timed step's seconds, the samples per step, the parameter count.
+Rank 0 prints one JSON line: every timed step's seconds, the samples per step, the parameter count. With
+GRADWIRE_BENCH_PROGRESS set, rank 0 also writes its last finished step there (`gradwire bench --netem --train
+--drift` changes the links' rate once the warmup steps are done).
 """
 
 from __future__ import annotations
@@ -92,6 +94,9 @@ def main(way: str, steps: int, warmup: int) -> None:
         opt.step()
         if step >= warmup:
             times.append(time.perf_counter() - t0)
+        if rank == 0 and os.environ.get("GRADWIRE_BENCH_PROGRESS"):
+            with open(os.environ["GRADWIRE_BENCH_PROGRESS"], "w") as f:
+                f.write(str(step + 1))
     params = sum(p.numel() for p in net.parameters())
     if rank == 0:
         print(json.dumps({"way": way, "times": times, "samples_per_step": BATCH * world, "parameters": params}))

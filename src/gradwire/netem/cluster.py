@@ -92,6 +92,15 @@ class EmulatedCluster:
             _shape(br, port, host.down, host.delay_ms)
         log.info("emulated cluster %s: %d hosts", self.run_id, len(self.topology.hosts))
 
+    def reshape(self, rate: str) -> None:
+        """Every link to `rate` from now on, both ways (tc's spelling): links that get slower or faster mid-job, as
+        when another job starts or stops sharing the network."""
+        for i, host in enumerate(self.topology.hosts):
+            if host.delay_ms > 0:
+                raise GradwireError("reshape() changes rate-only links (no netem delay)")
+            for ns, dev in ((self.namespace(host), "eth0"), (self.bridge_namespace, f"v{self.run_id}{i}")):
+                _run(["tc", "-n", ns, "qdisc", "change", "dev", dev, "root", *_tbf(rate)])
+
     def _add_namespace(self, name: str) -> None:
         _ip("netns", "add", name)
         self._namespaces.append(name)
@@ -144,8 +153,12 @@ def _ip(*args: str) -> None:
     _run(["ip", *args])
 
 
+def _tbf(rate: str) -> list[str]:
+    return ["tbf", "rate", rate, "burst", "64kb", "latency", "50ms"]
+
+
 def _shape(ns: str, dev: str, rate: str, delay_ms: float) -> None:
-    tbf = ["tbf", "rate", rate, "burst", "64kb", "latency", "50ms"]
+    tbf = _tbf(rate)
     if delay_ms > 0:
         _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay", f"{delay_ms}ms"])
         _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:", "handle", "2:", *tbf])
