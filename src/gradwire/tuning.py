@@ -96,7 +96,8 @@ def _pow2_floor(x: float) -> int:
 DRIFT_BAND = 2.0  # the measured rate must be this far from the rate the settings were derived from (either way) ...
 DRIFT_SAMPLES = 3  # ... in this many intervals in a row, with traffic (idle intervals neither count nor break a run)
 DRIFT_COOLDOWN_INTERVALS = 6  # no re-derivation sooner than this many intervals after the last; doubled each time
-FULL_WINDOW_SHARE = 0.5  # a slower link is believed only where the window was full this share of the busy time
+FULL_WINDOW_SHARE = 0.5  # a slower link is believed only where the window was full this share of the busy time ...
+HOST_BUSY_SHARE = 0.8  # ... and the job's hosts' CPUs were busy less than this share of the interval
 
 
 @dataclass
@@ -128,9 +129,10 @@ class Drift:
       model rate is the measured one, so the next re-derivation needs another 2x move from there;
     - a cooldown after each re-derivation, doubled every time (DRIFT_COOLDOWN_INTERVALS to start): however the links
       behave, the settings change at most log2(job length / interval) times, so they cannot oscillate;
-    - a slower rate is believed only where the senders waited on a full window for most of the busy time: a link
-      that is slow fills its window, a worker short of CPU does not, and shrinking partitions for a CPU-bound worker
-      would cost it more CPU per byte (a spiral down to the smallest partitions);
+    - a slower rate is believed only where the senders waited on a full window for most of the busy time, and the
+      hosts had CPU to spare: a slow link fills the window while the CPUs idle; a sender short of CPU does not fill
+      it, and a server (or a receiving thread) short of CPU fills it with the CPUs busy. Shrinking partitions where
+      the CPU is what limits would cost more CPU per byte: a spiral down to the smallest partitions;
     - nothing moves past the partition sizes' bounds (a faster link than 4 MiB partitions need changes nothing).
     """
 
@@ -142,9 +144,11 @@ class Drift:
         self.direction = 0  # of that run: -1 slower, +1 faster
         self.last: dict = {}  # the last interval's judgement, for /status
 
-    def observe(self, now: float, samples: Sequence[Sample], tuning: Tuning | dict) -> float | None:
-        """One interval's samples (one per worker that moved bytes); the rate to derive the settings for anew when a
-        re-derivation is due, else None."""
+    def observe(
+        self, now: float, samples: Sequence[Sample], tuning: Tuning | dict, host_busy: float | None = None
+    ) -> float | None:
+        """One interval's samples (one per worker that moved bytes) and the share of it the job's hosts' CPUs were
+        busy (None: unknown); the rate to derive the settings for anew when a re-derivation is due, else None."""
         t = tuning if isinstance(tuning, dict) else tuning.as_dict()
         model = float(t.get("rate_bytes_per_s") or 0.0)
         busy = [s for s in samples if s.busy_seconds > 0 and s.bytes > 0]
@@ -156,8 +160,9 @@ class Drift:
         if rate > DRIFT_BAND * model and t["partition_bytes"] < MAX_PARTITION:
             direction = 1
         elif rate * DRIFT_BAND < model and t["partition_bytes"] > MIN_PARTITION and full >= FULL_WINDOW_SHARE:
-            direction = -1
+            direction = -1 if host_busy is None or host_busy < HOST_BUSY_SHARE else 0
         self.last = {"measured_bytes_per_s": rate, "model_bytes_per_s": model, "window_full_share": round(full, 3)}
+        self.last["host_cpu_busy_share"] = None if host_busy is None else round(host_busy, 3)
         if direction == 0 or direction != self.direction:
             self.run = []
         self.direction = direction

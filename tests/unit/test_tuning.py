@@ -103,6 +103,23 @@ def test_a_slower_rate_counts_only_where_the_window_was_full():
     assert [slow_link.observe(i, _at(mbit(20), full=0.9), _settings(model)) for i in range(3)][-1] == mbit(20)
 
 
+def test_a_slower_rate_counts_only_where_the_hosts_had_cpu_to_spare():
+    """A server short of CPU fills the windows too, with its host busy: smaller partitions would cost it more CPU per
+    byte. Where the hosts' CPU use is unknown (no /proc/stat), the window decides alone."""
+    model = mbit(100)
+    busy, idle, unknown = Drift(1.0), Drift(1.0), Drift(1.0)
+    for i in range(10):
+        assert busy.observe(i, _at(mbit(20), full=0.9), _settings(model), host_busy=0.95) is None
+    assert [idle.observe(i, _at(mbit(20), full=0.9), _settings(model), host_busy=0.3) for i in range(3)][-1] == mbit(20)
+    assert [unknown.observe(i, _at(mbit(20), full=0.9), _settings(model)) for i in range(3)][-1] == mbit(20)
+    assert busy.last["host_cpu_busy_share"] == 0.95
+
+
+def test_a_faster_rate_counts_whatever_the_hosts_cpu():
+    d, model = Drift(1.0), mbit(10)
+    assert [d.observe(i, _at(mbit(100)), _settings(model), host_busy=0.99) for i in range(3)][-1] == mbit(100)
+
+
 def test_nothing_moves_past_the_partition_bounds():
     d = Drift(1.0)
     at_max = _settings(mbit(100), partition=MAX_PARTITION)

@@ -8,6 +8,7 @@ says how to get the text format.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +21,12 @@ except ImportError:  # pragma: no cover - the dev and metrics extras install it
 STAGES = ("queued", "push", "wait", "pull")
 # partitions take from ~50 us (shared memory) to seconds (slow links)
 BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+try:
+    _CLOCK_TICK = os.sysconf("SC_CLK_TCK")
+except (AttributeError, ValueError, OSError):  # pragma: no cover - not a POSIX host
+    _CLOCK_TICK = 100
 
 
 class Metrics:
@@ -97,18 +104,34 @@ class Metrics:
 
     def snapshot(self) -> dict:
         with self._lock:
-            return {
-                "bytes_pushed": self.bytes_pushed,
-                "bytes_pulled": self.bytes_pulled,
-                "rounds": self.rounds,
-                "uptime_seconds": time.monotonic() - self.started,
-            } | (self.extra() if self.extra else {})
+            return (
+                {
+                    "bytes_pushed": self.bytes_pushed,
+                    "bytes_pulled": self.bytes_pulled,
+                    "rounds": self.rounds,
+                    "uptime_seconds": time.monotonic() - self.started,
+                }
+                | host_cpu()
+                | (self.extra() if self.extra else {})
+            )
 
     def exposition(self) -> tuple[int, str, bytes]:
         """The /metrics response."""
         if not prom:
             return 503, "text/plain", b"prometheus_client is not installed: pip install 'gradwire[metrics]'\n"
         return 200, prom.CONTENT_TYPE_LATEST, prom.generate_latest(self.registry)
+
+
+def host_cpu() -> dict:
+    """This host's CPU seconds so far, busy and in all (every core; Linux's /proc/stat): the scheduler's drift check
+    tells a slow link from a host short of CPU with them (tuning.Drift). Empty where /proc/stat cannot be read."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+    except (OSError, ValueError):
+        return {}
+    busy = sum(fields) - fields[3] - fields[4]
+    return {"host_cpu_busy_seconds": busy / _CLOCK_TICK, "host_cpu_seconds": sum(fields) / _CLOCK_TICK}
 
 
 class _Collector:

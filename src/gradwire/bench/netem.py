@@ -221,8 +221,9 @@ def plot(records: list[Record], path: str) -> None:
 TRAIN_WAYS = ("optimizer", "hook", "ddp")  # gradwire's DistributedOptimizer, DDP with gradwire's hook, DDP over gloo
 
 
-# --drift: links that slow down mid-job, with gradwire following them (the default) and with GRADWIRE_ADAPT=0
-DRIFT_WAYS = ("optimizer", "optimizer-fixed", "ddp")
+# --drift: links that change rate mid-job, with gradwire following them (the default), with GRADWIRE_ADAPT=0, and a
+# job on the new links from the start (`-rendezvous`: what the settings derived at the rendezvous for them reach)
+DRIFT_WAYS = ("optimizer", "optimizer-fixed", "optimizer-rendezvous", "ddp")
 
 
 def run_train_config(
@@ -235,9 +236,9 @@ def run_train_config(
     settle: int = 0,
 ) -> list[dict]:
     """End-to-end training (bench/train.py) the three ways, one after the other in one emulated cluster: per way the
-    median step time and samples per second. `drift` (from, to): every job starts on links of the first rate, and
-    they change to the second once rank 0 has done `warmup` steps; the `settle` steps after that are not timed
-    (every way alike), so the figures are of the new links after gradwire had time to follow them."""
+    median step time and samples per second. `drift` (from, to): the DRIFT_WAYS instead; a job starts on links of the
+    first rate, and they change to the second once rank 0 has done `warmup` steps; the `settle` steps after that are
+    not timed (every way alike), so the figures are of the new links after gradwire had time to follow them."""
     results = []
     with EmulatedCluster(topo) as cluster:
         for way in DRIFT_WAYS if drift else TRAIN_WAYS:
@@ -251,7 +252,11 @@ def run_train_config(
                 job_env = os.environ | env | {"GLOO_SOCKET_IFNAME": "eth0"}
                 if way.endswith("-fixed"):
                     job_env |= {"GRADWIRE_ADAPT": "0"}
-            if drift:
+            progress, rate = None, f"{drift[0]} -> {drift[1]}" if drift else topo.worker_rate
+            if drift and way.endswith("-rendezvous"):
+                cluster.reshape(drift[1])
+                rate = f"{drift[1]} from the start"
+            elif drift:
                 cluster.reshape(drift[0])
                 progress = tempfile.NamedTemporaryFile(prefix="gw-progress-", delete=False)
                 progress.close()
@@ -260,7 +265,7 @@ def run_train_config(
                     target=_reshape_after, args=(cluster, progress.name, warmup, drift[1], timeout), daemon=True
                 ).start()
             rows, cpu = _timed(lambda start=start, argv=argv, job_env=job_env: start(cluster, argv, job_env), timeout)
-            if drift:
+            if progress is not None:
                 os.unlink(progress.name)
             row = rows[0]
             median = statistics.median(row["times"])
@@ -269,9 +274,10 @@ def run_train_config(
                     "way": way,
                     "workers": topo.workers,
                     "servers": topo.servers,
-                    "worker_rate": f"{drift[0]} -> {drift[1]}" if drift else topo.worker_rate,
-                    "server_rate": f"{drift[0]} -> {drift[1]}" if drift else topo.server_rate,
+                    "worker_rate": rate,
+                    "server_rate": rate if drift else topo.server_rate,
                     "parameters": row["parameters"],
+                    "partition_bytes": row.get("partition_bytes"),
                     "step_seconds_median": median,
                     "step_seconds_all": row["times"],
                     "samples_per_s": row["samples_per_step"] / median,
@@ -299,16 +305,25 @@ def _reshape_after(cluster: EmulatedCluster, progress: str, steps: int, rate: st
         time.sleep(0.02)
 
 
+def _partitions(sizes: list | None) -> str:
+    """gradwire's partition size at the start and the end of a job: '256 KiB -> 32 KiB', or '-' (DDP)."""
+    if not sizes or sizes[0] is None:
+        return "-"
+    kib = [f"{b // 1024} KiB" for b in sizes]
+    return kib[0] if kib[0] == kib[-1] else " -> ".join(kib)
+
+
 def train_table(results: list[dict]) -> str:
     """Markdown: per configuration and way, the step time, samples/s and the ratio to DDP over gloo."""
     lines = [
-        "| n | k | rate | way | parameters | step s (median) | samples/s | x DDP (gloo) | CPU use |",
-        "|---:|---:|---|---|---:|---:|---:|---:|---:|",
+        "| n | k | rate | way | parameters | partitions | step s (median) | samples/s | x DDP (gloo) | CPU use |",
+        "|---:|---:|---|---|---:|---|---:|---:|---:|---:|",
     ]
     for r in results:
         lines.append(
             f"| {r['workers']} | {r['servers']} | {r['worker_rate']} / {r['server_rate']} | {r['way']} "
-            f"| {r['parameters'] / 1e6:.1f}M | {r['step_seconds_median']:.2f} | {r['samples_per_s']:.1f} "
+            f"| {r['parameters'] / 1e6:.1f}M | {_partitions(r.get('partition_bytes'))} "
+            f"| {r['step_seconds_median']:.2f} | {r['samples_per_s']:.1f} "
             f"| {r['x_ddp_samples_per_s']:.2f}x | {r['cpu_utilization']:.0%} |"
         )
     return "\n".join(lines)

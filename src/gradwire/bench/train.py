@@ -6,9 +6,9 @@ A microbenchmark is not the workload: here a model with layers of mixed sizes (a
 - `optimizer`: gradwire's DistributedOptimizer (Horovod's shape);
 - `hook`: torch's DistributedDataParallel with gradwire's comm hook (DDP's buckets through the summation servers);
 - `ddp`: torch's DistributedDataParallel over gloo, the peer.
-Rank 0 prints one JSON line: every timed step's seconds, the samples per step, the parameter count. With
-GRADWIRE_BENCH_PROGRESS set, rank 0 also writes its last finished step there (`gradwire bench --netem --train
---drift` changes the links' rate once the warmup steps are done).
+Rank 0 prints one JSON line: every timed step's seconds, the samples per step, the parameter count, and gradwire's
+partition size at the start and at the end. With GRADWIRE_BENCH_PROGRESS set, rank 0 also writes its last finished
+step there (`gradwire bench --netem --train --drift` changes the links' rate once the warmup steps are done).
 """
 
 from __future__ import annotations
@@ -60,6 +60,15 @@ def _gloo(rank: int, world: int) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
 
 
+def _partition_bytes(way: str) -> int | None:
+    """gradwire's partition size now (it changes where the links drift: scheduler/adapt.py)."""
+    if way == "ddp":
+        return None
+    import gradwire
+
+    return gradwire.current_worker().status()["data_path"]["partition_bytes"]
+
+
 def main(way: str, steps: int, warmup: int) -> None:
     import torch.nn.functional as F
 
@@ -86,6 +95,7 @@ def main(way: str, steps: int, warmup: int) -> None:
             net.register_comm_hook(gw.PushPullHookState(inner), gw.push_pull_hook)
     g = torch.Generator().manual_seed(rank)
     times = []
+    partitions = [_partition_bytes(way)]
     for step in range(warmup + steps):
         x, y = torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
         t0 = time.perf_counter()
@@ -98,8 +108,10 @@ def main(way: str, steps: int, warmup: int) -> None:
             with open(os.environ["GRADWIRE_BENCH_PROGRESS"], "w") as f:
                 f.write(str(step + 1))
     params = sum(p.numel() for p in net.parameters())
+    partitions.append(_partition_bytes(way))
     if rank == 0:
-        print(json.dumps({"way": way, "times": times, "samples_per_step": BATCH * world, "parameters": params}))
+        row = {"way": way, "times": times, "samples_per_step": BATCH * world, "parameters": params}
+        print(json.dumps(row | {"partition_bytes": partitions}))
         sys.stdout.flush()
     if way != "ddp":
         import gradwire.torch as gw

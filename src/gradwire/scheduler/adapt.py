@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gradwire.scheduler")
 COUNTERS = ("link_busy_seconds", "link_bytes", "window_full_seconds")  # in a worker's heartbeat (worker.status)
+CPU = ("host_cpu_busy_seconds", "host_cpu_seconds")  # in every node's heartbeat (admin/metrics.host_cpu)
 RECUT_AHEAD = 2  # rounds past the latest a worker reported: the first one cut anew (see the module's step 2)
 
 
@@ -39,7 +40,7 @@ class Adaptation:
         self.drift = tuning.Drift(scheduler.config.heartbeat_interval)
         self.generation = 0
         self.pending: dict | None = None  # a re-cut in step 1: generation, tuning, why, answers {rank: (rounds, fixed)}
-        self.seen: dict[int, tuple[float, ...]] = {}  # worker rank -> its counters at the last interval
+        self.seen: dict[tuple[str, int, str], tuple[float, ...]] = {}  # a node's counters at the last interval
         self.history: list[dict] = []  # each re-derivation: when, why, and the settings
 
     def tick(self, now: float) -> None:
@@ -53,23 +54,44 @@ class Adaptation:
             return
         if self.s.tuning is None or self.s._joins or self.s._ending:
             return
-        rate = self.drift.observe(now, samples, self.s.tuning)
+        rate = self.drift.observe(now, samples, self.s.tuning, self._host_busy())
         if rate is not None:
             self._rederive(rate, now)
 
     def _samples(self) -> list[tuning.Sample]:
         out = []
         for worker in self.s._live_workers():
-            try:
-                counters = tuple(float(worker.stats[c]) for c in COUNTERS)
-            except (KeyError, TypeError, ValueError):
-                continue
-            before, self.seen[worker.rank] = self.seen.get(worker.rank), counters
-            if before is None or any(a < b for a, b in zip(counters, before, strict=True)):
-                continue  # the first interval, or the worker started its counters afresh (an elastic reset)
-            busy, moved, full = (a - b for a, b in zip(counters, before, strict=True))
-            out.append(tuning.Sample(int(moved), busy, full))
+            delta = self._delta(worker, COUNTERS)
+            if delta is not None:
+                busy, moved, full = delta
+                out.append(tuning.Sample(int(moved), busy, full))
         return out
+
+    def _host_busy(self) -> float | None:
+        """The share of the interval the job's hosts' CPUs were busy: the busiest server's host, or the median
+        worker's, whichever is more (a server short of CPU holds every worker's pushes; one busy worker host, such as
+        one loading data, does not). None where no node reports it."""
+        shares: dict[str, list[float]] = {"worker": [], "server": []}
+        for node in [*self.s._live_workers(), *(s for s in self.s._servers if not s.lost)]:
+            delta = self._delta(node, CPU)
+            if delta is not None and delta[1] > 0:
+                shares[node.role].append(delta[0] / delta[1])
+        workers = sorted(shares["worker"])
+        candidates = [*shares["server"], *(workers[len(workers) // 2 : len(workers) // 2 + 1])]
+        return max(candidates) if candidates else None
+
+    def _delta(self, node: Node, counters: tuple[str, ...]) -> tuple[float, ...] | None:
+        """`counters` of `node`'s heartbeat since the last interval; None the first time, or where a counter is
+        missing or went back (the node started its counters afresh: an elastic reset)."""
+        try:
+            now = tuple(float(node.stats[c]) for c in counters)
+        except (KeyError, TypeError, ValueError):
+            return None
+        key = (node.role, node.rank, counters[0])
+        before, self.seen[key] = self.seen.get(key), now
+        if before is None or any(a < b for a, b in zip(now, before, strict=True)):
+            return None
+        return tuple(a - b for a, b in zip(now, before, strict=True))
 
     def _rederive(self, rate: float, now: float) -> None:
         model = float(self.s.tuning["rate_bytes_per_s"])
@@ -97,7 +119,7 @@ class Adaptation:
         if self.pending is None or int(body["generation"]) != self.pending["generation"]:
             return  # cancelled meanwhile: the cancel's RETUNE released it
         rounds = {str(k): int(v) for k, v in body["rounds"].items()}
-        self.pending["answers"][node.rank] = (rounds, bool(body.get("fixed")))
+        self.pending["answers"][node.rank] = (rounds, bool(body.get("fixed")), int(body["largest_partition"]))
         self._maybe_finish()
 
     def _maybe_finish(self) -> None:
@@ -107,15 +129,20 @@ class Adaptation:
         if not all(rank in answers for rank in live):
             return
         pending, self.pending = self.pending, None
+        settings = pending["tuning"] | {"derived_for": pending["why"]}
+        largest = min((answers[rank][2] for rank in live), default=settings["partition_bytes"])
+        if settings["partition_bytes"] > largest:  # a worker's shared-memory slots, made for the partitions of then
+            settings["partition_bytes"] = largest
+            settings["reason"] += f" (partitions kept at {largest >> 10} KiB: the largest the workers' links carry)"
         fixed = [rank for rank in live if answers[rank][1]]
         switch: dict[str, int] = {}
         if fixed:
             log.warning("tensors not re-cut: worker %s set GRADWIRE_PARTITION_BYTES", ", ".join(map(str, fixed)))
-        else:
+        elif settings["partition_bytes"] != self.s.tuning["partition_bytes"]:
             names = set.intersection(*(set(answers[rank][0]) for rank in live)) if live else set()
             switch = {name: max(answers[rank][0][name] for rank in live) + RECUT_AHEAD for name in sorted(names)}
-        self.history[-1]["recut_tensors"] = len(switch)
-        self._apply(pending["tuning"] | {"derived_for": pending["why"]}, switch, pending["generation"])
+        self.history[-1] |= {"recut_tensors": len(switch), "partition_bytes": settings["partition_bytes"]}
+        self._apply(settings, switch, pending["generation"])
 
     def _apply(self, settings: dict, switch: dict[str, int], generation: int) -> None:
         self.s.tuning = settings

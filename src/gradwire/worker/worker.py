@@ -217,12 +217,18 @@ class Worker:
             return
         self.tuning = tuning
         self.config = self.config.tuned(tuning)
-        self._partition_bytes = min(self.config.partition_bytes, self._slot_limit)
+        self._partition_bytes = min(self.config.partition_bytes, self._carry_limit())
         for link in self._links:
             if isinstance(link, ServerLink):
                 with link._cond:
                     link.window, link.unanswered_cap = self.config.window, self.config.unanswered
                     link._cond.notify_all()
+
+    def _carry_limit(self) -> int:
+        """The largest partition every link of this worker carries: the servers' slots, and the shared-memory slots
+        this worker's arenas were made with (at the partition size of the time)."""
+        arenas = [link.arena.slot_bytes for link in self._links if isinstance(link, ServerLink) and link.arena]
+        return min([self._slot_limit, *arenas])
 
     def _link_use(self) -> dict:
         """The network links' use so far, for the heartbeat: the scheduler's drift check (tuning.Drift)."""
@@ -247,7 +253,12 @@ class Worker:
                         rounds[tensor.name] = current.round
             self._hold = {name: r + RECUT_AHEAD for name, r in rounds.items()}
             self._hold_generation = int(body["generation"])
-        reply = {"op": messages.RECUT_ROUNDS, "generation": body["generation"], "rounds": rounds}
+        reply = {
+            "op": messages.RECUT_ROUNDS,
+            "generation": body["generation"],
+            "rounds": rounds,
+            "largest_partition": self._carry_limit(),
+        }
         if "partition_bytes" in self.config.explicit:
             reply["fixed"] = True
         assert self._scheduler is not None
@@ -334,7 +345,7 @@ class Worker:
             secret=self._secret,
             role="worker",
             rank=self.rank,
-            max_payload=self._partition_bytes,
+            max_payload=self._slot_limit,  # partitions may grow to the servers' slots: a re-cut (scheduler/adapt.py)
             timeout=self.config.timeout,
             buffer_bytes=self.config.socket_buffer_bytes,
         )
@@ -413,6 +424,7 @@ class Worker:
                 "why": (self.tuning or {}).get("reason", "the defaults and GRADWIRE_* settings"),
                 "derived_again": (self.tuning or {}).get("derived_for"),  # after a failover or an elastic reset
                 "set_explicitly": sorted(self.config.explicit & {"partition_bytes", "window", "unanswered"}),
+                "recuts": self.recuts[-5:],  # tensors cut anew while the job runs (scheduler/adapt.py)
             },
             **self.metrics.snapshot(),
         }
