@@ -196,6 +196,34 @@ def test_a_declaration_waiting_for_a_worker_that_shut_down_fails_at_once():
         b.leave()
 
 
+def test_a_round_that_needs_a_worker_that_shut_down_fails_at_once_and_one_it_pushed_completes():
+    """A worker that left (shutdown()) while the others go on: the rounds it had pushed complete for the others (a job
+    whose workers end at different moments), a round it never pushes fails at once on the servers, naming it, the
+    tensor and the round (not at the timeout), whether begun before it left or after."""
+    with LocalCluster(num_workers=2, num_servers=2, partition_bytes=64 << 10) as c:
+        a, b = c.workers
+        x = np.ones(100_000, np.float32)
+        c.run(lambda w: w.push_pull(x, "g"))  # declared; round 1
+        pushed = b.push_pull_async(x, "g")  # round 2: b pushes it and leaves before a has pushed it
+        waiter = threading.Thread(target=b.synchronize, args=(pushed,))
+        waiter.start()
+        assert np.all(a.push_pull(x, "g") == 2)
+        waiter.join(10)
+        begun = a.push_pull_async(x, "g")  # round 3, which b will never push: begun before b leaves ...
+        deadline = time.monotonic() + 10
+        while not all(any(k.count[1] for e in s._engines for k in e.keys.values()) for s in c.servers):
+            assert time.monotonic() < deadline, "a's pushes of round 3 never reached both servers"
+            time.sleep(0.005)
+        b.shutdown(final=False)
+        started = time.monotonic()
+        with pytest.raises(TensorError, match=r"server \d refused 'g'.*worker 1 left the job .* round 3 of 'g'"):
+            a.synchronize(begun)
+        with pytest.raises(TensorError, match=r"worker 1 left the job .* round 4 of 'g'"):
+            a.push_pull(x, "g")  # ... and one begun after
+        assert time.monotonic() - started < 5
+        b.leave()
+
+
 def test_a_collective_one_worker_skipped_for_a_barrier_fails_at_once():
     with LocalCluster(num_workers=2, num_servers=1) as c:
         a, b = c.workers

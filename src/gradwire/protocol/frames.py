@@ -54,6 +54,8 @@ REPLAY = 0x08
 REPLICA = 0x04
 # ring event flag (never on the wire): the set of joined workers changed (hvd.join); the slot's key is the bitmask
 JOIN_EVENT = 0x80
+# with JOIN_EVENT: the bitmask is of the workers that have left the job instead (shutdown() while others go on)
+DEPARTED_EVENT = 0x40
 
 DATA_TYPES = frozenset({FrameType.PUSHPULL, FrameType.RESULT})
 

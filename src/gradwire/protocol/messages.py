@@ -37,6 +37,7 @@ JOINED = "joined"  # scheduler -> server: the workers that have joined now (`ran
 RECUT = "recut"  # scheduler -> worker: the partition size changes (`generation`): report your round of each tensor
 RECUT_ROUNDS = "recut_rounds"  # worker -> scheduler: `rounds` {tensor: round}; `fixed`: my partition size is explicit
 RETUNE = "retune"  # scheduler -> worker: new `tuning`; `switch` {tensor: first round cut anew} for `generation`
+DEPARTED = "departed"  # scheduler -> server: workers that left (shutdown()) while others go on (`ranks`, all so far)
 
 _REQUIRED = {
     REGISTER: ("role", "host", "port"),
@@ -63,6 +64,7 @@ _REQUIRED = {
     RECUT: ("generation",),
     RECUT_ROUNDS: ("generation", "rounds"),
     RETUNE: ("tuning",),
+    DEPARTED: ("ranks",),
     PROBE: (),
     PROBE_RESULT: (),  # `down` or `pong`: checked where it is read (probe.py)
 }

@@ -595,6 +595,11 @@ class Scheduler:
         if node.role == "worker" and self.declarations is not None:
             self.declarations.leave(node.rank, f"worker {node.rank} left the job (called shutdown())")
         with self._lock:
+            if node.role == "worker" and self.membership is None and node in self._workers:
+                # the others' rounds that need its pushes fail at once on the servers, not at the timeout
+                left = sorted(w.rank for w in self._workers if w.said_bye)
+                if len(left) < len(self._workers):
+                    self._tell([s for s in self._servers if not s.lost], {"op": messages.DEPARTED, "ranks": left})
             if not all(w.said_bye or w.lost for w in self._workers) or node.role != "worker":
                 return
             if self.membership is not None and node not in self._workers:

@@ -47,7 +47,7 @@ import numpy as np
 
 from gradwire.errors import TensorError, TensorMismatch
 from gradwire.protocol import dtypes
-from gradwire.protocol.frames import JOIN_EVENT, REPLAY, SEED
+from gradwire.protocol.frames import DEPARTED_EVENT, JOIN_EVENT, REPLAY, SEED
 from gradwire.ring import Ring, RingClosed, Slot
 from gradwire.server import ops
 from gradwire.transport.shm import NO_SLOT
@@ -148,6 +148,8 @@ Reply = Callable[[int, int, int, "memoryview | list[memoryview]", list[int], int
 Fail = Callable[[Slot, str], None]
 # ack(rank, key, round) -> None: tell one worker its contribution is in
 Ack = Callable[[int, int, int], None]
+# fail_rank(rank, key, message) -> None: send an ERROR for the key to that worker (a round that cannot complete)
+FailRank = Callable[[int, int, str], None]
 # forward(replica server, key, round, dtype code, payload parts, done) -> None: replicate an applied update; done()
 # once the replica has it
 Forward = Callable[[int, int, int, int, list, Callable[[], None]], None]
@@ -167,8 +169,10 @@ class Engine:
         clock: Callable[[], float] = time.monotonic,
         deterministic: bool = True,
         forward: Forward | None = None,
+        fail_rank: FailRank | None = None,
     ) -> None:
         self.index = index
+        self._fail_rank = fail_rank
         self.forward = forward  # to a key's replica server (server/replica.py); None: no replicas
         self.deterministic = deterministic
         self.clock = clock
@@ -179,6 +183,7 @@ class Engine:
         self._fail = fail
         self.keys: dict[int, KeyState] = {}
         self.joined = 0  # workers that have joined (hvd.join), as a bitmask: zeros stand in for their contributions
+        self.departed = 0  # workers that have left the job (shutdown()) while others go on: their rounds fail
         self._zeros: dict[tuple[int, int], np.ndarray] = {}
         self.seeded_answers = 0  # workers answered with a seeded sum (after a failover)
         self._thread = threading.Thread(target=self._run, name=f"gw-engine-{index}", daemon=True)
@@ -249,7 +254,7 @@ class Engine:
         engine thread touches no key meanwhile."""
         same = num_workers == self.num_workers  # else a process set's ranks or a rank's slice mean nothing any more
         self.num_workers = num_workers
-        self.joined = 0
+        self.joined = self.departed = 0
         if forget:
             self.keys = {}
             return
@@ -306,7 +311,10 @@ class Engine:
     def on_event(self, slot: Slot) -> None:
         """Add one contribution (or take a seed); publish the sum when the round is complete."""
         if slot.flags & JOIN_EVENT:
-            self.set_joined(slot.key)
+            if slot.flags & DEPARTED_EVENT:
+                self.set_departed(slot.key)
+            else:
+                self.set_joined(slot.key)
             return
         state = self.keys.get(slot.key)
         if state is None or not state.fits(slot.dtype, slot.length):  # readers check first
@@ -349,6 +357,8 @@ class Engine:
             state.virtual[i] |= bit  # its sender had its slice from the dead server: no answer, no acknowledgement
         if self.joined and state.count[i] < state.need:
             self._join_in(state, i)  # joined workers contribute zeros (hvd.join)
+        if self.departed and state.count[i] < state.need and self._fail_departed(state, slot.key, i):
+            return
         if state.count[i] < state.need:
             # The worker's window counts contributions not yet in, not sums not yet out: a window of
             # unanswered sums deadlocks when workers' windows fill with different keys. (A replay holds no window.)
@@ -405,6 +415,33 @@ class Engine:
                     self._join_in(state, i)
                     if state.count[i] == state.need:
                         self._complete(state, key, state.round[i], state.dtype.code, i)
+
+    def set_departed(self, mask: int) -> None:
+        """Workers in `mask` have left the job (shutdown()) while others go on: a round that needs a push of theirs
+        can never complete, so every worker that pushed it is told at once, and so is every later pusher (instead of a
+        wait until the timeout). Runs on the engine's thread (a ring event), in order with the pushes."""
+        self.departed = mask
+        for key, state in list(self.keys.items()):
+            for i in (0, 1):
+                if 0 < state.count[i] < state.need and not state.seeded[i]:
+                    self._fail_departed(state, key, i)
+
+    def _fail_departed(self, state: KeyState, key: int, i: int) -> bool:
+        """Fail round buffer `i`'s round where a worker that has left owes a push to it; True if it did."""
+        missing = self.departed & state.everyone & ~state.pushed[i] & ~self.joined
+        if not missing:
+            return False
+        who = ", ".join(map(str, _ranks(missing)))
+        message = (
+            f"worker {who} left the job (called shutdown()) before pushing round {state.round[i]} of "
+            f"{state.name!r}, which can never complete: every worker must make the same calls before it shuts down"
+        )
+        pushers = [r for r in state.members if state.pushed[i] >> r & 1 and not state.virtual[i] >> r & 1]
+        state.count[i], state.pushed[i], state.staged[i], state.turn[i] = 0, 0, 0, state.first
+        for rank in pushers:
+            if self._fail_rank is not None:
+                self._fail_rank(rank, key, message)
+        return True
 
     def _join_in(self, state: KeyState, i: int) -> None:
         """Zeros for every joined member that has not pushed round buffer `i`'s round."""

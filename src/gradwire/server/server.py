@@ -19,7 +19,7 @@ from gradwire.admin.node import NodeAdmin
 from gradwire.config import Config
 from gradwire.errors import GradwireError, RemoteProtocolError, TensorError
 from gradwire.protocol import dtypes, frames, messages
-from gradwire.protocol.frames import JOIN_EVENT, REPLAY, REPLICA, SEED, FrameType
+from gradwire.protocol.frames import DEPARTED_EVENT, JOIN_EVENT, REPLAY, REPLICA, SEED, FrameType
 from gradwire.ring import Ring, RingClosed, Slot
 from gradwire.scheduler.client import join
 from gradwire.server import ops, optim
@@ -151,6 +151,7 @@ class Server:
                     self._queue_reply,
                     self._fail,
                     self._queue_ack,
+                    fail_rank=self._fail_rank,
                     deterministic=self.config.deterministic,
                     forward=self._replicas.forward,
                 )
@@ -458,6 +459,15 @@ class Server:
             except GradwireError:
                 pass
 
+    def _fail_rank(self, rank: int, key: int, message: str) -> None:
+        """An ERROR for `key` to worker `rank` (a round that can never complete: engine.set_departed)."""
+        link = self._links.get(rank)
+        if link is not None:
+            try:
+                link.conn.send_json(FrameType.ERROR, {"message": message}, key=key)
+            except GradwireError:
+                pass
+
     def _declare_keys(self, body: dict) -> None:
         """Allocate the accumulators of keys this server owns, then tell the scheduler they are ready."""
         name = str(body.get("name", "?"))
@@ -492,13 +502,14 @@ class Server:
         assert self._scheduler is not None
         self._scheduler.send_json(FrameType.CONTROL, {"op": messages.REPLY, "id": body["id"]})
 
-    def _set_joined(self, ranks: list[int]) -> None:
-        """The workers that have joined (hvd.join) changed: each engine learns it through its ring, in order with the
-        pushes it has already taken (so a round begun before goes on with zeros in their place)."""
+    def _set_joined(self, ranks: list[int], flags: int = 0) -> None:
+        """The workers that have joined (hvd.join) changed, or (`flags` DEPARTED_EVENT) those that have left: each
+        engine learns it through its ring, in order with the pushes it has already taken (so a round begun before
+        goes on with zeros in their place, or fails at once)."""
         mask = 0
         for rank in ranks:
             if not 0 <= rank < self.num_workers:
-                raise RemoteProtocolError(f"scheduler says worker {rank} joined, of {self.num_workers}")
+                raise RemoteProtocolError(f"scheduler says worker {rank} joined or left, of {self.num_workers}")
             mask |= 1 << rank
         for engine in self._engines:
             ring = engine.ring
@@ -507,7 +518,7 @@ class Server:
             slot.valid, slot.landed, slot.flags, slot.key, slot.length, slot.conn = (
                 True,
                 False,
-                JOIN_EVENT,
+                JOIN_EVENT | flags,
                 mask,
                 0,
                 None,
@@ -584,6 +595,8 @@ class Server:
                 elif op == messages.JOINED:
                     self._set_joined([int(r) for r in body["ranks"]])
                     self._scheduler.send_json(FrameType.CONTROL, {"op": messages.REPLY, "id": body["id"]})
+                elif op == messages.DEPARTED:
+                    self._set_joined([int(r) for r in body["ranks"]], DEPARTED_EVENT)
                 elif op == messages.PROMOTE:  # a standby takes a dead server's place
                     self.rank, self.epoch, self.standby = int(body["rank"]), int(body["epoch"]), False
                     if self._replicas is not None:
