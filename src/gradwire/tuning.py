@@ -98,6 +98,11 @@ DRIFT_SAMPLES = 3  # ... in this many intervals in a row, with traffic (idle int
 DRIFT_COOLDOWN_INTERVALS = 6  # no re-derivation sooner than this many intervals after the last; doubled each time
 FULL_WINDOW_SHARE = 0.5  # a slower link is believed only where the window was full this share of the busy time ...
 HOST_BUSY_SHARE = 0.8  # ... and the job's hosts' CPUs were busy less than this share of the interval
+# The measure reads this share of the link's rate: a push's acknowledgement queues behind sums on the way back, so
+# the busy time includes some of the return's. Measured: 72 Mbit/s on 100 Mbit/s links that the rendezvous's probe
+# read as 100 (`gradwire bench --netem --train --drift 1gbit:100mbit`, n = 4, k = 4, 2026-12-01); the rendezvous
+# derived 32 KiB partitions for them, the uncorrected measure 16 KiB: 2.27 s a step against 1.61 s in that run.
+MEASURED_SHARE = 0.75
 
 
 @dataclass
@@ -121,7 +126,7 @@ class Drift:
     rate_bytes_per_s`), so a step's communication takes its bytes over that rate. Measured: each interval (a heartbeat),
     each worker's bytes acknowledged over the time some push of it was unacknowledged. Waiting for other workers
     (stragglers, a compute phase) is not in that time: a push is acknowledged as soon as its server has it, whoever
-    else has pushed. The median over the workers is the job's measured rate.
+    else has pushed. The median over the workers, over MEASURED_SHARE, is the job's measured rate.
 
     A re-derivation is due when the measured rate is more than DRIFT_BAND times away from the model's, in
     DRIFT_SAMPLES intervals in a row that carried traffic; the new rate is the median of those intervals. Damping:
@@ -154,7 +159,7 @@ class Drift:
         busy = [s for s in samples if s.busy_seconds > 0 and s.bytes > 0]
         if model <= 0 or not busy:
             return None  # nothing to compare with, or an idle interval
-        rate = sorted(s.rate for s in busy)[len(busy) // 2]
+        rate = sorted(s.rate for s in busy)[len(busy) // 2] / MEASURED_SHARE
         full = sum(s.full_seconds for s in busy) / sum(s.busy_seconds for s in busy)
         direction = 0
         if rate > DRIFT_BAND * model and t["partition_bytes"] < MAX_PARTITION:

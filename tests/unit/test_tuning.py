@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from gradwire.tuning import MAX_PARTITION, MIN_PARTITION, Drift, Sample, derive
+from gradwire.tuning import MAX_PARTITION, MEASURED_SHARE, MIN_PARTITION, Drift, Sample, derive
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -69,8 +69,9 @@ def _settings(rate, partition=32 * KiB):
 
 
 def _at(rate, seconds=1.0, full=0.0, workers=4):
-    """One interval of `workers` workers moving `rate` bytes/s while busy `seconds`, the window full `full` of it."""
-    return [Sample(int(rate * seconds), seconds, full * seconds)] * workers
+    """One interval of `workers` workers on links of `rate` bytes/s (measured as MEASURED_SHARE of it) busy `seconds`,
+    the window full `full` of it."""
+    return [Sample(round(rate * MEASURED_SHARE * seconds), seconds, full * seconds)] * workers
 
 
 def test_noise_within_the_band_never_re_derives():

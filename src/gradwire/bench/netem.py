@@ -278,6 +278,7 @@ def run_train_config(
                     "server_rate": rate if drift else topo.server_rate,
                     "parameters": row["parameters"],
                     "partition_bytes": row.get("partition_bytes"),
+                    "derived_again": row.get("derived_again"),  # why the settings changed mid-job (scheduler/adapt.py)
                     "step_seconds_median": median,
                     "step_seconds_all": row["times"],
                     "samples_per_s": row["samples_per_step"] / median,

@@ -86,6 +86,9 @@ def run_train(args: argparse.Namespace, env: dict[str, str]) -> int:
                 print(json.dumps(r), flush=True)
         if not args.json:
             print(train_table(results), flush=True)
+            for r in results:
+                if r.get("derived_again"):
+                    print(f"{r['way']}: settings derived again: {r['derived_again']}", flush=True)
     if not args.json and len(configs) > 1:
         print("\n" + train_table(every))
     return 0

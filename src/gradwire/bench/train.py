@@ -60,13 +60,13 @@ def _gloo(rank: int, world: int) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
 
 
-def _partition_bytes(way: str) -> int | None:
-    """gradwire's partition size now (it changes where the links drift: scheduler/adapt.py)."""
+def _data_path(way: str) -> dict:
+    """gradwire's settings now (they change where the links drift: scheduler/adapt.py)."""
     if way == "ddp":
-        return None
+        return {}
     import gradwire
 
-    return gradwire.current_worker().status()["data_path"]["partition_bytes"]
+    return gradwire.current_worker().status()["data_path"]
 
 
 def main(way: str, steps: int, warmup: int) -> None:
@@ -95,7 +95,7 @@ def main(way: str, steps: int, warmup: int) -> None:
             net.register_comm_hook(gw.PushPullHookState(inner), gw.push_pull_hook)
     g = torch.Generator().manual_seed(rank)
     times = []
-    partitions = [_partition_bytes(way)]
+    partitions = [_data_path(way).get("partition_bytes")]
     for step in range(warmup + steps):
         x, y = torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
         t0 = time.perf_counter()
@@ -108,10 +108,11 @@ def main(way: str, steps: int, warmup: int) -> None:
             with open(os.environ["GRADWIRE_BENCH_PROGRESS"], "w") as f:
                 f.write(str(step + 1))
     params = sum(p.numel() for p in net.parameters())
-    partitions.append(_partition_bytes(way))
+    data_path = _data_path(way)
+    partitions.append(data_path.get("partition_bytes"))
     if rank == 0:
         row = {"way": way, "times": times, "samples_per_step": BATCH * world, "parameters": params}
-        print(json.dumps(row | {"partition_bytes": partitions}))
+        print(json.dumps(row | {"partition_bytes": partitions, "derived_again": data_path.get("derived_again")}))
         sys.stdout.flush()
     if way != "ddp":
         import gradwire.torch as gw
