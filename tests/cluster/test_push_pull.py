@@ -11,6 +11,7 @@ import gradwire
 from gradwire import TensorError, TensorMismatch
 from gradwire.protocol import frames
 from gradwire.protocol.frames import FrameType
+from gradwire.scheduler.scheduler import DEPARTED_GRACE_SECONDS
 from gradwire.testing import LocalCluster
 
 DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64]
@@ -222,6 +223,20 @@ def test_a_round_that_needs_a_worker_that_shut_down_fails_at_once_and_one_it_pus
             a.push_pull(x, "g")  # ... and one begun after
         assert time.monotonic() - started < 5
         b.leave()
+
+
+def test_a_worker_whose_process_ends_mid_job_fails_the_rounds_it_owes_after_a_moment():
+    """At process exit (a script that raised, or sys.exit) the bye is final: the rounds it owes fail after
+    DEPARTED_GRACE_SECONDS, so a launcher sees that worker's exit before the others' and names it."""
+    with LocalCluster(num_workers=2, num_servers=1) as c:
+        a, b = c.workers
+        x = np.ones(1000, np.float32)
+        c.run(lambda w: w.push_pull(x, "g"))
+        b.shutdown(final=True)
+        started = time.monotonic()
+        with pytest.raises(TensorError, match=r"worker 1 left the job .* round 2 of 'g'"):
+            a.push_pull(x, "g")
+        assert DEPARTED_GRACE_SECONDS - 0.5 < time.monotonic() - started < DEPARTED_GRACE_SECONDS + 5
 
 
 def test_a_collective_one_worker_skipped_for_a_barrier_fails_at_once():

@@ -306,6 +306,12 @@ def _reshape_after(cluster: EmulatedCluster, progress: str, steps: int, rate: st
         time.sleep(0.02)
 
 
+def _rates(r: dict) -> str:
+    """The workers' and the servers' link rate, once where they are the same."""
+    same = r["worker_rate"] == r["server_rate"]
+    return r["worker_rate"] if same else f"{r['worker_rate']} / {r['server_rate']}"
+
+
 def _partitions(sizes: list | None) -> str:
     """gradwire's partition size at the start and the end of a job: '256 KiB -> 32 KiB', or '-' (DDP)."""
     if not sizes or sizes[0] is None:
@@ -322,7 +328,7 @@ def train_table(results: list[dict]) -> str:
     ]
     for r in results:
         lines.append(
-            f"| {r['workers']} | {r['servers']} | {r['worker_rate']} / {r['server_rate']} | {r['way']} "
+            f"| {r['workers']} | {r['servers']} | {_rates(r)} | {r['way']} "
             f"| {r['parameters'] / 1e6:.1f}M | {_partitions(r.get('partition_bytes'))} "
             f"| {r['step_seconds_median']:.2f} | {r['samples_per_s']:.1f} "
             f"| {r['x_ddp_samples_per_s']:.2f}x | {r['cpu_utilization']:.0%} |"

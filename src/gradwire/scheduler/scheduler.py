@@ -40,6 +40,8 @@ from gradwire.throttle import HandshakeGate
 from gradwire.transport import tcp
 
 log = logging.getLogger("gradwire.scheduler")
+# a worker whose process ended mid-job: how long before the rounds that need it fail (see _bye)
+DEPARTED_GRACE_SECONDS = 2.0
 
 
 @dataclass
@@ -594,12 +596,17 @@ class Scheduler:
                 pass  # that worker's own loss is handled on its connection
         if node.role == "worker" and self.declarations is not None:
             self.declarations.leave(node.rank, f"worker {node.rank} left the job (called shutdown())")
+        if node.role == "worker" and self.membership is None and node in self._workers:
+            # the others' rounds that need its pushes fail on the servers, not at the timeout: at once after a
+            # shutdown(); a moment later where its process ends, so that a launcher sees that exit first and names it
+            # (not the others', which the failed rounds cause)
+            if node.final_bye:
+                timer = threading.Timer(DEPARTED_GRACE_SECONDS, self._tell_departed)
+                timer.daemon = True
+                timer.start()
+            else:
+                self._tell_departed()
         with self._lock:
-            if node.role == "worker" and self.membership is None and node in self._workers:
-                # the others' rounds that need its pushes fail at once on the servers, not at the timeout
-                left = sorted(w.rank for w in self._workers if w.said_bye)
-                if len(left) < len(self._workers):
-                    self._tell([s for s in self._servers if not s.lost], {"op": messages.DEPARTED, "ranks": left})
             if not all(w.said_bye or w.lost for w in self._workers) or node.role != "worker":
                 return
             if self.membership is not None and node not in self._workers:
@@ -617,6 +624,14 @@ class Scheduler:
                 )
                 return
         self._end("every worker said bye; job complete")
+
+    def _tell_departed(self) -> None:
+        """Tell the servers which workers have left (said bye) while others go on (server/engine.set_departed)."""
+        with self._lock:
+            left = sorted(w.rank for w in self._workers if w.said_bye)
+            if self._done.is_set() or len(left) == len(self._workers):
+                return  # the job is over, or ends now: no round waits
+            self._tell([s for s in self._servers if not s.lost], {"op": messages.DEPARTED, "ranks": left})
 
     def _end(self, why: str) -> None:
         """Shut the servers down and end the job."""

@@ -433,7 +433,7 @@ class Engine:
             return False
         who = ", ".join(map(str, _ranks(missing)))
         message = (
-            f"worker {who} left the job (called shutdown()) before pushing round {state.round[i]} of "
+            f"worker {who} left the job (shutdown(), or its process ended) before pushing round {state.round[i]} of "
             f"{state.name!r}, which can never complete: every worker must make the same calls before it shuts down"
         )
         pushers = [r for r in state.members if state.pushed[i] >> r & 1 and not state.virtual[i] >> r & 1]
