@@ -136,6 +136,7 @@ def test_tensors_in_use_are_re_cut_at_one_round_on_every_worker():
             assert len(w._chain(tensor)[-1].parts) < len(tensor.parts)
             assert w.status()["data_path"]["partition_bytes"] == now["partition_bytes"]
             assert w.status()["data_path"]["recuts"][0]["tensors"] == 2  # ... fc and big: conv and bias fit one
+            assert w.credit.lead == w.config.pacing * (256 << 10)  # pacing's lead, counted in partitions
 
 
 def test_a_re_cut_stays_within_what_every_worker_s_links_carry():

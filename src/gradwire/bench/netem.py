@@ -279,6 +279,7 @@ def run_train_config(
                     "parameters": row["parameters"],
                     "partition_bytes": row.get("partition_bytes"),
                     "derived_again": row.get("derived_again"),  # why the settings changed mid-job (scheduler/adapt.py)
+                    "recut_steps": row.get("recut_steps") or [],  # the steps in which tensors were cut anew
                     "step_seconds_median": median,
                     "step_seconds_all": row["times"],
                     "samples_per_s": row["samples_per_step"] / median,

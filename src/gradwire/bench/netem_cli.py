@@ -88,7 +88,12 @@ def run_train(args: argparse.Namespace, env: dict[str, str]) -> int:
             print(train_table(results), flush=True)
             for r in results:
                 if r.get("derived_again"):
-                    print(f"{r['way']}: settings derived again: {r['derived_again']}", flush=True)
+                    steps = ", ".join(map(str, r.get("recut_steps") or [])) or "none"
+                    print(
+                        f"{r['way']}: settings derived again: {r['derived_again']}; re-cut in step {steps} "
+                        f"(timed from step {args.warmup + settle})",
+                        flush=True,
+                    )
     if not args.json and len(configs) > 1:
         print("\n" + train_table(every))
     return 0

@@ -13,6 +13,7 @@ step there (`gradwire bench --netem --train --drift` changes the links' rate onc
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import socket
@@ -96,9 +97,11 @@ def main(way: str, steps: int, warmup: int) -> None:
     g = torch.Generator().manual_seed(rank)
     times = []
     partitions = [_data_path(way).get("partition_bytes")]
+    starts = []  # each step's wall-clock start: the step a re-cut came in
     for step in range(warmup + steps):
         x, y = torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
         t0 = time.perf_counter()
+        starts.append(time.time())
         opt.zero_grad()
         F.cross_entropy(net(x), y).backward()
         opt.step()
@@ -112,7 +115,9 @@ def main(way: str, steps: int, warmup: int) -> None:
     partitions.append(data_path.get("partition_bytes"))
     if rank == 0:
         row = {"way": way, "times": times, "samples_per_step": BATCH * world, "parameters": params}
-        print(json.dumps(row | {"partition_bytes": partitions, "derived_again": data_path.get("derived_again")}))
+        recuts = [bisect.bisect(starts, r["at"]) - 1 for r in data_path.get("recuts") or []]
+        row |= {"partition_bytes": partitions, "derived_again": data_path.get("derived_again"), "recut_steps": recuts}
+        print(json.dumps(row))
         sys.stdout.flush()
     if way != "ddp":
         import gradwire.torch as gw

@@ -204,6 +204,12 @@ class Credit:
             now = time.monotonic()
             return self.busy_seconds + (now - self._busy_since if self._net_used else 0.0), self.busy_bytes
 
+    def set_lead(self, lead: int) -> None:
+        """The pacing lead from now on (it is a number of partitions' bytes: the partition size changed)."""
+        with self._cond:
+            self.lead = lead
+            self._cond.notify_all()
+
     def pace(self, server: int, share: float) -> None:
         """Pace the link to `server` (from now on) with this share of the bytes."""
         if self.lead <= 0 or share <= 0:

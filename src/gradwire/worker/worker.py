@@ -218,6 +218,8 @@ class Worker:
         self.tuning = tuning
         self.config = self.config.tuned(tuning)
         self._partition_bytes = min(self.config.partition_bytes, self._carry_limit())
+        if self.credit is not None:  # pacing's lead is counted in partitions
+            self.credit.set_lead(self.config.pacing * self._partition_bytes)
         for link in self._links:
             if isinstance(link, ServerLink):
                 with link._cond:
@@ -291,7 +293,12 @@ class Worker:
             self._send_declaration(new, "sum", None, None, None, None)
         if successors:
             self.recuts.append(
-                {"generation": generation, "tensors": len(successors), "partition_bytes": self._partition_bytes}
+                {
+                    "generation": generation,
+                    "tensors": len(successors),
+                    "partition_bytes": self._partition_bytes,
+                    "at": time.time(),  # when this worker was told (its new partitions start two rounds later)
+                }
             )
             log.info(
                 "worker %d re-cuts %d tensors into %d-byte partitions",
