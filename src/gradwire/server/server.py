@@ -52,7 +52,7 @@ class WorkerLink:
             self.arena.close()
 
     def reply_loop(self, epoch: int, sender: int) -> None:
-        """Send queued sums (and ACKs) until a None arrives or the connection breaks."""
+        """Send queued sums (and ACKs, and ERRORs) until a None arrives or the connection breaks."""
         try:
             self._reply_loop(epoch, sender)
         finally:
@@ -62,6 +62,13 @@ class WorkerLink:
         header = self._header
         while (item := self.replies.get()) is not None:
             key, rnd, dtype, payload, pull = item
+            if isinstance(payload, str):  # an ERROR for the key: queued, so it cannot overtake the key's ACK
+                try:
+                    self.conn.send_json(FrameType.ERROR, {"message": payload}, key=key)
+                except GradwireError as e:
+                    log.warning("cannot reply to worker %d: %s", self.conn.peer_rank, e)
+                    return
+                continue
             if payload is None:
                 frames.pack_header_into(header, FrameType.ACK, 0, 0, epoch, sender, key, rnd)
                 parts = [header]
@@ -460,13 +467,11 @@ class Server:
                 pass
 
     def _fail_rank(self, rank: int, key: int, message: str) -> None:
-        """An ERROR for `key` to worker `rank` (a round that can never complete: engine.set_departed)."""
+        """An ERROR for `key` to worker `rank` (a round that can never complete: engine.set_departed), behind the
+        replies already queued for it (its ACK for that key among them)."""
         link = self._links.get(rank)
         if link is not None:
-            try:
-                link.conn.send_json(FrameType.ERROR, {"message": message}, key=key)
-            except GradwireError:
-                pass
+            link.replies.put((key, 0, 0, message, shm.NO_SLOT))
 
     def _declare_keys(self, body: dict) -> None:
         """Allocate the accumulators of keys this server owns, then tell the scheduler they are ready."""
