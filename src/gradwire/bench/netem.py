@@ -264,9 +264,13 @@ def run_train_config(
                 threading.Thread(
                     target=_reshape_after, args=(cluster, progress.name, warmup, drift[1], timeout), daemon=True
                 ).start()
-            rows, cpu = _timed(lambda start=start, argv=argv, job_env=job_env: start(cluster, argv, job_env), timeout)
-            if progress is not None:
-                os.unlink(progress.name)
+            try:
+                rows, cpu = _timed(
+                    lambda start=start, argv=argv, job_env=job_env: start(cluster, argv, job_env), timeout
+                )
+            finally:
+                if progress is not None:
+                    os.unlink(progress.name)
             row = rows[0]
             median = statistics.median(row["times"])
             results.append(

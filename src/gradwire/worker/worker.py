@@ -124,8 +124,7 @@ class Worker:
         self._hold_generation = 0
         self._released = threading.Condition(self._lock)
         self.recuts: list[dict] = []  # each re-cut: generation, tensors, the partition size
-        self._busy_before = (0.0, 0)  # link use counted by credits since replaced (an elastic reset)
-        self._full_before = 0.0
+        self._use_before: dict[str, float] = {}  # link use counted by credits and links since replaced (elastic reset)
 
     # -- life cycle ------------------------------------------------------------------------------
 
@@ -236,11 +235,8 @@ class Worker:
         """The network links' use so far, for the heartbeat: the scheduler's drift check (tuning.Drift)."""
         busy, moved = self.credit.busy() if self.credit else (0.0, 0)
         full = sum(link.full_seconds for link in self._links if getattr(link, "network", False))
-        return {
-            "link_busy_seconds": self._busy_before[0] + busy,
-            "link_bytes": self._busy_before[1] + moved,
-            "window_full_seconds": self._full_before + full,
-        }
+        now = {"link_busy_seconds": busy, "link_bytes": moved, "window_full_seconds": full}
+        return {k: self._use_before.get(k, 0) + v for k, v in now.items()}
 
     def _recut_rounds(self, body: dict) -> None:
         """RECUT (step 1 of a re-cut, scheduler/adapt.py): report each tensor's round, and hold calls two rounds
@@ -1079,11 +1075,7 @@ class Worker:
                 tensor.successor = None  # rounds start afresh, on the tensors' first cut (a joiner knows no other)
             self._hold = {}
             self._released.notify_all()
-            use = self._link_use()
-            self._busy_before, self._full_before = (
-                (use["link_busy_seconds"], use["link_bytes"]),
-                use["window_full_seconds"],
-            )
+            self._use_before = self._link_use()
             self._round_floor.clear()
             self._active = 0
             if self._saved is not None:
