@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from gradwire import tuning
 from gradwire.admin.timeline import Timeline, path_for
 from gradwire.testing import LocalCluster
 
@@ -133,6 +134,11 @@ def test_timeline_keeps_only_the_last_steps_and_stays_valid(tmp_path):
 def test_status_shows_the_data_path_settings_chosen_from_the_measured_links(cluster):
     chosen = json.loads(_get(cluster.scheduler.admin_url + "/status")[2])["data_path"]
     assert chosen["rate_bytes_per_s"] > 0 and 0 < chosen["rtt_seconds"] < 1.0  # measured at the rendezvous
-    assert chosen["partition_bytes"] == 4 << 20 and "Mbit/s per worker, RTT" in chosen["reason"]  # loopback: large
+    assert "Mbit/s per worker, RTT" in chosen["reason"]
+    # derived from what was measured (how fast loopback reads depends on the machine's load: 2-20 Gbit/s seen, so 1-4
+    # MiB partitions), and far larger than slow links get (20 Mbit/s: 16 KiB, tests/unit/test_tuning.py)
+    again = tuning.derive([chosen["rate_bytes_per_s"]], chosen["rtt_seconds"])
+    assert (chosen["partition_bytes"], chosen["window"]) == (again.partition_bytes, again.window)
+    assert chosen["partition_bytes"] >= 256 << 10, chosen["reason"]
     mine = cluster.workers[0].status()["data_path"]
     assert mine["partition_bytes"] == 64 << 10 and mine["set_explicitly"] == ["partition_bytes"]  # the test's wins
