@@ -165,7 +165,7 @@ def test_replayed_contributions_complete_a_sliced_round_and_only_the_waiting_ran
 def test_a_contribution_lands_in_its_key_buffer_only_where_it_may_wait():
     engine = _engine([], [], [], workers=3)
     engine.declare(9, dtypes.BY_NAME["float32"], 16)
-    assert engine.landing(9, 1, 0) is None  # rank 0 is never early: it is added from the ring slot
+    assert engine.landing(9, 1, 0) is None  # rank 0 is never early; no round has completed yet (see below)
     assert engine.landing(8, 1, 1) is None  # not declared
     a, b = engine.landing(9, 1, 2), engine.landing(9, 2, 2)
     assert a.nbytes == b.nbytes == 16 and not np.shares_memory(a, b)  # one per round buffer
@@ -173,3 +173,52 @@ def test_a_contribution_lands_in_its_key_buffer_only_where_it_may_wait():
     off = _engine([], [], [], workers=3, deterministic=False)
     off.declare(9, dtypes.BY_NAME["float32"], 16)
     assert off.landing(9, 1, 2) is None  # sums as things come: no staging at all
+
+
+def test_the_first_rank_lands_in_the_accumulator_once_rounds_complete_and_never_over_a_round_in_use():
+    """Rank 0's contribution (added first) is received straight into the round's accumulator, saving a copy: only
+    once a round has completed from contributions (after a failover a seed may be written there meanwhile), and
+    never into a buffer whose round is in use (unfinished, complete, or seeded)."""
+    replies = []
+    engine = _engine(replies, [], [], workers=3)
+    engine.declare(9, dtypes.BY_NAME["float32"], 16)
+    state = engine.keys[9]
+    for rank in (2, 1, 0):
+        _push(engine, rank, np.full(4, rank + 1, np.float32), rnd=1, land=True)
+    assert len(replies) == 1  # round 1 complete: from now on rank 0 lands
+    into = engine.landing(9, 3, 0)
+    assert into is not None and np.shares_memory(into, state.acc[1])
+    assert engine.landing(9, 2, 0) is not None and np.shares_memory(engine.landing(9, 2, 0), state.acc[0])
+    _push(engine, 1, np.full(4, 2, np.float32), rnd=3, land=True)  # round 3 begun, rank 0's part not in: may land
+    assert engine.landing(9, 3, 0) is not None
+    assert engine.landing(9, 5, 0) is None  # another round while 3 is unfinished (a misbehaving worker)
+    _push(engine, 0, np.full(4, 1, np.float32), rnd=3, land=True)
+    assert engine.landing(9, 3, 0) is None  # rank 0 pushed round 3 already
+    _push(engine, 2, np.full(4, 3, np.float32), rnd=3, land=True)
+    assert engine.landing(9, 3, 0) is None  # round 3 complete: its sum is being answered from there
+    assert replies[-1][1] == 3 and replies[-1][4] == np.full(4, 6, np.float32).tobytes()
+    # a seeded round's sum lies in the accumulator: a push of it is answered from there, never landed on
+    _push(engine, 1, np.arange(4, dtype=np.float32) * 7, rnd=4, flags=SEED)
+    assert engine.landing(9, 4, 0) is None
+    # narrowed sums (float16 in float32) add the first contribution by widening it: nothing lands
+    engine.declare(11, dtypes.BY_NAME["float16"], 8)
+    for rank in range(3):
+        _push(engine, rank, np.ones(4, np.float16), key=11, rnd=1)
+    assert engine.landing(11, 3, 0) is None and engine.landing(11, 3, 1) is not None
+
+
+def test_sums_stay_bit_identical_over_rounds_with_the_first_rank_landed():
+    rng = np.random.default_rng(7)
+    replies = []
+    engine = _engine(replies, [], [], workers=4)
+    engine.declare(9, dtypes.BY_NAME["float32"], 2048)
+    orders = [[0, 1, 2, 3], [3, 2, 1, 0], [2, 0, 3, 1], [1, 3, 0, 2], [0, 3, 1, 2], [3, 0, 2, 1]]
+    for rnd, order in enumerate(orders, start=1):
+        parts = [(rng.standard_normal(512) * 10.0 ** rng.integers(-6, 7, 512)).astype(np.float32) for _ in range(4)]
+        for rank in order:
+            _push(engine, rank, parts[rank].copy(), rnd=rnd, land=True)
+        expected = parts[0].copy()
+        for p in parts[1:]:
+            expected += p
+        assert replies[-1][1] == rnd and replies[-1][4] == expected.tobytes(), rnd
+    assert engine.keys[9].landable

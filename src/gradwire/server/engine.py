@@ -71,6 +71,7 @@ class KeyState:
         "everyone",
         "first",
         "held",
+        "landable",
         "name",
         "narrow",
         "op",
@@ -134,6 +135,9 @@ class KeyState:
         self.seeded = [False, False]  # the round's sum came as a seed (a failover), not from contributions
         self.virtual = [0, 0]  # ranks not answered: joined ones' zeros stood in, or they replayed (REPLAY)
         self.held = None  # what the operation keeps per key (server/optim.py)
+        # the first rank's contributions may be received straight into the accumulator (Engine.landing): only once a
+        # round completed from contributions (before, after a failover, a seed may be written there meanwhile)
+        self.landable = False
         op.setup(self, previous)
 
     def fits(self, code: int, length: int) -> bool:
@@ -269,11 +273,27 @@ class Engine:
         only; None: into a ring slot). Called by the one reader of that sender's connection, after `check`; the
         buffer is allocated once per key, rank and round buffer."""
         state = self.keys.get(key)
-        if state is None or sender == state.first or not state.everyone >> sender & 1:
+        if state is None or not state.everyone >> sender & 1:
             return None
         if not (self.deterministic or state.op.ordered) or state.op.asynchronous:
             return None
-        return self._stage(state, rnd & 1, sender).view(np.uint8)
+        i = rnd & 1
+        if sender != state.first:
+            return self._stage(state, i, sender).view(np.uint8)
+        # The first rank's contribution is added first: where the operation allows, it is received into the round's
+        # accumulator itself, which saves a pass over the partition (a copy out of the ring slot). Free at this
+        # point: a worker pushes round `rnd` only once it has round `rnd - 1`'s result, so every worker has round
+        # `rnd - 2`'s, the accumulator's last. Not where that does not hold (a misbehaving or replaying worker: the
+        # engine refuses or handles those from a ring slot), nor before a round completed from contributions alone.
+        if not state.landable or state.seeded[i]:
+            return None
+        current = state.round[i] == rnd
+        if current and (state.pushed[i] >> sender & 1 or state.count[i] >= state.need):
+            return None
+        if not current and 0 < state.count[i] < state.need:
+            return None
+        into = state.op.landing(state, i)
+        return None if into is None else into.view(np.uint8)
 
     @staticmethod
     def _stage(state: KeyState, i: int, sender: int) -> np.ndarray:
@@ -383,7 +403,8 @@ class Engine:
         if not (self.deterministic or state.op.ordered):
             state.op.add(state, i, dtype, wire, state.count[i] == 0)
         elif sender == state.turn[i]:
-            state.op.add(state, i, dtype, wire, sender == state.first)
+            if not (landed and sender == state.first):  # else it was received into the accumulator (`landing`)
+                state.op.add(state, i, dtype, wire, sender == state.first)
             self._drain(state, i, dtype)
         else:  # early: it waits in its staging buffer (where a socket's reader received it, or copied from the ring
             # or the worker's shared slot), and is acknowledged now (see the module's docstring)
@@ -396,6 +417,7 @@ class Engine:
 
     def _complete(self, state: KeyState, key: int, rnd: int, code: int, i: int) -> None:
         """Every contribution is in: finish the round and answer the workers that pushed (not joined ones' zeros)."""
+        state.landable = True
         state.op.finish(state, i)
         if state.narrow:
             dtypes.narrow(state.dtype, state.acc[i], state.out[i])

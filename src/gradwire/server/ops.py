@@ -47,6 +47,11 @@ class KeyOp:
         """Put one contribution into round buffer `i` (`first`: the round's first, in the order it is added)."""
         raise NotImplementedError
 
+    def landing(self, state: KeyState, i: int) -> np.ndarray | None:
+        """Where round buffer `i`'s first contribution (in rank order) may be received directly, so that it is in
+        without `add` (None: `add` puts it in). Deterministic sums only (server/engine.py `landing`)."""
+        return None
+
     def check(self, state: KeyState, i: int) -> None:
         """Called when every contribution is in: raise TensorError if they do not make a result."""
 
@@ -73,6 +78,9 @@ class Reduce(KeyOp):
     def __init__(self, name: str, ufunc: np.ufunc) -> None:
         self.name = name  # type: ignore[misc]
         self.ufunc = ufunc
+
+    def landing(self, state: KeyState, i: int) -> np.ndarray | None:
+        return None if state.narrow else state.acc[i]  # the first contribution is the accumulator's start
 
     def add(self, state: KeyState, i: int, dtype: dtypes.DType, wire: np.ndarray, first: bool) -> None:
         acc = state.acc[i]
