@@ -617,6 +617,8 @@ class ServerLink:
         if work is None:
             raise RemoteProtocolError(f"server {self.server} answered key {header.key:016x}, which is not in flight")
         work.t_result = self._last_answer = time.monotonic()
+        if not work.t_pushed:  # the answer came before the sender thread stamped the end of its send
+            work.t_pushed = work.t_result
         if header.round != work.round or header.length != work.nbytes:
             raise RemoteProtocolError(
                 f"server {self.server} answered {work.tensor!r} round {header.round} with {header.length} bytes; "
@@ -651,7 +653,6 @@ class ServerLink:
             np.divide(source, work.average, out=work.out, casting="unsafe")
         elif saved is not None:
             np.copyto(out, saved.data)
-        self.metrics.pulled(work.nbytes)
         self._record(work, time.monotonic())
         assert work.handle is not None
         work.handle.part_done()
@@ -668,16 +669,21 @@ class ServerLink:
         saved.round = work.round
 
     def _record(self, work: Work, done: float) -> None:
-        """The partition's four stages, into the histograms and the timeline."""
-        stages = (
-            ("queued", work.t_queued, work.t_sent),
-            ("push", work.t_sent, work.t_pushed),
-            ("wait", work.t_pushed, work.t_result),
-            ("pull", work.t_result, done),
+        """The partition's bytes pulled and its four stages, into the metrics and the timeline."""
+        self.metrics.partition(
+            work.nbytes,
+            work.t_sent - work.t_queued,
+            work.t_pushed - work.t_sent,
+            work.t_result - work.t_pushed,
+            done - work.t_result,
         )
-        for name, start, end in stages:
-            self.metrics.stage(name, end - start)
         if self.timeline:
+            stages = (
+                ("queued", work.t_queued, work.t_sent),
+                ("push", work.t_sent, work.t_pushed),
+                ("wait", work.t_pushed, work.t_result),
+                ("pull", work.t_result, done),
+            )
             args = {"tensor": work.tensor, "key": f"{work.key:016x}", "bytes": work.nbytes, "round": work.round}
             for name, start, end in stages:
                 self.timeline.complete(name, start, end, self.server, args)
