@@ -2,13 +2,16 @@
 
 Threads: one acceptor; per worker connection a reader (claims a ring slot, `recv_into` it, publishes)
 and a replier (sends finished sums from a queue, so an engine never blocks on a slow socket); one thread
-per engine; one on the scheduler connection (shutdown, abort).
+per engine; one on the scheduler connection (shutdown, abort). Small replies over a socket (ACKs, small sums) go
+from the engine's thread itself where nothing is queued before them and the socket takes them without waiting
+(`WorkerLink.reply`): a wake-up of the replier less for most of them.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import socket
 import threading
 import time
 
@@ -29,6 +32,19 @@ from gradwire.throttle import HandshakeGate
 from gradwire.transport import shm, tcp
 
 log = logging.getLogger("gradwire.server")
+# replies up to this size over a socket may be sent by the engine's thread at once (WorkerLink.reply): a copy of this
+# many bytes into the socket costs about what a wake-up of the reply thread does; larger ones stay off the engine
+DIRECT_REPLY_BYTES = 64 << 10
+
+
+class _Rest:
+    """The part of a frame that a send without waiting left over: the reply thread sends it before anything else."""
+
+    __slots__ = ("pulled", "views")
+
+    def __init__(self, views: list[memoryview], pulled: int) -> None:
+        self.views = views
+        self.pulled = pulled  # the sum's bytes (0: an ACK), counted once sent
 
 
 class WorkerLink:
@@ -42,6 +58,58 @@ class WorkerLink:
         self._header = bytearray(frames.HEADER_SIZE)
         self._users = 2  # the reader and the replier: the shared slots are unmapped when both are done
         self._users_lock = threading.Lock()
+        # replies queued or being sent by the replier: one sent at once must not overtake them (`reply`)
+        self._queued = 0
+        self._order = threading.Lock()
+        self._direct_header = bytearray(frames.HEADER_SIZE)
+        self._ids: tuple[int, int] | None = None  # (epoch, server rank) for headers, once the replier runs
+
+    def reply(self, item: tuple) -> None:
+        """Send a reply (key, round, dtype code, payload, pull slot): a sum (payload a view), an ACK (None) or an
+        ERROR (a message). In order with every other reply to this worker.
+
+        An ACK or a small sum over a socket goes at once from the calling thread (an engine's) when nothing is queued
+        or being sent before it and the socket takes it without waiting; what the socket does not take, and
+        everything else, goes through the queue to the replier, so a slow worker never holds an engine."""
+        payload = item[3]
+        direct = self._ids is not None and self.arena is None and not isinstance(payload, str)
+        with self._order:
+            if direct and self._queued == 0 and (payload is None or len(payload) <= DIRECT_REPLY_BYTES):
+                rest = self._send_now(item)
+                if rest is None:
+                    return
+                item = rest
+            self._queued += 1
+            self.replies.put(item)
+
+    def _send_now(self, item: tuple) -> tuple | None:
+        """Send a reply without waiting; None if the socket took it whole, else what is left, for the replier."""
+        assert self._ids is not None
+        key, rnd, dtype, payload, _ = item
+        header = self._direct_header
+        if payload is None:
+            frames.pack_header_into(header, FrameType.ACK, 0, 0, *self._ids, key, rnd)
+            views = [memoryview(header)]
+        else:
+            frames.pack_header_into(header, FrameType.RESULT, len(payload), dtype, *self._ids, key, rnd)
+            views = [memoryview(header), memoryview(payload).cast("B")]
+        total = sum(len(v) for v in views)
+        with self.conn.send_lock:
+            try:
+                sent = self.conn.sock.sendmsg(views, [], socket.MSG_DONTWAIT)
+            except OSError:  # a full socket (or a broken one: the replier finds out and says so)
+                sent = 0
+        if sent == total:
+            if payload is not None:
+                self.metrics.pulled(len(payload))
+            return None
+        if sent == 0:
+            return item
+        while sent >= len(views[0]):
+            sent -= len(views[0])
+            views.pop(0)
+        views[0] = views[0][sent:]
+        return key, rnd, dtype, _Rest(views, 0 if payload is None else len(payload)), shm.NO_SLOT
 
     def release(self) -> None:
         """The reader or the replier is done; the last one unmaps the shared slots (the other may still use them)."""
@@ -59,36 +127,50 @@ class WorkerLink:
             self.release()
 
     def _reply_loop(self, epoch: int, sender: int) -> None:
-        header = self._header
+        self._ids = (epoch, sender)  # from now on `reply` may send small replies at once
         while (item := self.replies.get()) is not None:
-            key, rnd, dtype, payload, pull = item
-            if isinstance(payload, str):  # an ERROR for the key: queued, so it cannot overtake the key's ACK
-                try:
-                    self.conn.send_json(FrameType.ERROR, {"message": payload}, key=key)
-                except GradwireError as e:
-                    log.warning("cannot reply to worker %d: %s", self.conn.peer_rank, e)
-                    return
-                continue
-            if payload is None:
-                frames.pack_header_into(header, FrameType.ACK, 0, 0, epoch, sender, key, rnd)
-                parts = [header]
-            elif pull != shm.NO_SLOT and self.arena is not None:
-                # the worker offered a shared pull slot: one memcpy here, none through the kernel
-                np.copyto(self.arena.pull_slot(pull, len(payload)), np.frombuffer(payload, np.uint8))
-                frames.pack_header_into(
-                    header, FrameType.RESULT, len(payload), dtype, epoch, sender, key, rnd, shm.SHM_PAYLOAD, pull
-                )
-                parts = [header]
-            else:
-                frames.pack_header_into(header, FrameType.RESULT, len(payload), dtype, epoch, sender, key, rnd)
-                parts = [header, payload]
-            try:
-                self.conn.send(parts)
-            except GradwireError as e:
-                log.warning("cannot reply to worker %d: %s", self.conn.peer_rank, e)
+            sent = self._send_queued(item, epoch, sender)
+            with self._order:
+                self._queued -= 1
+            if not sent:
                 return
-            if payload is not None:
-                self.metrics.pulled(len(payload))
+
+    def _send_queued(self, item: tuple, epoch: int, sender: int) -> bool:
+        """Send one queued reply; False if the connection failed."""
+        header = self._header
+        key, rnd, dtype, payload, pull = item
+        if payload is None:
+            frames.pack_header_into(header, FrameType.ACK, 0, 0, epoch, sender, key, rnd)
+            parts = [header]
+        elif isinstance(payload, _Rest):  # what a send at once left over (`reply`)
+            parts = payload.views
+        elif isinstance(payload, str):  # an ERROR for the key: queued, so it cannot overtake the key's ACK
+            parts = [frames.encode_json(FrameType.ERROR, {"message": payload}, key=key)]
+        elif pull != shm.NO_SLOT and self.arena is not None:
+            # the worker offered a shared pull slot: one memcpy here, none through the kernel
+            np.copyto(self.arena.pull_slot(pull, len(payload)), np.frombuffer(payload, np.uint8))
+            frames.pack_header_into(
+                header, FrameType.RESULT, len(payload), dtype, epoch, sender, key, rnd, shm.SHM_PAYLOAD, pull
+            )
+            parts = [header]
+        else:
+            frames.pack_header_into(header, FrameType.RESULT, len(payload), dtype, epoch, sender, key, rnd)
+            parts = [header, payload]
+        try:
+            self.conn.send(parts)
+        except GradwireError as e:
+            log.warning("cannot reply to worker %d: %s", self.conn.peer_rank, e)
+            return False
+        pulled = (
+            payload.pulled
+            if isinstance(payload, _Rest)
+            else 0
+            if payload is None or isinstance(payload, str)
+            else len(payload)
+        )
+        if pulled:
+            self.metrics.pulled(pulled)
+        return True
 
 
 class ReplicaPeer:
@@ -286,7 +368,7 @@ class Server:
             self._serve_replica(link.conn)
             return
         # from here a frame, once begun, must arrive whole within the frame timeout; idle between frames is fine
-        sock.settimeout(self.config.frame_timeout)
+        tcp.set_frame_timeout(sock, self.config.frame_timeout)
         threading.Thread(
             target=link.reply_loop, args=(self.epoch, self.rank), name="gw-server-reply", daemon=True
         ).start()
@@ -305,7 +387,7 @@ class Server:
     def _serve_replica(self, conn: tcp.Connection) -> None:
         """Read the updates a primary server forwards (its keys' replicas are here) into the rings, as worker pushes
         are; the engines apply them and acknowledge (server/replica.py)."""
-        conn.sock.settimeout(self.config.frame_timeout)
+        tcp.set_frame_timeout(conn.sock, self.config.frame_timeout)
         try:
             while True:
                 header = conn.recv_header(idle_ok=True)
@@ -451,12 +533,12 @@ class Server:
         for rank in range(self.num_workers):
             link = self._links.get(rank)
             if link is not None and ranks >> rank & 1:
-                link.replies.put((key, rnd, dtype, payload[rank] if sliced else payload, pulls[rank]))
+                link.reply((key, rnd, dtype, payload[rank] if sliced else payload, pulls[rank]))
 
     def _queue_ack(self, rank: int, key: int, rnd: int) -> None:
         link = self._links.get(rank)
         if link is not None:
-            link.replies.put((key, rnd, 0, None, shm.NO_SLOT))
+            link.reply((key, rnd, 0, None, shm.NO_SLOT))
 
     def _fail(self, slot: Slot, message: str) -> None:
         conn = slot.conn
@@ -471,7 +553,7 @@ class Server:
         replies already queued for it (its ACK for that key among them)."""
         link = self._links.get(rank)
         if link is not None:
-            link.replies.put((key, 0, 0, message, shm.NO_SLOT))
+            link.reply((key, 0, 0, message, shm.NO_SLOT))
 
     def _declare_keys(self, body: dict) -> None:
         """Allocate the accumulators of keys this server owns, then tell the scheduler they are ready."""
