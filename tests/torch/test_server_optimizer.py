@@ -167,9 +167,9 @@ def test_async_keeps_the_staleness_bound_and_trains():
             optimizer.zero_grad()
             loss = torch.nn.functional.cross_entropy(model(x), y)
             first = float(loss.detach()) if first is None else first
-            loss.backward()
-            with lock:
+            with lock:  # counted before backward, whose hooks push the gradients (the server may see them at once)
                 pushed[rank] += 1
+            loss.backward()
             optimizer.step()
             with lock:
                 if min(pushed) < step + 1 - bound:
