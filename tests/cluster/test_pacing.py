@@ -56,6 +56,23 @@ def test_a_link_that_goes_away_releases_the_links_waiting_for_it(monkeypatch):
     assert waiting.wait(1)
 
 
+def test_a_waiting_link_wakes_when_its_turn_comes_from_its_own_queue_or_freed_credit(monkeypatch):
+    """Waiters are woken only where they may now go (not by every release of credit), so each case that lets one go
+    must wake it: more queued for its own server, and credit given back."""
+    monkeypatch.setattr(link, "PACE_GIVE_UP_SECONDS", 10.0)
+    credit = _paced(100, s0=(0.5, 10_000), s1=(0.5, 1000))
+    waiting = _acquire_in_thread(credit, 500, 1)
+    assert not waiting.wait(0.1)
+    credit.queue(1, 20_000)  # link 1 is now the furthest behind
+    assert waiting.wait(1)
+    limited = Credit(1000)
+    limited.acquire(800)
+    blocked = _acquire_in_thread(limited, 500, 0)
+    assert not blocked.wait(0.1)
+    limited.release(800)
+    assert blocked.wait(1) and limited.used == 500
+
+
 def test_pacing_delays_but_never_hangs(monkeypatch):
     monkeypatch.setattr(link, "PACE_GIVE_UP_SECONDS", 0.05)
     credit = _paced(1, s0=(0.5, 10_000), s1=(0.5, 1000))  # link 0 is behind and never sends

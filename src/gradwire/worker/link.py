@@ -191,6 +191,10 @@ class Credit:
         self._shares: dict[int, float] = {}  # paced server -> its share
         self._queued: dict[int, int] = {}  # paced server -> bytes submitted, not yet sent
         self._cond = threading.Condition()
+        # senders waiting for their turn (pacing) and for credit: wake-ups only where one may now go (a release of
+        # credit woke every paced sender of the worker, eight at n = 8, most of them to wait again)
+        self._pace_waiters = 0
+        self._credit_waiters = 0
         # the network links' use, for the scheduler's drift check (tuning.Drift): the time some push over a socket was
         # unacknowledged, and the bytes acknowledged; shared-memory links move bytes at memory speed and are not counted
         self._net_used = 0
@@ -231,6 +235,8 @@ class Credit:
             with self._cond:
                 if server in self._queued:
                     self._queued[server] += n
+                    if self._pace_waiters:  # more behind: its own sender's turn may have come
+                        self._cond.notify_all()
 
     def _behind(self, server: int) -> float:
         return self._queued[server] / self._shares[server]
@@ -243,9 +249,21 @@ class Credit:
     def acquire(self, n: int, server: int = -1, network: bool = False) -> None:
         """Take `n` bytes of credit for a push to `server` (its turn, when paced); `network`: over a socket."""
         with self._cond:
-            if not self._cond.wait_for(lambda: self._may_send(server), PACE_GIVE_UP_SECONDS):
-                log.debug("pacing: the link to server %d waited %.1f s and goes anyway", server, PACE_GIVE_UP_SECONDS)
-            self._cond.wait_for(lambda: self.used == 0 or self.used + n <= self.limit)
+            if not self._may_send(server):
+                self._pace_waiters += 1
+                try:
+                    if not self._cond.wait_for(lambda: self._may_send(server), PACE_GIVE_UP_SECONDS):
+                        log.debug(
+                            "pacing: the link to server %d waited %.1f s and goes anyway", server, PACE_GIVE_UP_SECONDS
+                        )
+                finally:
+                    self._pace_waiters -= 1
+            if not (self.used == 0 or self.used + n <= self.limit):
+                self._credit_waiters += 1
+                try:
+                    self._cond.wait_for(lambda: self.used == 0 or self.used + n <= self.limit)
+                finally:
+                    self._credit_waiters -= 1
             self.used += n
             if network:
                 if not self._net_used:
@@ -253,7 +271,8 @@ class Credit:
                 self._net_used += max(n, 1)
             if server in self._queued:
                 self._queued[server] = max(0, self._queued[server] - n)
-                self._cond.notify_all()
+                if self._pace_waiters:  # the others' turn may have come
+                    self._cond.notify_all()
 
     def release(self, n: int, network: bool = False, acked: bool = True) -> None:
         """Give back the credit of `n` bytes pushed (`acked`: the server has them; else abandoned, after a failover)."""
@@ -264,7 +283,8 @@ class Credit:
                 self.busy_bytes += n if acked else 0
                 if not self._net_used:
                     self.busy_seconds += time.monotonic() - self._busy_since
-            self._cond.notify_all()
+            if self._credit_waiters:  # pacing does not depend on the credit in use: only these may go now
+                self._cond.notify_all()
 
 
 class ServerLink:
