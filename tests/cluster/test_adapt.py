@@ -18,13 +18,32 @@ pytestmark = pytest.mark.timeout(120)
 SHAPES = {"conv": (64, 3, 3, 3), "fc": (300_000,), "bias": (10,), "big": (700_001,)}
 
 
+class _Stop:
+    """Stops every worker's `_train` after the same step: the most any worker had begun when stop() was called (a
+    worker that checked a plain flag a moment before the others began one more step, and waited for them in vain)."""
+
+    def __init__(self):
+        self.lock, self.begun, self.after = threading.Lock(), {}, None
+
+    def stop(self):
+        with self.lock:
+            self.after = max(self.begun.values(), default=0)
+
+    def go_on(self, rank, step):
+        with self.lock:
+            if self.after is not None and step >= self.after:
+                return False
+            self.begun[rank] = step + 1
+            return True
+
+
 def _train(worker, steps, stop=None, seed=0):
     """Steps of a training-like loop: every tensor each step, in an order and with pauses of the worker's own (as
     backward hooks fire), each checked against the sum the workers must get."""
     rng = random.Random(seed * 100 + worker.rank)
     n = worker.size
     step = 0
-    while step < steps and not (stop is not None and stop.is_set()):
+    while step < steps and (stop is None or stop.go_on(worker.rank, step)):
         names = list(SHAPES)
         rng.shuffle(names)
         handles = []
@@ -60,7 +79,7 @@ class _Training:
     worker's step count (or raises what failed)."""
 
     def __init__(self, cluster):
-        self.stop, self.results = threading.Event(), []
+        self.stop, self.results = _Stop(), []
         self.runner = threading.Thread(target=self._run, args=(cluster,))
         self.runner.start()
 
@@ -74,7 +93,7 @@ class _Training:
         return self.runner.is_alive()
 
     def result(self):
-        self.stop.set()
+        self.stop.stop()
         self.runner.join(60)
         assert not self.runner.is_alive() and self.results, "training did not finish"
         if isinstance(self.results[0], BaseException):
