@@ -14,6 +14,7 @@ from gradwire.errors import GradwireTimeout
 from gradwire.scheduler import Scheduler
 from gradwire.scheduler.client import join
 from gradwire.server import Server
+from gradwire.testing import LocalCluster
 from gradwire.worker import Worker
 
 
@@ -140,3 +141,19 @@ def test_a_scheduler_that_restarts_during_the_rendezvous_is_joined_again():
         second.wait(5)
         server.stop()
         second.stop()
+
+
+def test_a_stopped_server_leaves_no_acceptor_running():
+    """Server.stop() wakes the threads blocked in accept() (a bare close() left them, and the port, for the life of
+    the process: one per listener and server of every in-process job)."""
+
+    def acceptors():
+        return [t for t in threading.enumerate() if t.name == "gw-server-accept"]
+
+    before = len(acceptors())
+    with LocalCluster(num_workers=1, num_servers=2):
+        assert len(acceptors()) == before + 4  # TCP and Unix, per server
+    deadline = time.monotonic() + 5
+    while len(acceptors()) > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(acceptors()) == before

@@ -306,8 +306,8 @@ class Server:
         self._done.set()
         if self.admin is not None:
             self.admin.stop()
-        self._listener.close()
-        self._unix_listener.close()
+        tcp.close_listener(self._listener)  # shutdown() first: a bare close() left each acceptor blocked, and the port
+        tcp.close_listener(self._unix_listener)  # listening, for the life of the process
         for engine in self._engines:
             engine.ring.close()
         if self._replicas is not None:
