@@ -74,21 +74,11 @@ class Metrics:
         with self._lock:
             self.rounds += n
 
-    def stage(self, name: str, seconds: float) -> None:
-        """One partition's time in one stage (STAGES)."""
-        self.stages((STAGES.index(name), seconds))
-
     def partition(self, pulled: int, *seconds: float) -> None:
         """A partition's sum came back: `pulled` bytes, and its time in each of STAGES, in that order."""
         with self._lock:
             self.bytes_pulled += pulled
             for i, value in enumerate(seconds):
-                self._buckets[i][bisect.bisect_left(BUCKETS, value)] += 1
-                self._seconds[i] += value
-
-    def stages(self, *observed: tuple[int, float]) -> None:
-        with self._lock:
-            for i, value in observed:
                 self._buckets[i][bisect.bisect_left(BUCKETS, value)] += 1
                 self._seconds[i] += value
 

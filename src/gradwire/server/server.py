@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import socket
 import threading
 import time
 
@@ -86,30 +85,24 @@ class WorkerLink:
         """Send a reply without waiting; None if the socket took it whole, else what is left, for the replier."""
         assert self._ids is not None
         key, rnd, dtype, payload, _ = item
-        header = self._direct_header
-        if payload is None:
-            frames.pack_header_into(header, FrameType.ACK, 0, 0, *self._ids, key, rnd)
-            views = [memoryview(header)]
-        else:
-            frames.pack_header_into(header, FrameType.RESULT, len(payload), dtype, *self._ids, key, rnd)
-            views = [memoryview(header), memoryview(payload).cast("B")]
-        total = sum(len(v) for v in views)
-        with self.conn.send_lock:
-            try:
-                sent = self.conn.sock.sendmsg(views, [], socket.MSG_DONTWAIT)
-            except OSError:  # a full socket (or a broken one: the replier finds out and says so)
-                sent = 0
-        if sent == total:
-            if payload is not None:
-                self.metrics.pulled(len(payload))
+        rest = self.conn.send_nowait(self._frame(self._direct_header, key, rnd, dtype, payload, *self._ids))
+        pulled = 0 if payload is None else len(payload)
+        if not rest:
+            if pulled:
+                self.metrics.pulled(pulled)
             return None
-        if sent == 0:
-            return item
-        while sent >= len(views[0]):
-            sent -= len(views[0])
-            views.pop(0)
-        views[0] = views[0][sent:]
-        return key, rnd, dtype, _Rest(views, 0 if payload is None else len(payload)), shm.NO_SLOT
+        return key, rnd, dtype, _Rest(rest, pulled), shm.NO_SLOT
+
+    @staticmethod
+    def _frame(
+        header: bytearray, key: int, rnd: int, dtype: int, payload: memoryview | None, epoch: int, sender: int
+    ) -> list:
+        """The parts of an ACK (payload None) or of a RESULT over the socket, its header packed into `header`."""
+        if payload is None:
+            frames.pack_header_into(header, FrameType.ACK, 0, 0, epoch, sender, key, rnd)
+            return [header]
+        frames.pack_header_into(header, FrameType.RESULT, len(payload), dtype, epoch, sender, key, rnd)
+        return [header, payload]
 
     def release(self) -> None:
         """The reader or the replier is done; the last one unmaps the shared slots (the other may still use them)."""
@@ -139,35 +132,26 @@ class WorkerLink:
         """Send one queued reply; False if the connection failed."""
         header = self._header
         key, rnd, dtype, payload, pull = item
-        if payload is None:
-            frames.pack_header_into(header, FrameType.ACK, 0, 0, epoch, sender, key, rnd)
-            parts = [header]
-        elif isinstance(payload, _Rest):  # what a send at once left over (`reply`)
-            parts = payload.views
+        pulled = 0
+        if isinstance(payload, _Rest):  # what a send at once left over (`reply`)
+            parts, pulled = payload.views, payload.pulled
         elif isinstance(payload, str):  # an ERROR for the key: queued, so it cannot overtake the key's ACK
             parts = [frames.encode_json(FrameType.ERROR, {"message": payload}, key=key)]
-        elif pull != shm.NO_SLOT and self.arena is not None:
+        elif payload is not None and pull != shm.NO_SLOT and self.arena is not None:
             # the worker offered a shared pull slot: one memcpy here, none through the kernel
             np.copyto(self.arena.pull_slot(pull, len(payload)), np.frombuffer(payload, np.uint8))
             frames.pack_header_into(
                 header, FrameType.RESULT, len(payload), dtype, epoch, sender, key, rnd, shm.SHM_PAYLOAD, pull
             )
-            parts = [header]
+            parts, pulled = [header], len(payload)
         else:
-            frames.pack_header_into(header, FrameType.RESULT, len(payload), dtype, epoch, sender, key, rnd)
-            parts = [header, payload]
+            parts = self._frame(header, key, rnd, dtype, payload, epoch, sender)
+            pulled = 0 if payload is None else len(payload)
         try:
             self.conn.send(parts)
         except GradwireError as e:
             log.warning("cannot reply to worker %d: %s", self.conn.peer_rank, e)
             return False
-        pulled = (
-            payload.pulled
-            if isinstance(payload, _Rest)
-            else 0
-            if payload is None or isinstance(payload, str)
-            else len(payload)
-        )
         if pulled:
             self.metrics.pulled(pulled)
         return True

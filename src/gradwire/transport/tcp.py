@@ -40,7 +40,7 @@ class Connection:
         self.peer = peer
         self.peer_role = "?"
         self.peer_rank = -1
-        self.send_lock = threading.Lock()  # frames stay whole: held while one is sent
+        self._send_lock = threading.Lock()
         self._header_buf = bytearray(frames.HEADER_SIZE)
         self._header_view = memoryview(self._header_buf)
         if sock.family != socket.AF_UNIX:
@@ -53,8 +53,20 @@ class Connection:
 
     def send(self, parts: Sequence[bytes | bytearray | memoryview]) -> None:
         """Send the buffers as one contiguous frame. Blocks until the kernel has taken every byte."""
-        with self.send_lock:
+        with self._send_lock:
             _sendmsg_all(self.sock, [memoryview(p).cast("B") for p in parts])
+
+    def send_nowait(self, parts: Sequence[bytes | bytearray | memoryview]) -> list[memoryview]:
+        """Send what the socket takes of one frame without waiting; returns the rest (empty: all of it went), which
+        must be sent with `send` before any other frame. A broken connection takes nothing (the next `send` says)."""
+        views = [memoryview(p).cast("B") for p in parts]
+        with self._send_lock:
+            try:
+                sent = self.sock.sendmsg(views, [], socket.MSG_DONTWAIT)
+            except OSError:  # full (EAGAIN), or broken
+                sent = 0
+        _advance(views, sent)
+        return views
 
     def send_json(self, ftype: int, body: dict, **fields: int) -> None:
         """Send a control frame with a JSON body."""
@@ -144,11 +156,16 @@ def _sendmsg_all(sock: socket.socket, views: list[memoryview]) -> None:
             raise GradwireTimeout("timed out sending") from None
         except OSError as e:
             raise ConnectionClosed(f"send failed: {e}") from None
-        while views and sent >= len(views[0]):
-            sent -= len(views[0])
-            views.pop(0)
-        if views and sent:
-            views[0] = views[0][sent:]
+        _advance(views, sent)
+
+
+def _advance(views: list[memoryview], sent: int) -> None:
+    """Drop the first `sent` bytes of `views` (what a send took)."""
+    while views and sent >= len(views[0]):
+        sent -= len(views[0])
+        views.pop(0)
+    if views and sent:
+        views[0] = views[0][sent:]
 
 
 def set_frame_timeout(sock: socket.socket, seconds: float) -> None:

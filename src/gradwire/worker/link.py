@@ -246,6 +246,9 @@ class Credit:
             return True
         return self._behind(server) + self.lead >= max(self._behind(s) for s in self._shares)
 
+    def _has_credit(self, n: int) -> bool:
+        return self.used == 0 or self.used + n <= self.limit
+
     def acquire(self, n: int, server: int = -1, network: bool = False) -> None:
         """Take `n` bytes of credit for a push to `server` (its turn, when paced); `network`: over a socket."""
         with self._cond:
@@ -258,10 +261,10 @@ class Credit:
                         )
                 finally:
                     self._pace_waiters -= 1
-            if not (self.used == 0 or self.used + n <= self.limit):
+            if not self._has_credit(n):
                 self._credit_waiters += 1
                 try:
-                    self._cond.wait_for(lambda: self.used == 0 or self.used + n <= self.limit)
+                    self._cond.wait_for(lambda: self._has_credit(n))
                 finally:
                     self._credit_waiters -= 1
             self.used += n
