@@ -218,7 +218,7 @@ class Worker:
         self.config = self.config.tuned(tuning)
         self._partition_bytes = min(self.config.partition_bytes, self._carry_limit())
         if self.credit is not None:  # pacing's lead is counted in partitions
-            self.credit.set_lead(self.config.pacing * self._partition_bytes)
+            self.credit.set_lead(self._pacing_lead())
         for link in self._links:
             if isinstance(link, ServerLink):
                 with link._cond:
@@ -318,7 +318,11 @@ class Worker:
             link.start()
 
     def _new_credit(self) -> Credit:
-        return Credit(self.config.credit_bytes, self.config.pacing * self._partition_bytes)
+        return Credit(self.config.credit_bytes, self._pacing_lead())
+
+    def _pacing_lead(self) -> int:
+        """Pacing's lead in bytes: GRADWIRE_PACING partitions of the partition size in use."""
+        return self.config.pacing * self._partition_bytes
 
     def _link(self, index: int, server: dict) -> ServerLink:
         conn, arena = self._connect_server(server)
