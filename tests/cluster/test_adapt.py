@@ -222,3 +222,37 @@ def test_a_held_round_waits_for_the_scheduler_and_no_longer():
             w.push_pull(x, "g")  # round 3: held, and nobody answers
         w._on_retune({"op": messages.RETUNE, "tuning": w.tuning, "switch": {}, "generation": 7})
         assert w.push_pull(x, "g")[0] == 1.0
+
+
+def test_a_raised_window_keeps_within_a_shared_memory_link_s_slots():
+    """A RETUNE that raises the window (what a re-derivation for slower links does: 8 workers on 2 hosts went from
+    window 4 to 8) must not let a shared-memory link push more partitions than its arena has slots: its sender took a
+    slot from an empty list, died, and every push_pull on it waited for the timeout."""
+    with LocalCluster(num_workers=2, num_servers=1, link_rate="1mbit", adapt=False) as c:
+        links = [w._links[0] for w in c.workers]
+        assert all(link.transport == "shm" for link in links)
+        slots = links[0].arena.push
+        raised = dict(c.workers[0].tuning, window=4 * slots)
+        for w in c.workers:
+            w.config = dataclasses.replace(w.config, timeout=10.0)
+            w._on_retune({"op": messages.RETUNE, "tuning": raised, "switch": {}, "generation": 0})
+        assert [link.window for link in links] == [slots, slots]
+        x = np.ones(1_000_000, np.float32)  # 245 partitions of 16 KiB, far more than the window
+        for out in c.run(lambda w: w.push_pull(x, "g")):
+            assert np.all(out == 2.0)
+
+
+def test_a_link_whose_sender_fails_fails_its_calls_at_once():
+    """A bug in a link's sender ends that link with the cause, in every call waiting on it, instead of a hang."""
+    with LocalCluster(num_workers=1, num_servers=1, transport="tcp", adapt=False) as c:
+        (w,) = c.workers
+        link = w._links[0]
+
+        def broken(*args):
+            raise IndexError("a bug")
+
+        link._pack_push = broken
+        t0 = time.monotonic()
+        with pytest.raises(Exception, match="the sender to server 0 failed: IndexError"):
+            w.push_pull(np.ones(1000, np.float32), "g")
+        assert time.monotonic() - t0 < 5

@@ -34,7 +34,14 @@ import numpy as np
 
 from gradwire.admin.metrics import Metrics
 from gradwire.admin.timeline import Timeline
-from gradwire.errors import GradwireError, JobAborted, RemoteProtocolError, TensorError, abort_error
+from gradwire.errors import (
+    GradwireError,
+    JobAborted,
+    LocalProtocolError,
+    RemoteProtocolError,
+    TensorError,
+    abort_error,
+)
 from gradwire.protocol import frames
 from gradwire.protocol.frames import FrameType
 from gradwire.transport import shm, tcp
@@ -313,7 +320,8 @@ class ServerLink:
         self.timeline = timeline
         self.transport = "shm" if arena else ("unix" if conn.sock.family == socket.AF_UNIX else "tcp")
         self.network = arena is None  # bytes cross a socket (counted for the drift check: Credit.busy)
-        self.window = window
+        self.arena = arena  # one push slot per window place, so a free one always exists when the window allows
+        self.window = self._fitting(window)
         self.unanswered_cap = unanswered_cap
         self._last_answer = 0.0  # when a sum last came back on this link
         self.capped_sends = 0  # partitions sent past a full cap because they come first in the job-wide order
@@ -332,9 +340,19 @@ class ServerLink:
         self._redirect: Callable[[Work, int], None] | None = None  # once retired: where submits go instead
         self._cond = threading.Condition()
         self._threads: list[threading.Thread] = []
-        self.arena = arena  # one push slot per window place, so a free one always exists when the window allows
         self._free_push = list(range(arena.push)) if arena else []
         self._free_pull = list(range(arena.pull)) if arena else []
+
+    def _fitting(self, window: int) -> int:
+        """`window`, within the push slots of this link's shared memory: made for the window of the link's start, so
+        a window raised later (RETUNE) would send a push with no free slot to put it in."""
+        return min(window, self.arena.push) if self.arena is not None else window
+
+    def set_flow(self, window: int, unanswered_cap: int) -> None:
+        """The window and the cap on unanswered partitions from now on (the scheduler re-derived them). Thread-safe."""
+        with self._cond:
+            self.window, self.unanswered_cap = self._fitting(window), unanswered_cap
+            self._cond.notify_all()
 
     def start(self) -> None:
         self._threads = [
@@ -445,6 +463,13 @@ class ServerLink:
         )
 
     def _send_loop(self) -> None:
+        try:
+            self._send_all()
+        except Exception as e:  # a bug here must fail this link's calls with its cause, not leave them waiting
+            log.exception("worker %d: the sender to server %d failed", self.rank, self.server)
+            self.close(LocalProtocolError(f"worker {self.rank}: the sender to server {self.server} failed: {e!r}"))
+
+    def _send_all(self) -> None:
         header = bytearray(frames.HEADER_SIZE)
         while True:
             with self._cond:
@@ -608,6 +633,9 @@ class ServerLink:
                     raise RemoteProtocolError(f"server {self.server} sent an unexpected {header.type.name}")
         except GradwireError as e:
             self._broken(e)
+        except Exception as e:  # as in _send_loop
+            log.exception("worker %d: the receiver from server %d failed", self.rank, self.server)
+            self.close(LocalProtocolError(f"worker {self.rank}: the receiver from server {self.server} failed: {e!r}"))
 
     def _take(self, key: int, remove: bool = True) -> Work:
         with self._cond:

@@ -221,9 +221,7 @@ class Worker:
             self.credit.set_lead(self._pacing_lead())
         for link in self._links:
             if isinstance(link, ServerLink):
-                with link._cond:
-                    link.window, link.unanswered_cap = self.config.window, self.config.unanswered
-                    link._cond.notify_all()
+                link.set_flow(self.config.window, self.config.unanswered)
 
     def _carry_limit(self) -> int:
         """The largest partition every link of this worker carries: the servers' slots, and the shared-memory slots
