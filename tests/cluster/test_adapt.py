@@ -256,3 +256,17 @@ def test_a_link_whose_sender_fails_fails_its_calls_at_once():
         with pytest.raises(Exception, match="the sender to server 0 failed: IndexError"):
             w.push_pull(np.ones(1000, np.float32), "g")
         assert time.monotonic() - t0 < 5
+
+
+def test_the_settings_are_derived_for_a_worker_s_share_of_its_host_s_link():
+    """Workers on one host share its link (here all four share this process's host): the settings are derived for a
+    quarter of the host's 100 Mbit/s each; on two hosts of two, for a half."""
+    with LocalCluster(num_workers=4, num_servers=1, link_rate="100mbit", adapt=False) as c:
+        assert c.scheduler.placement_info["workers_per_host"] == [4]
+        assert c.scheduler.tuning["rate_bytes_per_s"] == pytest.approx(100e6 / 8 / 4)
+        assert "shared by 4 workers" in c.scheduler.tuning["reason"]
+        for i, node in enumerate(c.scheduler._workers):
+            node.host_id = f"host{i // 2}"
+        with c.scheduler._lock:
+            c.scheduler.retune_locked("two hosts of two")
+            assert c.scheduler.tuning["rate_bytes_per_s"] == pytest.approx(100e6 / 8 / 2)

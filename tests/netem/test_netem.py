@@ -195,3 +195,23 @@ def test_two_runs_never_collide():
         assert a.leftovers() and b.leftovers()
         assert not set(a.leftovers()) & set(b.leftovers())
     assert a.leftovers() == [] and b.leftovers() == []
+
+
+def test_workers_sharing_a_host_link_get_settings_for_their_share_and_no_re_cut():
+    """2 hosts x 4 workers, a colocated server per host, 100 Mbit/s host links, the defaults (heartbeats every 0.5 s,
+    so the drift check judges many intervals): the scheduler measures each host's link once, derives the settings
+    for a worker's share of it, and judges drift per host, so the job never re-derives them (it re-cut itself mid-job
+    and hung: issue 32). Every sum exact; the workers know their local ranks from the hosts."""
+    topo = Topology(workers=8, servers=0, worker_rate="100mbit", colocate=True, per_host=4)
+    script = [sys.executable, str(ROOT / "tests" / "netem" / "shared_link_job.py")]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADWIRE_")}
+    env |= {"GRADWIRE_HEARTBEAT_INTERVAL": "0.5", "GRADWIRE_JOB_SECONDS": "10"}
+    with EmulatedCluster(topo) as c:
+        outputs = start_gradwire(c, script, env).wait(timeout=180)
+    for rank, out in enumerate(outputs):
+        assert f"DONE rank {rank} of 8" in out and f"local rank {rank % 4} of 4" in out, out
+    chosen = [json.loads(out.split("DATA_PATH ", 1)[1].splitlines()[0]) for out in outputs]
+    assert all(c == chosen[0] for c in chosen)
+    assert chosen[0]["derived_again"] is None and not chosen[0]["recuts"], chosen[0]
+    assert "shared by 4 workers" in chosen[0]["why"], chosen[0]
+    assert chosen[0]["partition_bytes"] == 16 << 10, chosen[0]  # a quarter of 100 Mbit/s

@@ -142,3 +142,31 @@ def test_the_cooldown_doubles_so_the_settings_cannot_oscillate():
     assert 3 <= len(changes) <= 16
     gaps = [b - a for a, b in itertools.pairwise(changes)]
     assert all(b >= 2 * a - 3 for a, b in itertools.pairwise(gaps))
+
+
+# -- several workers per host (issue 32) ----------------------------------------------------------------------------
+
+
+def test_a_host_s_workers_are_one_sample_of_its_link_in_their_share():
+    """Four workers busy over the same second each move a quarter of a 100 Mbit/s host link: together the host's rate,
+    per worker their share; the window-full time keeps its share of the busy time."""
+    quarter = Sample(round(mbit(25)), 1.0, 0.5)
+    host = Sample.of_host([quarter] * 4)
+    assert host.rate == pytest.approx(mbit(25)) and host.sharers == 4
+    assert host.bytes == 4 * quarter.bytes and host.full_seconds == pytest.approx(0.5)
+    staggered = Sample.of_host([Sample(round(mbit(25)), 1.0, 1.0), Sample(round(mbit(25) / 2), 0.5, 0.0)])
+    assert staggered.busy_seconds == 1.0 and staggered.full_seconds == pytest.approx(2 / 3)
+    assert Sample.of_host([]).rate == 0.0
+
+
+def test_four_workers_sharing_a_host_link_are_no_drift():
+    """The settings for four workers on each 100 Mbit/s host are derived for their share (25 Mbit/s): the host's
+    samples, in that share, stay in the band. Judged by itself against the host's rate, each worker looked four times
+    slower than its link, and the job re-cut itself mid-step (issue 32)."""
+    share = derive([mbit(25)] * 8).as_dict()
+    d = Drift(1.0)
+    host = Sample.of_host(_at(mbit(25), full=1.0, workers=4))
+    assert all(d.observe(float(i), [host, host], share) is None for i in range(10))
+    alone = Drift(1.0)  # the old judgement: each worker against the host's rate
+    verdicts = [alone.observe(float(i), _at(mbit(25), full=1.0, workers=8), _settings(mbit(100))) for i in range(3)]
+    assert verdicts[-1] is not None

@@ -48,6 +48,16 @@ class Record:
     colocated: bool = False  # gradwire ran a server beside each worker too
     placement: str = ""  # GRADWIRE_PLACEMENT of the gradwire job
     links_busy: dict[str, float] = field(default_factory=dict)  # with --links: mean use per kind of link (links.py)
+    per_host: int = 1  # workers per worker host, sharing its link
+
+    @property
+    def layout(self) -> str:
+        """n, or 'n (hosts x per host)' where workers share hosts."""
+        return (
+            str(self.workers)
+            if self.per_host == 1
+            else f"{self.workers} ({self.workers // self.per_host}x{self.per_host})"
+        )
 
     @property
     def ratio_to_bound(self) -> float:
@@ -117,6 +127,7 @@ def run_config(
                         topo.colocate and system == "gradwire",
                         env.get("GRADWIRE_PLACEMENT", "model") if system == "gradwire" else "",
                         busy,
+                        topo.per_host,
                     )
                 )
     return records
@@ -124,7 +135,9 @@ def run_config(
 
 def _links(sampler: LinkSampler, topo: Topology, system: str, links_dir: str) -> dict[str, float]:
     """Write one job's link samples and plot; return the mean use of each kind of link while data moved."""
-    name = f"{topo.workers}x{topo.servers}{'c' if topo.colocate else ''}-{topo.worker_rate}-{topo.server_rate}-{system}"
+    shared = f"x{topo.per_host}" if topo.per_host > 1 else ""
+    colocated = "c" if topo.colocate else ""
+    name = f"{topo.workers}{shared}x{topo.servers}{colocated}-{topo.worker_rate}-{topo.server_rate}-{system}"
     os.makedirs(links_dir, exist_ok=True)
     sampler.write(os.path.join(links_dir, name + ".json"))
     links.plot(sampler, os.path.join(links_dir, name + ".png"), f"{system}: {name}")
@@ -158,11 +171,11 @@ def table(configs: list[list[Record]]) -> str:
         gloo = {r.bytes: r for r in records if r.system == "gloo"}
         for r in (r for r in records if r.system == "gradwire"):
             g = gloo[r.bytes]
-            servers = f"{r.servers} + {r.workers} colocated" if r.colocated else str(r.servers)
+            servers = f"{r.servers} + {r.workers // r.per_host} colocated" if r.colocated else str(r.servers)
             if r.placement and r.placement != "model":
                 servers += f" ({r.placement})"
             lines.append(
-                f"| {r.workers} | {servers} | {r.worker_rate_bps / 1e6:g} / {r.server_rate_bps / 1e6:g} Mbit/s "
+                f"| {r.layout} | {servers} | {r.worker_rate_bps / 1e6:g} / {r.server_rate_bps / 1e6:g} Mbit/s "
                 f"| {r.partition_bytes // 1024} KiB, {r.window} | {r.bytes / MiB:g} MiB "
                 f"| {r.seconds_median:.2f} | {r.ratio_to_bound:.2f} "
                 f"| {g.seconds_median:.2f} | {g.ratio_to_bound:.2f} | {g.seconds_median / r.seconds_median:.2f}x "
@@ -277,7 +290,9 @@ def run_train_config(
                 {
                     "way": way,
                     "workers": topo.workers,
+                    "per_host": topo.per_host,
                     "servers": topo.servers,
+                    "colocated": topo.worker_hosts if topo.colocate else 0,
                     "worker_rate": rate,
                     "server_rate": rate if drift else topo.server_rate,
                     "parameters": row["parameters"],
@@ -311,6 +326,15 @@ def _reshape_after(cluster: EmulatedCluster, progress: str, steps: int, rate: st
         time.sleep(0.02)
 
 
+def _layout(r: dict) -> str:
+    m = r.get("per_host", 1)
+    return str(r["workers"]) if m == 1 else f"{r['workers']} ({r['workers'] // m}x{m})"
+
+
+def _servers(r: dict) -> str:
+    return f"{r['servers']} + {r['colocated']} colocated" if r.get("colocated") else str(r["servers"])
+
+
 def _rates(r: dict) -> str:
     """The workers' and the servers' link rate, once where they are the same."""
     same = r["worker_rate"] == r["server_rate"]
@@ -333,7 +357,7 @@ def train_table(results: list[dict]) -> str:
     ]
     for r in results:
         lines.append(
-            f"| {r['workers']} | {r['servers']} | {_rates(r)} | {r['way']} "
+            f"| {_layout(r)} | {_servers(r)} | {_rates(r)} | {r['way']} "
             f"| {r['parameters'] / 1e6:.1f}M | {_partitions(r.get('partition_bytes'))} "
             f"| {r['step_seconds_median']:.2f} | {r['samples_per_s']:.1f} "
             f"| {r['x_ddp_samples_per_s']:.2f}x | {r['cpu_utilization']:.0%} |"

@@ -25,16 +25,23 @@ from gradwire.netem.cluster import check_available
 HEADINGS = {"netem": "Emulated network (issue 4)", "placement": "Colocated servers and placement (issue 5)"}
 
 
-def parse_configs(text: str | None) -> list[tuple[int, int, str, str, bool]]:
-    """`n:k:worker_rate:server_rate[:c]`, comma-separated; a fifth field `c` adds a colocated server per worker."""
+def parse_configs(text: str | None) -> list[Topology]:
+    """`n:k:worker_rate:server_rate`, comma-separated, then optionally `c` (a colocated server on every worker host)
+    and `xM` (M workers per host, sharing its link: n/M worker hosts): `8:0:100mbit:100mbit:c:x4`."""
     if not text:
-        return [(*c, False) for c in DEFAULT_CONFIGS]
+        return [Topology(*c) for c in DEFAULT_CONFIGS]
     out = []
     for item in text.split(","):
         n, k, wr, sr, *rest = item.split(":")
-        if rest not in ([], ["c"]):
-            raise SystemExit(f"gradwire bench --configs: {item!r} is not n:k:worker_rate:server_rate[:c]")
-        out.append((int(n), int(k), wr, sr, rest == ["c"]))
+        colocate = rest[:1] == ["c"]
+        rest = rest[1:] if colocate else rest
+        per_host = rest.pop(0)[1:] if rest and rest[0][:1] == "x" else "1"
+        if rest or not per_host.isdigit():
+            raise SystemExit(f"gradwire bench --configs: {item!r} is not n:k:worker_rate:server_rate[:c][:xM]")
+        try:
+            out.append(Topology(int(n), int(k), wr, sr, colocate=colocate, per_host=int(per_host)))
+        except ValueError as e:
+            raise SystemExit(f"gradwire bench --configs: {item!r}: {e}") from None
     return out
 
 
@@ -47,8 +54,7 @@ def run_netem(args: argparse.Namespace, sizes: list[int], env: dict[str, str]) -
     if args.train:
         return run_train(args, env)
     results: list[list[Record]] = []
-    for n, k, worker_rate, server_rate, colocate in parse_configs(args.configs):
-        topo = Topology(n, k, worker_rate, server_rate, colocate=colocate)
+    for topo in parse_configs(args.configs):
         # gradwire's own choices (tuning.py) unless --hand-tuned asks for the settings hand-tuning found
         chosen = (topo.tuning() if args.hand_tuned else {}) | env
         records = run_config(topo, sizes, args.repeats, args.warmup, chosen, links_dir=args.links)
@@ -72,10 +78,9 @@ def run_netem(args: argparse.Namespace, sizes: list[int], env: dict[str, str]) -
 def run_train(args: argparse.Namespace, env: dict[str, str]) -> int:
     """`--netem --train`: end-to-end training against DDP over gloo, per configuration (default: n = 4, k = 4,
     100 Mbit/s)."""
-    configs = parse_configs(args.configs) if args.configs else [(4, 4, "100mbit", "100mbit", False)]
+    configs = parse_configs(args.configs) if args.configs else [Topology(4, 4, "100mbit", "100mbit")]
     every = []
-    for n, k, worker_rate, server_rate, colocate in configs:
-        topo = Topology(n, k, worker_rate, server_rate, colocate=colocate)
+    for topo in configs:
         drift = tuple(args.drift.split(":", 1)) if args.drift else None
         settle = args.settle if drift else 0
         chosen = (topo.tuning() if args.hand_tuned else {}) | env

@@ -34,7 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--worker-rate", default="100mbit", help="each worker host's upload and download rate")
     run.add_argument("--server-rate", default="100mbit", help="each server host's upload and download rate")
     run.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay added on every link")
-    run.add_argument("--colocate", action="store_true", help="a server beside each worker too (-s may then be 0)")
+    run.add_argument("--colocate", action="store_true", help="a server on each worker host too (-s may then be 0)")
+    run.add_argument(
+        "--per-host", type=int, default=1, help="workers per worker host, sharing its link (torchrun's nproc-per-node)"
+    )
     run.add_argument("--timeout", type=float, default=3600)
     run.add_argument("command", nargs=argparse.REMAINDER, help="the worker command, after --")
     check = sub.add_parser("check", help="measure one emulated link against its configured rate")
@@ -55,7 +58,13 @@ def main(args: argparse.Namespace) -> int:
         print("gradwire netem run: give the worker command after --", file=sys.stderr)
         return 2
     topo = Topology(
-        args.num_workers, args.num_servers, args.worker_rate, args.server_rate, args.delay_ms, colocate=args.colocate
+        args.num_workers,
+        args.num_servers,
+        args.worker_rate,
+        args.server_rate,
+        args.delay_ms,
+        colocate=args.colocate,
+        per_host=args.per_host,
     )
     with EmulatedCluster(topo) as cluster:
         print(

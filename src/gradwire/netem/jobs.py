@@ -59,7 +59,7 @@ def start_gradwire(cluster: EmulatedCluster, argv: Sequence[str], env: Mapping[s
     sched = topo.of("scheduler")[0]
     base = dict(env or os.environ) | {
         "GRADWIRE_NUM_WORKERS": str(topo.workers),
-        "GRADWIRE_NUM_SERVERS": str(topo.servers + (topo.workers if topo.colocate else 0)),
+        "GRADWIRE_NUM_SERVERS": str(topo.servers + (topo.worker_hosts if topo.colocate else 0)),
         "GRADWIRE_SECRET": secrets.token_hex(32),
         "PYTHONUNBUFFERED": "1",
     }
@@ -103,12 +103,12 @@ def start_gradwire(cluster: EmulatedCluster, argv: Sequence[str], env: Mapping[s
         cluster.spawn(
             h,
             list(argv),
-            node_env(h, h.index),
+            node_env(h, rank),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for h in topo.of("worker")
+        for rank, h in topo.placed_workers()
     ]
     return Job(services, workers)
 
@@ -131,8 +131,13 @@ def start_gloo(cluster: EmulatedCluster, argv: Sequence[str], env: Mapping[str, 
     }
     workers = [
         cluster.spawn(
-            h, list(argv), base | {"RANK": str(h.index)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            h,
+            list(argv),
+            base | {"RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
-        for h in topo.of("worker")
+        for rank, h in topo.placed_workers()
     ]
     return Job([], workers)

@@ -36,9 +36,11 @@ class Host:
 
 @dataclass
 class Topology:
-    """n worker hosts, k (dedicated) server hosts and a scheduler host, with per-role rates.
+    """n workers on n / per_host worker hosts, k (dedicated) server hosts and a scheduler host, with per-role rates.
 
-    With `colocate`, every worker host also runs a server (BytePS's colocated servers; k may then be 0).
+    With `colocate`, every worker host also runs a server (BytePS's colocated servers; k may then be 0). With
+    `per_host` > 1, that many workers share each worker host and its one link, as torchrun's --nproc-per-node does:
+    worker ranks host * per_host ... host * per_host + per_host - 1 run on worker host `host`.
     """
 
     workers: int
@@ -47,16 +49,19 @@ class Topology:
     server_rate: str = "100mbit"
     delay_ms: float = 0.0
     colocate: bool = False
+    per_host: int = 1
     hosts: list[Host] = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.workers < 1 or self.servers < 0 or self.workers + self.servers > 250:
-            raise ValueError(f"need 1-250 hosts, got {self.workers} workers and {self.servers} servers")
+        if self.per_host < 1 or self.workers % self.per_host:
+            raise ValueError(f"{self.workers} workers do not fill hosts of {self.per_host} workers each")
+        if self.workers < 1 or self.servers < 0 or self.worker_hosts + self.servers > 250:
+            raise ValueError(f"need 1-250 hosts, got {self.worker_hosts} worker hosts and {self.servers} servers")
         if self.servers == 0 and not self.colocate:
             raise ValueError("need a server: k >= 1, or colocated servers")
         parse_rate(self.worker_rate), parse_rate(self.server_rate)
         hosts = [Host("sched", "scheduler", 0, f"{SUBNET}.0.1", "1gbit", "1gbit")]
-        for i in range(self.workers):
+        for i in range(self.worker_hosts):
             hosts.append(
                 Host(f"w{i}", "worker", i, f"{SUBNET}.1.{i + 1}", self.worker_rate, self.worker_rate, self.delay_ms)
             )
@@ -66,8 +71,20 @@ class Topology:
             )
         self.hosts = hosts
 
+    @property
+    def worker_hosts(self) -> int:
+        return self.workers // self.per_host
+
     def of(self, role: str) -> list[Host]:
         return [h for h in self.hosts if h.role == role]
+
+    def ranks(self, host: Host) -> range:
+        """The worker ranks that run on worker host `host`."""
+        return range(host.index * self.per_host, (host.index + 1) * self.per_host)
+
+    def placed_workers(self) -> list[tuple[int, Host]]:
+        """(rank, host) of every worker, in rank order."""
+        return [(rank, h) for h in self.of("worker") for rank in self.ranks(h)]
 
     def tuning(self) -> dict[str, str]:
         """gradwire's settings for links of 25-100 Mbit/s, by the number of workers (measured, 16 MiB per worker).
@@ -93,21 +110,23 @@ class Topology:
         from gradwire import split
 
         b, bs = parse_rate(self.worker_rate) / 8, parse_rate(self.server_rate) / 8
-        colocated = [self.colocate] * self.workers
-        return split.optimal(nbytes, [b] * self.workers, [bs] * self.servers, colocated).seconds
+        colocated = [self.colocate] * self.worker_hosts
+        return split.optimal(nbytes, [b] * self.worker_hosts, [bs] * self.servers, colocated).seconds
 
     def service_bound(self, nbytes: int) -> float:
         """Seconds for one push_pull of `nbytes` per worker through the k servers, at best.
 
-        S/B when the servers together have the workers' bandwidth (k*Bs >= n*B), else the servers' links are the
-        bottleneck: n*S/(k*Bs).
+        S/B when the servers together have the worker hosts' bandwidth (k*Bs >= h*B), else the servers' links are the
+        bottleneck: h*S/(k*Bs). With several workers per host, the bound of a host's sum crossing its link once each
+        way (local aggregation); each worker pushing its own copy takes per_host times that.
         """
         b, bs = parse_rate(self.worker_rate) / 8, parse_rate(self.server_rate) / 8
-        if self.servers * bs >= self.workers * b:
+        if self.servers * bs >= self.worker_hosts * b:
             return nbytes / b
-        return self.workers * nbytes / (self.servers * bs)
+        return self.worker_hosts * nbytes / (self.servers * bs)
 
     def ring_bound(self, nbytes: int) -> float:
-        """Seconds for a ring all-reduce of `nbytes` per worker, at best: 2(n-1)/n * S/B."""
+        """Seconds for a ring all-reduce of `nbytes` per worker, at best: 2(n-1)/n * S/B. With several workers per
+        host, ranks in order, one ring edge leaves each host each way, so the bound is the same."""
         n, b = self.workers, parse_rate(self.worker_rate) / 8
         return 2 * (n - 1) / n * nbytes / b

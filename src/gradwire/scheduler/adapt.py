@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from gradwire import tuning
 from gradwire.protocol import messages
+from gradwire.scheduler.placing import host_of
 
 if TYPE_CHECKING:
     from gradwire.scheduler.scheduler import Node, Scheduler
@@ -59,13 +60,15 @@ class Adaptation:
             self._rederive(rate, now)
 
     def _samples(self) -> list[tuning.Sample]:
-        out = []
+        """One sample per worker host: its workers share its link, so the link's rate is judged per host
+        (tuning.Sample.of_host), in the per-worker share the settings were derived for."""
+        hosts: dict[str, list[tuning.Sample]] = {}
         for worker in self.s._live_workers():
             delta = self._delta(worker, COUNTERS)
             if delta is not None:
                 busy, moved, full = delta
-                out.append(tuning.Sample(int(moved), busy, full))
-        return out
+                hosts.setdefault(host_of(worker), []).append(tuning.Sample(int(moved), busy, full))
+        return [tuning.Sample.of_host(samples) for samples in hosts.values()]
 
     def _host_busy(self) -> float | None:
         """The share of the interval the job's hosts' CPUs were busy: the busiest server's host, or the median

@@ -33,14 +33,17 @@ def placement_weights(
         return [1.0] * len(servers), {"mode": mode, "weights": [1.0] * len(servers)}
     hosts: dict[str, int] = {}
     for worker in workers:
-        hosts.setdefault(worker.host_id or f"worker{worker.rank}", len(hosts))
+        hosts.setdefault(host_of(worker), len(hosts))
+    sharing = [0] * len(hosts)  # workers per host, which share its link
+    for worker in workers:
+        sharing[hosts[host_of(worker)]] += 1
     rated = list(workers) + [s for s in servers if not s.colocated]
     known = all(n.link_rate > 0 for n in rated)
     if not known and any(n.link_rate > 0 for n in rated):
         log.warning("some nodes gave GRADWIRE_LINK_RATE and some did not: placing as if every link were equal")
     host_rates = [0.0] * len(hosts)
     for worker in workers:
-        i = hosts[worker.host_id or f"worker{worker.rank}"]
+        i = hosts[host_of(worker)]
         rate = worker.link_rate if known else 1.0
         host_rates[i] = min(host_rates[i], rate) if host_rates[i] else rate
     described = []
@@ -68,6 +71,7 @@ def placement_weights(
         "mode": mode,
         "weights": [round(w, 6) for w in weights],
         "rates_bytes_per_s": {"worker_hosts": host_rates, "servers": [r for _, r in described]} if known else None,
+        "workers_per_host": sharing,
         "dedicated_fraction": round(best.dedicated_fraction, 6),
         "server_efficiency": efficiency,
         "colocated": [h is not None for h, _ in described],
@@ -79,6 +83,12 @@ def placement_weights(
         info["weights"],
     )
     return weights, info
+
+
+def host_of(node: Node) -> str:
+    """The host a node runs on, as the job tells hosts apart: its host identity (transport/tcp.host_identity), or the
+    node alone where it gave none."""
+    return node.host_id or f"{node.role}{node.rank}"
 
 
 def snap(rates: Sequence[float], tolerance: float = 0.05) -> list[float]:

@@ -33,7 +33,7 @@ from gradwire.scheduler import probe
 from gradwire.scheduler.adapt import Adaptation
 from gradwire.scheduler.declarations import Declarations
 from gradwire.scheduler.elastic import Membership
-from gradwire.scheduler.placing import placement_weights
+from gradwire.scheduler.placing import host_of, placement_weights
 from gradwire.scheduler.probe import Probe
 from gradwire.scheduler.status import cluster_status, node_families
 from gradwire.throttle import HandshakeGate
@@ -288,7 +288,7 @@ class Scheduler:
         hosts = {}
         try:
             for node in self._workers + [s for s in self._servers if not s.colocated]:
-                key = node.host_id or f"{node.role}{node.rank}"
+                key = host_of(node)
                 if node.role == "worker" and key in hosts:  # another worker on a measured host: same link
                     node.link_rate = hosts[key]
                     continue
@@ -324,8 +324,14 @@ class Scheduler:
         rtts = sorted(n.rtt for n in self._workers + self._servers if n.rtt > 0)
         rtt = rtts[len(rtts) // 2] if rtts else 0.0
         scale = self.rate_scale  # where the drift check found the links faster or slower than measured at the start
-        workers = [r * scale for r in rates["worker_hosts"]]
-        return tuning.derive(workers, rtt, server_rates=[r * scale for r in dedicated]).as_dict()
+        # the workers of one host share its link: each pushes and pulls its own copy, so each has its share of it
+        sharing = info.get("workers_per_host") or [1] * len(rates["worker_hosts"])
+        workers = [r * scale / m for r, m in zip(rates["worker_hosts"], sharing, strict=True) for _ in range(m)]
+        derived = tuning.derive(workers, rtt, server_rates=[r * scale for r in dedicated]).as_dict()
+        if max(sharing, default=1) > 1:
+            most = max(sharing)
+            derived["reason"] += f" (a host's link shared by {'up to ' if min(sharing) < most else ''}{most} workers)"
+        return derived
 
     def derived_tuning_locked(self) -> dict | None:
         """The settings for the job as it is now: its live servers, the rates measured at the start (times the
