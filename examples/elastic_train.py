@@ -41,19 +41,22 @@ def train(state):
     for state.epoch in range(state.epoch, args.epochs):  # noqa: B020 - the elastic idiom: the state holds the loop
         shard = torch.arange(gw.rank(), len(x), gw.size())  # this worker's share, for the current membership
         batches = len(shard) // args.batch
+        losses = []  # this run of the epoch's: after a reset it may resume at its last batch, or past it (a new
+        # membership cuts the data into other shards), and then has no batch left to run
         for state.batch in range(state.batch, batches):  # noqa: B020
             idx = shard[state.batch * args.batch : (state.batch + 1) * args.batch]
             optimizer.zero_grad()
             loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
             loss.backward()
             optimizer.step()
+            losses.append(loss.item())
             time.sleep(args.step_seconds)
             if state.batch % 10 == 9:
                 state.batch += 1  # this batch is done
                 state.commit()  # a copy to roll back to; joining workers come in here
         state.batch = 0
-        if gw.rank() == 0:
-            print(f"epoch {state.epoch}: loss {loss.item():.4f} with {gw.size()} workers", flush=True)
+        if gw.rank() == 0 and losses:
+            print(f"epoch {state.epoch}: loss {losses[-1]:.4f} with {gw.size()} workers", flush=True)
 
 
 train(state)

@@ -18,7 +18,9 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import sys
 import threading
+import traceback
 from collections.abc import Iterator
 
 import numpy as np
@@ -143,9 +145,21 @@ def _shutdown_at_exit() -> None:
     global _worker
     if _worker is not None:
         worker, _worker = _worker, None
-        worker.shutdown(final=True)  # the process ends: no init() can follow, so the job may end at once
+        # the process ends: no init() can follow, so the job may end at once; and why, if the script raised
+        worker.shutdown(final=True, error=_uncaught())
     while _departed:
         _departed.pop().leave()
+
+
+def _uncaught() -> str | None:
+    """The exception that ends this process, if the main script raised one (the interpreter keeps it in
+    sys.last_value, 3.12+ also sys.last_exc, before it runs the atexit functions), with where it was raised."""
+    error = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    if not isinstance(error, Exception):
+        return None
+    where = traceback.extract_tb(error.__traceback__)[-1:] if error.__traceback__ is not None else []
+    at = f" ({where[0].filename}, line {where[0].lineno}, in {where[0].name})" if where else ""
+    return f"{type(error).__name__}: {error}{at}"
 
 
 _atexit_registered: list[bool] = []

@@ -259,14 +259,18 @@ def test_a_link_whose_sender_fails_fails_its_calls_at_once():
 
 
 def test_the_settings_are_derived_for_a_worker_s_share_of_its_host_s_link():
-    """Workers on one host share its link (here all four share this process's host): the settings are derived for a
-    quarter of the host's 100 Mbit/s each; on two hosts of two, for a half."""
+    """Workers on one host share its link where the job's traffic crosses it: the four workers on a host whose server
+    runs on another get a quarter of the host's 100 Mbit/s each; on two hosts of two, a half. A job all on one host
+    (here, as it starts) crosses no link: the rate is not divided."""
     with LocalCluster(num_workers=4, num_servers=1, link_rate="100mbit", adapt=False) as c:
-        assert c.scheduler.placement_info["workers_per_host"] == [4]
-        assert c.scheduler.tuning["rate_bytes_per_s"] == pytest.approx(100e6 / 8 / 4)
-        assert "shared by 4 workers" in c.scheduler.tuning["reason"]
-        for i, node in enumerate(c.scheduler._workers):
-            node.host_id = f"host{i // 2}"
-        with c.scheduler._lock:
-            c.scheduler.retune_locked("two hosts of two")
-            assert c.scheduler.tuning["rate_bytes_per_s"] == pytest.approx(100e6 / 8 / 2)
+        assert c.scheduler.tuning["workers_per_host"] == [1]
+        assert c.scheduler.tuning["rate_bytes_per_s"] == pytest.approx(100e6 / 8)
+        c.scheduler._servers[0].host_id = "server-host"
+        for hosts, share in (([0, 0, 0, 0], 4), ([0, 0, 1, 1], 2)):
+            for node, host in zip(c.scheduler._workers, hosts, strict=True):
+                node.host_id = f"host{host}"
+            with c.scheduler._lock:
+                c.scheduler.retune_locked(f"hosts of {share}")
+                assert c.scheduler.tuning["workers_per_host"] == [share] * (4 // share)
+                assert c.scheduler.tuning["rate_bytes_per_s"] == pytest.approx(100e6 / 8 / share)
+                assert f"shared by {share} workers" in c.scheduler.tuning["reason"]

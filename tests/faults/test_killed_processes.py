@@ -23,7 +23,7 @@ WORKERS, SERVERS = 3, 2
 
 def _run(
     kill: str = "",
-    kill_at: int = -1,
+    kill_at: int | str = -1,
     wait: bool = False,
     standby: int = 0,
     timeout: float = 120,
@@ -157,3 +157,39 @@ def test_elastic_training_goes_on_without_a_killed_worker_and_a_replacement_join
     assert sizes["worker 0"] == "[3, 2, 3]" and sizes["worker 3"] == "[3]", out
     digests = {m.group(1): m.group(2) for m in re.finditer(r"^\[(worker \d+)\] DIGEST (\w+)", out, re.M)}
     assert set(digests) == {"worker 0", "worker 1", "worker 3"} and len(set(digests.values())) == 1, out
+
+
+ELASTIC = ("--min-workers", "2", "--max-workers", "3")
+
+
+def test_an_elastic_job_whose_script_raises_ends_naming_the_error_and_starts_no_replacement():
+    """Worker 0's training script raises: a replacement would raise it too, so the job ends (no re-form, no
+    replacement, no hang), every survivor names worker 0 and the exception, and the launcher exits non-zero."""
+    elastic = str(ROOT / "tests" / "faults" / "elastic_job.py")
+    started = time.monotonic()
+    run = _run(script=elastic, options=ELASTIC, extra_env={"RAISE_AT": "12"}, timeout=60)
+    out = run["output"]
+    assert run["code"] == 1, out
+    assert "worker 0 failed: it exited with code 1" in out and "starting worker" not in out, out
+    for rank in (1, 2):  # the scheduler's abort names the failed worker and its exception
+        assert re.search(
+            rf"^\[worker {rank}\] .*worker 0 at .* failed: RuntimeError: a bug in the training script", out, re.M
+        ), out
+    assert time.monotonic() - started < 45, out
+
+
+def test_a_worker_killed_after_the_work_is_done_ends_the_job_cleanly_without_a_replacement():
+    """Worker 2 SIGKILLed once worker 0's training is over (the job is shutting down): its end is a departure (no
+    re-form: the others would roll back and train again), the job ends cleanly, and a replacement the launcher started
+    meanwhile (no worker had exited yet, so it could not know the work was done) is stopped as not needed. The launcher
+    exits 0 within seconds; it hung before, its replacement waiting for a scheduler that had exited."""
+    elastic = str(ROOT / "tests" / "faults" / "elastic_job.py")
+    started = time.monotonic()
+    run = _run("worker 2", kill_at="done", script=elastic, options=ELASTIC, timeout=60)
+    out = run["output"]
+    assert run["code"] == 0, out
+    assert "worker 2 was killed by SIGKILL" in out and "re-formed" not in out and "aborted" not in out, out
+    assert "[worker 0] DONE" in out and "[worker 1] DONE" in out, out
+    assert "starting worker 3" not in out or "worker 3 was not needed: the job ended before it joined" in out, out
+    assert len(set(run["digests"].values())) == 1, out
+    assert time.monotonic() - started < 45, out

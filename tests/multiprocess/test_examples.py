@@ -8,6 +8,7 @@ import uuid
 
 import pytest
 
+from gradwire.bench.elastic import MOMENTS, run_once
 from gradwire.config import Config
 from gradwire.scheduler import Scheduler
 from tests.multiprocess.harness import ROOT, launch, leftover_processes
@@ -84,3 +85,21 @@ def test_resnet_example_keeps_workers_identical_through_every_api(api):
     assert result.code == 0, result.output
     summary = json.loads(result.lines("[worker 0] {")[0].split("] ", 1)[1])
     assert summary["api"] == api and summary["steps"] == summary["identical_after_steps"] == 3, result.output
+
+
+@pytest.mark.parametrize("moment", ["mid-training", "epoch-end", "shutdown"])
+def test_the_elastic_example_survives_a_sigkilled_worker_at_any_moment(moment):
+    """The documented scenario (docs/faults.md): worker 2 SIGKILLed mid-training (inside a step, at a commit or
+    between), at an epoch's end, or while the job shuts down. The job trains to the failure-free accuracy and the
+    launcher exits 0 within seconds of the result; a kill before the end re-forms the job at once and takes in a
+    replacement. (Before: the example crashed on rank 0 after a join, and the job then hung.)"""
+    run = run_once(moment, epochs=16, timeout=150, seed=list(MOMENTS).index(moment))
+    assert run.code is not None, f"the job hung (killed after 150 s):\n{run.output}"
+    assert run.code == 0 and run.killed_at is not None, run.output
+    assert run.accuracy is not None and run.accuracy > 0.9, run.output
+    assert run.exit_after is not None and run.exit_after < 10, run.output
+    if moment != "shutdown":
+        assert run.reformed_after is not None and run.reformed_after < 5, run.output
+        assert "starting worker 3 to join the job" in run.output, run.output
+    else:
+        assert "re-formed" not in run.output, run.output

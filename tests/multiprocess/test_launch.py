@@ -61,3 +61,35 @@ def test_ctrl_c_stops_every_process(tmp_path):
     assert proc.returncode == 130, out
     assert "interrupted" in out
     assert not leftover_processes(marker), leftover_processes(marker)
+
+
+def test_elastic_starts_no_replacement_once_a_worker_has_finished(tmp_path):
+    """A worker that exits 0 has done the job's work: a worker killed after it is not replaced (a replacement would
+    wait for a job that is ending), and the launcher exits 0 at once."""
+    marker = uuid.uuid4().hex
+    script = tmp_path / "ends.py"
+    script.write_text(
+        "import os, signal, time\n"
+        "if os.environ['GRADWIRE_RANK'] == '1':\n"
+        "    time.sleep(1.5)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    started = time.monotonic()
+    result = launch(2, 1, str(script), marker, options=("--min-workers", "1", "--max-workers", "2"), timeout=30)
+    assert result.code == 0, result.output
+    assert "worker 1 was killed by SIGKILL" in result.output and "(worker 0 finished); no replacement" in result.output
+    assert "starting worker" not in result.output, result.output
+    assert time.monotonic() - started < 15
+    assert not leftover_processes(marker)
+
+
+def test_elastic_ends_the_job_on_a_worker_that_exits_with_an_error_code(tmp_path):
+    """Only a worker killed by a signal (a crash, the OOM killer, a preempted host) is recovered from; one that exits
+    with an error code failed in its own script, which a replacement would run into again: the job stops with it."""
+    marker = uuid.uuid4().hex
+    script = tmp_path / "fails.py"
+    script.write_text("import os, sys, time\nif os.environ['GRADWIRE_RANK'] == '1':\n    sys.exit(3)\ntime.sleep(20)\n")
+    result = launch(3, 1, str(script), marker, options=("--min-workers", "1", "--max-workers", "3"), timeout=30)
+    assert result.code == 3, result.output
+    assert "worker 1 failed: it exited with code 3" in result.output and "starting worker" not in result.output
+    assert not leftover_processes(marker)

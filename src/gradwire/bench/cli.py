@@ -36,6 +36,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="SIGKILL a server (with and without a standby) and a worker mid-run: detection and recovery times",
     )
+    parser.add_argument(
+        "--elastic",
+        action="store_true",
+        help="the elastic example with worker 2 SIGKILLed at a random moment, --runs times: completions, hangs, "
+        "times to the re-formed job and to the replacement, accuracy",
+    )
+    parser.add_argument("--runs", type=int, default=20, help="with --elastic: runs with a kill")
+    parser.add_argument("--seed", type=int, default=0, help="with --elastic: the moments' random seed")
+    parser.add_argument("--timeout", type=float, default=180, help="with --elastic: a run's deadline (then: a hang)")
     parser.add_argument("--failover-mib", type=float, default=2.0, help="with --failover: MiB per tensor (8 tensors)")
     parser.add_argument("--window", type=int, default=None, help="GRADWIRE_WINDOW for the gradwire jobs")
     parser.add_argument(
@@ -80,7 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "against DistributedOptimizer",
     )
     parser.add_argument("--slow-ms", type=float, default=20.0, help="with --ps: the slow worker's sleep per step")
-    parser.add_argument("--epochs", type=int, default=16, help="with --ps: digits training epochs")
+    parser.add_argument("--epochs", type=int, default=16, help="with --ps or --elastic: digits training epochs")
     parser.add_argument("--async-runs", type=int, default=3, help="with --ps: runs of each asynchronous way")
     parser.add_argument(
         "--collective",
@@ -104,6 +113,10 @@ def run(args: argparse.Namespace) -> int:
         from gradwire.bench.ps import run_ps
 
         return run_ps(args)
+    if args.elastic:
+        from gradwire.bench.elastic import run_elastic
+
+        return run_elastic(args)
     if args.failover:
         from gradwire.bench.failover import run_failover
 

@@ -28,6 +28,9 @@ from gradwire.launch.output import make_output
 GRACE_SECONDS = 5.0
 DRAIN_SECONDS = 1.0  # after the last worker exits, how long the services get to end by themselves
 SURVIVOR_SECONDS = 3.0  # after a worker fails, how long the others get to report it themselves (WorkerLost)
+# after the scheduler ended the job cleanly, how long a replacement still starting gets before it is stopped (one that
+# had registered is told at once that the job ended; one still connecting would wait for GRADWIRE_TIMEOUT)
+REPLACEMENT_GRACE_SECONDS = 2.0
 PROGRESS_SECONDS = 2.0
 
 
@@ -88,6 +91,11 @@ class Launcher:
         self.admin_url: str | None = None
         self._finished = threading.Event()
         self._exits: queue.SimpleQueue[Child] = queue.SimpleQueue()
+        # elastic: when the job's work was done (a worker finished, or the scheduler ended it cleanly), and the
+        # replacements started for dead workers (stopped if the job ends before they join)
+        self._done_by: str | None = None
+        self._ended_at: float | None = None
+        self._replacements: set[int] = set()
         self.out = make_output()
 
     def run(self) -> int:
@@ -182,26 +190,61 @@ class Launcher:
             try:
                 child = self._exits.get(timeout=0.5)  # a timeout keeps Ctrl-C deliverable
             except queue.Empty:
+                self._stop_unneeded_replacements()
                 continue
+            code = child.proc.returncode
             if child.role != "worker":
-                if child.proc.returncode != 0:
-                    self._say(
-                        f"{child.label} {_how(child.proc.returncode)} (pid {child.proc.pid}){_consequence(child)}"
-                    )
+                if code != 0:
+                    self._say(f"{child.label} {_how(code)} (pid {child.proc.pid}){_consequence(child)}")
+                elif child.role == "scheduler":
+                    self._ended_at = time.monotonic()
+                    self._done_by = self._done_by or "the scheduler ended the job"
                 continue
             running.discard(id(child))
-            if child.proc.returncode != 0 and self.min_workers and len(running) >= self.min_workers:
+            if id(child) in self._replacements and code != 0 and self._ended_cleanly():
+                self._say(f"{child.label} was not needed: the job ended before it joined")
+                continue
+            if code == 0:
+                self._done_by = self._done_by or f"{child.label} finished"
+                continue
+            if code < 0 and self.min_workers and (self._done_by or len(running) >= self.min_workers):
                 self._elastic_loss(child, running)
                 continue
-            if child.proc.returncode != 0:
-                code = self._report(child, "failed")
-                self._let_survivors_report(running)
-                return code
+            code = self._report(child, "failed")
+            self._let_survivors_report(running)
+            return code
         self._drain_services()
         return 0
 
+    def _ended_cleanly(self) -> bool:
+        """The scheduler ended the job without an error, or does within a moment: a replacement that registered as
+        the job ended is told so, and may exit before the scheduler does."""
+        scheduler = self.children[0]
+        try:
+            code = scheduler.proc.wait(REPLACEMENT_GRACE_SECONDS)
+        except subprocess.TimeoutExpired:
+            return False
+        if code == 0 and self._ended_at is None:
+            self._ended_at = time.monotonic()
+        return code == 0
+
+    def _stop_unneeded_replacements(self) -> None:
+        """The job ended cleanly while replacements were still waiting to join it: they never will."""
+        if self._ended_at is None or time.monotonic() - self._ended_at < REPLACEMENT_GRACE_SECONDS:
+            return
+        for child in self.children:
+            if id(child) in self._replacements and child.proc.poll() is None:
+                _signal_group(child.proc, signal.SIGTERM)
+
     def _elastic_loss(self, child: Child, running: set[int]) -> None:
-        """Elastic: the job goes on with the others; a replacement joins while restarts and --max-workers allow."""
+        """Elastic, a worker killed by a signal: the job goes on with the others; a replacement joins while restarts
+        and --max-workers allow, and the job's work is not done yet (docs/faults.md has which exits are recovered)."""
+        if self._done_by is not None:
+            self._say(
+                f"{child.label} {_how(child.proc.returncode)} (pid {child.proc.pid}) after the job's work was done "
+                f"({self._done_by}); no replacement"
+            )
+            return
         self._say(
             f"{child.label} {_how(child.proc.returncode)} (pid {child.proc.pid}); the job goes on with "
             f"{len(running)} workers (elastic, --min-workers {self.min_workers})"
@@ -215,6 +258,7 @@ class Launcher:
         extra = {"GRADWIRE_ROLE": "worker", "GRADWIRE_LOCAL_RANK": str(label), "LOCAL_RANK": str(label)}
         replacement = self._spawn("worker", label, self.command, extra, unset=("GRADWIRE_RANK", "RANK", "HOROVOD_RANK"))
         running.add(id(replacement))
+        self._replacements.add(id(replacement))
 
     def _let_survivors_report(self, running: set[int]) -> None:
         """The other workers learn of the failure within milliseconds (WorkerLost names the rank) and exit with

@@ -62,12 +62,14 @@ class Adaptation:
     def _samples(self) -> list[tuning.Sample]:
         """One sample per worker host: its workers share its link, so the link's rate is judged per host
         (tuning.Sample.of_host), in the per-worker share the settings were derived for."""
+        shared = max((self.s.tuning or {}).get("workers_per_host") or [1]) > 1  # placing.link_sharers
         hosts: dict[str, list[tuning.Sample]] = {}
         for worker in self.s._live_workers():
             delta = self._delta(worker, COUNTERS)
             if delta is not None:
                 busy, moved, full = delta
-                hosts.setdefault(host_of(worker), []).append(tuning.Sample(int(moved), busy, full))
+                key = host_of(worker) if shared else f"worker{worker.rank}"
+                hosts.setdefault(key, []).append(tuning.Sample(int(moved), busy, full))
         return [tuning.Sample.of_host(samples) for samples in hosts.values()]
 
     def _host_busy(self) -> float | None:
@@ -109,7 +111,7 @@ class Adaptation:
         keys = ("partition_bytes", "window", "unanswered")
         record = {"at": time.time(), "why": why, "recut_tensors": 0} | {k: new[k] for k in keys}
         self.history.append(record)
-        log.warning("data path re-derived (%s): %s", why, new["reason"])
+        log.info("data path re-derived (%s): %s", why, new["reason"])
         if new["partition_bytes"] == self.s.tuning["partition_bytes"]:
             self._apply(new | {"derived_for": why}, {}, 0)
             return

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from gradwire.errors import GradwireError
 from gradwire.protocol import messages
 from gradwire.protocol.frames import FrameType
+from gradwire.scheduler.placing import host_of
 
 if TYPE_CHECKING:
     from gradwire.scheduler.scheduler import Node, Scheduler
@@ -50,7 +51,7 @@ class Membership:
         if len(self.live()) + len(self.joiners) >= limit:
             raise GradwireError(f"the job has {limit} workers already (GRADWIRE_MAX_WORKERS)")
         self.joiners.append(node)
-        log.warning("worker from %s waits to join (%d joining)", node.host, len(self.joiners))
+        log.info("worker from %s waits to join (%d joining)", node.host, len(self.joiners))
         if self.resetting:
             return  # it joins this reset
         self._tell(self.live(), {"op": messages.MEMBERS, "joining": len(self.joiners)})
@@ -114,6 +115,7 @@ class Membership:
         declarations.joined, declarations.departed = set(), {}  # ranks are numbered afresh
         with self.s._lock:
             self.s._joins = {}  # a join in progress is cancelled with the workers' other requests
+        self._measure_joiners(members)
         for server in [s for s in self.s._servers if not s.lost]:
             body = {"op": messages.RESET, "epoch": epoch, "num_workers": len(members)}
             if not declarations.call(server.rank, body):
@@ -139,9 +141,30 @@ class Membership:
             self.history.append({"epoch": epoch, "workers": len(members)})
             joining = len(self.joiners)
             live = self.live()
-        log.warning("job re-formed in epoch %d with %d workers", epoch, len(members))
+        log.info("job re-formed in epoch %d with %d workers", epoch, len(members))
         if joining:  # arrived during the reset: they join the next one
             self._tell(live, {"op": messages.MEMBERS, "joining": joining})
+
+    def _measure_joiners(self, members: list[Node]) -> None:
+        """Joiners get a link rate as the workers of the start did (without the lock): the rate of a host measured
+        already, or, where the placement is measured (GRADWIRE_PLACEMENT=auto), a probe of their own while they wait
+        for the address book. Without it, one worker with no rate turned the measured placement into an equal one."""
+        joiners = [w for w in members if w.link_rate <= 0]
+        rated = [w for w in members if w.link_rate > 0]
+        if not joiners or not rated:
+            return
+        known = {host_of(w): w.link_rate for w in rated}
+        if self.s.config.placement != "auto":
+            for joiner in joiners:
+                joiner.link_rate = known.get(host_of(joiner), 0.0)
+            return
+        try:
+            measured = self.s.measure_links(joiners, known)
+        except GradwireError as e:  # the joiner is gone or silent: its loss starts the next reset
+            log.warning("could not measure a joining worker's link: %s", e)
+            return
+        if measured:
+            log.info("measured the links of joining workers' hosts: %s", measured)
 
     def _tell(self, workers: list[Node], body: dict) -> None:
         self.s._tell(workers, body)

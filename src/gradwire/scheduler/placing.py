@@ -34,9 +34,7 @@ def placement_weights(
     hosts: dict[str, int] = {}
     for worker in workers:
         hosts.setdefault(host_of(worker), len(hosts))
-    sharing = [0] * len(hosts)  # workers per host, which share its link
-    for worker in workers:
-        sharing[hosts[host_of(worker)]] += 1
+    sharing = link_sharers(workers, servers, hosts)
     rated = list(workers) + [s for s in servers if not s.colocated]
     known = all(n.link_rate > 0 for n in rated)
     if not known and any(n.link_rate > 0 for n in rated):
@@ -83,6 +81,18 @@ def placement_weights(
         info["weights"],
     )
     return weights, info
+
+
+def link_sharers(workers: Sequence[Node], servers: Sequence[Node], hosts: dict[str, int]) -> list[int]:
+    """Per worker host (numbered as in `hosts`), the workers that share its network link: all of the host's, where
+    the job spans several hosts; 1 where every node runs on one host (nothing crosses a network link: shared memory
+    and loopback, whose measured rate is not divided among the workers, as before several workers per host counted)."""
+    if len({host_of(n) for n in [*workers, *servers]}) <= 1:
+        return [1] * len(hosts)
+    sharing = [0] * len(hosts)
+    for worker in workers:
+        sharing[hosts[host_of(worker)]] += 1
+    return sharing
 
 
 def host_of(node: Node) -> str:

@@ -285,22 +285,13 @@ class Scheduler:
 
     def _measure_then_publish(self) -> None:
         started = time.monotonic()
-        hosts = {}
         try:
-            for node in self._workers + [s for s in self._servers if not s.colocated]:
-                key = host_of(node)
-                if node.role == "worker" and key in hosts:  # another worker on a measured host: same link
-                    node.link_rate = hosts[key]
-                    continue
-                node.probe_buffer = bytearray(probe.FRAME_BYTES)
-                node.rtt = probe.round_trip(node, self.config.timeout)
-                node.link_rate = hosts[key] = probe.measure(node, self.config.timeout)
-                node.probe_buffer = bytearray()
+            hosts = self.measure_links(self._workers + [s for s in self._servers if not s.colocated])
         except GradwireError as e:
             with self._lock:
                 self._abort_locked(f"measuring the links for GRADWIRE_PLACEMENT=auto failed: {e}")
             return
-        log.warning(
+        log.info(
             "measured %d links in %.1f s: %s",
             len(hosts),
             time.monotonic() - started,
@@ -312,6 +303,23 @@ class Scheduler:
         )
         with self._lock:
             self._publish_locked()
+
+    def measure_links(self, nodes: list[Node], known: dict[str, float] | None = None) -> dict[str, float]:
+        """Measure the link of each of `nodes` that waits for its address book and answers probes (probe.py), one
+        after the other, once per host: a worker on a host measured already (here, or in `known`: host -> rate)
+        shares that host's link. Returns the rate of every host measured. Without the lock; raises GradwireError."""
+        hosts = dict(known or {})
+        measured: dict[str, float] = {}
+        for node in nodes:
+            key = host_of(node)
+            if node.role == "worker" and key in hosts:  # another worker on a measured host: same link
+                node.link_rate = hosts[key]
+                continue
+            node.probe_buffer = bytearray(probe.FRAME_BYTES)
+            node.rtt = probe.round_trip(node, self.config.timeout)
+            node.link_rate = hosts[key] = measured[key] = probe.measure(node, self.config.timeout)
+            node.probe_buffer = bytearray()
+        return measured
 
     def _derive_tuning(self, info: dict) -> dict | None:
         """The data path's settings (gradwire/tuning.py) for the links described by `info` (placement_weights'):
@@ -328,6 +336,7 @@ class Scheduler:
         sharing = info.get("workers_per_host") or [1] * len(rates["worker_hosts"])
         workers = [r * scale / m for r, m in zip(rates["worker_hosts"], sharing, strict=True) for _ in range(m)]
         derived = tuning.derive(workers, rtt, server_rates=[r * scale for r in dedicated]).as_dict()
+        derived["workers_per_host"] = sharing  # the drift check judges the links in the same shares (adapt.py)
         if max(sharing, default=1) > 1:
             most = max(sharing)
             derived["reason"] += f" (a host's link shared by {'up to ' if min(sharing) < most else ''}{most} workers)"
@@ -349,7 +358,7 @@ class Scheduler:
         if new is not None and self.tuning is not None:
             keys = ("partition_bytes", "window", "unanswered")
             if any(new[k] != self.tuning[k] for k in keys):
-                log.warning("data path re-derived (%s): %s", why, new["reason"])
+                log.info("data path re-derived (%s): %s", why, new["reason"])
             self.tuning = new | {"derived_for": why}
         return self.tuning
 
@@ -453,6 +462,8 @@ class Scheduler:
             # shutdown() in a process that lives on keeps its connection open: it may init() again, and its
             # connection closing (at exit, or once it has registered anew) is its final word
             node.final_bye = bool(body.get("final", True)) or node.role != "worker"
+            if body.get("error") and self._failed(node, str(body["error"])):
+                return True
             self._bye(node)
             return node.final_bye
         else:
@@ -602,7 +613,7 @@ class Scheduler:
                 pass  # that worker's own loss is handled on its connection
         if node.role == "worker" and self.declarations is not None:
             self.declarations.leave(node.rank, f"worker {node.rank} left the job (called shutdown())")
-        if node.role == "worker" and self.membership is None and node in self._workers:
+        if node.role == "worker" and node in self._workers:
             # the others' rounds that need its pushes fail on the servers, not at the timeout: at once after a
             # shutdown(); a moment later where its process ends, so that a launcher sees that exit first and names it
             # (not the others', which the failed rounds cause)
@@ -630,6 +641,29 @@ class Scheduler:
                 )
                 return
         self._end("every worker said bye; job complete")
+
+    def _failed(self, node: Node, error: str) -> bool:
+        """A worker's process ends because its script raised `error`. In an elastic job that ends the job, naming it:
+        only membership changes are recovered from (Horovod's rule), since the replacement would run the same script
+        into the same error, and the survivors would otherwise wait in rounds it never pushes. True if it did."""
+        with self._lock:
+            if self.membership is None or node not in self._workers or self._ending or self._done.is_set():
+                return False
+            node.lost = True
+        why = (
+            f"worker {node.rank} at {node.host} failed: {error}. An elastic job re-forms around a worker that dies or "
+            "goes silent, not one whose training script raised: a replacement would raise it too"
+        )
+        # a moment later, as for a departure (_bye): a launcher then sees this worker's exit first and names it
+        timer = threading.Timer(DEPARTED_GRACE_SECONDS, self._abort, args=(why, ("worker", node.rank)))
+        timer.daemon = True
+        timer.start()
+        return True
+
+    def _finishing_locked(self) -> bool:
+        """Some worker of the job has said bye (shutdown(), or its process ended): its work is done, and the others
+        are finishing theirs."""
+        return any(w.said_bye for w in self._workers)
 
     def _tell_departed(self) -> None:
         """Tell the servers which workers have left (said bye) while others go on (server/engine.set_departed)."""
@@ -716,11 +750,21 @@ class Scheduler:
         with self._lock:
             if node.said_bye or node.lost or self._ending or self._done.is_set():
                 return
-            if self.membership is not None and node.role == "worker":
+            elastic = self.membership is not None and node.role == "worker"
+            finishing = elastic and node in self._workers and self._finishing_locked()
+            if elastic and not finishing:
+                assert self.membership is not None
                 self.membership.left(node, str(error))
                 return
-            node.lost = True
-            self._abort_locked(f"lost {node.role} {node.rank} at {node.host}: {error}", lost=(node.role, node.rank))
+            if not finishing:
+                node.lost = True
+                self._abort_locked(f"lost {node.role} {node.rank} at {node.host}: {error}", lost=(node.role, node.rank))
+                return
+        # elastic, and the job is finishing (another worker is done): a departure, not a loss to re-form around (the
+        # survivors would roll back and train again), nor one to abort on
+        log.info("worker %d at %s ended while the job finishes: %s", node.rank, node.host, error)
+        node.final_bye = True
+        self._bye(node)
 
     # -- failover (docs/faults.md) ---------------------------------------------------------------
 
@@ -822,6 +866,12 @@ class Scheduler:
             record["seconds"] * 1e3,
             epoch,
         )
+
+    def _abort(self, reason: str, lost: tuple[str, int] | None = None) -> None:
+        """`_abort_locked`, unless the job has ended meanwhile."""
+        with self._lock:
+            if not self._done.is_set():
+                self._abort_locked(reason, lost)
 
     def _abort_locked(self, reason: str, lost: tuple[str, int] | None = None) -> None:
         if self.abort_reason is None:

@@ -359,8 +359,11 @@ class Server:
         try:
             self._read_loop(link)
         except (GradwireError, RingClosed) as e:
-            if not self._done.is_set():
-                log.warning("closing connection to worker %d (%s): %s", conn.peer_rank, conn.peer, e)
+            if not self._done.is_set():  # a worker that went away is routine (it is named elsewhere); a bad frame not
+                routine = isinstance(e, tcp.ConnectionClosed)
+                (log.info if routine else log.warning)(
+                    "closing connection to worker %d (%s): %s", conn.peer_rank, conn.peer, e
+                )
         finally:
             link.replies.put(None)
             conn.close()
@@ -613,7 +616,7 @@ class Server:
         for engine in self._engines:
             engine.reset(num_workers, forget=forget)
         self.num_workers, self._everyone = num_workers, (1 << num_workers) - 1
-        (log.info if forget else log.warning)(
+        log.info(
             "epoch %d: starting afresh with %d workers%s", epoch, num_workers, " (a new generation)" if forget else ""
         )
         assert self._scheduler is not None

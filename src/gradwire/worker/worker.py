@@ -434,8 +434,11 @@ class Worker:
             **self.metrics.snapshot(),
         }
 
-    def shutdown(self, final: bool = True) -> None:
+    def shutdown(self, final: bool = True, error: str | None = None) -> None:
         """Say bye to the servers and the scheduler, close everything, and join this worker's threads. Idempotent.
+
+        `error`: the process ends because the training script raised this (gradwire.__init__ reads it at exit). In an
+        elastic job the scheduler then ends the job naming it rather than re-forming: a replacement would raise it too.
 
         `final=False` (gradwire.shutdown()): this process may init() again. The scheduler connection stays open
         until `leave()` (or the process's end) closes it; until every worker has left so, or for at most
@@ -455,7 +458,8 @@ class Worker:
             link.close(JobAborted("worker shut down"))
         if self._scheduler is not None:
             try:
-                self._scheduler.send_json(FrameType.CONTROL, {"op": messages.BYE, "final": final})
+                bye = {"op": messages.BYE, "final": final} | ({"error": error} if error else {})
+                self._scheduler.send_json(FrameType.CONTROL, bye)
             except GradwireError:
                 pass
             if final:
@@ -1090,7 +1094,7 @@ class Worker:
         self.resets.append(
             {"epoch": self.epoch, "rank": self.rank, "size": self.size, "seconds": time.monotonic() - started}
         )
-        log.warning(
+        log.info(
             "worker %d (was %d of %d) re-formed the job in epoch %d: %d workers, in %.0f ms",
             self.rank,
             old_rank,
