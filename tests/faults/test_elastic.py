@@ -84,3 +84,61 @@ def test_the_data_path_settings_are_re_derived_when_the_job_re_forms():
         for worker in c.workers:
             assert worker.tuning["unanswered"] == 0
             assert all(link.unanswered_cap == 0 for link in worker._links if hasattr(link, "unanswered_cap"))
+
+
+@pytest.mark.parametrize("new_host", [False, True], ids=["on-a-measured-host", "on-a-new-host"])
+def test_a_joiner_keeps_the_measured_placement(new_host, caplog):
+    """GRADWIRE_PLACEMENT=auto: a worker that joins at a reset gets a link rate as the workers of the start did,
+    its host's measured one or, on a host never measured, a probe of its own while it waits for its address book.
+    Without one, the scheduler placed as if every link were equal ("some nodes gave GRADWIRE_LINK_RATE...")."""
+    with LocalCluster(num_workers=2, num_servers=1, min_workers=1, max_workers=3, placement="auto") as c:
+        rates = [w.link_rate for w in c.scheduler._workers]
+        assert all(r > 0 for r in rates)
+        if new_host:  # the workers of the start as if on other hosts: the joiner's is new
+            for i, node in enumerate(c.scheduler._workers):
+                node.host_id = f"elsewhere{i}"
+        joiner = c.add_worker()
+        deadline = time.monotonic() + 10
+        while not all(w.joining for w in c.workers) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda w: w.reset(), list(c.workers)))
+        joiner.join(10)
+        assert sorted(w.rank for w in c.workers) == [0, 1, 2]
+        newcomer = c.scheduler._workers[2]
+        assert newcomer.link_rate > 0 and (newcomer.rtt > 0) == new_host
+        if not new_host:
+            assert newcomer.link_rate == rates[0]  # the host's rate, measured at the start
+        assert c.scheduler.tuning["rate_bytes_per_s"] > 0
+        assert "placing as if every link were equal" not in caplog.text
+        assert c.run(lambda w: w.push_pull(np.full(5000, w.rank + 1.0, np.float32), "g")[0]) == [6.0] * 3
+
+
+def test_a_worker_whose_script_raised_ends_the_elastic_job_naming_the_error():
+    """Its process's last bye carries the exception: the job ends (a replacement would raise it too) instead of
+    re-forming, or the survivors waiting in rounds it never pushes."""
+    with LocalCluster(num_workers=3, num_servers=1, min_workers=2, max_workers=3) as c:
+        failing = c.workers[0]
+        failing.shutdown(final=True, error="RuntimeError: a bug (train.py, line 40, in train)")
+        with pytest.raises(JobAborted, match=r"worker 0 at .* failed: RuntimeError: a bug \(train.py, line 40"):
+            c.run(lambda w: w.push_pull(np.ones(5000, np.float32), "g") if w is not failing else None)
+        assert c.scheduler.membership.resets == 0
+
+
+def test_a_worker_lost_after_another_has_finished_is_a_departure_not_a_reset():
+    """Once a worker has said bye (its work is done), a worker that dies is not re-formed around: the survivors
+    would roll back and train again. The job ends cleanly when the last one is done."""
+    with LocalCluster(num_workers=3, num_servers=1, min_workers=2, max_workers=3) as c:
+        assert c.run(lambda w: w.push_pull(np.ones(5000, np.float32), "g")[0]) == [3.0] * 3
+        c.workers[0].shutdown(final=True)
+        c.kill_worker(1)
+        last = c.workers[-1]
+        deadline = time.monotonic() + 10
+        while not c.scheduler._workers[1].said_bye and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert c.scheduler.membership.resets == 0 and not c.scheduler.membership.resetting
+        assert last._membership_error is None
+        last.shutdown(final=True)
+        assert c.scheduler.wait(10) is None  # a clean end
