@@ -1,4 +1,4 @@
-"""Pacing a worker's network links against each other (link.Credit): the bytes to each server leave in proportion
+"""Pacing a worker's network links against each other (worker/credit.py): the bytes to each server leave in proportion
 to its placement share, a link never waits for a link that is gone, and pacing can delay a push but never hang it."""
 
 import threading
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from gradwire.testing import LocalCluster
-from gradwire.worker import link
-from gradwire.worker.link import Credit
+from gradwire.worker import credit as link
+from gradwire.worker.credit import Credit
 
 
 def _paced(lead: int, **links: tuple[float, int]) -> Credit:

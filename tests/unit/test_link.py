@@ -8,8 +8,10 @@ import numpy as np
 from gradwire.protocol import dtypes, frames
 from gradwire.protocol.frames import FrameType
 from gradwire.transport import tcp
+from gradwire.worker.credit import Credit
 from gradwire.worker.handle import Handle
-from gradwire.worker.link import Credit, ServerLink, Work
+from gradwire.worker.link import ServerLink
+from gradwire.worker.work import Work
 
 
 def test_an_answer_that_overtakes_the_senders_stamp_still_times_every_stage_from_the_push():
@@ -22,7 +24,7 @@ def test_an_answer_that_overtakes_the_senders_stamp_still_times_every_stage_from
     handle = Handle("t", out, 1, lambda h: None)
     work = Work("t", 7, 1, dtypes.from_numpy(out.dtype).code, out, out, 1, handle)
     work.t_queued = work.t_sent = time.monotonic()  # taken by the sender, whose send has not returned yet
-    link._pending[7], link._in_flight = work, 1
+    link.flow.pending[7], link.flow.in_flight = work, 1
     header = bytearray(frames.HEADER_SIZE)
     frames.pack_header_into(header, FrameType.RESULT, out.nbytes, work.dtype, 1, 0, 7, 1)
     theirs.sendall(bytes(header) + np.full(4, 2, np.float32).tobytes())

@@ -36,8 +36,11 @@ from gradwire.protocol.frames import REPLAY, SEED, FrameType, encode_header
 from gradwire.scheduler.adapt import RECUT_AHEAD
 from gradwire.scheduler.client import join
 from gradwire.transport import shm, tcp
+from gradwire.worker.credit import Credit
 from gradwire.worker.handle import Handle
-from gradwire.worker.link import Credit, LostLink, Saved, ServerLink, Work
+from gradwire.worker.link import ServerLink
+from gradwire.worker.lost_link import LostLink
+from gradwire.worker.work import Saved, Work
 
 log = logging.getLogger("gradwire.worker")
 SHUTDOWN_JOIN_SECONDS = 5.0
@@ -232,7 +235,7 @@ class Worker:
     def _link_use(self) -> dict:
         """The network links' use so far, for the heartbeat: the scheduler's drift check (tuning.Drift)."""
         busy, moved = self.credit.busy() if self.credit else (0.0, 0)
-        full = sum(link.full_seconds for link in self._links if getattr(link, "network", False))
+        full = sum(link.flow.full_seconds for link in self._links if getattr(link, "network", False))
         now = {"link_busy_seconds": busy, "link_bytes": moved, "window_full_seconds": full}
         return {k: self._use_before.get(k, 0) + v for k, v in now.items()}
 

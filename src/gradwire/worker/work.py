@@ -1,0 +1,125 @@
+"""What a worker's links carry: one partition of one call (`Work`), and what a worker keeps of a key's last answered
+round to seed a dead server's replacement with (`Saved`, docs/faults.md)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gradwire.transport import shm
+from gradwire.worker.handle import Handle
+
+
+class Saved:
+    """What a worker keeps of its last answered round of one key (allocated once per key), to seed a new server with
+    after a failover: the sum it received, or, for a key it pulls only a slice of (reducescatter, alltoall), its own
+    contribution, which it resends flagged REPLAY so that the round can be summed again for the ranks still waiting."""
+
+    __slots__ = ("contribution", "data", "dtype", "round")
+
+    def __init__(self, nbytes: int, dtype: int, contribution: bool = False) -> None:
+        self.data = np.empty(nbytes, np.uint8)
+        self.dtype = dtype
+        self.round = -1  # none received yet
+        self.contribution = contribution  # `data` is this worker's push, not the round's result
+
+    @classmethod
+    def for_sum(cls, saved: dict[int, Saved], work: Work) -> Saved:
+        """The copy of `work`'s key's sum in `saved` (a worker's, by key), allocated once per key, that the next sum is
+        received into."""
+        copy = saved.get(work.key)
+        if copy is None or len(copy.data) != work.nbytes:
+            copy = saved[work.key] = cls(work.nbytes, work.dtype)
+        return copy
+
+    @classmethod
+    def keep_contribution(cls, saved: dict[int, Saved], work: Work) -> None:
+        """Copy what this worker pushed in a sliced round into its key's saved copy, as the round is answered (its
+        input is still the caller's until the handle completes): a dead server's replacement may need it again for
+        the ranks it had not answered yet."""
+        copy = saved.get(work.key)
+        if copy is None or len(copy.data) != len(work.send) or not copy.contribution:
+            copy = saved[work.key] = cls(len(work.send), work.dtype, contribution=True)
+        copy.data[:] = work.send
+        copy.round = work.round
+
+
+class Work:
+    """One partition of one push_pull: what to send, where the sum goes, and whom to tell."""
+
+    __slots__ = (
+        "acked",
+        "average",
+        "credited",
+        "dtype",
+        "extra",
+        "handle",
+        "index",
+        "key",
+        "nbytes",
+        "order",
+        "partial",
+        "push_bytes",
+        "replayable",
+        "out",
+        "pull_slot",
+        "push_slot",
+        "round",
+        "seed",
+        "send",
+        "t_pushed",
+        "t_queued",
+        "t_result",
+        "t_sent",
+        "tensor",
+    )
+
+    def __init__(
+        self,
+        tensor: str,
+        key: int,
+        rnd: int,
+        dtype: int,
+        send: np.ndarray,
+        out: np.ndarray,
+        average: int,
+        handle: Handle | None,
+        index: int = 0,
+        seed: int = 0,
+        partial: bool = False,
+        replayable: bool = False,
+    ) -> None:
+        self.tensor, self.key, self.round, self.dtype, self.index = tensor, key, rnd, dtype, index
+        self.order: tuple = ()  # the job-wide order of flow control, set when queued (see ServerLink._next)
+        self.send = memoryview(send).cast("B")
+        self.push_bytes = len(self.send)  # what this worker contributes (a gather's part may be short, or empty)
+        self.extra: memoryview | None = None  # bytes pushed after the data (`trail`)
+        self.out = out
+        self.nbytes = out.nbytes  # what it pulls
+        self.partial = partial  # it pulls only its slice of the key's result (so holds no sum to seed a failover)
+        self.replayable = replayable  # a sliced round's: its contribution is kept instead (see Saved)
+        self.average = average
+        self.handle = handle
+        self.acked = False  # the server has our contribution: the window slot and credit are free again
+        self.credited = False  # holds credit (taken by the sender, given back on its ACK)
+        # resent after a failover, no answer expected: a sum this worker holds (SEED) or its contribution (REPLAY)
+        self.seed = seed
+        self.push_slot = shm.NO_SLOT  # shared slots in use (same-host links only)
+        self.pull_slot = shm.NO_SLOT
+        # when it was queued, taken by the sender, fully sent, and answered (time.monotonic): the stages
+        self.t_queued = self.t_sent = self.t_pushed = self.t_result = 0.0
+
+    def stages(self, done: float) -> tuple[tuple[str, float, float], ...]:
+        """Its four stages (name, start, end), once answered at `done`: queued, pushed, waiting for the sum, pulled."""
+        return (
+            ("queued", self.t_queued, self.t_sent),
+            ("push", self.t_sent, self.t_pushed),
+            ("wait", self.t_pushed, self.t_result),
+            ("pull", self.t_result, done),
+        )
+
+    def trail(self, extra: memoryview | None) -> Work:
+        """Push `extra` after the data (a server-side update's trailer: protocol/update.py)."""
+        if extra is not None:
+            self.extra = extra
+            self.push_bytes += len(extra)
+        return self
