@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gradwire.errors import ConfigError
+from gradwire.tuning import parse_rate
 
 MiB = 1 << 20
 
@@ -399,8 +400,6 @@ class Config:
         """GRADWIRE_LINK_RATE in bytes per second (0.0 when unset)."""
         if not self.link_rate:
             return 0.0
-        from gradwire.netem.topology import parse_rate
-
         return parse_rate(self.link_rate) / 8
 
     @property

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gradwire.protocol import update as wire
+from gradwire.session import current_worker
 from gradwire.worker import Handle, Worker
 
 STRUCTURAL_NAMES = {"amsgrad", "initial_accumulator_value"}
@@ -33,9 +34,7 @@ _settings: weakref.WeakKeyDictionary[Worker, _Setting] = weakref.WeakKeyDictiona
 
 
 def _worker() -> Worker:
-    import gradwire
-
-    return gradwire.current_worker()
+    return current_worker()
 
 
 def set_optimizer(optimizer: str, staleness: int = 0, **hyper: object) -> None:

@@ -26,6 +26,7 @@ Why these rules (measured on emulated 25-100 Mbit/s links, docs/netem.md; 2-core
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -85,6 +86,18 @@ def derive(
             f"; the servers' links ({sum(server_rates) * 8 / 1e6:.0f} Mbit/s together) are the bottleneck: cap {cap}"
         )
     return Tuning(partition, window, cap, rate, rtt_seconds, reason)
+
+
+def parse_rate(rate: str) -> float:
+    """'100mbit' -> 1e8 bits per second (tc's spelling: kbit, mbit, gbit), as GRADWIRE_LINK_RATE and the emulated
+    network's links are given."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([kmg]?)bit\s*", rate.lower())
+    if not m:
+        raise ValueError(f"rate must look like 100mbit, 1gbit or 500kbit, got {rate!r}")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}
 
 
 def _pow2_floor(x: float) -> int:

@@ -24,9 +24,11 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+from typing import IO
 
 MOMENTS = ("mid-training", "epoch-end", "shutdown")
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "elastic_train.py"
@@ -55,7 +57,6 @@ class ElasticRun:
 def run_once(moment: str, epochs: int = 5, timeout: float = 120, seed: int | None = None) -> ElasticRun:
     """Launch the example, SIGKILL worker 2 at `moment` (MOMENTS), and collect what happened. Never hangs: past
     `timeout` the job is killed and the run reported with code None."""
-    rng = random.Random(seed)
     marker = uuid.uuid4().hex  # finds this run's worker 2 among the machine's processes
     cmd = [sys.executable, "-m", "gradwire", "launch", "-n", "3", "-s", "2", "--min-workers", "2"]
     cmd += ["--max-workers", "3", "--", sys.executable, str(EXAMPLE), "--epochs", str(epochs)]
@@ -64,41 +65,9 @@ def run_once(moment: str, epochs: int = 5, timeout: float = 120, seed: int | Non
     proc = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
-    lines: list[str] = []
-    killed: list[float] = []
-    kill_epoch = rng.randrange(1, max(2, epochs - 1))
-    timer: threading.Timer | None = None
-
-    def kill() -> None:
-        if not killed and _kill_worker(marker, 2):
-            killed.append(time.time())
-
-    assert proc.stdout is not None
-    reader_done = threading.Event()
-
-    epoch_ends: list[float] = []
-    result_at: list[float] = []
-
-    def read() -> None:
-        nonlocal timer
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("[worker 0] epoch ") and moment == "mid-training" and timer is None:
-                epoch_ends.append(time.monotonic())
-                if len(epoch_ends) == 2:  # an epoch's length: somewhere in the epochs still to come
-                    rest = (epochs - 3) * (epoch_ends[1] - epoch_ends[0])
-                    timer = threading.Timer(rng.uniform(0, max(rest, 0.0)), kill)
-                    timer.start()
-            elif line.startswith(f"[worker 0] epoch {kill_epoch}:") and moment == "epoch-end":
-                kill()
-            elif line.startswith('[worker 0] {"accuracy"'):
-                result_at.append(time.monotonic())
-                if moment == "shutdown":
-                    kill()
-        reader_done.set()
-
-    threading.Thread(target=read, daemon=True).start()
+    watch = _Watch(moment, epochs, random.Random(seed), lambda: _kill_worker(marker, 2))
+    reader = threading.Thread(target=watch.read, args=(proc.stdout,), daemon=True)
+    reader.start()
     try:
         code: int | None = proc.wait(timeout)
     except subprocess.TimeoutExpired:
@@ -106,18 +75,55 @@ def run_once(moment: str, epochs: int = 5, timeout: float = 120, seed: int | Non
         proc.wait()
         code = None
     ended = time.monotonic()
-    seconds = ended - started
-    reader_done.wait(5)
+    reader.join(5)
+    assert proc.stdout is not None
     proc.stdout.close()
-    if timer is not None:
-        timer.cancel()
-    output = "".join(lines)
-    result = ElasticRun(moment, code, seconds, _accuracy(output), killed[0] if killed else None, output=output)
-    result.exit_after = ended - result_at[0] if result_at else None
-    if killed:
-        result.reformed_after = _logged_after(output, killed[0], "with 2 workers")
-        result.joined_after = _logged_after(output, killed[0], "with 3 workers")
+    watch.stop()
+    output = "".join(watch.lines)
+    killed = watch.killed[0] if watch.killed else None
+    result = ElasticRun(moment, code, ended - started, _accuracy(output), killed, output=output)
+    result.exit_after = ended - watch.result_at[0] if watch.result_at else None
+    if killed is not None:
+        result.reformed_after = _logged_after(output, killed, "with 2 workers")
+        result.joined_after = _logged_after(output, killed, "with 3 workers")
     return result
+
+
+class _Watch:
+    """Reads a run's output and kills the worker at the run's moment."""
+
+    def __init__(self, moment: str, epochs: int, rng: random.Random, kill: Callable[[], bool]) -> None:
+        self.moment, self.epochs, self.rng, self._kill = moment, epochs, rng, kill
+        self.kill_epoch = rng.randrange(1, max(2, epochs - 1))
+        self.lines: list[str] = []
+        self.killed: list[float] = []  # wall clock of the kill
+        self.result_at: list[float] = []  # when rank 0 printed the final accuracy (monotonic)
+        self.epoch_ends: list[float] = []
+        self.timer: threading.Timer | None = None
+
+    def read(self, stream: IO[str]) -> None:
+        for line in stream:
+            self.lines.append(line)
+            if line.startswith("[worker 0] epoch ") and self.moment == "mid-training" and self.timer is None:
+                self.epoch_ends.append(time.monotonic())
+                if len(self.epoch_ends) == 2:  # an epoch's length: somewhere in the epochs still to come
+                    rest = (self.epochs - 3) * (self.epoch_ends[1] - self.epoch_ends[0])
+                    self.timer = threading.Timer(self.rng.uniform(0, max(rest, 0.0)), self.kill)
+                    self.timer.start()
+            elif line.startswith(f"[worker 0] epoch {self.kill_epoch}:") and self.moment == "epoch-end":
+                self.kill()
+            elif line.startswith('[worker 0] {"accuracy"'):
+                self.result_at.append(time.monotonic())
+                if self.moment == "shutdown":
+                    self.kill()
+
+    def kill(self) -> None:
+        if not self.killed and self._kill():
+            self.killed.append(time.time())
+
+    def stop(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
 
 
 def _kill_worker(marker: str, rank: int) -> bool:

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 from gradwire.config import Config
-from gradwire.launch.output import make_output
+from gradwire.launch.output import consequence, how, make_output, progress_line
 
 GRACE_SECONDS = 5.0
 DRAIN_SECONDS = 1.0  # after the last worker exits, how long the services get to end by themselves
@@ -195,7 +195,7 @@ class Launcher:
             code = child.proc.returncode
             if child.role != "worker":
                 if code != 0:
-                    self._say(f"{child.label} {_how(code)} (pid {child.proc.pid}){_consequence(child)}")
+                    self._say(f"{child.label} {how(code)} (pid {child.proc.pid}){consequence(child.role)}")
                 elif child.role == "scheduler":
                     self._ended_at = time.monotonic()
                     self._done_by = self._done_by or "the scheduler ended the job"
@@ -241,12 +241,12 @@ class Launcher:
         and --max-workers allow, and the job's work is not done yet (docs/faults.md has which exits are recovered)."""
         if self._done_by is not None:
             self._say(
-                f"{child.label} {_how(child.proc.returncode)} (pid {child.proc.pid}) after the job's work was done "
+                f"{child.label} {how(child.proc.returncode)} (pid {child.proc.pid}) after the job's work was done "
                 f"({self._done_by}); no replacement"
             )
             return
         self._say(
-            f"{child.label} {_how(child.proc.returncode)} (pid {child.proc.pid}); the job goes on with "
+            f"{child.label} {how(child.proc.returncode)} (pid {child.proc.pid}); the job goes on with "
             f"{len(running)} workers (elastic, --min-workers {self.min_workers})"
         )
         if self.restarts_left <= 0 or len(running) >= self.max_workers:
@@ -286,7 +286,7 @@ class Launcher:
     def _report(self, child: Child, what: str) -> int:
         code = child.proc.wait()
         exit_code = 128 - code if code < 0 else code or 1
-        self._say(f"{child.label} {what}: it {_how(code)} (pid {child.proc.pid}); the job stops")
+        self._say(f"{child.label} {what}: it {how(code)} (pid {child.proc.pid}); the job stops")
         return exit_code
 
     def _await_address(self, scheduler: Child) -> str | None:
@@ -349,7 +349,7 @@ class Launcher:
                 status = fetch(self.admin_url or "", timeout=2)
             except OSError:
                 continue
-            self.out.progress(f"[gradwire launch] {_progress_line(status)}")
+            self.out.progress(f"[gradwire launch] {progress_line(status)}")
 
     def _stop_all(self) -> None:
         self._finished.set()
@@ -367,29 +367,6 @@ class Launcher:
 
     def _say(self, message: str) -> None:
         self.out.line(f"[gradwire launch] {message}")
-
-
-def _how(code: int) -> str:
-    return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-
-
-def _consequence(child: Child) -> str:
-    if child.role == "scheduler":
-        return "; the workers stop with an error naming it"
-    if child.role.endswith("server") and Config.from_env().server_failover:
-        return "; its keys move to a standby or the other servers, and the workers resend what it lost"
-    return ""
-
-
-def _progress_line(status: dict) -> str:
-    workers = [n for n in status["nodes"] if n["role"] == "worker"]
-    alive = sum(n["state"] == "alive" for n in workers)
-    rate = sum(n["throughput_bytes_per_s"] for n in workers) / 1e6
-    per_s = sum(n["rounds_per_s"] for n in workers) / max(len(workers), 1)  # from heartbeats, not our polls
-    return (
-        f"{status['phase']}: workers {alive}/{status['expected']['workers']} alive, "
-        f"{per_s:.1f} push_pulls/s per worker, {rate:.1f} MB/s over all workers"
-    )
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

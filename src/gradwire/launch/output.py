@@ -8,8 +8,11 @@ Thread-safe: children's pump threads and the progress thread write concurrently.
 
 from __future__ import annotations
 
+import signal
 import sys
 import threading
+
+from gradwire.config import Config
 
 PLAIN_EVERY = 10  # with output to a file, one progress line per this many updates (20 s at 2 s each)
 
@@ -75,3 +78,29 @@ def make_output() -> Output:
         except ImportError:
             pass
     return Output()
+
+
+def how(code: int) -> str:
+    """How a child process ended, from its return code."""
+    return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+
+
+def consequence(role: str) -> str:
+    """What a node's failed exit means for the job, said after it."""
+    if role == "scheduler":
+        return "; the workers stop with an error naming it"
+    if role.endswith("server") and Config.from_env().server_failover:
+        return "; its keys move to a standby or the other servers, and the workers resend what it lost"
+    return ""
+
+
+def progress_line(status: dict) -> str:
+    """The live progress line, from the scheduler's /status."""
+    workers = [n for n in status["nodes"] if n["role"] == "worker"]
+    alive = sum(n["state"] == "alive" for n in workers)
+    rate = sum(n["throughput_bytes_per_s"] for n in workers) / 1e6
+    per_s = sum(n["rounds_per_s"] for n in workers) / max(len(workers), 1)  # from heartbeats, not our polls
+    return (
+        f"{status['phase']}: workers {alive}/{status['expected']['workers']} alive, "
+        f"{per_s:.1f} push_pulls/s per worker, {rate:.1f} MB/s over all workers"
+    )

@@ -5,20 +5,13 @@ Pure: no commands run here, so the model is tested without root.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
+from gradwire.tuning import parse_rate
+
+__all__ = ["Host", "Topology", "parse_rate"]
+
 SUBNET = "198.18"  # RFC 2544's range for benchmarking, used only inside namespaces this package creates
-
-_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}
-
-
-def parse_rate(rate: str) -> float:
-    """'100mbit' -> 1e8 bits per second (tc's spelling: kbit, mbit, gbit)."""
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([kmg]?)bit\s*", rate.lower())
-    if not m:
-        raise ValueError(f"rate must look like 100mbit, 1gbit or 500kbit, got {rate!r}")
-    return float(m.group(1)) * _UNITS[m.group(2)]
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,9 @@ JOIN = "join"  # worker -> scheduler (a request): I am out of data (hvd.join); `
 JOINED = "joined"  # scheduler -> server: the workers that have joined now (`ranks`; empty once every worker has)
 RECUT = "recut"  # scheduler -> worker: the partition size changes (`generation`): report your round of each tensor
 RECUT_ROUNDS = "recut_rounds"  # worker -> scheduler: `rounds` {tensor: round}; `fixed`: my partition size is explicit
+# a re-cut's first round of a tensor: the latest any worker reported plus this; a worker holds calls that far ahead
+# until the RETUNE says where the new partitions begin (scheduler/adapt.py)
+RECUT_AHEAD = 2
 RETUNE = "retune"  # scheduler -> worker: new `tuning`; `switch` {tensor: first round cut anew} for `generation`
 DEPARTED = "departed"  # scheduler -> server: workers that left (shutdown()) while others go on (`ranks`, all so far)
 

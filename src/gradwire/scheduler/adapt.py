@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("gradwire.scheduler")
 COUNTERS = ("link_busy_seconds", "link_bytes", "window_full_seconds")  # in a worker's heartbeat (worker.status)
 CPU = ("host_cpu_busy_seconds", "host_cpu_seconds")  # in every node's heartbeat (admin/metrics.host_cpu)
-RECUT_AHEAD = 2  # rounds past the latest a worker reported: the first one cut anew (see the module's step 2)
+RECUT_AHEAD = messages.RECUT_AHEAD  # rounds past the latest a worker reported: the first cut anew (step 2)
 
 
 class Adaptation:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from gradwire.errors import GradwireError
 from gradwire.protocol import messages
 from gradwire.protocol.frames import FrameType
+from gradwire.scheduler import probe
 from gradwire.scheduler.placing import host_of
 
 if TYPE_CHECKING:
@@ -159,7 +160,7 @@ class Membership:
                 joiner.link_rate = known.get(host_of(joiner), 0.0)
             return
         try:
-            measured = self.s.measure_links(joiners, known)
+            measured = probe.measure_links(joiners, self.s.config.timeout, known)
         except GradwireError as e:  # the joiner is gone or silent: its loss starts the next reset
             log.warning("could not measure a joining worker's link: %s", e)
             return

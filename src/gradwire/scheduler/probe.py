@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from gradwire.errors import GradwireError
 from gradwire.protocol import messages
 from gradwire.protocol.frames import FrameType, encode_header
+from gradwire.scheduler.placing import host_of
 
 if TYPE_CHECKING:
     from gradwire.scheduler.scheduler import Node
@@ -85,6 +86,25 @@ def measure(node: Node, timeout: float) -> float:
         raise GradwireError(f"{node.role} {node.rank} did not report its probe in {timeout}s")
     node.probe = None
     return min(up, probe.down)
+
+
+def measure_links(nodes: list[Node], timeout: float, known: dict[str, float] | None = None) -> dict[str, float]:
+    """Measure the link of each of `nodes` (each waits for its address book and answers probes), one after the other,
+    once per host: a worker on a host measured already (here, or in `known`: host -> rate) shares that host's link.
+    Sets each node's `link_rate` (and `rtt` where probed); returns the rate of every host measured. Raises
+    GradwireError naming a node that does not answer within `timeout`."""
+    hosts = dict(known or {})
+    measured: dict[str, float] = {}
+    for node in nodes:
+        key = host_of(node)
+        if node.role == "worker" and key in hosts:  # another worker on a measured host: same link
+            node.link_rate = hosts[key]
+            continue
+        node.probe_buffer = bytearray(FRAME_BYTES)
+        node.rtt = round_trip(node, timeout)
+        node.link_rate = hosts[key] = measured[key] = measure(node, timeout)
+        node.probe_buffer = bytearray()
+    return measured
 
 
 def rate(arrivals: list[float]) -> float:

@@ -33,7 +33,7 @@ from gradwire.scheduler import probe
 from gradwire.scheduler.adapt import Adaptation
 from gradwire.scheduler.declarations import Declarations
 from gradwire.scheduler.elastic import Membership
-from gradwire.scheduler.placing import host_of, placement_weights
+from gradwire.scheduler.placing import placement_weights
 from gradwire.scheduler.probe import Probe
 from gradwire.scheduler.status import cluster_status, node_families
 from gradwire.throttle import HandshakeGate
@@ -286,7 +286,8 @@ class Scheduler:
     def _measure_then_publish(self) -> None:
         started = time.monotonic()
         try:
-            hosts = self.measure_links(self._workers + [s for s in self._servers if not s.colocated])
+            nodes = self._workers + [s for s in self._servers if not s.colocated]
+            hosts = probe.measure_links(nodes, self.config.timeout)
         except GradwireError as e:
             with self._lock:
                 self._abort_locked(f"measuring the links for GRADWIRE_PLACEMENT=auto failed: {e}")
@@ -303,23 +304,6 @@ class Scheduler:
         )
         with self._lock:
             self._publish_locked()
-
-    def measure_links(self, nodes: list[Node], known: dict[str, float] | None = None) -> dict[str, float]:
-        """Measure the link of each of `nodes` that waits for its address book and answers probes (probe.py), one
-        after the other, once per host: a worker on a host measured already (here, or in `known`: host -> rate)
-        shares that host's link. Returns the rate of every host measured. Without the lock; raises GradwireError."""
-        hosts = dict(known or {})
-        measured: dict[str, float] = {}
-        for node in nodes:
-            key = host_of(node)
-            if node.role == "worker" and key in hosts:  # another worker on a measured host: same link
-                node.link_rate = hosts[key]
-                continue
-            node.probe_buffer = bytearray(probe.FRAME_BYTES)
-            node.rtt = probe.round_trip(node, self.config.timeout)
-            node.link_rate = hosts[key] = measured[key] = probe.measure(node, self.config.timeout)
-            node.probe_buffer = bytearray()
-        return measured
 
     def _derive_tuning(self, info: dict) -> dict | None:
         """The data path's settings (gradwire/tuning.py) for the links described by `info` (placement_weights'):

@@ -23,7 +23,7 @@ import torch
 from gradwire.worker import Worker
 
 from .compression import Compression, Compressor
-from .ops import TorchHandle
+from .ops import GroupHandle, TorchHandle
 from .ops import push_pull_async as _push_pull_async
 
 # Horovod's reduction ops. Average and Sum are what summation servers compute; the others are not carried yet.
@@ -220,8 +220,6 @@ def grouped_allreduce_async(
 ) -> Any:
     """Start an allreduce of each tensor of the list (each its own tensor on the servers, `name.i`); `synchronize`
     returns the list of results. The inputs are not modified."""
-    from .exchange import GroupHandle
-
     worker = gradwire.current_worker()
     _reduction(worker, average, op, name)  # the arguments' errors once, before anything is pushed
     name = _name(worker, name, "grouped_allreduce")

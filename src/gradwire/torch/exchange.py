@@ -20,7 +20,7 @@ from gradwire import collectives
 from gradwire.worker import Handle, Worker
 
 from .collectives import Average, Sum, _members, _name, _reduction, _scaled, allreduce
-from .ops import as_numpy
+from .ops import GroupHandle, as_numpy
 
 
 def _cpu(tensor: torch.Tensor) -> torch.Tensor:
@@ -64,19 +64,6 @@ class ExchangeHandle:
             out = _torch(array, self.like)
             self._result = self.finish(out) if self.finish else out
         return self._result
-
-
-class GroupHandle:
-    """The handle of a grouped collective: `result` is the list of its tensors' results."""
-
-    def __init__(self, handles: list[Any]) -> None:
-        self.handles = handles
-
-    def done(self) -> bool:
-        return all(h.done() for h in self.handles)
-
-    def result(self, worker: Worker) -> list[torch.Tensor]:
-        return [h.result(worker) for h in self.handles]
 
 
 # -- allgather ---------------------------------------------------------------------------------------------------

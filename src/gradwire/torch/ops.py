@@ -8,6 +8,8 @@ device), since the servers are CPU processes.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 import gradwire
@@ -28,6 +30,19 @@ _SUPPORTED = {
     torch.int16,
     torch.bool,
 }
+
+
+class GroupHandle:
+    """The handle of a grouped collective: `result` is the list of its tensors' results."""
+
+    def __init__(self, handles: list[Any]) -> None:
+        self.handles = handles
+
+    def done(self) -> bool:
+        return all(h.done() for h in self.handles)
+
+    def result(self, worker: Worker) -> list[torch.Tensor]:
+        return [h.result(worker) for h in self.handles]
 
 
 class TorchHandle:

@@ -33,7 +33,6 @@ from gradwire.errors import (
 )
 from gradwire.protocol import dtypes, messages, update
 from gradwire.protocol.frames import REPLAY, SEED, FrameType, encode_header
-from gradwire.scheduler.adapt import RECUT_AHEAD
 from gradwire.scheduler.client import join
 from gradwire.transport import shm, tcp
 from gradwire.worker.credit import Credit
@@ -250,7 +249,7 @@ class Worker:
                 if tensor.root == tensor.name and current is self._current(tensor, next_round=True):
                     if _recuttable(current):
                         rounds[tensor.name] = current.round
-            self._hold = {name: r + RECUT_AHEAD for name, r in rounds.items()}
+            self._hold = {name: r + messages.RECUT_AHEAD for name, r in rounds.items()}
             self._hold_generation = int(body["generation"])
         reply = {
             "op": messages.RECUT_ROUNDS,

@@ -1,0 +1,141 @@
+"""The layering that docs/architecture.md states, read from its `layers` block, checked over the imports as written
+(`import` and `from ... import` anywhere in a module, TYPE_CHECKING ones included, since they are circles to a reader).
+
+Rules: a module imports only from its own layer or below (a module's layer is that of the longest prefix listed); one
+role's package never imports another's, except the rendezvous client every node uses (gradwire.scheduler.client); no
+import circles. KNOWN lists what breaks them today (issue 26 removes each): a new break fails, and so does a listed
+one that is gone, so that the list stays true.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SRC = ROOT / "src" / "gradwire"
+ROLES = ("gradwire.scheduler", "gradwire.server", "gradwire.worker")
+SHARED_BY_ROLES = "gradwire.scheduler.client"
+KNOWN = {
+    "role gradwire.scheduler.declarations -> gradwire.server.ops",  # the catalog of per-key operations (part 4)
+    "circle gradwire.scheduler.adapt, gradwire.scheduler.elastic, gradwire.scheduler.placing, "
+    "gradwire.scheduler.probe, gradwire.scheduler.scheduler, gradwire.scheduler.status",  # the roster (part 3)
+    "circle gradwire.server.engine, gradwire.server.ops, gradwire.server.optim",  # the ops' outbox (part 4)
+}
+
+
+def layers() -> list[tuple[str, list[str]]]:
+    """The `layers` block of docs/architecture.md: (name, module prefixes), lowest first."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    block = re.search(r"```layers\n(.*?)```", text, re.S)
+    assert block, "docs/architecture.md has no ```layers block"
+    out = []
+    for line in block.group(1).strip().splitlines():
+        name, prefixes = line.split(":", 1)
+        out.append((name.strip(), prefixes.split()))
+    return out
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in SRC.rglob("*.py"):
+        parts = ("gradwire", *path.relative_to(SRC).with_suffix("").parts)
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imports(mods: dict[str, Path]) -> dict[str, set[str]]:
+    """module -> the gradwire modules it imports (a name imported from a package that is a module counts as it)."""
+    graph: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                targets |= {f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names}
+        graph[name] = {_owner(t, mods) for t in targets if t.split(".")[0] == "gradwire"} - {name, None}  # type: ignore[misc]
+    return graph
+
+
+def _owner(target: str, mods: dict[str, Path]) -> str | None:
+    while target and target not in mods:
+        target = target.rpartition(".")[0]
+    return target or None
+
+
+def layer_of(module: str, table: list[tuple[str, list[str]]]) -> tuple[int, str]:
+    best = (-1, "")
+    for i, (_, prefixes) in enumerate(table):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > len(best[1]):
+                best = (i, prefix)
+    return best
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def breaks() -> set[str]:
+    table, mods = layers(), modules()
+    graph = imports(mods)
+    found = set()
+    for module in sorted(graph):
+        where = layer_of(module, table)
+        assert where[0] >= 0, f"{module} is in no layer of docs/architecture.md: place it there"
+        for target in graph[module]:
+            to = layer_of(target, table)
+            if to[0] > where[0]:
+                found.add(f"up {module} ({table[where[0]][0]}) -> {target} ({table[to[0]][0]})")
+            elif to[0] == where[0] and table[to[0]][0] == "roles" and to[1] != where[1] and target != SHARED_BY_ROLES:
+                found.add(f"role {module} -> {target}")
+    return found | {"circle " + ", ".join(c) for c in circles(graph)}
+
+
+def test_the_layers_hold_and_no_import_is_circular():
+    found = breaks()
+    new, gone = sorted(found - KNOWN), sorted(KNOWN - found)
+    assert not new, "imports against docs/architecture.md's layers:\n" + "\n".join(new)
+    assert not gone, "fixed (remove them from KNOWN):\n" + "\n".join(gone)
+
+
+def test_the_checker_sees_an_upward_import_and_a_circle():
+    table = layers()
+    assert layer_of("gradwire.worker.flow", table)[0] > layer_of("gradwire.protocol.frames", table)[0]
+    assert layer_of("gradwire.admin.top", table)[0] > layer_of("gradwire.admin.metrics", table)[0]
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
