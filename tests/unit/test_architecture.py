@@ -19,8 +19,9 @@ ROLES = ("gradwire.scheduler", "gradwire.server", "gradwire.worker")
 SHARED_BY_ROLES = "gradwire.scheduler.client"
 KNOWN = {
     "role gradwire.scheduler.declarations -> gradwire.server.ops",  # the catalog of per-key operations (part 4)
-    "circle gradwire.scheduler.adapt, gradwire.scheduler.elastic, gradwire.scheduler.placing, "
-    "gradwire.scheduler.probe, gradwire.scheduler.scheduler, gradwire.scheduler.status",  # the roster (part 3)
+    # these reach into the scheduler's private fields: a roster for them to depend on instead (part 3)
+    "circle gradwire.scheduler.adapt, gradwire.scheduler.elastic, gradwire.scheduler.scheduler, "
+    "gradwire.scheduler.status",
     "circle gradwire.server.engine, gradwire.server.ops, gradwire.server.optim",  # the ops' outbox (part 4)
 }
 

@@ -3,8 +3,8 @@
 import pytest
 
 from gradwire import split
+from gradwire.scheduler.node import Node
 from gradwire.scheduler.placing import placement_weights
-from gradwire.scheduler.scheduler import Node
 
 
 def _node(role, rank, host_id, colocated=False, rate=0.0):

@@ -25,7 +25,8 @@ from gradwire.protocol import messages
 from gradwire.scheduler.placing import host_of
 
 if TYPE_CHECKING:
-    from gradwire.scheduler.scheduler import Node, Scheduler
+    from gradwire.scheduler.node import Node
+    from gradwire.scheduler.scheduler import Scheduler
 
 log = logging.getLogger("gradwire.scheduler")
 COUNTERS = ("link_busy_seconds", "link_bytes", "window_full_seconds")  # in a worker's heartbeat (worker.status)

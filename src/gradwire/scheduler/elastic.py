@@ -27,7 +27,8 @@ from gradwire.scheduler import probe
 from gradwire.scheduler.placing import host_of
 
 if TYPE_CHECKING:
-    from gradwire.scheduler.scheduler import Node, Scheduler
+    from gradwire.scheduler.node import Node
+    from gradwire.scheduler.scheduler import Scheduler
 
 log = logging.getLogger("gradwire.scheduler")
 

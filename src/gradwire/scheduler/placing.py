@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from gradwire import split
 
 if TYPE_CHECKING:
-    from gradwire.scheduler.scheduler import Node
+    from gradwire.scheduler.node import Node
 
 log = logging.getLogger("gradwire.scheduler")
 

@@ -11,17 +11,13 @@ where it is not, give the rates instead (GRADWIRE_LINK_RATE).
 
 from __future__ import annotations
 
-import threading
 import time
-from typing import TYPE_CHECKING
 
 from gradwire.errors import GradwireError
 from gradwire.protocol import messages
 from gradwire.protocol.frames import FrameType, encode_header
+from gradwire.scheduler.node import Node, Probe
 from gradwire.scheduler.placing import host_of
-
-if TYPE_CHECKING:
-    from gradwire.scheduler.scheduler import Node
 
 FRAMES = 9
 FRAME_BYTES = 128 * 1024
@@ -31,34 +27,9 @@ _PAYLOAD = bytes(FRAME_BYTES)
 PINGS = 3  # round trips timed before the bursts; the fastest is the node's RTT
 
 
-class Probe:
-    """One node's measurement, filled by its connection thread (`on_frame`, `on_result`)."""
-
-    def __init__(self) -> None:
-        self.arrivals: list[float] = []
-        self.down = 0.0
-        self.up_done = threading.Event()
-        self.down_done = threading.Event()
-        self.pong = threading.Event()
-
-    def on_frame(self) -> None:
-        self.arrivals.append(time.monotonic())
-        if len(self.arrivals) == FRAMES:
-            self.up_done.set()
-
-    def on_result(self, body: dict) -> None:
-        if body.get("pong"):
-            self.pong.set()
-            return
-        if not isinstance(body.get("down"), (int, float)):
-            raise GradwireError(f"a probe result needs `down` (a rate) or `pong`, got {sorted(body)}")
-        self.down = float(body["down"])
-        self.down_done.set()
-
-
 def round_trip(node: Node, timeout: float) -> float:
     """The node's round-trip time to the scheduler, in seconds: the fastest of PINGS small control exchanges."""
-    probe = node.probe = Probe()
+    probe = node.probe = Probe(FRAMES)
     best = float("inf")
     for _ in range(PINGS):
         probe.pong.clear()
@@ -73,7 +44,7 @@ def round_trip(node: Node, timeout: float) -> float:
 
 def measure(node: Node, timeout: float) -> float:
     """The node's link rate in bytes per second: min(upload, download) as seen over the control connection."""
-    probe = node.probe = Probe()
+    probe = node.probe = Probe(FRAMES)
     node.conn.send_json(FrameType.CONTROL, {"op": messages.PROBE, "send": FRAMES, "bytes": FRAME_BYTES})
     if not probe.up_done.wait(timeout):
         raise GradwireError(f"{node.role} {node.rank} did not send its probe in {timeout}s")

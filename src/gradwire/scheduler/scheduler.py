@@ -20,7 +20,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from gradwire import tuning
 from gradwire.admin.http import AdminServer, json_handler
@@ -33,8 +32,8 @@ from gradwire.scheduler import probe
 from gradwire.scheduler.adapt import Adaptation
 from gradwire.scheduler.declarations import Declarations
 from gradwire.scheduler.elastic import Membership
+from gradwire.scheduler.node import Node
 from gradwire.scheduler.placing import placement_weights
-from gradwire.scheduler.probe import Probe
 from gradwire.scheduler.status import cluster_status, node_families
 from gradwire.throttle import HandshakeGate
 from gradwire.transport import tcp
@@ -42,38 +41,6 @@ from gradwire.transport import tcp
 log = logging.getLogger("gradwire.scheduler")
 # a worker whose process ended mid-job: how long before the rounds that need it fail (see _bye)
 DEPARTED_GRACE_SECONDS = 2.0
-
-
-@dataclass
-class Node:
-    """A registered node as the scheduler sees it."""
-
-    conn: tcp.Connection
-    role: str
-    requested_rank: int | None
-    host: str
-    port: int
-    slot_bytes: int = 0
-    unix: str = ""
-    host_id: str = ""
-    rank: int = -1
-    standby: bool = False  # an idle server that takes a dead server's place
-    since_epoch: int = 1  # the epoch from which it holds its rank (a promoted standby's is later)
-    said_bye: bool = False
-    final_bye: bool = True  # its bye came at process exit (no init() can follow), not from shutdown()
-    lost: bool = False
-    admin: int = -1  # its admin endpoint's port (-1: none), on admin_host
-    admin_host: str = ""
-    last_seen: float = field(default_factory=time.monotonic)  # of its last heartbeat (the scheduler's clock)
-    heard: float = field(default_factory=time.monotonic)  # of its last message of any kind
-    stats: dict = field(default_factory=dict)  # the counters of its last heartbeat
-    colocated: bool = False  # a server on a worker host (GRADWIRE_COLOCATED)
-    link_rate: float = 0.0  # bytes/s: configured (GRADWIRE_LINK_RATE) or measured (GRADWIRE_PLACEMENT=auto)
-    rtt: float = 0.0  # seconds, to the scheduler (measured with the link rate; 0: not measured)
-    probe: Probe | None = None  # a measurement in progress
-    probe_buffer: bytearray = field(default_factory=bytearray, repr=False)
-    rate: float = 0.0  # bytes per second pushed and pulled, between its last two heartbeats
-    round_rate: float = 0.0  # rounds per second, likewise
 
 
 class Scheduler:

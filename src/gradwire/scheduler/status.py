@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING
 from gradwire.admin.metrics import prom
 
 if TYPE_CHECKING:
-    from gradwire.scheduler.scheduler import Node, Scheduler
+    from gradwire.scheduler.node import Node
+    from gradwire.scheduler.scheduler import Scheduler
 
 
 def node_state(node: Node) -> str:
