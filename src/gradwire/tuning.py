@@ -17,10 +17,10 @@ Why these rules (measured on emulated 25-100 Mbit/s links, docs/netem.md; 2-core
 - Cap on unanswered partitions: only where the dedicated servers' links together are slower than the workers'
   (fan-in is the bottleneck, and TCP shares a server's download unfairly among its pushers, so workers that run ahead
   starve the rounds): n = 4, k = 2, 100 Mbit/s, 16 MiB: 2.85 s with a cap of 4 against 3.16-3.26 s without. Where
-  the servers keep up, pacing (worker/link.py Credit) already keeps workers in step and the cap changed nothing:
+  the servers keep up, pacing (worker/credit.py) already keeps workers in step and the cap changed nothing:
   n = 4, k = 4: 1.44 s with a cap of 4, 1.46 s without; n = 8, k = 8, 50 Mbit/s: 3.08 s with 16, 3.05 s without
   (2026-11-30, docs/benchmarks.md). The cap never holds back a partition that comes earlier in the job-wide order
-  than an unanswered one (worker/link.py), so it cannot stall training whatever order hooks fire in.
+  than an unanswered one (worker/flow.py), so it cannot stall training whatever order hooks fire in.
 """
 
 from __future__ import annotations

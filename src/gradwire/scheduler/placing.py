@@ -27,7 +27,7 @@ def placement_weights(
 
     `efficiency` scales the dedicated servers' rates in the model (GRADWIRE_SERVER_EFFICIENCY, default 1) when the
     exact optimum is a true mix of colocated and dedicated servers; a pure optimum is kept as it is. Since workers
-    pace their links by these weights (worker/link.py Credit), the exact optimum measured fastest (docs/placement.md).
+    pace their links by these weights (worker/credit.py), the exact optimum measured fastest (docs/placement.md).
     """
     if mode == "equal":
         return [1.0] * len(servers), {"mode": mode, "weights": [1.0] * len(servers)}
