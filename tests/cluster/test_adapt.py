@@ -63,7 +63,7 @@ def _train(worker, steps, stop=None, seed=0):
 def _recut_rounds_done(worker, name):
     """Rounds of `name` summed on its latest re-cut's partitions (0 before any re-cut)."""
     tensor = worker._tensors.get(name)
-    chain = worker._chain(tensor) if tensor is not None else []
+    chain = tensor.chain() if tensor is not None else []
     return 0 if len(chain) < 2 else chain[-1].round - chain[-2].successor[0] + 1
 
 
@@ -152,7 +152,7 @@ def test_tensors_in_use_are_re_cut_at_one_round_on_every_worker():
             tensor = w._tensors["fc"]
             assert tensor.successor is not None  # re-cut, at one round on every worker
             assert tensor.successor[0] == c.workers[0]._tensors["fc"].successor[0]
-            assert len(w._chain(tensor)[-1].parts) < len(tensor.parts)
+            assert len(tensor.chain()[-1].parts) < len(tensor.parts)
             assert w.status()["data_path"]["partition_bytes"] == now["partition_bytes"]
             assert w.status()["data_path"]["recuts"][0]["tensors"] == 2  # ... fc and big: conv and bias fit one
             assert w.credit.lead == w.config.pacing * (256 << 10)  # pacing's lead, counted in partitions
@@ -172,7 +172,7 @@ def test_a_re_cut_stays_within_what_every_worker_s_links_carry():
         assert c.scheduler.tuning["partition_bytes"] == 32 << 10
         assert "largest the workers' links carry" in c.scheduler.tuning["reason"]
         for w in c.workers:
-            fc = w._chain(w._tensors["fc"])[-1]
+            fc = w._tensors["fc"].chain()[-1]
             assert len(fc.parts) == -(-SHAPES["fc"][0] * 4 // (32 << 10))  # float32, in 32 KiB partitions
 
 
@@ -192,7 +192,7 @@ def test_a_worker_with_an_explicit_partition_size_vetoes_the_re_cut():
             training.result()
         assert [(h["partition_bytes"], h["recut_tensors"]) for h in history] == [(256 << 10, 0)]
         for w in c.workers:
-            assert w._tensors["fc"].successor is None and not w.recuts
+            assert w._tensors["fc"].successor is None and not w.recut.history
         assert fixed.status()["data_path"]["partition_bytes"] == 16 << 10
 
 

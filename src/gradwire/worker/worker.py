@@ -9,7 +9,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -25,7 +24,6 @@ from gradwire.errors import (
     GradwireTimeout,
     JobAborted,
     MembershipChanged,
-    RemoteProtocolError,
     TensorError,
     TensorMismatch,
     WorkerLost,
@@ -39,36 +37,12 @@ from gradwire.worker.credit import Credit
 from gradwire.worker.handle import Handle
 from gradwire.worker.link import ServerLink
 from gradwire.worker.lost_link import LostLink
+from gradwire.worker.tensors import Recut, Tensor
 from gradwire.worker.work import Saved, Work
 
 log = logging.getLogger("gradwire.worker")
 SHUTDOWN_JOIN_SECONDS = 5.0
 SEED_PRIORITY = 1 << 62  # seeds leave a new link before anything else
-
-
-@dataclass
-class Tensor:
-    """A tensor of the job: its partitions, their keys and servers (once every worker has declared it), and its
-    round counter. Calls may start before the declaration completes: they wait in `waiting` and go out with it."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: dtypes.DType
-    parts: list[partition.Partition] = field(default_factory=list)
-    keys: list[int] = field(default_factory=list)
-    servers: list[int] = field(default_factory=list)
-    round: int = 0
-    in_flight: Handle | None = field(default=None, repr=False)
-    ready: threading.Event = field(default_factory=threading.Event, repr=False)  # declared, or failed
-    error: GradwireError | None = None  # why the declaration failed
-    waiting: list = field(default_factory=list, repr=False)  # fn(error or None), run once it is ready
-    user_name: str = ""
-    signature: tuple = ()
-    stateful: bool = False  # its servers hold state (parameter-server mode): seeded to a new server after a failover
-    # re-cut with another partition size while the job runs (scheduler/adapt.py): from round `successor[0]` on, the
-    # tensor's rounds are those of `successor[1]`, declared as `root~generation` (new keys)
-    successor: tuple[int, Tensor] | None = field(default=None, repr=False)
-    root: str = ""  # the name the calls use (this tensor's, unless it is a re-cut's successor)
 
 
 class Worker:
@@ -122,10 +96,7 @@ class Worker:
         self._clock_skew = 0.0  # the scheduler's wall clock minus this host's (seconds)
         self.hosts: list[str] = []
         # re-cuts (scheduler/adapt.py): the rounds reported for the one in step 1 (calls past them wait for RETUNE)
-        self._hold: dict[str, int] = {}
-        self._hold_generation = 0
-        self._released = threading.Condition(self._lock)
-        self.recuts: list[dict] = []  # each re-cut: generation, tensors, the partition size
+        self.recut = Recut(self._lock)  # re-cuts while the job runs (worker/tensors.py)
         self._use_before: dict[str, float] = {}  # link use counted by credits and links since replaced (elastic reset)
 
     # -- life cycle ------------------------------------------------------------------------------
@@ -239,18 +210,10 @@ class Worker:
         return {k: self._use_before.get(k, 0) + v for k, v in now.items()}
 
     def _recut_rounds(self, body: dict) -> None:
-        """RECUT (step 1 of a re-cut, scheduler/adapt.py): report each tensor's round, and hold calls two rounds
+        """RECUT (step 1 of a re-cut, worker/tensors.py): report each tensor's round, and hold calls two rounds
         past it until RETUNE says where the new partitions begin."""
         with self._lock:
-            rounds = {}
-            for tensor in list(self._tensors.values()):
-                current = self._current(tensor)
-                # not one whose last re-cut is still ahead (its successor's round is not the calls' yet)
-                if tensor.root == tensor.name and current is self._current(tensor, next_round=True):
-                    if _recuttable(current):
-                        rounds[tensor.name] = current.round
-            self._hold = {name: r + messages.RECUT_AHEAD for name, r in rounds.items()}
-            self._hold_generation = int(body["generation"])
+            rounds = self.recut.hold(list(self._tensors.values()), int(body["generation"]))
         reply = {
             "op": messages.RECUT_ROUNDS,
             "generation": body["generation"],
@@ -265,49 +228,19 @@ class Worker:
     def _on_retune(self, body: dict) -> None:
         """RETUNE: new settings (scheduler/adapt.py); `switch`: per tensor, the round from which it is cut anew."""
         self._retune(body["tuning"])
-        generation = int(body.get("generation", 0))
-        successors = []
+        generation, switch = int(body.get("generation", 0)), body.get("switch") or {}
         with self._lock:
-            for name, first in (body.get("switch") or {}).items():
-                tensor = self._tensors.get(name)
-                if tensor is None:
-                    continue
-                last = self._current(tensor)
-                if last.successor is not None or last.round >= int(first):
-                    raise RemoteProtocolError(f"worker {self.rank}: re-cut of {name!r} at round {first} came too late")
-                if len(last.parts) == 1 and last.dtype.itemsize * int(np.prod(last.shape)) <= self._partition_bytes:
-                    continue  # one partition before and after: nothing to re-cut (the same on every worker)
-                new = Tensor(f"{name}~{generation}", last.shape, last.dtype, user_name=last.user_name, root=name)
-                new.signature, new.round = last.signature, int(first) - 1
-                self._tensors[new.name] = new
-                last.successor = (int(first), new)
-                successors.append(new)
-            if generation == self._hold_generation:
-                self._hold = {}
-                self._released.notify_all()
+            who = f"worker {self.rank}"
+            successors = self.recut.cut(self._tensors, switch, generation, self._partition_bytes, who)
         for new in successors:
             self._send_declaration(new, "sum", None, None, None, None)
         if successors:
-            self.recuts.append(
-                {
-                    "generation": generation,
-                    "tensors": len(successors),
-                    "partition_bytes": self._partition_bytes,
-                    "at": time.time(),  # when this worker was told (its new partitions start two rounds later)
-                }
-            )
             log.info(
                 "worker %d re-cuts %d tensors into %d-byte partitions",
                 self.rank,
                 len(successors),
                 self._partition_bytes,
             )
-
-    def _current(self, tensor: Tensor, next_round: bool = False) -> Tensor:
-        """The tensor whose keys carry `tensor`'s rounds now (`next_round`: its next round), following re-cuts."""
-        while tensor.successor is not None and (not next_round or tensor.round + 1 >= tensor.successor[0]):
-            tensor = tensor.successor[1]
-        return tensor
 
     def _connect_all(self, servers: list[dict]) -> None:
         links: list[ServerLink | LostLink] = []
@@ -431,7 +364,7 @@ class Worker:
                 "why": (self.tuning or {}).get("reason", "the defaults and GRADWIRE_* settings"),
                 "derived_again": (self.tuning or {}).get("derived_for"),  # after a failover or an elastic reset
                 "set_explicitly": sorted(self.config.explicit & {"partition_bytes", "window", "unanswered"}),
-                "recuts": self.recuts[-5:],  # tensors cut anew while the job runs (scheduler/adapt.py)
+                "recuts": self.recut.history[-5:],  # tensors cut anew while the job runs (scheduler/adapt.py)
             },
             **self.metrics.snapshot(),
         }
@@ -713,25 +646,15 @@ class Worker:
 
     def _follow(self, tensor: Tensor) -> Tensor:
         """The tensor whose keys take `tensor`'s next round: itself, or its re-cut's successor from the round the
-        scheduler chose (scheduler/adapt.py). Waits while a re-cut's step 1 holds the round, and for the successor's
+        scheduler chose (worker/tensors.py). Waits while a re-cut's step 1 holds the round, and for the successor's
         declaration (neither waits for the data path); a successor the scheduler refused is dropped on every worker
         alike, and the tensor keeps its partitions."""
-        if tensor.successor is None and not self._hold:
+        if tensor.successor is None and not self.recut.holds:
             return tensor
         deadline = time.monotonic() + self.config.timeout
         with self._lock:
-            while True:
-                current = self._current(tensor, next_round=True)
-                hold = self._hold.get(tensor.root)
-                if hold is None or current.round + 1 < hold:
-                    break
-                if not self._released.wait(max(0.0, deadline - time.monotonic())):
-                    raise GradwireTimeout(
-                        f"worker {self.rank}: the scheduler did not say where {tensor.root!r} is cut anew (re-cut "
-                        f"{self._hold_generation}) in {self.config.timeout}s",
-                        tensor=tensor.root,
-                    )
-            previous = [t for t in self._chain(tensor) if t is not current and t.in_flight is not None]
+            current = self.recut.wait_turn(tensor, self.config.timeout, f"worker {self.rank}")
+            previous = [t for t in tensor.chain() if t is not current and t.in_flight is not None]
         if previous:  # what _begin checks, across the re-cut
             raise self._in_flight_error(previous[0])
         if current is not tensor and not current.ready.wait(max(0.0, deadline - time.monotonic())):
@@ -741,19 +664,12 @@ class Worker:
             )
         if current.error is not None:
             with self._lock:
-                for t in self._chain(tensor):
+                for t in tensor.chain():
                     if t.successor is not None and t.successor[1] is current:
                         t.successor = None
             log.warning("worker %d: %r keeps its partitions: %s", self.rank, tensor.root, current.error)
             return self._follow(tensor)
         return current
-
-    @staticmethod
-    def _chain(tensor: Tensor) -> list[Tensor]:
-        chain = [tensor]
-        while chain[-1].successor is not None:
-            chain.append(chain[-1].successor[1])
-        return chain
 
     def _divisor(self, average: bool, members: list[int] | None) -> int:
         """What the sum is divided by: the number of ranks taking part, for an average."""
@@ -1081,8 +997,7 @@ class Worker:
             for tensor in self._tensors.values():
                 tensor.round, tensor.in_flight = 0, None
                 tensor.successor = None  # rounds start afresh, on the tensors' first cut (a joiner knows no other)
-            self._hold = {}
-            self._released.notify_all()
+            self.recut.release()
             self._use_before = self._link_use()
             self._round_floor.clear()
             self._active = 0
@@ -1260,12 +1175,6 @@ class Worker:
             raise self._membership_error
         if self._closed:
             raise ConfigError("this worker has been shut down; call init() again to start a new job")
-
-
-def _recuttable(tensor: Tensor) -> bool:
-    """A tensor that a re-cut may give new partitions: a plain sum (no slices, process set, or server-side state)
-    whose declaration has completed."""
-    return tensor.ready.is_set() and tensor.error is None and tensor.signature[2:] == ("sum", None, None, None, None)
 
 
 def _wake(waiters: list[list]) -> None:
