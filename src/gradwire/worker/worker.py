@@ -372,7 +372,7 @@ class Worker:
     def shutdown(self, final: bool = True, error: str | None = None) -> None:
         """Say bye to the servers and the scheduler, close everything, and join this worker's threads. Idempotent.
 
-        `error`: the process ends because the training script raised this (gradwire.__init__ reads it at exit). In an
+        `error`: the process ends because the training script raised this (gradwire/session.py reads it at exit). In an
         elastic job the scheduler then ends the job naming it rather than re-forming: a replacement would raise it too.
 
         `final=False` (gradwire.shutdown()): this process may init() again. The scheduler connection stays open
@@ -1058,42 +1058,16 @@ class Worker:
         old = self._links[dead]
         with self._failover_lock:
             orphans = old.detach(SHUTDOWN_JOIN_SECONDS)
-            moved = {str(name): [int(s) for s in servers] for name, servers in body["moved"].items()}
             standby = body.get("standby")
-            if standby:
-                try:
-                    self._links[dead] = self._link(dead, standby)
-                except (GradwireError, OSError) as e:
-                    self._fail_all(
-                        JobAborted(f"worker {self.rank} cannot reach standby server {dead}: {e}", rank=self.rank)
-                    )
-                    return
-                self._links[dead].start()
-            with self._lock:
-                owner = dict(self._owner)
-                for name, servers in moved.items():
-                    self._moves[name] = servers
-                    tensor = self._tensors.get(name)
-                    if tensor is not None and tensor.keys:  # (one still being declared takes `_moves` then)
-                        owner.update(zip(tensor.keys, servers, strict=True))
-                        tensor.servers = servers
-                moved_keys = [k for k, s in owner.items() if s == dead or s != self._owner.get(k)]
-                self._owner = owner
+            if standby and not self._replace_link(dead, standby):
+                return
+            moved = {str(name): [int(s) for s in servers] for name, servers in body["moved"].items()}
+            moved_keys = self._move_keys(moved, dead)
             orphans += old.retire(self._resubmit)
             seeded = self._seed_state(moved_keys)
             for work in orphans:
                 self._resubmit(work, 0)
-            pending = {w.key: w.round for w in orphans}
-            saved = self._saved or {}
-            state = {  # [round held, round resent, whether what is held is this worker's contribution]
-                str(k): [
-                    saved[k].round if k in saved else -1,
-                    pending.get(k, -1),
-                    int(k in saved and saved[k].contribution),
-                ]
-                for k in moved_keys
-                if k in saved or k in pending
-            }
+            state = self._failover_state(moved_keys, orphans)
         if self._scheduler is not None:  # even empty: the scheduler waits for every worker's report
             try:
                 self._scheduler.send_json(
@@ -1120,6 +1094,46 @@ class Worker:
             len(orphans),
             record["seconds"] * 1e3,
         )
+
+    def _replace_link(self, dead: int, standby: dict) -> bool:
+        """A link to the standby that took server `dead`'s place; False (and every call failed) if unreachable."""
+        try:
+            self._links[dead] = self._link(dead, standby)
+        except (GradwireError, OSError) as e:
+            self._fail_all(JobAborted(f"worker {self.rank} cannot reach standby server {dead}: {e}", rank=self.rank))
+            return False
+        self._links[dead].start()
+        return True
+
+    def _move_keys(self, moved: dict[str, list[int]], dead: int) -> list[int]:
+        """Record the tensors' new servers (`moved`: name -> a server per partition); the keys whose server changed,
+        or was `dead` (kept by a standby at its index)."""
+        with self._lock:
+            owner = dict(self._owner)
+            for name, servers in moved.items():
+                self._moves[name] = servers
+                tensor = self._tensors.get(name)
+                if tensor is not None and tensor.keys:  # (one still being declared takes `_moves` then)
+                    owner.update(zip(tensor.keys, servers, strict=True))
+                    tensor.servers = servers
+            moved_keys = [k for k, s in owner.items() if s == dead or s != self._owner.get(k)]
+            self._owner = owner
+        return moved_keys
+
+    def _failover_state(self, moved_keys: list[int], orphans: list[Work]) -> dict[str, list[int]]:
+        """Per moved key: [the round of the sum held, the round resent, whether what is held is this worker's
+        contribution] (the scheduler's FAILOVER_STATE: who seeds what, docs/faults.md)."""
+        pending = {w.key: w.round for w in orphans}
+        saved = self._saved or {}
+        return {
+            str(k): [
+                saved[k].round if k in saved else -1,
+                pending.get(k, -1),
+                int(k in saved and saved[k].contribution),
+            ]
+            for k in moved_keys
+            if k in saved or k in pending
+        }
 
     def _seed_state(self, keys: list[int]) -> int:
         """Resend the parameters this worker holds of every moved key whose servers hold state (parameter-server
