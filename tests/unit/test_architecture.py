@@ -22,7 +22,6 @@ KNOWN = {
     # these reach into the scheduler's private fields: a roster for them to depend on instead (part 3)
     "circle gradwire.scheduler.adapt, gradwire.scheduler.elastic, gradwire.scheduler.scheduler, "
     "gradwire.scheduler.status",
-    "circle gradwire.server.engine, gradwire.server.ops, gradwire.server.optim",  # the ops' outbox (part 4)
 }
 
 

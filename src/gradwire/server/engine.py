@@ -50,99 +50,10 @@ from gradwire.protocol import dtypes
 from gradwire.protocol.frames import DEPARTED_EVENT, JOIN_EVENT, REPLAY, SEED
 from gradwire.ring import Ring, RingClosed, Slot
 from gradwire.server import ops
+from gradwire.server.rounds import KeyOp, KeyState
 from gradwire.transport.shm import NO_SLOT
 
 log = logging.getLogger("gradwire.server")
-
-
-class KeyState:
-    """The accumulators and round bookkeeping of one key."""
-
-    __slots__ = (
-        "acc",
-        "count",
-        "dtype",
-        "filled",
-        "length",
-        "lengths",
-        "members",
-        "need",
-        "nexts",
-        "everyone",
-        "first",
-        "held",
-        "landable",
-        "name",
-        "narrow",
-        "op",
-        "out",
-        "pulls",
-        "pushed",
-        "results",
-        "round",
-        "scratch",
-        "seeded",
-        "slices",
-        "stage",
-        "staged",
-        "started",
-        "turn",
-        "virtual",
-    )
-
-    def __init__(
-        self,
-        dtype: dtypes.DType,
-        length: int,
-        num_workers: int,
-        name: str = "?",
-        op: ops.KeyOp = ops.SUM,
-        slices: list[tuple[int, int]] | None = None,
-        members: list[int] | None = None,
-        previous: KeyState | None = None,
-    ) -> None:
-        self.name = name  # the tensor's, for stall reports
-        # the ranks that contribute to its rounds (a process set), in the order their contributions go in
-        self.members = sorted(members) if members is not None else list(range(num_workers))
-        self.need = len(self.members)
-        self.everyone = sum(1 << r for r in self.members)
-        self.first = self.members[0] if self.members else 0
-        self.nexts = [num_workers] * (num_workers + 1)  # the member after each rank, in rank order (past the last)
-        for a, b in zip(self.members, self.members[1:], strict=False):
-            self.nexts[a] = b
-        self.op = op
-        self.slices = slices  # (start byte, bytes) of the result each rank pulls; None: all of it
-        self.filled = [0, 0]  # a gather's elements in, per buffer
-        self.lengths = [[0] * num_workers for _ in range(2)]  # elements of each staged contribution (a gather's vary)
-        self.started = [0.0, 0.0]  # when each buffer's round got its first contribution (the engine's clock)
-        self.dtype = dtype
-        self.length = length = length + op.trailer  # what each push carries
-        n = length // dtype.itemsize
-        self.narrow = dtype.accumulate != dtype.wire
-        self.acc = [np.empty(n, dtype.accumulate) for _ in range(2)]
-        self.out = [np.empty(n, dtype.wire) for _ in range(2)] if self.narrow else self.acc
-        self.scratch = np.empty(n, dtype.accumulate) if dtype.accumulate != dtype.wire else self.acc[0]
-        # what each buffer's round answers: the whole result, or one slice per rank (views made once, here)
-        whole = [memoryview(out).cast("B") for out in self.out]
-        self.results: list = whole if slices is None else [[w[a : a + b] for a, b in slices] for w in whole]
-        self.round = [-1, -1]
-        self.count = [0, 0]
-        self.pushed = [0, 0]  # bitmask of ranks that pushed the round in this buffer
-        self.pulls = [[NO_SLOT] * num_workers for _ in range(2)]  # each worker's shared pull slot, per buffer
-        self.turn = [self.first, self.first]  # deterministic mode: the rank whose contribution is added next
-        self.staged = [0, 0]  # bitmask of ranks whose early contributions wait in `stage`
-        self.stage: list[list[np.ndarray | None]] = [[None] * num_workers for _ in range(2)]  # allocated on need
-        self.seeded = [False, False]  # the round's sum came as a seed (a failover), not from contributions
-        self.virtual = [0, 0]  # ranks not answered: joined ones' zeros stood in, or they replayed (REPLAY)
-        self.held = None  # what the operation keeps per key (server/optim.py)
-        # the first rank's contributions may be received straight into the accumulator (Engine.landing): only once a
-        # round completed from contributions (before, after a failover, a seed may be written there meanwhile)
-        self.landable = False
-        op.setup(self, previous)
-
-    def fits(self, code: int, length: int) -> bool:
-        """A contribution of `length` bytes of dtype `code` may go into this key (a gather's may be shorter)."""
-        return self.dtype.code == code and (length == self.length or self.op.variable and length < self.length)
 
 
 # reply(key, round, dtype code, payload, pull slot per rank, bitmask of ranks) -> None: queue the result for them;
@@ -228,7 +139,7 @@ class Engine:
         dtype: dtypes.DType,
         length: int,
         name: str = "?",
-        op: ops.KeyOp = ops.SUM,
+        op: KeyOp = ops.SUM,
         slices: list[tuple[int, int]] | None = None,
         members: list[int] | None = None,
     ) -> None:
@@ -361,7 +272,7 @@ class Engine:
         if state.seeded[i] and state.count[i] == state.need:
             # a worker the dead server never answered pushes a round whose sum came as a seed: answer it alone
             self.seeded_answers += 1
-            self._answer(state, slot.key, slot.round, slot.dtype, i, bit)
+            self.answer_round(state, slot.key, slot.round, slot.dtype, i, bit)
             return
         if state.pushed[i] & bit:
             raise TensorError(f"worker {slot.sender} pushed round {slot.round} twice")
@@ -480,7 +391,7 @@ class Engine:
                 self._contribute(state, i, rank, zeros, False)
                 state.virtual[i] |= 1 << rank
 
-    def _answer(self, state: KeyState, key: int, rnd: int, code: int, i: int, ranks: int) -> None:
+    def answer_round(self, state: KeyState, key: int, rnd: int, code: int, i: int, ranks: int) -> None:
         """Send the result of round buffer `i` to `ranks`: all of it, or each rank its slice."""
         self._reply(key, rnd, code, state.results[i], state.pulls[i], ranks)
 
@@ -514,7 +425,7 @@ class Engine:
         state.turn[i], state.staged[i], state.seeded[i] = self.num_workers, 0, True
         if waiting:
             self.seeded_answers += bin(waiting).count("1")
-            self._answer(state, slot.key, slot.round, slot.dtype, i, waiting)
+            self.answer_round(state, slot.key, slot.round, slot.dtype, i, waiting)
 
 
 def _ranks(mask: int) -> list[int]:

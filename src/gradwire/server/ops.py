@@ -18,58 +18,11 @@ update of parameter-server mode, server/optim.py, which also keeps per-key state
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
-
 import numpy as np
 
 from gradwire.errors import TensorError
 from gradwire.protocol import dtypes
-
-if TYPE_CHECKING:
-    from gradwire.ring import Slot
-    from gradwire.server.engine import Engine, KeyState
-
-
-class KeyOp:
-    """How a contribution goes into a round. Stateless: one instance serves every key of its kind."""
-
-    name: ClassVar[str]
-    ordered: ClassVar[bool] = False  # contributions must go in in rank order, even when sums need not be
-    variable: ClassVar[bool] = False  # a contribution may be shorter than the key (down to empty)
-    trailer: ClassVar[int] = 0  # bytes each push carries after its data (per-push arguments; part of the key's length)
-    intercepts: ClassVar[bool] = False  # `intercept` sees each push first
-    asynchronous: bool = False  # pushes are not gathered into rounds (no staging: they go through the ring)
-
-    def setup(self, state: KeyState, previous: KeyState | None = None) -> None:
-        """Per-key state, allocated when the key is declared (`previous`: the key's state before an elastic reset)."""
-
-    def add(self, state: KeyState, i: int, dtype: dtypes.DType, wire: np.ndarray, first: bool) -> None:
-        """Put one contribution into round buffer `i` (`first`: the round's first, in the order it is added)."""
-        raise NotImplementedError
-
-    def landing(self, state: KeyState, i: int) -> np.ndarray | None:
-        """Where round buffer `i`'s first contribution (in rank order) may be received directly, so that it is in
-        without `add` (None: `add` puts it in). Deterministic sums only (server/engine.py `landing`)."""
-        return None
-
-    def check(self, state: KeyState, i: int) -> None:
-        """Called when every contribution is in: raise TensorError if they do not make a result."""
-
-    def finish(self, state: KeyState, i: int) -> None:
-        """Called when every contribution is in, before the result of round buffer `i` is sent."""
-        self.check(state, i)
-
-    def seeded(self, state: KeyState, i: int, rnd: int, data: np.ndarray) -> None:
-        """A worker resent the result of round `rnd` it holds (after a failover): it is buffer `i`'s result."""
-        state.out[i][:] = data
-
-    def intercept(self, engine: Engine, state: KeyState, slot: Slot) -> bool:
-        """Handle a push outside the rounds (True), or let the engine run it (False). Only with `intercepts`."""
-        return False
-
-    def answer(self, engine: Engine, state: KeyState, key: int, rnd: int, code: int, i: int, ranks: int) -> None:
-        """Send round buffer `i`'s result to `ranks` (an operation may first replicate what it did)."""
-        engine._answer(state, key, rnd, code, i, ranks)
+from gradwire.server.rounds import KeyOp, KeyState
 
 
 class Reduce(KeyOp):

@@ -29,11 +29,11 @@ import numpy as np
 from gradwire.errors import TensorError
 from gradwire.protocol import dtypes, update
 from gradwire.protocol.frames import REPLICA, SEED
-from gradwire.server import ops, replica
+from gradwire.server import replica
+from gradwire.server.rounds import KeyOp, KeyState, Outbox
 
 if TYPE_CHECKING:
     from gradwire.ring import Slot
-    from gradwire.server.engine import Engine, KeyState
 
 log = logging.getLogger("gradwire.server")
 
@@ -235,7 +235,7 @@ class Held:
         return self.params.nbytes + self.stepper.nbytes
 
 
-class ServerUpdate(ops.KeyOp):
+class ServerUpdate(KeyOp):
     """Gradients in, an optimizer step on the server, parameters out (see the module's docstring)."""
 
     name = "optimizer"
@@ -319,11 +319,11 @@ class ServerUpdate(ops.KeyOp):
                 rnd,
             )
 
-    def answer(self, engine: Engine, state: KeyState, key: int, rnd: int, code: int, i: int, ranks: int) -> None:
+    def answer(self, engine: Outbox, state: KeyState, key: int, rnd: int, code: int, i: int, ranks: int) -> None:
         """Answer a round once its replica has it (if the key has one): what was applied goes there first."""
         held = state.held
         if held.replica is None or engine.forward is None:
-            engine._answer(state, key, rnd, code, i, ranks)
+            engine.answer_round(state, key, rnd, code, i, ranks)
             return
         payload, pulls = state.results[i], list(state.pulls[i])
         parts = [memoryview(state.acc[i][: held.m]).cast("B"), memoryview(held.trailer[i]).cast("B")]
@@ -346,7 +346,7 @@ class ServerUpdate(ops.KeyOp):
         held.replicated += 1
         replica.acknowledge(slot.conn, slot.key, slot.round, slot.pull)
 
-    def intercept(self, engine: Engine, state: KeyState, slot: Slot) -> bool:
+    def intercept(self, engine: Outbox, state: KeyState, slot: Slot) -> bool:
         """Reads and writes (answered to their sender alone), replicated updates, and every push of an asynchronous
         key."""
         held = state.held
@@ -385,7 +385,7 @@ class ServerUpdate(ops.KeyOp):
         return True
 
     def _push_async(
-        self, engine: Engine, state: KeyState, slot: Slot, wire: np.ndarray, kind: int, t: np.ndarray
+        self, engine: Outbox, state: KeyState, slot: Slot, wire: np.ndarray, kind: int, t: np.ndarray
     ) -> None:
         held, w = state.held, slot.sender
         if not state.everyone >> w & 1:
