@@ -18,7 +18,6 @@ SRC = ROOT / "src" / "gradwire"
 ROLES = ("gradwire.scheduler", "gradwire.server", "gradwire.worker")
 SHARED_BY_ROLES = "gradwire.scheduler.client"
 KNOWN = {
-    "role gradwire.scheduler.declarations -> gradwire.server.ops",  # the catalog of per-key operations (part 4)
     # these reach into the scheduler's private fields: a roster for them to depend on instead (part 3)
     "circle gradwire.scheduler.adapt, gradwire.scheduler.elastic, gradwire.scheduler.scheduler, "
     "gradwire.scheduler.status",

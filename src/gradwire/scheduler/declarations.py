@@ -23,8 +23,7 @@ from gradwire import partition
 from gradwire.config import Config
 from gradwire.errors import GradwireError, TensorError
 from gradwire.placement import Placement
-from gradwire.protocol import dtypes, messages, update
-from gradwire.server import ops
+from gradwire.protocol import dtypes, messages, operations, update
 
 log = logging.getLogger("gradwire.scheduler")
 
@@ -158,13 +157,13 @@ class Declarations:
             if not members or members[0] < 0 or members[-1] >= self.num_workers or rank not in members:
                 answer({"error": f"tensor {name!r}: worker {rank} declared it for ranks {members}", "abort": False})
                 return
-        if dtype not in dtypes.BY_NAME or any(d < 0 for d in shape) or len(shape) > 32 or not ops.known(key_op):
+        if dtype not in dtypes.BY_NAME or any(d < 0 for d in shape) or len(shape) > 32 or not operations.known(key_op):
             answer({"error": f"tensor {name!r}: bad declaration {key_op} of {dtype}{shape}", "abort": False})
             return
         op_args = body.get("op_args")
-        if op_args is not None or key_op in ops.BUILT:
+        if op_args is not None or key_op in operations.BUILT:
             try:
-                ops.build(key_op, op_args)
+                operations.check_args(key_op, op_args)
                 op_args = update.encode_args(op_args)
             except (TensorError, ValueError) as e:
                 answer({"error": f"tensor {name!r}: {e}", "abort": False})
@@ -293,7 +292,7 @@ class Declarations:
         elementwise reductions: allgather, broadcast, alltoall, reducescatter, a server-side optimizer); None if it
         can (the engine stands zeros in for joined ranks in the same reductions)."""
         absent = sorted(self.joined & set(self._ranks(signature)))
-        reduction = isinstance(ops.OPS.get(signature.key_op), ops.Reduce) and signature.slices is None
+        reduction = operations.is_reduction(signature.key_op) and signature.slices is None
         if not absent or reduction:
             return None
         return {

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from gradwire.errors import TensorError
-from gradwire.protocol import dtypes
+from gradwire.protocol import dtypes, operations
 from gradwire.server.rounds import KeyOp, KeyState
 
 
@@ -74,43 +74,19 @@ class Gather(KeyOp):
             )
 
 
-OPS: dict[str, KeyOp] = {
-    op.name: op
-    for op in (
-        Reduce("sum", np.add),
-        Reduce("min", np.minimum),
-        Reduce("max", np.maximum),
-        Reduce("product", np.multiply),
-        Gather(),
-    )
-}
+UFUNCS = {"sum": np.add, "min": np.minimum, "max": np.maximum, "product": np.multiply}
+OPS: dict[str, KeyOp] = {name: Reduce(name, UFUNCS[name]) for name in operations.REDUCTIONS} | {"gather": Gather()}
 SUM = OPS["sum"]
 
 
-BUILT = ("optimizer",)  # operations configured by their declaration's arguments
-
-
-def lookup(name: str) -> KeyOp:
-    """The operation called `name`; TensorError naming the known ones otherwise."""
-    try:
-        return OPS[name]
-    except KeyError:
-        raise TensorError(f"unknown per-key operation {name!r}; known: {', '.join(sorted(OPS))}") from None
-
-
-def known(name: str) -> bool:
-    return name in OPS or name in BUILT
-
-
 def build(name: str, args: dict | None) -> KeyOp:
-    """The operation `name` with its declared arguments (only built operations take any); TensorError otherwise."""
+    """The operation `name` (protocol/operations.py) with its declared arguments; TensorError saying what is wrong."""
+    try:
+        checked = operations.check_args(name, args)
+    except ValueError as e:
+        raise TensorError(str(e)) from None
     if name == "optimizer":
         from gradwire.server.optim import ServerUpdate
 
-        try:
-            return ServerUpdate(args or {})
-        except ValueError as e:
-            raise TensorError(f"optimizer: {e}") from None
-    if args:
-        raise TensorError(f"per-key operation {name!r} takes no arguments, got {args}")
-    return lookup(name)
+        return ServerUpdate(checked or {})
+    return OPS[name]
