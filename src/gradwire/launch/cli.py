@@ -70,8 +70,6 @@ def main(argv: list[str] | None = None) -> int:
     if role == "server":
         return run_server(config)
     if role == "launch":
-        from gradwire.launch.launcher import launch_from_args
-
         return launch_from_args(args)
     if role == "plan":
         from gradwire.launch.plan import main as plan_main
@@ -125,3 +123,34 @@ def run_server(config: Config) -> int:
 
 if __name__ == "__main__":
     os._exit(main())
+
+
+def launch_from_args(args: argparse.Namespace) -> int:
+    """`gradwire launch`: check the settings, then run the whole job (launch/launcher.py)."""
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    # fail early on bad settings
+    if args.num_servers < (0 if args.colocate else 1):
+        raise SystemExit("gradwire launch: -s must be at least 1 (0 only with --colocate)")
+    Config.from_env(
+        num_workers=args.num_workers,
+        num_servers=args.num_servers + (args.num_workers if args.colocate else 0),
+        num_standby=args.standby_servers,
+        min_workers=args.min_workers,
+        max_workers=args.max_workers,
+    )
+    from gradwire.launch.launcher import Launcher
+
+    return Launcher(
+        args.num_workers,
+        args.num_servers,
+        command,
+        args.host,
+        args.timeout,
+        standby=args.standby_servers,
+        min_workers=args.min_workers,
+        max_workers=args.max_workers,
+        max_restarts=args.max_restarts,
+        colocate=args.colocate,
+    ).run()

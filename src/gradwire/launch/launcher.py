@@ -11,7 +11,6 @@ them in order; nothing is left behind.
 
 from __future__ import annotations
 
-import argparse
 import os
 import queue
 import secrets
@@ -22,7 +21,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from gradwire.config import Config
 from gradwire.launch.output import consequence, how, make_output, progress_line
 
 GRACE_SECONDS = 5.0
@@ -374,31 +372,3 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)
     except ProcessLookupError:
         pass
-
-
-def launch_from_args(args: argparse.Namespace) -> int:
-    command = list(args.command)
-    if command and command[0] == "--":
-        command = command[1:]
-    # fail early on bad settings
-    if args.num_servers < (0 if args.colocate else 1):
-        raise SystemExit("gradwire launch: -s must be at least 1 (0 only with --colocate)")
-    Config.from_env(
-        num_workers=args.num_workers,
-        num_servers=args.num_servers + (args.num_workers if args.colocate else 0),
-        num_standby=args.standby_servers,
-        min_workers=args.min_workers,
-        max_workers=args.max_workers,
-    )
-    return Launcher(
-        args.num_workers,
-        args.num_servers,
-        command,
-        args.host,
-        args.timeout,
-        standby=args.standby_servers,
-        min_workers=args.min_workers,
-        max_workers=args.max_workers,
-        max_restarts=args.max_restarts,
-        colocate=args.colocate,
-    ).run()
