@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from gradwire.errors import JobAborted, MembershipChanged
+from gradwire.scheduler.status import cluster_status
 from gradwire.testing import LocalCluster
 
 
@@ -125,6 +126,8 @@ def test_a_worker_whose_script_raised_ends_the_elastic_job_naming_the_error():
         with pytest.raises(JobAborted, match=r"worker 0 at .* failed: RuntimeError: a bug \(train.py, line 40"):
             c.run(lambda w: w.push_pull(np.ones(5000, np.float32), "g") if w is not failing else None)
         assert c.scheduler.membership.resets == 0
+        states = {n["rank"]: n["state"] for n in cluster_status(c.scheduler)["nodes"] if n["role"] == "worker"}
+        assert states == {0: "lost", 1: "alive", 2: "alive"}  # what the launcher's progress line counts
 
 
 def test_a_worker_lost_after_another_has_finished_is_a_departure_not_a_reset():
