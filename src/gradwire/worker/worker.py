@@ -33,6 +33,7 @@ from gradwire.protocol import dtypes, messages, update
 from gradwire.protocol.frames import REPLAY, SEED, FrameType, encode_header
 from gradwire.scheduler.client import join
 from gradwire.transport import shm, tcp
+from gradwire.worker.control import Request
 from gradwire.worker.credit import Credit
 from gradwire.worker.handle import Handle
 from gradwire.worker.link import ServerLink
@@ -66,7 +67,7 @@ class Worker:
         self._tensors: dict[str, Tensor] = {}
         self._versions: dict[str, list[tuple[tuple[int, ...], dtypes.DType]]] = {}  # user name -> its signatures
         self._lock = threading.Lock()
-        self._requests: dict[int, list] = {}
+        self._requests: dict[int, Request] = {}  # to the scheduler, by id, until answered (worker/control.py)
         self._ids = itertools.count(1)
         self._partition_bytes = config.partition_bytes
         self._slot_limit = config.partition_bytes  # the servers' slot size (the address book's)
@@ -866,12 +867,12 @@ class Worker:
         self._check_usable()
         with self._lock:
             rounds = {t.name: t.round for t in self._tensors.values()}
-        waiter = self._request_async({"op": messages.JOIN, "rounds": rounds})
-        waiter[0].wait()
-        if waiter[1] is None:  # woken by an abort or a membership change
+        request = self._request_async({"op": messages.JOIN, "rounds": rounds})
+        request.wait()
+        if request.reply is None:  # woken by an abort or a membership change
             self._check_usable()
             raise JobAborted(f"worker {self.rank}: join was cancelled", rank=self.rank)
-        reply = waiter[1]
+        reply = request.reply
         with self._lock:  # rounds the others summed while this worker had joined: the next is after them
             for name, rnd in reply.get("rounds", {}).items():
                 tensor = self._tensors.get(name)
@@ -890,65 +891,68 @@ class Worker:
 
     def _request_async(
         self, body: dict, callback: Callable[[dict | None], None] | None = None, rejoin: bool = False
-    ) -> list:
-        """Send a request without waiting; returns its waiter [event set on reply, the reply, callback]. With a
-        `callback`, `callback(reply)` runs on the control thread when the reply comes, or `callback(None)` if an
-        abort or a membership change cancels it first."""
-        rid = next(self._ids)
-        waiter: list = [threading.Event(), None, callback]
+    ) -> Request:
+        """Send a request without waiting (worker/control.py). With a `callback`, `callback(reply)` runs on the
+        control thread when the reply comes, or `callback(None)` if an abort or a membership change cancels it
+        first."""
+        rid, request = next(self._ids), Request(callback)
         with self._lock:
-            self._requests[rid] = waiter
+            self._requests[rid] = request
             if rejoin:
                 self._rejoin_id = rid
         assert self._scheduler is not None
         self._scheduler.send_json(FrameType.CONTROL, body | {"id": rid})
-        return waiter
+        return request
 
     def _request(self, body: dict, check: bool = True, rejoin: bool = False) -> dict:
         if check:
             self._check_usable()
-        waiter = self._request_async(body, rejoin=rejoin)
-        if not waiter[0].wait(self.config.timeout):
+        request = self._request_async(body, rejoin=rejoin)
+        if not request.wait(self.config.timeout):
             raise GradwireTimeout(
                 f"worker {self.rank}: scheduler did not answer {body['op']} in {self.config.timeout}s"
             )
-        if waiter[1] is None:  # woken by an abort or a membership change, not a reply
+        if request.reply is None:  # woken by an abort or a membership change, not a reply
             self._check_usable()
             raise JobAborted(f"worker {self.rank}: {body['op']} was cancelled", rank=self.rank)
-        return waiter[1]
+        return request.reply
 
     def _control_loop(self) -> None:
+        """The scheduler's messages, one at a time, each to its handler; an ABORT ends the loop."""
         assert self._scheduler is not None
+        handlers: dict[str, Callable[[dict], None]] = {
+            messages.REPLY: self._answered,
+            messages.REPLACE: self._fail_over,
+            messages.SEED: self._send_seeds,
+            messages.RESET: self._membership_changed,
+            messages.MEMBERS: self._members,
+            messages.RECUT: self._recut_rounds,
+            messages.RETUNE: self._on_retune,
+        }
         try:
             while True:
                 _, body = self._scheduler.recv_json(FrameType.CONTROL)
                 op = messages.check(body)
-                if op == messages.REPLY:
-                    with self._lock:
-                        waiter = self._requests.pop(int(body["id"]), None)
-                    if waiter is not None:
-                        waiter[1] = body
-                        waiter[0].set()
-                        if waiter[2] is not None:
-                            waiter[2](body)
-                elif op == messages.ABORT:
+                if op == messages.ABORT:
                     self._fail_all(abort_error(body, rank=self.rank))
                     return
-                elif op == messages.REPLACE:
-                    self._fail_over(body)
-                elif op == messages.SEED:
-                    self._send_seeds(body)
-                elif op == messages.RESET:
-                    self._membership_changed(body)
-                elif op == messages.MEMBERS:
-                    self.joining = int(body["joining"])
-                elif op == messages.RECUT:
-                    self._recut_rounds(body)
-                elif op == messages.RETUNE:
-                    self._on_retune(body)
+                handler = handlers.get(op)
+                if handler is not None:
+                    handler(body)
         except GradwireError as e:
             if not self._closed:
                 self._fail_all(JobAborted(f"worker {self.rank} lost the scheduler: {e}", rank=self.rank))
+
+    def _answered(self, body: dict) -> None:
+        """A REPLY: the request with its id is answered."""
+        with self._lock:
+            request = self._requests.pop(int(body["id"]), None)
+        if request is not None:
+            request.answer(body)
+
+    def _members(self, body: dict) -> None:
+        """MEMBERS: workers wait to join (elastic); the next `state.commit()` re-forms the job with them."""
+        self.joining = int(body["joining"])
 
     # -- elastic mode (docs/faults.md) -------------------------------------------------------------
 
@@ -968,9 +972,10 @@ class Worker:
             if self._membership_error is None:
                 self._membership_error = error
             # not our rejoin request, if one is out: its reply is the new membership
-            waiters = [w for rid, w in self._requests.items() if rid != self._rejoin_id]
-            self._requests = {rid: w for rid, w in self._requests.items() if rid == self._rejoin_id}
-        _wake(waiters)
+            cancelled = [r for rid, r in self._requests.items() if rid != self._rejoin_id]
+            self._requests = {rid: r for rid, r in self._requests.items() if rid == self._rejoin_id}
+        for request in cancelled:
+            request.cancel()
         for link in self._links:
             link.close(error)
 
@@ -1176,9 +1181,10 @@ class Worker:
         self._abort = error
         log.error("%s", error)
         with self._lock:
-            waiters = list(self._requests.values())
+            cancelled = list(self._requests.values())
             self._requests.clear()
-        _wake(waiters)
+        for request in cancelled:
+            request.cancel()
         for link in self._links:
             link.close(error)
 
@@ -1189,14 +1195,6 @@ class Worker:
             raise self._membership_error
         if self._closed:
             raise ConfigError("this worker has been shut down; call init() again to start a new job")
-
-
-def _wake(waiters: list[list]) -> None:
-    """Cancel requests: blocked callers wake to find no reply; asynchronous ones are told None."""
-    for event, _, callback in waiters:
-        event.set()
-        if callback is not None:
-            callback(None)
 
 
 def _bye() -> bytes:
