@@ -62,16 +62,3 @@ def test_a_held_round_waits_for_the_release_and_no_longer_than_the_timeout():
             recut.wait_turn(a, 0.05, "worker 0")
         threading.Timer(0.05, lambda: (lock.acquire(), recut.release(), lock.release())).start()
         assert recut.wait_turn(a, 5.0, "worker 0") is a
-
-
-def test_a_request_is_answered_or_cancelled_once_and_tells_its_callback():
-    from gradwire.worker.control import Request
-
-    told = []
-    answered, cancelled = Request(told.append), Request(told.append)
-    assert not answered.wait(0.01)
-    answered.answer({"op": "reply", "id": 1})
-    cancelled.cancel()
-    assert answered.wait(0) and answered.reply == {"op": "reply", "id": 1}
-    assert cancelled.wait(0) and cancelled.reply is None
-    assert told == [{"op": "reply", "id": 1}, None]

@@ -1,0 +1,14 @@
+"""A worker's requests to the scheduler (worker/control.py)."""
+
+from gradwire.worker.control import Request
+
+
+def test_a_request_is_answered_or_cancelled_once_and_tells_its_callback():
+    told = []
+    answered, cancelled = Request(told.append), Request(told.append)
+    assert not answered.wait(0.01)
+    answered.answer({"op": "reply", "id": 1})
+    cancelled.cancel()
+    assert answered.wait(0) and answered.reply == {"op": "reply", "id": 1}
+    assert cancelled.wait(0) and cancelled.reply is None
+    assert told == [{"op": "reply", "id": 1}, None]
