@@ -284,7 +284,7 @@ class Scheduler:
         rtt = rtts[len(rtts) // 2] if rtts else 0.0
         scale = self.rate_scale  # where the drift check found the links faster or slower than measured at the start
         # the workers of one host share its link: each pushes and pulls its own copy, so each has its share of it
-        sharing = info.get("workers_per_host") or [1] * len(rates["worker_hosts"])
+        sharing = info["workers_per_host"]  # placing.link_sharers
         workers = [r * scale / m for r, m in zip(rates["worker_hosts"], sharing, strict=True) for _ in range(m)]
         derived = tuning.derive(workers, rtt, server_rates=[r * scale for r in dedicated]).as_dict()
         derived["workers_per_host"] = sharing  # the drift check judges the links in the same shares (adapt.py)

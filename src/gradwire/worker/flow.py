@@ -45,7 +45,7 @@ class Flow:
     """One link's queue, its partitions in flight, and the rule for the next push (module docstring).
 
     Events: `push` (queued), `next(now)` (taken to be sent, or None), `on_ack` (the server has a contribution),
-    `on_answer` (its sum is back), `set_limits`. `wake_at(now)`: when `next` may decide otherwise with no other event
+    `on_answer` (its sum is back), `set_limits`. `wake_at()`: when `next` may decide otherwise with no other event
     (the liveness rule), or None. Counters for /status and the drift check: `full_seconds` (work queued, the window
     full), `capped_seconds` (work queued and window room, the cap holding all of it), `capped_sends` (pushes past a
     full cap by the job-wide order), `cap_escapes` (by the liveness rule).
@@ -72,8 +72,8 @@ class Flow:
 
     def next(self, now: float) -> Work | None:
         """The partition that may be pushed now, taken off the queue (and counted in flight unless a seed); None if
-        none may (then wait for an event, or until `wake_at(now)`)."""
-        self._stop_clocks(now)
+        none may (then wait for an event, or until `wake_at()`)."""
+        self._end_full(now)
         if not self.queued:
             self._end_capped(now)
             return None
@@ -95,7 +95,7 @@ class Flow:
             self.pending[work.key] = work
         return work
 
-    def wake_at(self, now: float) -> float | None:
+    def wake_at(self) -> float | None:
         """When `next` would let the liveness rule push, if the cap holds everything now; else None."""
         if self._capped_since is None:
             return None
@@ -165,7 +165,7 @@ class Flow:
         self.in_flight -= 1
         return True
 
-    def _stop_clocks(self, now: float) -> None:
+    def _end_full(self, now: float) -> None:
         """Count the time the window held the queue since the last decision (it may hold it again from now)."""
         if self._full_since is not None:
             self.full_seconds += now - self._full_since

@@ -283,7 +283,7 @@ class ServerLink:
                         LIVENESS_SECONDS,
                     )
                 return work
-            wake = self.flow.wake_at(now)
+            wake = self.flow.wake_at()
             self._cond.wait(None if wake is None else max(0.0, wake - now))
         return None
 

@@ -89,7 +89,7 @@ class Work:
         replayable: bool = False,
     ) -> None:
         self.tensor, self.key, self.round, self.dtype, self.index = tensor, key, rnd, dtype, index
-        self.order: tuple = ()  # the job-wide order of flow control, set when queued (see ServerLink._next)
+        self.order: tuple = ()  # the job-wide order of flow control, set when queued (see Flow.push)
         self.send = memoryview(send).cast("B")
         self.push_bytes = len(self.send)  # what this worker contributes (a gather's part may be short, or empty)
         self.extra: memoryview | None = None  # bytes pushed after the data (`trail`)
