@@ -265,12 +265,12 @@ def test_the_settings_are_derived_for_a_worker_s_share_of_its_host_s_link():
     with LocalCluster(num_workers=4, num_servers=1, link_rate="100mbit", adapt=False) as c:
         assert c.scheduler.tuning["workers_per_host"] == [1]
         assert c.scheduler.tuning["rate_bytes_per_s"] == pytest.approx(100e6 / 8)
-        c.scheduler._servers[0].host_id = "server-host"
+        c.scheduler.roster.servers[0].host_id = "server-host"
         for hosts, share in (([0, 0, 0, 0], 4), ([0, 0, 1, 1], 2)):
-            for node, host in zip(c.scheduler._workers, hosts, strict=True):
+            for node, host in zip(c.scheduler.roster.workers, hosts, strict=True):
                 node.host_id = f"host{host}"
-            with c.scheduler._lock:
-                c.scheduler.retune_locked(f"hosts of {share}")
+            with c.scheduler.roster.lock:
+                c.scheduler.adaptation.retune_locked(f"hosts of {share}")
                 assert c.scheduler.tuning["workers_per_host"] == [share] * (4 // share)
                 assert c.scheduler.tuning["rate_bytes_per_s"] == pytest.approx(100e6 / 8 / share)
                 assert f"shared by {share} workers" in c.scheduler.tuning["reason"]

@@ -11,7 +11,7 @@ import gradwire
 from gradwire import TensorError, TensorMismatch
 from gradwire.protocol import frames
 from gradwire.protocol.frames import FrameType
-from gradwire.scheduler.scheduler import DEPARTED_GRACE_SECONDS
+from gradwire.scheduler.departures import DEPARTED_GRACE_SECONDS
 from gradwire.testing import LocalCluster
 
 DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64]
@@ -261,7 +261,7 @@ def test_a_collective_called_after_another_worker_entered_a_barrier_fails_at_onc
         entered = threading.Thread(target=b.barrier)
         entered.start()
         deadline = time.monotonic() + 5
-        while not c.scheduler._barrier:  # b waits in the barrier
+        while not c.scheduler.roster.barrier:  # b waits in the barrier
             assert time.monotonic() < deadline
             time.sleep(0.01)
         with pytest.raises(TensorError, match=r"'late'.*worker 1 entered a barrier without calling it"):
@@ -331,13 +331,13 @@ def test_overflow_gives_inf_not_an_error(cluster):
 def test_colocated_servers_take_their_hosts_share_and_the_sums_are_right():
     # one host here: the model gives every byte to the colocated servers (nothing need cross a network)
     with LocalCluster(num_workers=3, num_servers=3, colocated=2, partition_bytes=4096) as c:
-        info = c.scheduler.placement_info  # ranks follow arrival: which one is dedicated varies
+        info = c.scheduler.roster.placement_info  # ranks follow arrival: which one is dedicated varies
         dedicated = info["colocated"].index(False)
         assert sorted(info["colocated"]) == [False, True, True]
         assert info["weights"] == [0.0 if r == dedicated else 0.5 for r in range(3)]
         out = c.run(lambda w: w.push_pull(np.arange(30000, dtype=np.float32) * (w.rank + 1), "t"))
         for a in out:
             np.testing.assert_array_equal(a, np.arange(30000, dtype=np.float32) * 6)
-        loads = c.scheduler.declarations.placement.loads
+        loads = c.scheduler.roster.declarations.placement.loads
         colocated = [r for r in range(3) if r != dedicated]
         assert loads[dedicated] == 0 and abs(loads[colocated[0]] - loads[colocated[1]]) <= 4096

@@ -125,9 +125,9 @@ def test_a_scheduler_that_restarts_during_the_rendezvous_is_joined_again():
     t = threading.Thread(target=worker)
     t.start()
     deadline = time.monotonic() + 10
-    while not first._nodes and time.monotonic() < deadline:  # registered, waiting for the server
+    while not first.roster.nodes and time.monotonic() < deadline:  # registered, waiting for the server
         time.sleep(0.01)
-    assert first._nodes
+    assert first.roster.nodes
     first.stop()  # the scheduler goes away mid-rendezvous ...
     second = Scheduler(_with(base, role="scheduler")).start()  # ... and comes back at its address
     server = Server(_with(base, role="server")).start()

@@ -39,7 +39,7 @@ def test_a_silent_node_is_declared_lost_after_the_heartbeat_timeout():
             if c.scheduler.abort_reason:
                 break
         assert "lost worker 1" in c.scheduler.abort_reason and "silent for 3" in c.scheduler.abort_reason
-        assert [(n.role, n.rank) for n in c.scheduler._nodes if n.lost] == [("worker", 1)]
+        assert [(n.role, n.rank) for n in c.scheduler.roster.nodes if n.lost] == [("worker", 1)]
         with pytest.raises(WorkerLost, match=r"worker 1 .*silent") as e:
             c.workers[0].push_pull(np.ones(3, np.float32), "g")
         assert e.value.lost_rank == 1

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from gradwire.errors import JobAborted, MembershipChanged
-from gradwire.scheduler.status import cluster_status
 from gradwire.testing import LocalCluster
 
 
@@ -74,10 +73,10 @@ def test_the_data_path_settings_are_re_derived_when_the_job_re_forms():
     than the workers' (fan-in), so a cap on unanswered partitions. With one worker gone they keep up: the reset
     re-derives the settings without the cap, and the survivors' new links take them."""
     with LocalCluster(num_workers=3, num_servers=2, min_workers=2, max_workers=3, link_rate="100mbit") as c:
-        for i, node in enumerate(c.scheduler._workers):  # here they share one host
+        for i, node in enumerate(c.scheduler.roster.workers):  # here they share one host
             node.host_id = f"host{i}"
-        with c.scheduler._lock:
-            c.scheduler.retune_locked("three hosts")
+        with c.scheduler.roster.lock:
+            c.scheduler.adaptation.retune_locked("three hosts")
         assert c.scheduler.tuning["unanswered"] == 4
         c.kill_worker(1)
         c.run(lambda w: _sum_until_reset(w, 1.0))
@@ -93,10 +92,10 @@ def test_a_joiner_keeps_the_measured_placement(new_host, caplog):
     its host's measured one or, on a host never measured, a probe of its own while it waits for its address book.
     Without one, the scheduler placed as if every link were equal ("some nodes gave GRADWIRE_LINK_RATE...")."""
     with LocalCluster(num_workers=2, num_servers=1, min_workers=1, max_workers=3, placement="auto") as c:
-        rates = [w.link_rate for w in c.scheduler._workers]
+        rates = [w.link_rate for w in c.scheduler.roster.workers]
         assert all(r > 0 for r in rates)
         if new_host:  # the workers of the start as if on other hosts: the joiner's is new
-            for i, node in enumerate(c.scheduler._workers):
+            for i, node in enumerate(c.scheduler.roster.workers):
                 node.host_id = f"elsewhere{i}"
         joiner = c.add_worker()
         deadline = time.monotonic() + 10
@@ -108,7 +107,7 @@ def test_a_joiner_keeps_the_measured_placement(new_host, caplog):
             list(pool.map(lambda w: w.reset(), list(c.workers)))
         joiner.join(10)
         assert sorted(w.rank for w in c.workers) == [0, 1, 2]
-        newcomer = c.scheduler._workers[2]
+        newcomer = c.scheduler.roster.workers[2]
         assert newcomer.link_rate > 0 and (newcomer.rtt > 0) == new_host
         if not new_host:
             assert newcomer.link_rate == rates[0]  # the host's rate, measured at the start
@@ -126,7 +125,7 @@ def test_a_worker_whose_script_raised_ends_the_elastic_job_naming_the_error():
         with pytest.raises(JobAborted, match=r"worker 0 at .* failed: RuntimeError: a bug \(train.py, line 40"):
             c.run(lambda w: w.push_pull(np.ones(5000, np.float32), "g") if w is not failing else None)
         assert c.scheduler.membership.resets == 0
-        states = {n["rank"]: n["state"] for n in cluster_status(c.scheduler)["nodes"] if n["role"] == "worker"}
+        states = {n["rank"]: n["state"] for n in c.scheduler.status()["nodes"] if n["role"] == "worker"}
         assert states == {0: "lost", 1: "alive", 2: "alive"}  # what the launcher's progress line counts
 
 
@@ -139,7 +138,7 @@ def test_a_worker_lost_after_another_has_finished_is_a_departure_not_a_reset():
         c.kill_worker(1)
         last = c.workers[-1]
         deadline = time.monotonic() + 10
-        while not c.scheduler._workers[1].said_bye and time.monotonic() < deadline:
+        while not c.scheduler.roster.workers[1].said_bye and time.monotonic() < deadline:
             time.sleep(0.01)
         assert c.scheduler.membership.resets == 0 and not c.scheduler.membership.resetting
         assert last._membership_error is None

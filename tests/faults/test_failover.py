@@ -15,7 +15,6 @@ import pytest
 
 from gradwire.errors import JobAborted
 from gradwire.protocol import dtypes
-from gradwire.scheduler.status import cluster_status
 from gradwire.testing import FakeClock, LocalCluster
 
 STEPS = 12
@@ -85,7 +84,7 @@ def test_a_server_killed_mid_training_changes_no_bit_of_any_sum(standby):
         (record,) = c.scheduler.failovers
         assert record["server"] == 1 and record["to"] == ("standby" if standby else "survivors")
         assert c.scheduler.epoch == 2
-        status = cluster_status(c.scheduler)  # /status: healthy again, and the failover on record
+        status = c.scheduler.status()  # /status: healthy again, and the failover on record
         assert status["healthy"] and [f["server"] for f in status["failovers"]] == [1]
         for worker in c.workers:
             assert [f["server"] for f in worker.failovers] == [1]
@@ -371,7 +370,7 @@ def test_the_data_path_settings_are_re_derived_after_a_failover():
     partitions. Once one server is gone, the servers' links together are slower than the workers' (fan-in): the
     scheduler re-derives the settings, and every worker's links take the cap (gradwire/tuning.py)."""
     with LocalCluster(num_workers=2, num_servers=2, link_rate="100mbit") as c:
-        for i, node in enumerate(c.scheduler._workers):  # as if each worker had its own host (here they share one)
+        for i, node in enumerate(c.scheduler.roster.workers):  # as if each worker had its own host (they share one)
             node.host_id = f"host{i}"
         c.run(lambda w: w.push_pull(np.ones(3000, np.float32), "g"))
         assert all(w.tuning["unanswered"] == 0 for w in c.workers)

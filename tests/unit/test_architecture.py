@@ -17,11 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src" / "gradwire"
 ROLES = ("gradwire.scheduler", "gradwire.server", "gradwire.worker")
 SHARED_BY_ROLES = "gradwire.scheduler.client"
-KNOWN = {
-    # these reach into the scheduler's private fields: a roster for them to depend on instead (part 3)
-    "circle gradwire.scheduler.adapt, gradwire.scheduler.elastic, gradwire.scheduler.scheduler, "
-    "gradwire.scheduler.status",
-}
+KNOWN: set[str] = set()
 
 
 def layers() -> list[tuple[str, list[str]]]:

@@ -125,7 +125,7 @@ def test_an_early_contribution_in_shared_memory_is_copied_and_acknowledged_at_on
 
 
 def test_the_scheduler_asks_one_holder_to_seed_each_round_a_worker_still_waits_for():
-    from gradwire.scheduler.scheduler import seeds_needed
+    from gradwire.scheduler.failover import seeds_needed
 
     # key 7: worker 2 resends round 5, workers 0 and 1 hold its sum (and resend round 6): one seed, from worker 0.
     # key 8: everyone resends round 3, nobody has its sum: nothing to seed. key 9: everyone has round 4: nothing.

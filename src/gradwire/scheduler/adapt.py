@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING
 
 from gradwire import tuning
 from gradwire.protocol import messages
-from gradwire.scheduler.placing import host_of
+from gradwire.scheduler.placing import host_of, placement_weights
 
 if TYPE_CHECKING:
     from gradwire.scheduler.node import Node
-    from gradwire.scheduler.scheduler import Scheduler
+    from gradwire.scheduler.roster import Roster
 
 log = logging.getLogger("gradwire.scheduler")
 COUNTERS = ("link_busy_seconds", "link_bytes", "window_full_seconds")  # in a worker's heartbeat (worker.status)
@@ -35,11 +35,11 @@ RECUT_AHEAD = messages.RECUT_AHEAD  # rounds past the latest a worker reported: 
 
 
 class Adaptation:
-    """The scheduler's drift check and re-cuts; every method is called with the scheduler's lock held."""
+    """The scheduler's drift check, re-derivations and re-cuts; every method is called with the roster's lock held."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.s = scheduler
-        self.drift = tuning.Drift(scheduler.config.heartbeat_interval)
+    def __init__(self, roster: Roster) -> None:
+        self.roster = roster
+        self.drift = tuning.Drift(roster.config.heartbeat_interval)
         self.generation = 0
         self.pending: dict | None = None  # a re-cut in step 1: generation, tuning, why, answers {rank: (rounds, fixed)}
         self.seen: dict[tuple[str, int, str], tuple[float, ...]] = {}  # a node's counters at the last interval
@@ -49,23 +49,23 @@ class Adaptation:
         """One interval: take every worker's counters, and act on the drift check's verdict."""
         samples = self._samples()
         if self.pending is not None:
-            if now - self.pending["started"] > self.s.config.timeout:
+            if now - self.pending["started"] > self.roster.config.timeout:
                 self.cancel("not every worker answered in time")
             else:
                 self._maybe_finish()
             return
-        if self.s.tuning is None or self.s._joins or self.s._ending:
+        if self.roster.tuning is None or self.roster.joins or self.roster.ending:
             return
-        rate = self.drift.observe(now, samples, self.s.tuning, self._host_busy())
+        rate = self.drift.observe(now, samples, self.roster.tuning, self._host_busy())
         if rate is not None:
             self._rederive(rate, now)
 
     def _samples(self) -> list[tuning.Sample]:
         """One sample per worker host: its workers share its link, so the link's rate is judged per host
         (tuning.Sample.of_host), in the per-worker share the settings were derived for."""
-        shared = max((self.s.tuning or {}).get("workers_per_host") or [1]) > 1  # placing.link_sharers
+        shared = max((self.roster.tuning or {}).get("workers_per_host") or [1]) > 1  # placing.link_sharers
         hosts: dict[str, list[tuning.Sample]] = {}
-        for worker in self.s._live_workers():
+        for worker in self.roster.live_workers():
             delta = self._delta(worker, COUNTERS)
             if delta is not None:
                 busy, moved, full = delta
@@ -78,7 +78,7 @@ class Adaptation:
         worker's, whichever is more (a server short of CPU holds every worker's pushes; one busy worker host, such as
         one loading data, does not). None where no node reports it."""
         shares: dict[str, list[float]] = {"worker": [], "server": []}
-        for node in [*self.s._live_workers(), *(s for s in self.s._servers if not s.lost)]:
+        for node in [*self.roster.live_workers(), *self.roster.live_servers()]:
             delta = self._delta(node, CPU)
             if delta is not None and delta[1] > 0:
                 shares[node.role].append(delta[0] / delta[1])
@@ -100,25 +100,25 @@ class Adaptation:
         return tuple(a - b for a, b in zip(now, before, strict=True))
 
     def _rederive(self, rate: float, now: float) -> None:
-        model = float(self.s.tuning["rate_bytes_per_s"])
-        self.s.rate_scale *= rate / model
+        model = float(self.roster.tuning["rate_bytes_per_s"])
+        self.roster.rate_scale *= rate / model
         why = (
             f"the links moved {rate * 8 / 1e6:.0f} Mbit/s per worker, the settings were for {model * 8 / 1e6:.0f} "
             f"(measured over {tuning.DRIFT_SAMPLES} intervals)"
         )
-        new = self.s.derived_tuning_locked()
+        new = for_job_now(self.roster)
         if new is None:
             return
         keys = ("partition_bytes", "window", "unanswered")
         record = {"at": time.time(), "why": why, "recut_tensors": 0} | {k: new[k] for k in keys}
         self.history.append(record)
         log.info("data path re-derived (%s): %s", why, new["reason"])
-        if new["partition_bytes"] == self.s.tuning["partition_bytes"]:
+        if new["partition_bytes"] == self.roster.tuning["partition_bytes"]:
             self._apply(new | {"derived_for": why}, {}, 0)
             return
         self.generation += 1
         self.pending = {"generation": self.generation, "tuning": new, "why": why, "answers": {}, "started": now}
-        self.s._tell(self.s._live_workers(), {"op": messages.RECUT, "generation": self.generation})
+        self.roster.tell(self.roster.live_workers(), {"op": messages.RECUT, "generation": self.generation})
 
     def answered(self, node: Node, body: dict) -> None:
         """A worker's RECUT_ROUNDS."""
@@ -131,7 +131,7 @@ class Adaptation:
     def _maybe_finish(self) -> None:
         assert self.pending is not None
         answers = self.pending["answers"]
-        live = [w.rank for w in self.s._live_workers()]
+        live = [w.rank for w in self.roster.live_workers()]
         if not all(rank in answers for rank in live):
             return
         pending, self.pending = self.pending, None
@@ -144,16 +144,16 @@ class Adaptation:
         switch: dict[str, int] = {}
         if fixed:
             log.warning("tensors not re-cut: worker %s set GRADWIRE_PARTITION_BYTES", ", ".join(map(str, fixed)))
-        elif settings["partition_bytes"] != self.s.tuning["partition_bytes"]:
+        elif settings["partition_bytes"] != self.roster.tuning["partition_bytes"]:
             names = set.intersection(*(set(answers[rank][0]) for rank in live)) if live else set()
             switch = {name: max(answers[rank][0][name] for rank in live) + RECUT_AHEAD for name in sorted(names)}
         self.history[-1] |= {"recut_tensors": len(switch), "partition_bytes": settings["partition_bytes"]}
         self._apply(settings, switch, pending["generation"])
 
     def _apply(self, settings: dict, switch: dict[str, int], generation: int) -> None:
-        self.s.tuning = settings
+        self.roster.tuning = settings
         body = {"op": messages.RETUNE, "tuning": settings, "switch": switch, "generation": generation}
-        self.s._tell(self.s._live_workers(), body)
+        self.roster.tell(self.roster.live_workers(), body)
 
     def cancel(self, why: str) -> None:
         """Give up the re-cut in step 1 (a failover, an elastic reset, a worker that does not answer): the workers'
@@ -162,13 +162,56 @@ class Adaptation:
             return
         log.warning("re-cut %d given up: %s", self.pending["generation"], why)
         generation, self.pending = self.pending["generation"], None
-        body = {"op": messages.RETUNE, "tuning": self.s.tuning, "switch": {}, "generation": generation}
-        self.s._tell(self.s._live_workers(), body)
+        body = {"op": messages.RETUNE, "tuning": self.roster.tuning, "switch": {}, "generation": generation}
+        self.roster.tell(self.roster.live_workers(), body)
+
+    def retune_locked(self, why: str) -> dict | None:
+        """Re-derive the settings for the job as it is now (after a failover or an elastic reset: other workers,
+        fewer servers), from the rates measured at the start. Kept as they are where a node's rate is unknown (a
+        standby or a joining worker on a host never measured). Returns the settings in force."""
+        self.cancel(why)  # a re-cut in progress: the job it was for has changed
+        new = for_job_now(self.roster)
+        if new is not None and self.roster.tuning is not None:
+            keys = ("partition_bytes", "window", "unanswered")
+            if any(new[k] != self.roster.tuning[k] for k in keys):
+                log.info("data path re-derived (%s): %s", why, new["reason"])
+            self.roster.tuning = new | {"derived_for": why}
+        return self.roster.tuning
 
     def status(self) -> dict:
         """For /status and `gradwire top`."""
         return {
             "last_interval": {k: round(v, 3) if isinstance(v, float) else v for k, v in self.drift.last.items()},
             "rederived": self.history[-5:],
-            "next_possible_in_seconds": round(max(0.0, self.drift.not_before - self.s.clock()), 1),
+            "next_possible_in_seconds": round(max(0.0, self.drift.not_before - self.roster.clock()), 1),
         }
+
+
+def derive(roster: Roster, info: dict) -> dict | None:
+    """The data path's settings (gradwire/tuning.py) for the links described by `info` (placement_weights'): the
+    worker hosts' and dedicated servers' rates, and the median round trip. None when rates are unknown."""
+    rates = info.get("rates_bytes_per_s") or {}
+    if not rates:
+        return None
+    dedicated = [r for r, c in zip(rates.get("servers") or [], info.get("colocated") or [], strict=False) if not c]
+    # a worker-server round trip is about the mean of the two nodes' round trips to the scheduler (a star)
+    rtts = sorted(n.rtt for n in roster.workers + roster.servers if n.rtt > 0)
+    rtt = rtts[len(rtts) // 2] if rtts else 0.0
+    scale = roster.rate_scale  # where the drift check found the links faster or slower than measured at the start
+    # the workers of one host share its link: each pushes and pulls its own copy, so each has its share of it
+    sharing = info["workers_per_host"]  # placing.link_sharers
+    workers = [r * scale / m for r, m in zip(rates["worker_hosts"], sharing, strict=True) for _ in range(m)]
+    derived = tuning.derive(workers, rtt, server_rates=[r * scale for r in dedicated]).as_dict()
+    derived["workers_per_host"] = sharing  # the drift check judges the links in the same shares
+    if max(sharing, default=1) > 1:
+        most = max(sharing)
+        derived["reason"] += f" (a host's link shared by {'up to ' if min(sharing) < most else ''}{most} workers)"
+    return derived
+
+
+def for_job_now(roster: Roster) -> dict | None:
+    """The settings for the job as it is now: its live servers, the rates measured at the start (times the drift
+    check's scale). None where a rate is unknown."""
+    config = roster.config
+    _, info = placement_weights(config.placement, roster.workers, roster.live_servers(), config.server_efficiency)
+    return derive(roster, info)

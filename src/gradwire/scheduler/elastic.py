@@ -27,48 +27,47 @@ from gradwire.scheduler import probe
 from gradwire.scheduler.placing import host_of
 
 if TYPE_CHECKING:
+    from gradwire.scheduler.adapt import Adaptation
     from gradwire.scheduler.node import Node
-    from gradwire.scheduler.scheduler import Scheduler
+    from gradwire.scheduler.roster import Roster
 
 log = logging.getLogger("gradwire.scheduler")
 
 
 class Membership:
-    """The elastic part of a scheduler; every method is called with the scheduler's lock held unless it says not."""
+    """The elastic part of a scheduler; every method is called with the roster's lock held unless it says not. The
+    workers waiting to join are the roster's `joiners`."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.s = scheduler
-        self.joiners: list[Node] = []
+    def __init__(self, roster: Roster, adaptation: Adaptation) -> None:
+        self.roster = roster
+        self.adaptation = adaptation
         self.resetting = False
         self.rejoined: dict[int, tuple[Node, int]] = {}  # id(node) -> (node, request id)
         self.resets = 0
         self.history: list[dict] = []  # one record per completed reset: epoch, workers, reason
 
-    def live(self) -> list[Node]:
-        return self.s._live_workers()
-
     def join(self, node: Node) -> None:
         """A worker registered after the rendezvous: hold it until the next reset."""
-        limit = self.s.config.worker_limit
-        if len(self.live()) + len(self.joiners) >= limit:
+        limit = self.roster.config.worker_limit
+        if len(self.roster.live_workers()) + len(self.roster.joiners) >= limit:
             raise GradwireError(f"the job has {limit} workers already (GRADWIRE_MAX_WORKERS)")
-        self.joiners.append(node)
-        log.info("worker from %s waits to join (%d joining)", node.host, len(self.joiners))
+        self.roster.joiners.append(node)
+        log.info("worker from %s waits to join (%d joining)", node.host, len(self.roster.joiners))
         if self.resetting:
             return  # it joins this reset
-        self._tell(self.live(), {"op": messages.MEMBERS, "joining": len(self.joiners)})
+        self.roster.tell(self.roster.live_workers(), {"op": messages.MEMBERS, "joining": len(self.roster.joiners)})
 
     def left(self, node: Node, why: str) -> None:
         """A member worker (or a joiner) is gone."""
         node.lost = True
-        if node in self.joiners:
-            self.joiners.remove(node)
+        if node in self.roster.joiners:
+            self.roster.joiners.remove(node)
             return
-        live = self.live()
-        if len(live) < self.s.config.min_workers:
-            self.s._abort_locked(
+        live = self.roster.live_workers()
+        if len(live) < self.roster.config.min_workers:
+            self.roster.abort_locked(
                 f"lost worker {node.rank} at {node.host}: {why}; {len(live)} left, fewer than "
-                f"GRADWIRE_MIN_WORKERS={self.s.config.min_workers}",
+                f"GRADWIRE_MIN_WORKERS={self.roster.config.min_workers}",
                 lost=("worker", node.rank),
             )
             return
@@ -85,48 +84,48 @@ class Membership:
         self._maybe_complete()
 
     def _begin(self, reason: str, lost_rank: int | None) -> None:
-        self.s._barrier = []  # waiters are woken by the reset itself
+        self.roster.barrier = []  # waiters are woken by the reset itself
         if not self.resetting:
             self.resetting = True
-            self.s.epoch += 1
-        body = {"op": messages.RESET, "epoch": self.s.epoch, "message": reason, "lost_rank": lost_rank}
-        self._tell([w for w in self.live() if id(w) not in self.rejoined], body)
+            self.roster.epoch += 1
+        body = {"op": messages.RESET, "epoch": self.roster.epoch, "message": reason, "lost_rank": lost_rank}
+        self.roster.tell([w for w in self.roster.live_workers() if id(w) not in self.rejoined], body)
 
     def _maybe_complete(self) -> None:
-        live = self.live()
+        live = self.roster.live_workers()
         if not self.resetting or any(id(w) not in self.rejoined for w in live):
             return
-        members = sorted(live, key=lambda w: w.rank) + self.joiners
+        members = sorted(live, key=lambda w: w.rank) + self.roster.joiners
         replies = {id(node): rid for node, rid in self.rejoined.values()}
-        self.joiners, self.rejoined = [], {}
+        self.roster.joiners, self.rejoined = [], {}
         for rank, worker in enumerate(members):
             worker.rank = rank
             worker.conn.peer_rank = rank
-        self.s._workers = members
-        epoch = self.s.epoch
+        self.roster.workers = members
+        epoch = self.roster.epoch
         threading.Thread(
             target=self._complete, args=(members, replies, epoch), name="gw-sched-reset", daemon=True
         ).start()
 
     def _complete(self, members: list[Node], replies: dict[int, int], epoch: int) -> None:
         """Without the lock: reset the servers, then give every member its place."""
-        declarations = self.s.declarations
+        declarations = self.roster.declarations
         assert declarations is not None
         declarations.cancel(f"the job's workers changed (epoch {epoch})")  # the workers cancelled theirs already
         declarations.num_workers = len(members)
         declarations.joined, declarations.departed = set(), {}  # ranks are numbered afresh
-        with self.s._lock:
-            self.s._joins = {}  # a join in progress is cancelled with the workers' other requests
+        with self.roster.lock:
+            self.roster.joins = {}  # a join in progress is cancelled with the workers' other requests
         self._measure_joiners(members)
-        for server in [s for s in self.s._servers if not s.lost]:
+        for server in self.roster.live_servers():
             body = {"op": messages.RESET, "epoch": epoch, "num_workers": len(members)}
             if not declarations.call(server.rank, body):
-                with self.s._lock:
-                    self.s._abort_locked(f"server {server.rank} did not reset for epoch {epoch}")
+                with self.roster.lock:
+                    self.roster.abort_locked(f"server {server.rank} did not reset for epoch {epoch}")
                 return
-        with self.s._lock:
-            self.s.retune_locked(f"the job re-formed with {len(members)} workers")
-        book = self.s._address_book()
+        with self.roster.lock:
+            self.adaptation.retune_locked(f"the job re-formed with {len(members)} workers")
+        book = self.roster.address_book()
         for worker in members:
             body = book | {"rank": worker.rank, "epoch": epoch, "num_workers": len(members)}
             if id(worker) in replies:
@@ -137,15 +136,15 @@ class Membership:
                 worker.conn.send_json(FrameType.CONTROL, body)
             except GradwireError:
                 pass  # its loss starts the next reset
-        with self.s._lock:
+        with self.roster.lock:
             self.resetting = False
             self.resets += 1
             self.history.append({"epoch": epoch, "workers": len(members)})
-            joining = len(self.joiners)
-            live = self.live()
+            joining = len(self.roster.joiners)
+            live = self.roster.live_workers()
         log.info("job re-formed in epoch %d with %d workers", epoch, len(members))
         if joining:  # arrived during the reset: they join the next one
-            self._tell(live, {"op": messages.MEMBERS, "joining": joining})
+            self.roster.tell(live, {"op": messages.MEMBERS, "joining": joining})
 
     def _measure_joiners(self, members: list[Node]) -> None:
         """Joiners get a link rate as the workers of the start did (without the lock): the rate of a host measured
@@ -156,17 +155,14 @@ class Membership:
         if not joiners or not rated:
             return
         known = {host_of(w): w.link_rate for w in rated}
-        if self.s.config.placement != "auto":
+        if self.roster.config.placement != "auto":
             for joiner in joiners:
                 joiner.link_rate = known.get(host_of(joiner), 0.0)
             return
         try:
-            measured = probe.measure_links(joiners, self.s.config.timeout, known)
+            measured = probe.measure_links(joiners, self.roster.config.timeout, known)
         except GradwireError as e:  # the joiner is gone or silent: its loss starts the next reset
             log.warning("could not measure a joining worker's link: %s", e)
             return
         if measured:
             log.info("measured the links of joining workers' hosts: %s", measured)
-
-    def _tell(self, workers: list[Node], body: dict) -> None:
-        self.s._tell(workers, body)

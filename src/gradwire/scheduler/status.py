@@ -7,8 +7,10 @@ from typing import TYPE_CHECKING
 from gradwire.admin.metrics import prom
 
 if TYPE_CHECKING:
+    from gradwire.scheduler.adapt import Adaptation
+    from gradwire.scheduler.elastic import Membership
     from gradwire.scheduler.node import Node
-    from gradwire.scheduler.scheduler import Scheduler
+    from gradwire.scheduler.roster import Roster
 
 
 def node_state(node: Node) -> str:
@@ -35,11 +37,13 @@ def describe(node: Node, now: float) -> dict:
     }
 
 
-def cluster_status(s: Scheduler) -> dict:
+def cluster_status(
+    s: Roster, adaptation: Adaptation, membership: Membership | None, failovers: list[dict], refusals: int
+) -> dict:
     """The whole job: nodes with roles, addresses and admin ports, epoch, health, per-server load and throughput."""
     now = s.clock()
-    with s._lock:
-        nodes = sorted(s._nodes, key=lambda n: (n.role, n.rank))
+    with s.lock:
+        nodes = sorted(s.nodes, key=lambda n: (n.role, n.rank))
         decls = s.declarations
         loads = list(decls.placement.loads) if decls else []
         servers = [
@@ -49,11 +53,9 @@ def cluster_status(s: Scheduler) -> dict:
                 "throughput_bytes_per_s": round(n.rate, 1),
                 "state": node_state(n),
             }
-            for n in s._servers
+            for n in s.servers
         ]
-        phase = (
-            "aborted" if s.abort_reason else "done" if s._done.is_set() else "running" if s._workers else "rendezvous"
-        )
+        phase = "aborted" if s.abort_reason else "done" if s.done.is_set() else "running" if s.workers else "rendezvous"
         return {
             "phase": phase,
             "epoch": s.epoch,
@@ -64,30 +66,29 @@ def cluster_status(s: Scheduler) -> dict:
                 "standby": s.config.num_standby,
             },
             # the current members (a failed-over server or a worker an elastic job re-formed without is history)
-            "healthy": not s.abort_reason
-            and all(node_state(n) != "lost" for n in s._workers + [x for x in s._servers if not x.lost]),
-            "failovers": list(s.failovers),
+            "healthy": not s.abort_reason and all(node_state(n) != "lost" for n in s.workers + s.live_servers()),
+            "failovers": list(failovers),
             "placement": s.placement_info,
             "data_path": s.tuning,  # the settings derived from the measured links, and why (tuning.py)
             # the drift check: the rate measured last interval against the settings', and the re-derivations so far
-            "adaptation": s.adaptation.status() if s.config.adapt else None,
+            "adaptation": adaptation.status() if s.config.adapt else None,
             "elastic": None
-            if s.membership is None
+            if membership is None
             else {
                 "min_workers": s.config.min_workers,
                 "max_workers": s.config.worker_limit,
-                "joining": len(s.membership.joiners),
-                "resets": list(s.membership.history),
+                "joining": len(s.joiners),
+                "resets": list(membership.history),
             },
             "nodes": [describe(n, now) for n in nodes],
             "servers": servers,
             "tensors": len(decls.tensors) if decls else 0,
             "declared_bytes": decls.declared_bytes if decls else 0,
-            "refused_connections": s.refusals.count,
+            "refused_connections": refusals,
         }
 
 
-def node_families(s: Scheduler) -> list:
+def node_families(s: Roster) -> list:
     """gradwire_nodes{role,state} and gradwire_heartbeat_age_seconds{role,rank}, computed when scraped."""
     if prom is None:
         return []
@@ -98,8 +99,8 @@ def node_families(s: Scheduler) -> list:
     ages = GaugeMetricFamily(
         "gradwire_heartbeat_age_seconds", "Seconds since each node was last heard from", labels=["role", "rank"]
     )
-    with s._lock:
-        nodes = list(s._nodes)
+    with s.lock:
+        nodes = list(s.nodes)
     tally: dict[tuple[str, str], int] = {}
     for n in nodes:
         tally[(n.role, node_state(n))] = tally.get((n.role, node_state(n)), 0) + 1

@@ -1,0 +1,128 @@
+"""The roster: the scheduler's state in one place. The nodes by role, the epoch, the one lock that guards them, the
+workers waiting (in a barrier, in hvd.join, to join an elastic job, to form a new generation), the placement and the
+data path's settings, and how the job ends (`tell`, `abort`, `end`). Every part of the scheduler (rendezvous,
+failover, synchronisation, departures, generations, liveness, elastic membership, adaptation) works on a roster and
+never on another part's fields.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from gradwire.config import Config
+from gradwire.errors import GradwireError
+from gradwire.protocol import messages
+from gradwire.protocol.frames import FrameType
+from gradwire.scheduler.declarations import Declarations
+from gradwire.scheduler.node import Node
+
+log = logging.getLogger("gradwire.scheduler")
+
+
+class Roster:
+    """Who is in the job, and what they wait on. Fields are read and written with `lock` held unless they say not."""
+
+    def __init__(self, config: Config, clock: Callable[[], float]) -> None:
+        self.config = config
+        self.clock = clock  # injected: tests drive failure detection with a fake clock, not sleeps
+        self.lock = threading.Lock()
+        self.epoch = 1  # goes up with every failover, elastic reset and new generation
+        self.nodes: list[Node] = []  # every registered node, in order of arrival
+        self.workers: list[Node] = []  # the members, by rank (lost and departed ones too, until a reset)
+        self.servers: list[Node] = []  # by rank; a lost one stays in its place (its keys moved to the others)
+        self.standby: list[Node] = []  # standby servers not yet promoted
+        self.declarations: Declarations | None = None  # once ranks are fixed
+        self.placement_info: dict = {}  # the placement's mode, rates and weights (in the address book, /status)
+        self.tuning: dict | None = None  # the data path's settings derived from the links (tuning.py)
+        self.rate_scale = 1.0  # the links' rate now over the one measured at the start (the drift check: adapt.py)
+        self.barrier: list[tuple[Node, int]] = []  # workers in a barrier: (node, request id)
+        self.joins: dict[int, tuple[Node, int, dict[str, int]]] = {}  # workers in hvd.join: (node, request, rounds)
+        self.joiners: list[Node] = []  # workers waiting to join an elastic job at its next reset
+        # every worker called shutdown(): the workers of the next generation as they register (generations.py)
+        self.between: list[Node] | None = None
+        self.ending = False  # every worker said bye; servers are being shut down
+        self.done = threading.Event()  # the job has ended (set without the lock being needed to read it)
+        self.abort_reason: str | None = None
+
+    def live_workers(self) -> list[Node]:
+        """The workers of the job now: not lost, not gone."""
+        return [w for w in self.workers if not (w.lost or w.said_bye)]
+
+    def live_servers(self) -> list[Node]:
+        return [s for s in self.servers if not s.lost]
+
+    def over(self) -> bool:
+        """The job is ending or has ended: nothing more to recover."""
+        return self.ending or self.done.is_set()
+
+    def finishing(self) -> bool:
+        """Some worker of the job has said bye (shutdown(), or its process ended): its work is done, and the others
+        are finishing theirs."""
+        return any(w.said_bye for w in self.workers)
+
+    @staticmethod
+    def tell(nodes: list[Node], body: dict) -> None:
+        """Send a control message to each node; one that cannot be reached is lost, which its connection reports."""
+        for node in nodes:
+            try:
+                node.conn.send_json(FrameType.CONTROL, body)
+            except GradwireError:
+                pass
+
+    def abort(self, reason: str, lost: tuple[str, int] | None = None) -> None:
+        """`abort_locked`, unless the job has ended meanwhile (takes the lock)."""
+        with self.lock:
+            if not self.done.is_set():
+                self.abort_locked(reason, lost)
+
+    def abort_locked(self, reason: str, lost: tuple[str, int] | None = None) -> None:
+        """End the job for everyone, naming why (and the node lost, if one was)."""
+        if self.abort_reason is None:
+            self.abort_reason = reason
+            log.error("aborting the job: %s", reason)
+        body = {"op": messages.ABORT, "message": reason}
+        if lost is not None:
+            body |= {"lost_role": lost[0], "lost_rank": lost[1]}
+        self.tell(self.nodes, body)
+        self.done.set()
+
+    def end(self, why: str) -> None:
+        """Shut the servers down and end the job cleanly (takes the lock); workers still waiting to join are told."""
+        with self.lock:
+            servers = self.live_servers() + self.standby
+            joiners = self.joiners + (self.between or [])  # a new generation that never filled up
+            self.joiners, self.between = [], None
+            # before the shutdowns go out: a server that closes on receiving one has not been lost
+            self.ending = True
+        self.tell(servers, {"op": messages.SHUTDOWN})
+        self.tell(joiners, {"op": messages.ABORT, "message": "the job ended before it joined"})
+        log.info("%s", why)
+        self.done.set()
+
+    def address_book(self) -> dict:
+        """What every worker learns at the rendezvous, a reset or a new generation: where the servers are, and how."""
+        # "lost": its keys moved onto the others (failover without a standby)
+        servers = [server_entry(s) | {"lost": s.lost} for s in self.servers]
+        return {
+            "epoch": self.epoch,
+            "num_workers": len(self.workers),
+            "servers": servers,
+            "workers": [w.host for w in self.workers],
+            "placement": self.placement_info,
+            "tuning": self.tuning,  # derived from the links (gradwire/tuning.py); None when their rates are unknown
+            "wall_time": time.time(),  # the job's clock: workers align their timelines to it
+        }
+
+
+def server_entry(server: Node) -> dict:
+    """How a worker reaches a server (the address book's entry, and a promoted standby's)."""
+    return {
+        "host": server.host,
+        "port": server.port,
+        "slot_bytes": server.slot_bytes,
+        "unix": server.unix,
+        "host_id": server.host_id,
+    }
