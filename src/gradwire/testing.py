@@ -96,10 +96,10 @@ class LocalCluster:
     def kill_worker(self, rank: int) -> Worker:
         """Cut worker `rank` off abruptly (its connections close without a bye, as if its process died)."""
         worker = next(w for w in self.workers if w.rank == rank)
-        worker._closed = True  # its own threads stay quiet about it
-        if worker._scheduler is not None:
-            worker._scheduler.close()
-        for link in worker._links:
+        worker.state.closed = True  # its own threads stay quiet about it
+        if worker.control.conn is not None:
+            worker.control.conn.close()
+        for link in worker.links:
             link.conn.close()
         self.workers.remove(worker)
         return worker

@@ -62,7 +62,7 @@ def _train(worker, steps, stop=None, seed=0):
 
 def _recut_rounds_done(worker, name):
     """Rounds of `name` summed on its latest re-cut's partitions (0 before any re-cut)."""
-    tensor = worker._tensors.get(name)
+    tensor = worker.table.tensors.get(name)
     chain = tensor.chain() if tensor is not None else []
     return 0 if len(chain) < 2 else chain[-1].round - chain[-2].successor[0] + 1
 
@@ -149,9 +149,9 @@ def test_tensors_in_use_are_re_cut_at_one_round_on_every_worker():
         history = c.scheduler.adaptation.history
         assert [h["recut_tensors"] for h in history] == [4]  # every tensor is given the round to switch at ...
         for w in c.workers:
-            tensor = w._tensors["fc"]
+            tensor = w.table.tensors["fc"]
             assert tensor.successor is not None  # re-cut, at one round on every worker
-            assert tensor.successor[0] == c.workers[0]._tensors["fc"].successor[0]
+            assert tensor.successor[0] == c.workers[0].table.tensors["fc"].successor[0]
             assert len(tensor.chain()[-1].parts) < len(tensor.parts)
             assert w.status()["data_path"]["partition_bytes"] == now["partition_bytes"]
             assert w.status()["data_path"]["recuts"][0]["tensors"] == 2  # ... fc and big: conv and bias fit one
@@ -162,7 +162,7 @@ def test_a_re_cut_stays_within_what_every_worker_s_links_carry():
     """A worker's shared-memory slots were made for the partitions of the start: a re-cut to larger ones is capped
     at the largest that every worker reports it carries, and the sums stay right on the capped partitions."""
     with LocalCluster(num_workers=2, num_servers=2, link_rate="1mbit", transport="tcp", heartbeat_interval=0.1) as c:
-        c.workers[1]._carry_limit = lambda: 32 << 10  # as if its arenas had 32 KiB slots
+        c.workers[1].state.carry_limit = lambda: 32 << 10  # as if its arenas had 32 KiB slots
         _force_drift(c, 125e6)  # 256 KiB partitions
         training = _Training(c)
         try:
@@ -172,7 +172,7 @@ def test_a_re_cut_stays_within_what_every_worker_s_links_carry():
         assert c.scheduler.tuning["partition_bytes"] == 32 << 10
         assert "largest the workers' links carry" in c.scheduler.tuning["reason"]
         for w in c.workers:
-            fc = w._tensors["fc"].chain()[-1]
+            fc = w.table.tensors["fc"].chain()[-1]
             assert len(fc.parts) == -(-SHAPES["fc"][0] * 4 // (32 << 10))  # float32, in 32 KiB partitions
 
 
@@ -181,7 +181,7 @@ def test_a_worker_with_an_explicit_partition_size_vetoes_the_re_cut():
     partitions on every worker (a re-cut must be the same everywhere)."""
     with LocalCluster(num_workers=2, num_servers=1, link_rate="1mbit", transport="tcp", heartbeat_interval=0.1) as c:
         fixed = c.workers[1]
-        fixed.config = dataclasses.replace(fixed.config, explicit=fixed.config.explicit | {"partition_bytes"})
+        fixed.state.config = dataclasses.replace(fixed.config, explicit=fixed.config.explicit | {"partition_bytes"})
         _force_drift(c, 125e6)
         training = _Training(c)
         try:
@@ -192,7 +192,7 @@ def test_a_worker_with_an_explicit_partition_size_vetoes_the_re_cut():
             training.result()
         assert [(h["partition_bytes"], h["recut_tensors"]) for h in history] == [(256 << 10, 0)]
         for w in c.workers:
-            assert w._tensors["fc"].successor is None and not w.recut.history
+            assert w.table.tensors["fc"].successor is None and not w.recut.history
         assert fixed.status()["data_path"]["partition_bytes"] == 16 << 10
 
 
@@ -210,17 +210,17 @@ def test_a_held_round_waits_for_the_scheduler_and_no_longer():
     a scheduler that never sends it fails the call after the timeout instead of hanging."""
     with LocalCluster(num_workers=1, num_servers=1, transport="tcp", adapt=False) as c:
         (w,) = c.workers
-        w.config = dataclasses.replace(w.config, timeout=1.0)
+        w.state.config = dataclasses.replace(w.config, timeout=1.0)
         x = np.ones(100_000, np.float32)
         w.push_pull(x, "g")
         sent = []
-        w._scheduler.send_json = lambda kind, body: sent.append(body)  # keep the answer from the scheduler
-        w._recut_rounds({"op": messages.RECUT, "generation": 7})
+        w.control.conn.send_json = lambda kind, body: sent.append(body)  # keep the answer from the scheduler
+        w.retuning.on_recut({"op": messages.RECUT, "generation": 7})
         assert [b["rounds"] for b in sent if b["op"] == messages.RECUT_ROUNDS] == [{"g": 1}]
         w.push_pull(x, "g")  # round 2: not held
         with pytest.raises(GradwireTimeout, match="re-cut 7"):
             w.push_pull(x, "g")  # round 3: held, and nobody answers
-        w._on_retune({"op": messages.RETUNE, "tuning": w.tuning, "switch": {}, "generation": 7})
+        w.retuning.on_retune({"op": messages.RETUNE, "tuning": w.tuning, "switch": {}, "generation": 7})
         assert w.push_pull(x, "g")[0] == 1.0
 
 
@@ -229,13 +229,13 @@ def test_a_raised_window_keeps_within_a_shared_memory_link_s_slots():
     window 4 to 8) must not let a shared-memory link push more partitions than its arena has slots: its sender took a
     slot from an empty list, died, and every push_pull on it waited for the timeout."""
     with LocalCluster(num_workers=2, num_servers=1, link_rate="1mbit", adapt=False) as c:
-        links = [w._links[0] for w in c.workers]
+        links = [w.links[0] for w in c.workers]
         assert all(link.transport == "shm" for link in links)
         slots = links[0].arena.push
         raised = dict(c.workers[0].tuning, window=4 * slots)
         for w in c.workers:
-            w.config = dataclasses.replace(w.config, timeout=10.0)
-            w._on_retune({"op": messages.RETUNE, "tuning": raised, "switch": {}, "generation": 0})
+            w.state.config = dataclasses.replace(w.config, timeout=10.0)
+            w.retuning.on_retune({"op": messages.RETUNE, "tuning": raised, "switch": {}, "generation": 0})
         assert [link.window for link in links] == [slots, slots]
         x = np.ones(1_000_000, np.float32)  # 245 partitions of 16 KiB, far more than the window
         for out in c.run(lambda w: w.push_pull(x, "g")):
@@ -246,7 +246,7 @@ def test_a_link_whose_sender_fails_fails_its_calls_at_once():
     """A bug in a link's sender ends that link with the cause, in every call waiting on it, instead of a hang."""
     with LocalCluster(num_workers=1, num_servers=1, transport="tcp", adapt=False) as c:
         (w,) = c.workers
-        link = w._links[0]
+        link = w.links[0]
 
         def broken(*args):
             raise IndexError("a bug")

@@ -12,7 +12,7 @@ from gradwire.testing import LocalCluster
 
 
 def _escapes(cluster):
-    return sum(link.flow.cap_escapes for w in cluster.workers for link in w._links)
+    return sum(link.flow.cap_escapes for w in cluster.workers for link in w.links)
 
 
 def test_the_cap_keeps_a_fast_worker_from_running_ahead_of_the_rounds():
@@ -22,7 +22,7 @@ def test_the_cap_keeps_a_fast_worker_from_running_ahead_of_the_rounds():
         c.run(lambda w: w.declare("t", data.shape, data.dtype))  # a tensor's first push waits for every declaration
         h = fast.push_pull_async(data, "t")
         time.sleep(0.3)
-        assert len(fast._links[0].flow.pending) == 4  # not 8 (the window), not 20: the slow worker has not pushed yet
+        assert len(fast.links[0].flow.pending) == 4  # not 8 (the window), not 20: the slow worker has not pushed yet
         slow.push_pull(data, "t")
         assert np.all(fast.synchronize(h) == 2)
         assert _escapes(c) == 0
@@ -88,7 +88,7 @@ def test_training_like_orders_and_delays_never_idle_the_links(transport, cap):
             for step, values in enumerate(sums):
                 assert values == [3.0 + 3 * step] * len(sizes)  # ranks 0 + 1 + 2, plus the step from each
         elapsed = time.monotonic() - started
-        links = [link for w in c.workers for link in w._links]
+        links = [link for w in c.workers for link in w.links]
         assert _escapes(c) == 0
         assert all(w.config.unanswered == cap for w in c.workers)
         if cap == 0:

@@ -125,7 +125,7 @@ def test_a_name_used_again_with_another_shape_is_a_new_tensor(cluster):
         first = w.push_pull(np.full(3, w.rank + 1.0, np.float32), "reshaped")
         second = w.push_pull(np.full(4, w.rank + 1.0, np.float64), "reshaped")
         again = w.push_pull(np.full(3, 2.0 * (w.rank + 1), np.float32), "reshaped")  # the first one, round 2
-        return first.tolist(), second.tolist(), again.tolist(), sorted(n for n in w._tensors if "reshaped" in n)
+        return first.tolist(), second.tolist(), again.tolist(), sorted(n for n in w.table.tensors if "reshaped" in n)
 
     for first, second, again, names in cluster.run(job):
         assert first == [6.0] * 3 and second == [6.0] * 4 and again == [12.0] * 3
@@ -148,12 +148,12 @@ def test_a_worker_pushing_the_wrong_size_gets_an_error_for_that_tensor():
     with LocalCluster(num_workers=2, num_servers=1) as c:
         good, bad = c.workers
         c.run(lambda w: w.declare("t", (8,), np.float32))  # a declaration completes once every worker made it
-        key = bad._tensors["t"].keys[0]
+        key = bad.table.tensors["t"].keys[0]
         good_handle = good.push_pull_async(np.ones(8, np.float32), "t")
         # below the worker API's checks: round 1 well-formed, round 2 with 16 bytes for an 8-element key.
         # One send, because the bad worker's own link rightly drops the connection on replies it never asked for.
         fields = dict(dtype=2, epoch=bad.epoch, sender=bad.rank, key=key)
-        bad._links[0].conn.send(
+        bad.links[0].conn.send(
             [
                 frames.encode_header(FrameType.PUSHPULL, 32, round=1, **fields),
                 np.ones(8, np.float32),
@@ -166,7 +166,7 @@ def test_a_worker_pushing_the_wrong_size_gets_an_error_for_that_tensor():
         assert c.servers[0].rounds_completed == 1
         server = c.servers[0]
         assert server.wait(0.2) is None  # still serving: not stopped, no error
-        assert all(engine._thread.is_alive() for engine in server._engines)
+        assert all(engine._thread.is_alive() for engine in server.engines)
 
 
 def test_conflicting_declarations_fail_the_tensor_on_every_worker_and_the_job_goes_on():
@@ -212,7 +212,7 @@ def test_a_round_that_needs_a_worker_that_shut_down_fails_at_once_and_one_it_pus
         waiter.join(10)
         begun = a.push_pull_async(x, "g")  # round 3, which b will never push: begun before b leaves ...
         deadline = time.monotonic() + 10
-        while not all(any(k.count[1] for e in s._engines for k in e.keys.values()) for s in c.servers):
+        while not all(any(k.count[1] for e in s.engines for k in e.keys.values()) for s in c.servers):
             assert time.monotonic() < deadline, "a's pushes of round 3 never reached both servers"
             time.sleep(0.005)
         b.shutdown(final=False)

@@ -144,7 +144,7 @@ def test_asynchronous_a_slow_worker_holds_the_others_within_the_staleness_bound(
         stats = [s.status()["optimizer"] for s in c.servers]
         results = c.run(final)
     assert not violations, violations
-    keys = sum(len(e.keys) for s in c.servers for e in s._engines)
+    keys = sum(len(e.keys) for s in c.servers for e in s.engines)
     assert sum(s["updates"] for s in stats) == 3 * steps * keys
     assert max(s["staleness_max"] for s in stats) <= 2 * bound + 2  # updates between a worker's pull and its push
     expected = -0.01 * sum(_grad(r, s) for r in range(3) for s in range(steps)) / np.float32(3)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from gradwire.protocol.frames import FrameType
-from gradwire.server.server import WorkerLink
+from gradwire.server.replier import WorkerLink
 from gradwire.testing import LocalCluster
 from gradwire.transport import shm
 
@@ -19,7 +19,7 @@ def _ours():
 def test_sums_over_every_transport(transport, shared, unix):
     # window 1: two pull slots per link, so most of the 12 tensors in flight take the inline fallback
     with LocalCluster(num_workers=3, num_servers=2, transport=transport, window=1, partition_bytes=8192) as c:
-        links = [link for w in c.workers for link in w._links]
+        links = [link for w in c.workers for link in w.links]
         assert all((link.arena is not None) == shared for link in links)
         assert all(link.conn.peer.startswith("unix:") == unix for link in links)
         assert not _ours()  # attached and unlinked: nothing left in /dev/shm
@@ -60,7 +60,7 @@ def test_the_server_refuses_shared_memory_outside_its_own_files(tmp_path, where)
     try:
         with LocalCluster(num_workers=1, num_servers=1) as c:
             link = WorkerLink(_Recorder())
-            c.servers[0]._attach(link, {"path": path, "push": 1, "pull": 1, "slot_bytes": 8})
+            c.servers[0].reader.attach(link, {"path": path, "push": 1, "pull": 1, "slot_bytes": 8})
             assert link.arena is None
             assert link.conn.sent[0][1]["ok"] is False and "refusing" in link.conn.sent[0][1]["error"]
     finally:
@@ -72,7 +72,7 @@ def test_the_server_maps_a_well_formed_offer():
     try:
         with LocalCluster(num_workers=1, num_servers=1) as c:
             link = WorkerLink(_Recorder())
-            c.servers[0]._attach(link, {"path": arena.path, "push": 2, "pull": 2, "slot_bytes": 64})
+            c.servers[0].reader.attach(link, {"path": arena.path, "push": 2, "pull": 2, "slot_bytes": 64})
             assert link.conn.sent == [(FrameType.SHM_ATTACH, {"ok": True})]
             arena.push_slot(1, 4)[:] = [1, 2, 3, 4]  # the same memory on both sides
             assert list(link.arena.push_slot(1, 4)) == [1, 2, 3, 4]

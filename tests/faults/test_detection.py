@@ -15,8 +15,8 @@ def test_a_worker_that_drops_out_is_named_by_every_survivor():
         survivors = c.workers[:2]
         handles = [w.push_pull_async(np.ones(1000, np.float32), "g") for w in survivors]
         gone = c.workers[2]  # dies without a bye: its sockets just close
-        gone._scheduler.close()
-        for link in gone._links:
+        gone.control.conn.close()
+        for link in gone.links:
             link.conn.close()
         for w, h in zip(survivors, handles, strict=True):
             with pytest.raises(WorkerLost, match="lost worker 2") as e:

@@ -65,7 +65,7 @@ def test_an_elastic_reset_after_a_server_failover_skips_the_dead_server():
         c.kill_worker(2)
         out = c.run(lambda w: _sum_until_reset(w, 1.0))
         assert [a[0] for a in out] == [2.0, 2.0]
-        assert all(link.transport == "lost" for w in c.workers for link in w._links if link.server == 1)
+        assert all(link.transport == "lost" for w in c.workers for link in w.links if link.server == 1)
 
 
 def test_the_data_path_settings_are_re_derived_when_the_job_re_forms():
@@ -83,7 +83,7 @@ def test_the_data_path_settings_are_re_derived_when_the_job_re_forms():
         assert c.scheduler.tuning["unanswered"] == 0 and "2 workers" in c.scheduler.tuning["derived_for"]
         for worker in c.workers:
             assert worker.tuning["unanswered"] == 0
-            assert all(link.unanswered_cap == 0 for link in worker._links if hasattr(link, "unanswered_cap"))
+            assert all(link.unanswered_cap == 0 for link in worker.links if hasattr(link, "unanswered_cap"))
 
 
 @pytest.mark.parametrize("new_host", [False, True], ids=["on-a-measured-host", "on-a-new-host"])
@@ -141,6 +141,6 @@ def test_a_worker_lost_after_another_has_finished_is_a_departure_not_a_reset():
         while not c.scheduler.roster.workers[1].said_bye and time.monotonic() < deadline:
             time.sleep(0.01)
         assert c.scheduler.membership.resets == 0 and not c.scheduler.membership.resetting
-        assert last._membership_error is None
+        assert last.state.membership_error is None
         last.shutdown(final=True)
         assert c.scheduler.wait(10) is None  # a clean end

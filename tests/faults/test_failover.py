@@ -92,7 +92,7 @@ def test_a_server_killed_mid_training_changes_no_bit_of_any_sum(standby):
             assert c.standby[0].rank == 1 and not c.standby[0].standby
         else:
             for worker in c.workers:  # nothing is placed on the dead server any more
-                assert all(1 not in t.servers for t in worker._tensors.values())
+                assert all(1 not in t.servers for t in worker.table.tensors.values())
 
 
 def _answer_one_then_die(cluster: LocalCluster, killed: threading.Event, after: int, sliced: bool = False) -> None:
@@ -110,13 +110,13 @@ def _answer_one_then_die(cluster: LocalCluster, killed: threading.Event, after: 
             return original(key, rnd, dtype, payload, pulls, ranks)
         original(key, rnd, dtype, payload, pulls, ranks & 0b001)  # to worker 0 only, then die
         deadline = time.monotonic() + 5
-        while victim._links[0].replies.qsize() and time.monotonic() < deadline:
+        while victim.links[0].replies.qsize() and time.monotonic() < deadline:
             time.sleep(0.001)
         time.sleep(0.05)
         threading.Thread(target=lambda: (cluster.kill_server(0), killed.set()), daemon=True).start()
 
     victim._queue_reply = queue_reply
-    for engine in victim._engines:
+    for engine in victim.engines:
         engine._reply = queue_reply
 
 
@@ -381,4 +381,4 @@ def test_the_data_path_settings_are_re_derived_after_a_failover():
         for worker in c.workers:
             assert worker.tuning["unanswered"] == 4
             assert worker.status()["data_path"]["derived_again"] == "server 1 lost"  # /status says why
-            assert all(link.unanswered_cap == 4 for link in worker._links if hasattr(link, "unanswered_cap"))
+            assert all(link.unanswered_cap == 4 for link in worker.links if hasattr(link, "unanswered_cap"))

@@ -92,7 +92,7 @@ def test_a_silent_peer_is_dropped_after_the_handshake_timeout(cluster):
 def test_the_secret_never_appears_in_reprs_errors_or_logs(cluster, caplog):
     caplog.set_level("DEBUG", logger="gradwire")
     texts = [repr(cluster.config), repr(cluster.workers[0].config), repr(cluster.scheduler), repr(cluster.servers[0])]
-    texts += [repr(link.conn) for link in cluster.workers[0]._links]
+    texts += [repr(link.conn) for link in cluster.workers[0].links]
     for target in ("scheduler", "server"):
         try:
             tcp.connect(_addresses(cluster)[target], secret=b"wrong", role="worker", rank=0, max_payload=0, timeout=5)

@@ -198,7 +198,7 @@ def test_small_gradients_are_fused_and_results_unchanged(cluster):
 
     unfused, fused = train(0), train(1 << 20)
     assert unfused[0][1] == 0 and fused[0][1] == 1  # all four parameters are small: one group
-    declared = cluster.workers[0]._tensors
+    declared = cluster.workers[0].table.tensors
     assert any(name.startswith("grad.fused.") for name in declared)
     for (a, _), (b, _) in zip(unfused, fused, strict=True):
         for pa, pb in zip(a.parameters(), b.parameters(), strict=True):

@@ -53,7 +53,7 @@ def test_replies_sent_at_once_never_overtake_queued_ones_and_every_frame_stays_w
     socket sends the rest through the reply thread, in order (server.py WorkerLink.reply)."""
     import numpy as np
 
-    from gradwire.server.server import WorkerLink
+    from gradwire.server.replier import WorkerLink
     from gradwire.transport.shm import NO_SLOT
 
     ours, theirs = socket.socketpair()

@@ -1,10 +1,21 @@
-"""A worker's requests to the scheduler (declarations, barriers, joins, rejoins): each waits for the REPLY with its
-id, or is cancelled by an abort or a membership change. Thread-safe: replies come on the worker's control thread."""
+"""A worker's control connection to the scheduler: its requests (declarations, barriers, joins, rejoins), each
+waiting for the REPLY with its id or cancelled by an abort or a membership change (`Request`), and the control thread
+that hands each of the scheduler's messages to its handler (`Control`). Thread-safe: replies come on that thread."""
 
 from __future__ import annotations
 
+import itertools
+import logging
 import threading
 from collections.abc import Callable
+
+from gradwire.errors import GradwireError, GradwireTimeout, JobAborted, WorkerLost, abort_error
+from gradwire.protocol import messages
+from gradwire.protocol.frames import FrameType
+from gradwire.transport import tcp
+from gradwire.worker.state import SHUTDOWN_JOIN_SECONDS, WorkerState
+
+log = logging.getLogger("gradwire.worker")
 
 
 class Request:
@@ -33,3 +44,116 @@ class Request:
     def wait(self, timeout: float | None = None) -> bool:
         """Block until answered or cancelled (at most `timeout` seconds); False if neither came in time."""
         return self.done.wait(timeout)
+
+
+class Control:
+    """The scheduler connection (`conn`, once the rendezvous has made it), the requests in flight, and the thread
+    that reads the scheduler's messages."""
+
+    def __init__(self, state: WorkerState) -> None:
+        self.state = state
+        self.conn: tcp.Connection | None = None
+        self._requests: dict[int, Request] = {}  # by id, until answered
+        self._ids = itertools.count(1)
+        self._rejoin_id = -1  # an elastic reset's request: its reply is the new membership
+        self._thread: threading.Thread | None = None
+
+    def start(self, handlers: dict[str, Callable[[dict], None]]) -> None:
+        """Serve the scheduler's messages on a thread of their own: each op to its handler, REPLY to its request,
+        ABORT (or a lost connection) fails everything."""
+        self._thread = threading.Thread(target=self._loop, args=(handlers,), name="gw-worker-control", daemon=True)
+        self._thread.start()
+
+    def join_thread(self) -> None:
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(SHUTDOWN_JOIN_SECONDS)
+
+    def send(self, body: dict) -> None:
+        """A message that expects no reply; where the scheduler cannot be reached, the control loop reports it."""
+        if self.conn is None:
+            return
+        try:
+            self.conn.send_json(FrameType.CONTROL, body)
+        except GradwireError:
+            pass
+
+    def request_async(
+        self, body: dict, callback: Callable[[dict | None], None] | None = None, rejoin: bool = False
+    ) -> Request:
+        """Send a request without waiting. With a `callback`, `callback(reply)` runs on the control thread when the
+        reply comes, or `callback(None)` if an abort or a membership change cancels it first."""
+        rid, request = next(self._ids), Request(callback)
+        with self.state.lock:
+            self._requests[rid] = request
+            if rejoin:
+                self._rejoin_id = rid
+        assert self.conn is not None
+        self.conn.send_json(FrameType.CONTROL, body | {"id": rid})
+        return request
+
+    def request(self, body: dict, check: bool = True, rejoin: bool = False) -> dict:
+        """Send a request and wait for its reply (at most GRADWIRE_TIMEOUT)."""
+        state = self.state
+        if check:
+            state.check_usable()
+        request = self.request_async(body, rejoin=rejoin)
+        if not request.wait(state.config.timeout):
+            raise GradwireTimeout(
+                f"worker {state.rank}: scheduler did not answer {body['op']} in {state.config.timeout}s"
+            )
+        if request.reply is None:  # woken by an abort or a membership change, not a reply
+            state.check_usable()
+            raise JobAborted(f"worker {state.rank}: {body['op']} was cancelled", rank=state.rank)
+        return request.reply
+
+    def barrier(self) -> None:
+        """Block until every worker has entered the barrier. Raises WorkerLost at once if a worker has left the
+        job (shut down) and so can never enter it."""
+        reply = self.request({"op": messages.BARRIER})
+        if "error" in reply:
+            raise WorkerLost(f"worker {self.state.rank}: barrier failed: {reply['error']}", int(reply["lost_rank"]))
+
+    def cancel_requests(self) -> None:
+        """Cancel every request in flight but an elastic reset's own (its reply is the new membership)."""
+        with self.state.lock:
+            cancelled = [r for rid, r in self._requests.items() if rid != self._rejoin_id]
+            self._requests = {rid: r for rid, r in self._requests.items() if rid == self._rejoin_id}
+        for request in cancelled:
+            request.cancel()
+
+    def fail_all(self, error: JobAborted) -> None:
+        """The job has ended for this worker: every request and every call in flight fails with `error`."""
+        self.state.abort = error
+        log.error("%s", error)
+        with self.state.lock:
+            cancelled = list(self._requests.values())
+            self._requests.clear()
+        for request in cancelled:
+            request.cancel()
+        for link in self.state.links:
+            link.close(error)
+
+    def _loop(self, handlers: dict[str, Callable[[dict], None]]) -> None:
+        assert self.conn is not None
+        try:
+            while True:
+                _, body = self.conn.recv_json(FrameType.CONTROL)
+                op = messages.check(body)
+                if op == messages.ABORT:
+                    self.fail_all(abort_error(body, rank=self.state.rank))
+                    return
+                if op == messages.REPLY:
+                    self._answered(body)
+                elif op in handlers:
+                    handlers[op](body)
+        except GradwireError as e:
+            if not self.state.closed:
+                rank = self.state.rank
+                self.fail_all(JobAborted(f"worker {rank} lost the scheduler: {e}", rank=rank))
+
+    def _answered(self, body: dict) -> None:
+        """A REPLY: the request with its id is answered."""
+        with self.state.lock:
+            request = self._requests.pop(int(body["id"]), None)
+        if request is not None:
+            request.answer(body)

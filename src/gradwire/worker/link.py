@@ -7,9 +7,9 @@ pusher). The receiver reads each RESULT straight into the output array's slice. 
 overlaps the return of partition i, and both directions of the link are busy. The decisions are `Flow`'s; this
 module holds only the sockets, the threads and the shared-memory slots.
 
-Failover (docs/faults.md): with `saved` given, a link whose server dies keeps everything queued or unanswered,
+Failover (docs/faults.md): with `seeds` given, a link whose server dies keeps everything queued or unanswered,
 tells `on_lost`, and hands it over by `detach`/`retire` once the scheduler has moved the server's keys. Sums are
-received into the key's `Saved` copy first and only then copied to the output, so an in-place input is never
+received into the key's `Seed` copy first and only then copied to the output, so an in-place input is never
 half overwritten by a sum cut off mid-frame (it is resent whole), and the copy is what the worker seeds the key's
 new server with.
 """
@@ -39,7 +39,7 @@ from gradwire.protocol.frames import FrameType
 from gradwire.transport import shm, tcp
 from gradwire.worker.credit import Credit
 from gradwire.worker.flow import LIVENESS_SECONDS, Flow
-from gradwire.worker.work import Saved, Work
+from gradwire.worker.work import Seed, Work
 
 log = logging.getLogger("gradwire.worker")
 
@@ -59,7 +59,7 @@ class ServerLink:
         metrics: Metrics | None = None,
         timeline: Timeline | None = None,
         unanswered_cap: int = 0,
-        saved: dict[int, Saved] | None = None,
+        seeds: dict[int, Seed] | None = None,
         on_lost: Callable[[ServerLink, BaseException], None] | None = None,
     ) -> None:
         self.conn, self.server, self.rank, self.epoch = conn, server, rank, epoch
@@ -71,7 +71,7 @@ class ServerLink:
         self.flow = Flow(self._fitting(window), unanswered_cap)  # the queue and the rule; guarded by _cond
         self.credit = credit
         self._closed: BaseException | None = None
-        self.saved = saved  # key -> its last sum (failover on), shared by the worker's links
+        self.seeds = seeds  # key -> its last sum (failover on), shared by the worker's links
         self._on_lost = on_lost
         self.lost: BaseException | None = None  # the server died; work is kept for the failover
         self._redirect: Callable[[Work, int], None] | None = None  # once retired: where submits go instead
@@ -358,10 +358,10 @@ class ServerLink:
             )
         out = work.out.reshape(-1).view(np.uint8)
         saved = None
-        if self.saved is not None and work.replayable:
-            Saved.keep_contribution(self.saved, work)
-        elif self.saved is not None and not work.partial:  # the sum goes to the key's saved copy first (see above)
-            saved = Saved.for_sum(self.saved, work)
+        if self.seeds is not None and work.replayable:
+            Seed.keep_contribution(self.seeds, work)
+        elif self.seeds is not None and not work.partial:  # the sum goes to the key's saved copy first (see above)
+            saved = Seed.for_sum(self.seeds, work)
         into = saved.data if saved is not None else out
         if header.flags & shm.SHM_PAYLOAD:
             if self.arena is None or header.status != work.pull_slot:

@@ -1,23 +1,17 @@
-"""The worker's tensors: each one it declared (`Tensor`), and the versions a re-cut makes of one (`Recut`).
-
-A re-cut gives the tensors already declared new partitions while the job runs (scheduler/adapt.py). Every worker must
-make it at the same round of each tensor, or a round would wait for partitions another worker cuts differently. Step 1
-(RECUT): the worker reports its round of each tensor and holds calls RECUT_AHEAD rounds past it. Step 2 (RETUNE): the
-scheduler says, per tensor, the first round cut anew; the tensor gets a successor (`root~generation`, new keys) that
-carries its rounds from then on, and the holds are released.
+"""The worker's tensor table: each tensor it declared (`Tensor`: partitions, keys, servers, round), by name and by
+version of a name (`TensorTable`), and the server that owns each key (which a failover changes).
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from gradwire import partition
-from gradwire.errors import GradwireError, GradwireTimeout, RemoteProtocolError
-from gradwire.protocol import dtypes, messages
+from gradwire.errors import GradwireError
+from gradwire.protocol import dtypes
 from gradwire.worker.handle import Handle
 
 
@@ -70,74 +64,89 @@ class Tensor:
         return len(self.parts) == 1 and self.dtype.itemsize * int(np.prod(self.shape)) <= partition_bytes
 
 
-class Recut:
-    """The worker's side of re-cuts (the module docstring). Every method is called with `lock` held, the lock that
-    guards the worker's tensors; `wait_turn` waits on it."""
+class TensorTable:
+    """The tensors by name (a re-cut's successors too), each user name's versions, each key's server, and the moves
+    a failover announced. Every method is called with the worker's lock held (`WorkerState.lock`)."""
 
-    def __init__(self, lock: threading.Lock) -> None:
-        self.holds: dict[str, int] = {}  # root name -> the first round held until the RETUNE
-        self.generation = 0  # of the re-cut in step 1
-        self.released = threading.Condition(lock)
-        self.history: list[dict] = []  # each re-cut: generation, tensors, the partition size, when told
+    def __init__(self) -> None:
+        self.tensors: dict[str, Tensor] = {}
+        self._versions: dict[str, list[tuple]] = {}  # user name -> its signatures, in order of first use
+        self.owner: dict[int, int] = {}  # key -> its server's index
+        self._moves: dict[str, list[int]] = {}  # tensor -> a server per partition, as a failover moved them
+        self._round_floor: dict[str, int] = {}  # tensors others summed while this worker had joined: their rounds
 
-    def hold(self, tensors: list[Tensor], generation: int) -> dict[str, int]:
-        """Step 1: each re-cuttable tensor's round, reported; calls RECUT_AHEAD rounds past it wait from now on."""
-        rounds = {}
-        for tensor in tensors:
-            current = tensor.current()
-            # not one whose last re-cut is still ahead (its successor's round is not the calls' yet)
-            if tensor.root == tensor.name and current is tensor.current(next_round=True) and current.recuttable:
-                rounds[tensor.name] = current.round
-        self.holds = {name: r + messages.RECUT_AHEAD for name, r in rounds.items()}
-        self.generation = generation
-        return rounds
+    def entry(self, name: str, shape: tuple[int, ...], dtype: dtypes.DType, signature: tuple) -> tuple[Tensor, bool]:
+        """The tensor that `name` with `signature` names, and whether it is new (to be declared). A name used again
+        with another signature is another tensor: `name#1`, `name#2`, ... in the order of first use (the same on
+        every worker running the same program); a process set's tensor is its own (`@ranks...`)."""
+        versions = self._versions.setdefault(name, [])
+        if signature not in versions:
+            versions.append(signature)
+        version = versions.index(signature)
+        internal = name if version == 0 else f"{name}#{version}"
+        ranks = signature[5]
+        if ranks is not None:  # a process set's tensor is its own, whatever other sets call theirs
+            internal += "@ranks" + "-".join(map(str, ranks))
+        tensor = self.tensors.get(internal)
+        if tensor is not None:
+            return tensor, False
+        tensor = self.tensors[internal] = Tensor(
+            internal, shape, dtype, user_name=name, signature=signature, root=internal
+        )
+        tensor.round = self._round_floor.pop(internal, 0)  # rounds others summed while this worker had joined
+        return tensor, True
 
-    def cut(
-        self, tensors: dict[str, Tensor], switch: dict, generation: int, partition_bytes: int, who: str
-    ) -> list[Tensor]:
-        """Step 2: a successor for each tensor in `switch` (name -> its first round cut anew) that partitions of
-        `partition_bytes` cut otherwise, added to `tensors` and returned (to be declared); the holds of `generation`
-        released. Raises RemoteProtocolError for a round this worker (`who`) has passed (the scheduler broke step
-        1)."""
-        successors = []
-        for name, first in switch.items():
-            tensor = tensors.get(name)
-            if tensor is None:
-                continue
-            last = tensor.current()
-            if last.successor is not None or last.round >= int(first):
-                raise RemoteProtocolError(f"{who}: re-cut of {name!r} at round {first} came too late")
-            if last.fits_one(partition_bytes):
-                continue  # one partition before and after: nothing to re-cut (the same on every worker)
-            new = Tensor(f"{name}~{generation}", last.shape, last.dtype, user_name=last.user_name, root=name)
-            new.signature, new.round = last.signature, int(first) - 1
-            tensors[new.name] = new
-            last.successor = (int(first), new)
-            successors.append(new)
-        if generation == self.generation:
-            self.release()
-        if successors:
-            record = {"generation": generation, "tensors": len(successors), "partition_bytes": partition_bytes}
-            self.history.append(record | {"at": time.time()})  # when told: its new partitions start two rounds later
-        return successors
+    def placed(self, tensor: Tensor, partition_bytes: int, servers: list[int]) -> None:
+        """The declaration completed: cut the tensor as the job does (the scheduler's partition size), and record
+        its keys' servers (a failover may have moved it since the scheduler answered)."""
+        num = int(np.prod(tensor.shape, dtype=np.int64))
+        tensor.parts = partition.split(num, tensor.dtype.itemsize, partition_bytes)
+        tensor.keys = [partition.key_of(tensor.name, p.index) for p in tensor.parts]
+        tensor.servers = list(self._moves.get(tensor.name, servers))
+        self.owner.update(zip(tensor.keys, tensor.servers, strict=True))
 
-    def release(self) -> None:
-        """No call is held any more (the re-cut's RETUNE came, or the job re-formed)."""
-        self.holds = {}
-        self.released.notify_all()
+    def forget(self, tensor: Tensor) -> None:
+        """The declaration failed: forget it, so that the name may be declared again (with the shapes the workers
+        agree on)."""
+        if self.tensors.get(tensor.name) is tensor:
+            del self.tensors[tensor.name]
+        versions = self._versions.get(tensor.user_name, [])
+        if tensor.signature in versions and versions.index(tensor.signature) == len(versions) - 1:
+            versions.pop()
 
-    def wait_turn(self, tensor: Tensor, timeout: float, who: str) -> Tensor:
-        """The tensor whose keys take `tensor`'s next round, once no re-cut holds that round (for at most `timeout`
-        seconds; `who` names the worker in the error)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            current = tensor.current(next_round=True)
-            hold = self.holds.get(tensor.root)
-            if hold is None or current.round + 1 < hold:
-                return current
-            if not self.released.wait(max(0.0, deadline - time.monotonic())):
-                raise GradwireTimeout(
-                    f"{who}: the scheduler did not say where {tensor.root!r} is cut anew (re-cut {self.generation}) "
-                    f"in {timeout}s",
-                    tensor=tensor.root,
-                )
+    def move(self, moved: dict[str, list[int]], dead: int) -> list[int]:
+        """Record the tensors' new servers (`moved`: name -> a server per partition); the keys whose server changed,
+        or was `dead` (kept by a standby at its index)."""
+        owner = dict(self.owner)
+        for name, servers in moved.items():
+            self._moves[name] = servers
+            tensor = self.tensors.get(name)
+            if tensor is not None and tensor.keys:  # (one still being declared takes `_moves` then)
+                owner.update(zip(tensor.keys, servers, strict=True))
+                tensor.servers = servers
+        moved_keys = [k for k, s in owner.items() if s == dead or s != self.owner.get(k)]
+        self.owner = owner
+        return moved_keys
+
+    def rounds(self) -> dict[str, int]:
+        return {t.name: t.round for t in self.tensors.values()}
+
+    def skip_to(self, rounds: dict[str, int]) -> None:
+        """After hvd.join: the rounds others summed while this worker had joined; its next round is after them."""
+        for name, rnd in rounds.items():
+            tensor = self.tensors.get(name)
+            if tensor is not None:
+                tensor.round = max(tensor.round, int(rnd))
+            else:
+                self._round_floor[name] = max(self._round_floor.get(name, 0), int(rnd))
+
+    def restart(self) -> None:
+        """An elastic reset: every tensor's rounds start afresh, on its first cut (a joiner knows no other)."""
+        for tensor in self.tensors.values():
+            tensor.round, tensor.in_flight = 0, None
+            tensor.successor = None
+        self._round_floor.clear()
+
+    def stateful_keys(self) -> set[int]:
+        """The keys whose servers hold state (parameter-server mode)."""
+        return {k for t in self.tensors.values() if t.stateful for k in t.keys}

@@ -1,5 +1,5 @@
 """What a worker's links carry: one partition of one call (`Work`), and what a worker keeps of a key's last answered
-round to seed a dead server's replacement with (`Saved`, docs/faults.md)."""
+round to seed a dead server's replacement with (`Seed`, docs/faults.md)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from gradwire.transport import shm
 from gradwire.worker.handle import Handle
 
 
-class Saved:
+class Seed:
     """What a worker keeps of its last answered round of one key (allocated once per key), to seed a new server with
     after a failover: the sum it received, or, for a key it pulls only a slice of (reducescatter, alltoall), its own
     contribution, which it resends flagged REPLAY so that the round can be summed again for the ranks still waiting."""
@@ -23,22 +23,22 @@ class Saved:
         self.contribution = contribution  # `data` is this worker's push, not the round's result
 
     @classmethod
-    def for_sum(cls, saved: dict[int, Saved], work: Work) -> Saved:
-        """The copy of `work`'s key's sum in `saved` (a worker's, by key), allocated once per key, that the next sum is
+    def for_sum(cls, seeds: dict[int, Seed], work: Work) -> Seed:
+        """The copy of `work`'s key's sum in `seeds` (a worker's, by key), allocated once per key, that the next sum is
         received into."""
-        copy = saved.get(work.key)
+        copy = seeds.get(work.key)
         if copy is None or len(copy.data) != work.nbytes:
-            copy = saved[work.key] = cls(work.nbytes, work.dtype)
+            copy = seeds[work.key] = cls(work.nbytes, work.dtype)
         return copy
 
     @classmethod
-    def keep_contribution(cls, saved: dict[int, Saved], work: Work) -> None:
+    def keep_contribution(cls, seeds: dict[int, Seed], work: Work) -> None:
         """Copy what this worker pushed in a sliced round into its key's saved copy, as the round is answered (its
         input is still the caller's until the handle completes): a dead server's replacement may need it again for
         the ranks it had not answered yet."""
-        copy = saved.get(work.key)
+        copy = seeds.get(work.key)
         if copy is None or len(copy.data) != len(work.send) or not copy.contribution:
-            copy = saved[work.key] = cls(len(work.send), work.dtype, contribution=True)
+            copy = seeds[work.key] = cls(len(work.send), work.dtype, contribution=True)
         copy.data[:] = work.send
         copy.round = work.round
 
@@ -96,7 +96,7 @@ class Work:
         self.out = out
         self.nbytes = out.nbytes  # what it pulls
         self.partial = partial  # it pulls only its slice of the key's result (so holds no sum to seed a failover)
-        self.replayable = replayable  # a sliced round's: its contribution is kept instead (see Saved)
+        self.replayable = replayable  # a sliced round's: its contribution is kept instead (see Seed)
         self.average = average
         self.handle = handle
         self.acked = False  # the server has our contribution: the window slot and credit are free again

@@ -7,7 +7,8 @@ import pytest
 from gradwire import partition
 from gradwire.errors import GradwireTimeout, RemoteProtocolError
 from gradwire.protocol import dtypes
-from gradwire.worker.tensors import Recut, Tensor
+from gradwire.worker.recut import Recut
+from gradwire.worker.tensors import Tensor
 
 F32 = dtypes.BY_NAME["float32"]
 

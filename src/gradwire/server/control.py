@@ -1,0 +1,155 @@
+"""A server's control connection to the scheduler: the keys it is to sum (KEYS), the workers that joined or left
+(JOINED, DEPARTED), an elastic reset or a new generation (RESET), a standby's promotion (PROMOTE), and the job's end
+(SHUTDOWN, ABORT).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from gradwire.errors import GradwireError, RemoteProtocolError, TensorError
+from gradwire.protocol import dtypes, messages
+from gradwire.protocol.frames import DEPARTED_EVENT, JOIN_EVENT, FrameType
+from gradwire.server import ops
+from gradwire.server.reader import claim
+from gradwire.server.state import ServerState
+
+log = logging.getLogger("gradwire.server")
+
+
+class ServerControl:
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self._handlers: dict[str, Callable[[dict], None]] = {
+            messages.KEYS: self._declare_keys,
+            messages.RESET: self._reset,
+            messages.JOINED: self._joined,
+            messages.DEPARTED: lambda body: self._set_joined([int(r) for r in body["ranks"]], DEPARTED_EVENT),
+            messages.PROMOTE: self._promote,
+        }
+
+    def loop(self) -> None:
+        """Serve the scheduler's messages until SHUTDOWN or ABORT (or a lost connection: the job's end)."""
+        state = self.state
+        assert state.scheduler is not None
+        try:
+            while True:
+                _, body = state.scheduler.recv_json(FrameType.CONTROL)
+                op = messages.check(body)
+                if op == messages.SHUTDOWN:
+                    break
+                if op == messages.ABORT:
+                    state.error = body["message"]
+                    self._tell_workers(body)
+                    break
+                if op in self._handlers:
+                    self._handlers[op](body)
+        except GradwireError as e:
+            if not state.done.is_set():
+                state.error = f"lost the scheduler: {e}"
+
+    def _reply(self, body: dict) -> None:
+        assert self.state.scheduler is not None
+        self.state.scheduler.send_json(FrameType.CONTROL, {"op": messages.REPLY, "id": body["id"]})
+
+    def _declare_keys(self, body: dict) -> None:
+        """Allocate the accumulators of keys this server owns, then tell the scheduler they are ready."""
+        state = self.state
+        name = str(body.get("name", "?"))
+        try:
+            op = ops.build(str(body.get("key_op", "sum")), body.get("op_args"))
+        except TensorError as e:
+            raise RemoteProtocolError(str(e)) from None
+        slices = body.get("slices") or {}
+        replicas = body.get("replicas") or {}
+        members = body.get("members")
+        if members is not None:
+            members = sorted({int(r) for r in members})
+            if not members or members[0] < 0 or members[-1] >= state.num_workers:
+                raise RemoteProtocolError(f"scheduler declared {name!r} for ranks {members} of {state.num_workers}")
+        for key, code, length in body["keys"]:
+            key, length = int(key), int(length)
+            dtype = dtypes.BY_CODE[int(code)]
+            if not 0 <= length + op.trailer <= state.config.partition_bytes or length % dtype.itemsize:
+                raise RemoteProtocolError(f"scheduler declared key {key:016x} with {length} bytes")
+            cut = _slices(slices.get(str(key)), key, length, dtype.itemsize, state.num_workers)
+            engine = state.engine_of(key)
+            engine.declare(key, dtype, length, name, op, cut, members)
+            target = replicas.get(str(key))
+            if target is not None and state.replicas is not None:  # its updates are replicated there
+                address = body["addresses"][str(target)]
+                if state.replicas.ensure(int(target), address):
+                    engine.keys[key].held.replica = int(target)
+        self._reply(body)
+
+    def _joined(self, body: dict) -> None:
+        self._set_joined([int(r) for r in body["ranks"]])
+        self._reply(body)
+
+    def _set_joined(self, ranks: list[int], flags: int = 0) -> None:
+        """The workers that have joined (hvd.join) changed, or (`flags` DEPARTED_EVENT) those that have left: each
+        engine learns it through its ring, in order with the pushes it has already taken (so a round begun before
+        goes on with zeros in their place, or fails at once)."""
+        mask = 0
+        for rank in ranks:
+            if not 0 <= rank < self.state.num_workers:
+                raise RemoteProtocolError(f"scheduler says worker {rank} joined or left, of {self.state.num_workers}")
+            mask |= 1 << rank
+        for engine in self.state.engines:
+            seq, slot = claim(engine.ring)
+            slot.valid, slot.flags, slot.key, slot.length, slot.conn = True, JOIN_EVENT | flags, mask, 0, None
+            engine.ring.publish(seq)
+
+    def _reset(self, body: dict) -> None:
+        """Elastic: the workers changed. Drop every worker connection, let the engines drain, and start every key
+        afresh for the new number of workers in the new epoch; then tell the scheduler. With `forget` (a new
+        generation of workers after shutdown() and init()), every key is dropped: they declare theirs anew."""
+        state = self.state
+        epoch, num_workers = int(body["epoch"]), int(body["num_workers"])
+        forget = bool(body.get("forget", False))
+        deadline = time.monotonic() + state.config.timeout
+        with state.links_lock:
+            state.epoch = epoch  # frames of the old epoch are refused from now on
+            links = list(state.links.values())
+        for link in links:
+            link.conn.close()
+        while (state.links or any(e.ring.occupancy for e in state.engines)) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        for engine in state.engines:
+            engine.reset(num_workers, forget=forget)
+        state.set_workers(num_workers)
+        generation = " (a new generation)" if forget else ""
+        log.info("epoch %d: starting afresh with %d workers%s", epoch, num_workers, generation)
+        self._reply(body)
+
+    def _promote(self, body: dict) -> None:
+        """A standby takes a dead server's place."""
+        state = self.state
+        state.rank, state.epoch, state.standby = int(body["rank"]), int(body["epoch"]), False
+        if state.replicas is not None:
+            state.replicas.rank = state.rank
+        if "id" in body:
+            self._reply(body)
+        log.warning("standby promoted: now server %d (epoch %d)", state.rank, state.epoch)
+
+    def _tell_workers(self, abort: dict) -> None:
+        """Pass an abort on before closing, so workers report the cause (and a lost rank), not a closed socket."""
+        body = {k: abort[k] for k in ("message", "lost_role", "lost_rank") if k in abort} | {"abort": True}
+        for link in list(self.state.links.values()):
+            try:
+                link.conn.send_json(FrameType.ERROR, body)
+            except GradwireError:
+                pass
+
+
+def _slices(cut: list | None, key: int, length: int, itemsize: int, num_workers: int) -> list[tuple[int, int]] | None:
+    """A key's per-rank result slices as the scheduler declared them, checked."""
+    if cut is None:
+        return None
+    cut = [(int(a), int(b)) for a, b in cut]
+    bad = len(cut) != num_workers
+    if bad or any(a < 0 or b < 0 or a + b > length or (a | b) % itemsize for a, b in cut):
+        raise RemoteProtocolError(f"scheduler declared key {key:016x} with slices {cut}")
+    return cut

@@ -1,0 +1,41 @@
+"""What every part of a server reads: its place in the job (rank, epoch, number of workers, standby), its engines,
+its links to the workers, the replicas it forwards to, and the scheduler connection. The parts (reader.py,
+control.py, replier.py) share one `ServerState`; the facade (server.py) wires them.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from gradwire.admin.metrics import Metrics
+from gradwire.config import Config
+from gradwire.server.engine import Engine
+from gradwire.server.replica import Replicas
+from gradwire.server.replier import WorkerLink
+from gradwire.transport import tcp
+
+
+class ServerState:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.secret = config.secret_bytes()
+        self.rank = -1
+        self.standby = False
+        self.epoch = 0  # frames of another epoch are refused
+        self.num_workers = 0
+        self.everyone = 0  # the bitmask of every worker's rank
+        self.engines: list[Engine] = []
+        self.links: dict[int, WorkerLink] = {}  # by worker rank
+        self.links_lock = threading.Lock()
+        self.replicas: Replicas | None = None  # forwards to the servers replicating this one's keys
+        self.scheduler: tcp.Connection | None = None
+        self.metrics = Metrics("server")
+        self.done = threading.Event()
+        self.error: str | None = None  # why the job ended badly
+
+    def set_workers(self, num_workers: int) -> None:
+        self.num_workers, self.everyone = num_workers, (1 << num_workers) - 1
+
+    def engine_of(self, key: int) -> Engine:
+        """The engine that owns `key`."""
+        return self.engines[key % len(self.engines)]

@@ -1,0 +1,373 @@
+"""The calls a training process makes: push_pull (allreduce), reduce-scatter, gather (allgather, broadcast,
+alltoall) and a server-side update, each asynchronous with a handle to synchronize; and hvd.join. A call numbers the
+tensor's next round, cuts it into its partitions (a `Work` each) and submits each to its server's link, at once or
+when the tensor's declaration completes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from gradwire.errors import GradwireError, GradwireTimeout, JobAborted, TensorError
+from gradwire.protocol import messages, update
+from gradwire.worker.control import Control
+from gradwire.worker.declaring import Declaring
+from gradwire.worker.handle import Handle
+from gradwire.worker.recut import Recut
+from gradwire.worker.state import WorkerState
+from gradwire.worker.tensors import Tensor, TensorTable
+from gradwire.worker.work import Work
+
+log = logging.getLogger("gradwire.worker")
+
+
+class Calls:
+    def __init__(
+        self, state: WorkerState, table: TensorTable, control: Control, declaring: Declaring, recut: Recut
+    ) -> None:
+        self.state = state
+        self.table = table
+        self.control = control
+        self.declaring = declaring
+        self.recut = recut
+
+    rank = property(lambda self: self.state.rank)
+    size = property(lambda self: self.state.size)
+    timeout = property(lambda self: self.state.config.timeout)
+
+    def push_pull_async(
+        self,
+        array: np.ndarray,
+        name: str,
+        average: bool = False,
+        priority: int = 0,
+        out: np.ndarray | None = None,
+        dtype: object = None,
+        op: str = "sum",
+        members: list[int] | None = None,
+    ) -> Handle:
+        """Start summing `array` across workers; the sum (or average) lands in `out` (a new array if None).
+        `op` is the reduction: "sum" (the default), "min", "max" or "product". `members`: only these ranks take
+        part (a process set; each of them calls it, the average divides by their number).
+
+        `out` may be `array` itself (in place). Neither may be modified until the handle completes.
+        `dtype` overrides the wire dtype name (e.g. "bfloat16" for uint16-held bfloat16 bits).
+        """
+        self.state.check_usable()
+        if not isinstance(array, np.ndarray):
+            raise TensorError(f"push_pull of {name!r} needs a numpy array, got {type(array).__name__}", tensor=name)
+        # np.ascontiguousarray turns a 0-dim array into shape (1,): keep the caller's shape (a scalar is a tensor)
+        src = array if array.flags.c_contiguous else np.ascontiguousarray(array).reshape(array.shape)
+        if out is None:
+            out = np.empty_like(src)
+        elif out.shape != src.shape or out.dtype != src.dtype:
+            raise TensorError(
+                f"worker {self.rank}: push_pull of {name!r} got an input of {src.dtype}{list(src.shape)} but an "
+                f"output of {out.dtype}{list(out.shape)}; pass an output of the input's shape and dtype",
+                tensor=name,
+                rank=self.rank,
+            )
+        elif not out.flags.c_contiguous:
+            raise TensorError(
+                f"worker {self.rank}: the output of push_pull {name!r} must be C-contiguous (got strides "
+                f"{out.strides}); pass np.ascontiguousarray(out) or no output",
+                tensor=name,
+                rank=self.rank,
+            )
+        tensor = self.declaring.declare(name, src.shape, dtype or src.dtype, op, wait=False, members=members)
+        return self._launch(
+            tensor, out, src.reshape(-1), 0, out.reshape(-1), 0, self._divisor(average, members), priority
+        )
+
+    def _launch(
+        self,
+        tensor: Tensor,
+        out: np.ndarray,
+        send: np.ndarray,
+        send_at: int,
+        pull: np.ndarray,
+        pull_at: int,
+        average: int,
+        priority: int,
+        extra: np.ndarray | None = None,
+        partial: bool = False,
+        same_round: bool = False,
+    ) -> Handle:
+        """Push every partition of `tensor`'s next round: `send` holds the elements [send_at, send_at + len) of the
+        tensor that this worker contributes (all of them for a reduction, its own segment for a gather); the result's
+        elements [pull_at, pull_at + len) land in `pull` (a view of `out`): all of them, or this rank's slice.
+        `extra`: bytes every partition's push carries after its data (a server-side update's trailer). `partial`: the
+        answers are not results to keep for a failover (reads of a server's state). `same_round`: not a new round
+        (a read or write that its server answers outside the rounds)."""
+        tensor = self._follow(tensor)
+        handle, rnd = self._begin(tensor, out, same_round)
+
+        def submit(error: GradwireError | None) -> None:
+            if error is not None:
+                handle.fail(error)
+                return
+            with self.state.lock:
+                servers = list(tensor.servers)
+            handle.add_parts(len(tensor.parts))
+            code, sent, pulled = tensor.dtype.code, len(send), len(pull)
+            extra_view = memoryview(extra).cast("B") if extra is not None else None
+            for part, key, server in zip(tensor.parts, tensor.keys, servers, strict=True):
+                lo, hi = part.start, part.start + part.count
+                give = send[min(max(lo - send_at, 0), sent) : min(max(hi - send_at, 0), sent)]
+                take = pull[min(max(lo - pull_at, 0), pulled) : min(max(hi - pull_at, 0), pulled)]
+                sliced = len(take) < hi - lo
+                work = Work(
+                    tensor.name,
+                    key,
+                    rnd,
+                    code,
+                    give,
+                    take,
+                    average,
+                    handle,
+                    part.index,
+                    partial=partial or sliced,
+                    replayable=sliced and not partial,
+                )
+                self.state.links[server].submit(work.trail(extra_view), priority)
+            handle.part_done()  # the declaration's part
+
+        with self.state.lock:
+            declared = tensor.ready.is_set()
+            if not declared:
+                tensor.waiting.append(submit)
+        if declared:
+            submit(tensor.error)
+        return handle
+
+    def _follow(self, tensor: Tensor) -> Tensor:
+        """The tensor whose keys take `tensor`'s next round: itself, or its re-cut's successor from the round the
+        scheduler chose (worker/tensors.py). Waits while a re-cut's step 1 holds the round, and for the successor's
+        declaration (neither waits for the data path); a successor the scheduler refused is dropped on every worker
+        alike, and the tensor keeps its partitions."""
+        if tensor.successor is None and not self.recut.holds:
+            return tensor
+        deadline = time.monotonic() + self.timeout
+        with self.state.lock:
+            current = self.recut.wait_turn(tensor, self.timeout, f"worker {self.rank}")
+            previous = [t for t in tensor.chain() if t is not current and t.in_flight is not None]
+        if previous:  # what _begin checks, across the re-cut
+            raise self._in_flight_error(previous[0])
+        if current is not tensor and not current.ready.wait(max(0.0, deadline - time.monotonic())):
+            raise GradwireTimeout(
+                f"worker {self.rank}: the re-cut of {tensor.root!r} was not declared in {self.timeout}s",
+                tensor=current.name,
+            )
+        if current.error is not None:
+            with self.state.lock:
+                for t in tensor.chain():
+                    if t.successor is not None and t.successor[1] is current:
+                        t.successor = None
+            log.warning("worker %d: %r keeps its partitions: %s", self.rank, tensor.root, current.error)
+            return self._follow(tensor)
+        return current
+
+    def _divisor(self, average: bool, members: list[int] | None) -> int:
+        """What the sum is divided by: the number of ranks taking part, for an average."""
+        return (self.size if members is None else len(members)) if average else 1
+
+    def _check_output(self, what: str, name: str, out: np.ndarray, count: int, dtype: np.dtype) -> None:
+        if out.size != count or not out.flags.c_contiguous or out.dtype != dtype:
+            raise TensorError(
+                f"worker {self.rank}: {what} for {self.size} workers needs a C-contiguous output of {count} {dtype} "
+                f"elements, got {out.size} {out.dtype}",
+                tensor=name,
+                rank=self.rank,
+            )
+
+    def reduce_scatter_async(
+        self,
+        array: np.ndarray,
+        name: str,
+        slices: list[tuple[int, int]],
+        out: np.ndarray,
+        average: bool = False,
+        priority: int = 0,
+        op: str = "sum",
+        dtype: object = None,
+        members: list[int] | None = None,
+    ) -> Handle:
+        """Reduce `array` across workers and receive only this worker's part of the result: worker r receives
+        `slices[r]` = (first element, count) of the flattened result into its `out`. Each worker pushes all of its
+        array and pulls only its slice (half an allreduce's bytes). Every worker passes the same `slices`."""
+        self.state.check_usable()
+        src = np.ascontiguousarray(array).reshape(array.shape)
+        first, count = slices[self.rank] if len(slices) == self.size else (0, -1)
+        self._check_output(f"reduce-scatter of {name!r} with slices {slices}", name, out, count, src.dtype)
+        tensor = self.declaring.declare(name, src.shape, dtype or src.dtype, op, slices, wait=False, members=members)
+        n = self._divisor(average, members)
+        return self._launch(tensor, out, src.reshape(-1), 0, out.reshape(-1), first, n, priority)
+
+    def gather_async(
+        self,
+        array: np.ndarray,
+        name: str,
+        counts: list[int],
+        out: np.ndarray,
+        slices: list[tuple[int, int]] | None = None,
+        priority: int = 0,
+        shape: tuple[int, ...] | None = None,
+        meta: str | None = None,
+        dtype: object = None,
+        members: list[int] | None = None,
+    ) -> Handle:
+        """Concatenate every worker's `array` (flattened), in rank order, on the servers.
+
+        `counts[r]` is the number of elements worker r contributes (this worker's must be `array.size`). The result
+        has sum(counts) elements; worker r receives `slices[r]` = (first, count) of them into its `out` (None: all
+        of them). So a broadcast is a gather to which only the root contributes, and an alltoall is one gather per
+        destination that only the destination pulls. Every worker passes the same `counts` and `slices`. `shape` is
+        what the tensor is declared as (checked across workers); it defaults to (sum(counts),). `dtype` overrides the
+        wire dtype's name (bfloat16 held as uint16).
+        """
+        self.state.check_usable()
+        counts = [int(c) for c in counts]
+        if len(counts) != self.size or counts[self.rank] != array.size or min(counts) < 0:
+            raise TensorError(
+                f"worker {self.rank}: gather of {name!r} got counts {counts} for {self.size} workers and "
+                f"{array.size} elements of its own",
+                tensor=name,
+                rank=self.rank,
+            )
+        total = sum(counts)
+        first, count = slices[self.rank] if slices is not None else (0, total)
+        self._check_output(f"gather of {name!r}", name, out, count, array.dtype)
+        src = np.ascontiguousarray(array).reshape(-1)
+        tensor = self.declaring.declare(
+            name, shape or (total,), dtype or src.dtype, "gather", slices, meta, wait=False, members=members
+        )
+        return self._launch(tensor, out, src, sum(counts[: self.rank]), out.reshape(-1), first, 1, priority)
+
+    def update_async(
+        self,
+        array: np.ndarray | None,
+        name: str,
+        out: np.ndarray,
+        args: dict,
+        kind: int = update.GRAD,
+        hyper: list[float] | None = None,
+        which: int = 0,
+        priority: int = 0,
+        members: list[int] | None = None,
+    ) -> Handle:
+        """Parameter-server mode (docs/ps-mode.md): tensor `name`'s servers hold its parameters and the state of the
+        optimizer `args` (protocol/update.py). `kind` GRAD: push the gradients `array`; the new parameters land in
+        `out` once every member's are in (or, asynchronous, once this worker is within the staleness bound). INIT
+        (every member, once): the first member's parameters `array` are installed and land in `out` on every member.
+        READ: tensor `which` of the servers' state lands in `out` (`array` None). WRITE: `array` becomes tensor
+        `which` (-1: the parameters, with the optimizer's state afresh); the parameters land in `out`. Reads and
+        writes go to the servers alone, outside the rounds (any worker, any time between its updates).
+        `hyper`: the algorithm's hyper-parameters for this push, in the order of update.HYPER."""
+        self.state.check_usable()
+        if out.dtype.name not in update.DTYPES or not out.flags.c_contiguous:
+            raise TensorError(
+                f"worker {self.rank}: a server-side optimizer's tensor {name!r} must be C-contiguous float32 or "
+                f"float64, got {out.dtype}",
+                tensor=name,
+                rank=self.rank,
+            )
+        if array is not None and (array.shape != out.shape or array.dtype != out.dtype):
+            raise TensorError(
+                f"worker {self.rank}: update of {name!r}: input {array.dtype}{list(array.shape)}, parameters "
+                f"{out.dtype}{list(out.shape)}",
+                tensor=name,
+                rank=self.rank,
+            )
+        send = np.ascontiguousarray(array).reshape(-1) if array is not None else out.reshape(-1)[:0]
+        tensor = self.declaring.declare(
+            name, out.shape, out.dtype, "optimizer", wait=False, members=members, op_args=args
+        )
+        extra = update.trailer(kind, which, hyper)
+        direct = kind in (update.READ, update.WRITE)
+        return self._launch(
+            tensor, out, send, 0, out.reshape(-1), 0, 1, priority, extra=extra, partial=direct, same_round=direct
+        )
+
+    def _begin(self, tensor: Tensor, out: np.ndarray, same_round: bool = False) -> tuple[Handle, int]:
+        """A handle for the tensor's next round, and that round (numbered here, in call order; `same_round`: the
+        last one again). The handle counts one part for the declaration, and the partitions once they are known."""
+        self.state.check_usable()
+        with self.state.lock:
+            if tensor.in_flight is not None:
+                raise self._in_flight_error(tensor)
+            tensor.round += 0 if same_round else 1
+            if self.state.active == 0 and self.state.timeline:
+                self.state.timeline.new_step()  # a step: from no push_pull in flight to one
+            self.state.active += 1
+            handle = Handle(tensor.name, out, 1, self._finished)
+            tensor.in_flight = handle
+        return handle, tensor.round
+
+    def _in_flight_error(self, tensor: Tensor) -> TensorError:
+        return TensorError(
+            f"a push_pull of {tensor.root or tensor.name!r} is already in flight on worker {self.rank}: synchronize "
+            "its handle before pushing the tensor again, or give each concurrent tensor its own name (two "
+            "models whose parameters share names: pass named_parameters with a prefix per model)",
+            tensor=tensor.name,
+            rank=self.rank,
+        )
+
+    def _finished(self, handle: Handle) -> None:
+        self.state.metrics.round_done()
+        with self.state.lock:
+            self.state.active -= 1
+            tensor = self.table.tensors.get(handle.name)
+            if tensor is not None and tensor.in_flight is handle:
+                tensor.in_flight = None
+
+    def synchronize(self, handle: Handle) -> np.ndarray:
+        """Wait for a handle; returns the output array, raises the error that failed it.
+
+        Waiting for a tensor whose declaration is not complete (other workers have not called it yet) is said to the
+        scheduler: if one of them is waiting in a barrier meanwhile, neither can go on, and the scheduler fails the
+        declaration at once rather than both waiting until the timeout (a collective one worker skipped)."""
+        if not handle.done():
+            with self.state.lock:
+                tensor = self.table.tensors.get(handle.waits_on or handle.name)
+                pending = tensor is not None and not tensor.ready.is_set()
+            if pending:
+                self.control.send({"op": messages.BLOCKED, "name": tensor.name})
+        return handle.wait(self.timeout, describe=lambda: self._describe_outstanding(handle.name))
+
+    def push_pull(
+        self, array: np.ndarray, name: str, average: bool = False, priority: int = 0, op: str = "sum"
+    ) -> np.ndarray:
+        """Sum (or reduce by `op`) `array` across workers (blocking); returns a new array."""
+        return self.synchronize(self.push_pull_async(array, name, average, priority, op=op))
+
+    def push_pull_inplace(self, array: np.ndarray, name: str, average: bool = False, priority: int = 0) -> np.ndarray:
+        """Sum `array` across workers into itself (blocking); returns `array`."""
+        if not array.flags.c_contiguous:
+            raise TensorError(f"in-place push_pull of {name!r} needs a C-contiguous array", tensor=name)
+        return self.synchronize(self.push_pull_async(array, name, average, priority, out=array))
+
+    def _describe_outstanding(self, name: str) -> str:
+        busy = [f"server {link.server} ({link.conn.peer})" for link in self.state.links if name in link.outstanding()]
+        return f"; partitions still out on {', '.join(busy)}" if busy else ""
+
+    def join(self) -> int:
+        """Horovod's join: this worker is out of data. Until every worker has joined, the others' allreduces go on
+        with zeros in this worker's place (an average still divides by every worker, as Horovod's does; an
+        allgather, broadcast, alltoall or reducescatter fails on them with TensorMismatch). Blocks until every worker
+        has joined (no timeout: the others may train on for long; a lost worker still ends it, with WorkerLost), then
+        returns the rank of the last to join, the same on every worker."""
+        self.state.check_usable()
+        with self.state.lock:
+            rounds = self.table.rounds()
+        request = self.control.request_async({"op": messages.JOIN, "rounds": rounds})
+        request.wait()
+        if request.reply is None:  # woken by an abort or a membership change
+            self.state.check_usable()
+            raise JobAborted(f"worker {self.rank}: join was cancelled", rank=self.rank)
+        reply = request.reply
+        with self.state.lock:  # rounds the others summed while this worker had joined: the next is after them
+            self.table.skip_to(reply.get("rounds", {}))
+        return int(reply["last"])

@@ -1,0 +1,130 @@
+"""Connecting a worker: the rendezvous with the scheduler, and a link to every server. To a server on this host and
+network namespace a Unix socket with shared-memory slots (transport/shm.py); else TCP. Links to servers on the network
+are paced against each other by the placement's weights (worker/credit.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gradwire.protocol.frames import FrameType
+from gradwire.scheduler.client import join
+from gradwire.transport import shm, tcp
+from gradwire.worker.link import ServerLink
+from gradwire.worker.lost_link import LostLink
+from gradwire.worker.state import WorkerState
+from gradwire.worker.work import Seed, Work
+
+log = logging.getLogger("gradwire.worker")
+
+
+@dataclass
+class LinkHooks:
+    """What a failover needs of every link (worker/failover.py): where it keeps each key's seed, whom it tells when
+    its server is lost, and how a lost server's link hands its partitions back."""
+
+    seeds: dict[int, Seed] | None  # None: failover is off
+    on_lost: Callable[[ServerLink, BaseException], None] | None
+    resubmit: Callable[[Work, int], None]
+
+
+class Connecting:
+    def __init__(self, state: WorkerState) -> None:
+        self.state = state
+
+    def rendezvous(self, admin_port: int, admin_host: str) -> tuple[tcp.Connection, dict]:
+        """Join the job: the scheduler connection and the address book. Also the skew of this host's wall clock
+        against the scheduler's, from the book's stamp (late by its one-way trip: well under a millisecond on a LAN),
+        for the timeline's time base."""
+        config = self.state.config
+        conn, book = join(
+            config,
+            "worker",
+            port=0,
+            admin=admin_port,
+            admin_host=admin_host,
+            host_id=tcp.host_identity(),
+            link_rate=config.link_rate_bytes(),
+        )
+        self.state.clock_skew = float(book.get("wall_time", time.time())) - time.time()
+        return conn, book
+
+    def connect_all(self, servers: list[dict], hooks: LinkHooks) -> None:
+        """A link to every server of the address book (a lost one's keys moved: a LostLink in its place)."""
+        links: list[ServerLink | LostLink] = []
+        for index, server in enumerate(servers):
+            links.append(LostLink(index, hooks.resubmit) if server.get("lost") else self.link(index, server, hooks))
+        self.state.links = links
+        for link in links:
+            link.start()
+
+    def link(self, index: int, server: dict, hooks: LinkHooks) -> ServerLink:
+        """A link to server `index` (not started)."""
+        state = self.state
+        conn, arena = self._connect(server)
+        assert state.credit is not None
+        link = ServerLink(
+            conn,
+            index,
+            state.rank,
+            state.epoch,
+            state.config.window,
+            state.credit,
+            arena,
+            state.metrics,
+            state.timeline,
+            state.config.unanswered,
+            seeds=hooks.seeds,
+            on_lost=hooks.on_lost,
+        )
+        weights = [float(w) for w in state.placement.get("weights") or []]
+        if link.transport == "tcp" and index < len(weights):  # only links on the network are paced
+            state.credit.pace(index, weights[index] / sum(weights))
+        return link
+
+    def _connect(self, server: dict) -> tuple[tcp.Connection, shm.Arena | None]:
+        """To a server on this host and network namespace a Unix socket with shared slots; else TCP."""
+        state = self.state
+        options = dict(
+            secret=state.secret,
+            role="worker",
+            rank=state.rank,
+            max_payload=state.slot_limit,  # partitions may grow to the servers' slots: a re-cut (scheduler/adapt.py)
+            timeout=state.config.timeout,
+            buffer_bytes=state.config.socket_buffer_bytes,
+        )
+        local = server.get("host_id") and server["host_id"] == tcp.host_identity()
+        transport = state.config.transport
+        if transport in ("auto", "unix") and local and server.get("unix"):
+            try:
+                conn = tcp.connect(server["unix"], **options)  # type: ignore[arg-type]
+            except OSError as e:
+                log.info("Unix socket to server at %s failed (%s); using TCP", server["host"], e)
+            else:
+                return conn, self._attach_shared(conn) if transport == "auto" else None
+        return tcp.connect((server["host"], int(server["port"])), **options), None  # type: ignore[arg-type]
+
+    def _attach_shared(self, conn: tcp.Connection) -> shm.Arena | None:
+        """Offer the server shared slots; None (plain socket transfers) if either side cannot."""
+        window = self.state.config.window
+        try:
+            arena = shm.Arena.create(window, 2 * window, self.state.partition_bytes)
+        except (OSError, ValueError) as e:
+            log.info("no shared memory (%s); using the socket", e)
+            return None
+        try:
+            body = {"path": arena.path, "push": arena.push, "pull": arena.pull, "slot_bytes": arena.slot_bytes}
+            conn.send_json(FrameType.SHM_ATTACH, body)
+            conn.sock.settimeout(self.state.config.timeout)
+            _, reply = conn.recv_json(FrameType.SHM_ATTACH)
+            conn.sock.settimeout(None)
+        finally:
+            arena.unlink()  # mapped on both sides now (or refused): nothing stays in /dev/shm
+        if not reply.get("ok"):
+            log.info("server refused shared memory: %s", reply.get("error"))
+            arena.close()
+            return None
+        return arena

@@ -1,0 +1,170 @@
+"""A worker's side of server failover (docs/faults.md). Every link keeps each key's last answered round (`Seed`,
+worker/work.py) and, when its server dies, everything unanswered. The scheduler moves the dead server's keys (to a
+standby at the same index, or onto the survivors) and says so (REPLACE); the worker re-routes, resends what was not
+answered, reports per moved key what it holds, and seeds the rounds that the dead server answered to some workers
+only, where the scheduler asks (SEED).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from gradwire.errors import GradwireError, JobAborted
+from gradwire.protocol import messages
+from gradwire.protocol.frames import REPLAY, SEED
+from gradwire.worker.connecting import Connecting, LinkHooks
+from gradwire.worker.control import Control
+from gradwire.worker.link import ServerLink
+from gradwire.worker.recut import Retuning
+from gradwire.worker.state import SHUTDOWN_JOIN_SECONDS, WorkerState
+from gradwire.worker.tensors import TensorTable
+from gradwire.worker.work import Seed, Work
+
+log = logging.getLogger("gradwire.worker")
+SEED_PRIORITY = 1 << 62  # seeds leave a new link before anything else
+
+
+class Failover:
+    def __init__(
+        self, state: WorkerState, table: TensorTable, control: Control, retuning: Retuning, connecting: Connecting
+    ) -> None:
+        self.state = state
+        self.table = table
+        self.control = control
+        self.retuning = retuning
+        self.connecting = connecting
+        seeds: dict[int, Seed] | None = {} if state.config.server_failover else None
+        on_lost = self.on_link_lost if seeds is not None else None
+        self.hooks = LinkHooks(seeds, on_lost, self.resubmit)  # every link's (connecting.py)
+        self.records: list[dict] = []  # what happened at each failover, for status and tests
+        self._lock = threading.Lock()  # one failover at a time
+        self._lost_at: dict[int, float] = {}  # when a link to each server died (wall clock), for the record
+
+    @property
+    def seeds(self) -> dict[int, Seed]:
+        return self.hooks.seeds if self.hooks.seeds is not None else {}
+
+    def on_link_lost(self, link: ServerLink, error: BaseException) -> None:
+        """A server's connection died (a link thread calls this once): tell the scheduler, keep the work."""
+        if self.state.closed:  # shutting down: servers close connections after our bye
+            return
+        self._lost_at[link.server] = time.time()
+        log.warning(
+            "worker %d lost server %d (%s): %s; its unanswered partitions wait for the scheduler to move its keys",
+            self.state.rank,
+            link.server,
+            link.conn.peer,
+            error,
+        )
+        self.control.send({"op": messages.SERVER_LOST, "server": link.server, "epoch": link.epoch, "error": str(error)})
+
+    def on_replace(self, body: dict) -> None:
+        """REPLACE: the scheduler moved a dead server's keys (to a standby at the same index, or onto the survivors).
+
+        The dead link is retired (its submits redirected) only after the new owners are known. Then the worker tells
+        the scheduler, per moved key, the round of the sum it holds and the round it resends; the scheduler asks one
+        holder to seed each round that another worker still waits for (`on_seed`), so seeds move only where the dead
+        server died mid-answer.
+        """
+        state = self.state
+        started, told_at = time.monotonic(), time.time()
+        dead, state.epoch = int(body["server"]), int(body["epoch"])
+        self.retuning.retune(body.get("tuning"))
+        old = state.links[dead]
+        with self._lock:
+            orphans = old.detach(SHUTDOWN_JOIN_SECONDS)
+            standby = body.get("standby")
+            if standby and not self._replace_link(dead, standby):
+                return
+            moved = {str(name): [int(s) for s in servers] for name, servers in body["moved"].items()}
+            with state.lock:
+                moved_keys = self.table.move(moved, dead)
+            orphans += old.retire(self.resubmit)
+            seeded = self._seed_state(moved_keys)
+            for work in orphans:
+                self.resubmit(work, 0)
+            held = self._held(moved_keys, orphans)
+        # even empty: the scheduler waits for every worker's report
+        self.control.send({"op": messages.FAILOVER_STATE, "epoch": state.epoch, "keys": held})
+        record = {
+            "server": dead,
+            "epoch": state.epoch,
+            "standby": bool(standby),
+            "resent": len(orphans),
+            "seeds": seeded,  # parameters resent for a server-side optimizer; plus on_seed's, if any
+            "seconds": time.monotonic() - started,
+            "lost_at": self._lost_at.pop(dead, None),  # wall clock: when this worker saw the connection die
+            "told_at": told_at,  # when the scheduler's REPLACE arrived
+        }
+        self.records.append(record)
+        where = "to a standby" if standby else "onto the surviving servers"
+        log.warning(
+            "worker %d: server %d's keys moved (%s); resent %d partitions in %.1f ms",
+            *(state.rank, dead, where, len(orphans), record["seconds"] * 1e3),
+        )
+
+    def _replace_link(self, dead: int, standby: dict) -> bool:
+        """A link to the standby that took server `dead`'s place; False (and every call failed) if unreachable."""
+        state = self.state
+        try:
+            state.links[dead] = self.connecting.link(dead, standby, self.hooks)
+        except (GradwireError, OSError) as e:
+            error = JobAborted(f"worker {state.rank} cannot reach standby server {dead}: {e}", rank=state.rank)
+            self.control.fail_all(error)
+            return False
+        state.links[dead].start()
+        return True
+
+    def _held(self, moved_keys: list[int], orphans: list[Work]) -> dict[str, list[int]]:
+        """Per moved key: [the round of the sum held, the round resent, whether what is held is this worker's
+        contribution] (the scheduler's FAILOVER_STATE: who seeds what, docs/faults.md)."""
+        pending = {w.key: w.round for w in orphans}
+        seeds = self.seeds
+        return {
+            str(k): [
+                seeds[k].round if k in seeds else -1,
+                pending.get(k, -1),
+                int(k in seeds and seeds[k].contribution),
+            ]
+            for k in moved_keys
+            if k in seeds or k in pending
+        }
+
+    def _seed_state(self, keys: list[int]) -> int:
+        """Resend the parameters this worker holds of every moved key whose servers hold state (parameter-server
+        mode, docs/ps-mode.md), ahead of its resent pushes: the new server starts from them."""
+        with self.state.lock:
+            stateful = self.table.stateful_keys()
+        seeds = self.seeds
+        return sum(self._seed(key, seeds[key]) for key in keys if key in stateful and key in seeds)
+
+    def on_seed(self, body: dict) -> None:
+        """SEED: resend the sums (or, for sliced keys, the contributions) the scheduler asked for: a round another
+        worker still waits for. One already replaced by a later round's is not needed any more: that later round could
+        only complete once everyone had this one."""
+        seeds = self.seeds
+        asked = [int(k) for k, rnd in body["keys"] if int(k) in seeds and seeds[int(k)].round == int(rnd)]
+        sent = sum(self._seed(key, seeds[key]) for key in asked)
+        if self.records:
+            self.records[-1]["seeds"] += sent
+        log.warning("worker %d: seeded %d sums the new servers' workers were waiting for", self.state.rank, sent)
+
+    def _seed(self, key: int, seed: Seed) -> bool:
+        """Send the sum this worker holds of `key` to the key's server, flagged SEED (its contribution to a sliced
+        round: REPLAY); False if it holds none (or the key has no server)."""
+        with self.state.lock:
+            server = self.table.owner.get(key)
+        if server is None or seed.round < 0:
+            return False
+        flag = REPLAY if seed.contribution else SEED
+        work = Work("", key, seed.round, seed.dtype, seed.data, seed.data, 1, None, seed=flag)
+        self.state.links[server].submit(work, SEED_PRIORITY)
+        return True
+
+    def resubmit(self, work: Work, priority: int) -> None:
+        """Push a partition again, to its key's server now."""
+        with self.state.lock:
+            server = self.table.owner[work.key]
+        self.state.links[server].submit(work, priority)

@@ -1,0 +1,159 @@
+"""Re-cuts and re-tunes while the job runs (scheduler/adapt.py). A re-tune changes every link's window and cap and
+the partition size of tensors declared from then on; a re-cut gives the tensors already declared new partitions.
+
+Every worker must make a re-cut at the same round of each tensor, or a round would wait for partitions another worker
+cuts differently. Step 1 (RECUT): the worker reports its round of each tensor and holds calls RECUT_AHEAD rounds past
+it. Step 2 (RETUNE): the scheduler says, per tensor, the first round cut anew; the tensor gets a successor
+(`root~generation`, new keys) that carries its rounds from then on, and the holds are released.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from gradwire.errors import GradwireTimeout, RemoteProtocolError
+from gradwire.protocol import messages
+from gradwire.protocol.frames import FrameType
+from gradwire.worker.control import Control
+from gradwire.worker.declaring import Declaring
+from gradwire.worker.link import ServerLink
+from gradwire.worker.state import WorkerState
+from gradwire.worker.tensors import Tensor, TensorTable
+
+log = logging.getLogger("gradwire.worker")
+
+
+class Recut:
+    """The worker's side of re-cuts (the module docstring). Every method is called with `lock` held, the lock that
+    guards the worker's tensors; `wait_turn` waits on it."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self.holds: dict[str, int] = {}  # root name -> the first round held until the RETUNE
+        self.generation = 0  # of the re-cut in step 1
+        self.released = threading.Condition(lock)
+        self.history: list[dict] = []  # each re-cut: generation, tensors, the partition size, when told
+
+    def hold(self, tensors: list[Tensor], generation: int) -> dict[str, int]:
+        """Step 1: each re-cuttable tensor's round, reported; calls RECUT_AHEAD rounds past it wait from now on."""
+        rounds = {}
+        for tensor in tensors:
+            current = tensor.current()
+            # not one whose last re-cut is still ahead (its successor's round is not the calls' yet)
+            if tensor.root == tensor.name and current is tensor.current(next_round=True) and current.recuttable:
+                rounds[tensor.name] = current.round
+        self.holds = {name: r + messages.RECUT_AHEAD for name, r in rounds.items()}
+        self.generation = generation
+        return rounds
+
+    def cut(
+        self, tensors: dict[str, Tensor], switch: dict, generation: int, partition_bytes: int, who: str
+    ) -> list[Tensor]:
+        """Step 2: a successor for each tensor in `switch` (name -> its first round cut anew) that partitions of
+        `partition_bytes` cut otherwise, added to `tensors` and returned (to be declared); the holds of `generation`
+        released. Raises RemoteProtocolError for a round this worker (`who`) has passed (the scheduler broke step
+        1)."""
+        successors = []
+        for name, first in switch.items():
+            tensor = tensors.get(name)
+            if tensor is None:
+                continue
+            last = tensor.current()
+            if last.successor is not None or last.round >= int(first):
+                raise RemoteProtocolError(f"{who}: re-cut of {name!r} at round {first} came too late")
+            if last.fits_one(partition_bytes):
+                continue  # one partition before and after: nothing to re-cut (the same on every worker)
+            new = Tensor(f"{name}~{generation}", last.shape, last.dtype, user_name=last.user_name, root=name)
+            new.signature, new.round = last.signature, int(first) - 1
+            tensors[new.name] = new
+            last.successor = (int(first), new)
+            successors.append(new)
+        if generation == self.generation:
+            self.release()
+        if successors:
+            record = {"generation": generation, "tensors": len(successors), "partition_bytes": partition_bytes}
+            self.history.append(record | {"at": time.time()})  # when told: its new partitions start two rounds later
+        return successors
+
+    def release(self) -> None:
+        """No call is held any more (the re-cut's RETUNE came, or the job re-formed)."""
+        self.holds = {}
+        self.released.notify_all()
+
+    def wait_turn(self, tensor: Tensor, timeout: float, who: str) -> Tensor:
+        """The tensor whose keys take `tensor`'s next round, once no re-cut holds that round (for at most `timeout`
+        seconds; `who` names the worker in the error)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            current = tensor.current(next_round=True)
+            hold = self.holds.get(tensor.root)
+            if hold is None or current.round + 1 < hold:
+                return current
+            if not self.released.wait(max(0.0, deadline - time.monotonic())):
+                raise GradwireTimeout(
+                    f"{who}: the scheduler did not say where {tensor.root!r} is cut anew (re-cut {self.generation}) "
+                    f"in {timeout}s",
+                    tensor=tensor.root,
+                )
+
+
+class Retuning:
+    """The scheduler's RECUT and RETUNE (and a failover's new settings), applied to this worker."""
+
+    def __init__(self, state: WorkerState, table: TensorTable, control: Control, declaring: Declaring) -> None:
+        self.state = state
+        self.table = table
+        self.control = control
+        self.declaring = declaring
+        self.recut = Recut(state.lock)
+
+    def retune(self, tuning: dict | None) -> None:
+        """New settings from the scheduler (a re-derivation, a failover): every link's window and cap from now on,
+        and the partition size of tensors declared from now on (declared ones keep their keys)."""
+        state = self.state
+        if not tuning or tuning == state.tuning:
+            return
+        state.tuning = tuning
+        state.config = state.config.tuned(tuning)
+        state.partition_bytes = min(state.config.partition_bytes, state.carry_limit())
+        if state.credit is not None:  # pacing's lead is counted in partitions
+            state.credit.set_lead(state.pacing_lead())
+        for link in state.links:
+            if isinstance(link, ServerLink):
+                link.set_flow(state.config.window, state.config.unanswered)
+
+    def on_recut(self, body: dict) -> None:
+        """RECUT (step 1): report each tensor's round, and hold calls two rounds past it until RETUNE says where the
+        new partitions begin."""
+        state = self.state
+        with state.lock:
+            rounds = self.recut.hold(list(self.table.tensors.values()), int(body["generation"]))
+        reply = {
+            "op": messages.RECUT_ROUNDS,
+            "generation": body["generation"],
+            "rounds": rounds,
+            "largest_partition": state.carry_limit(),
+        }
+        if "partition_bytes" in state.config.explicit:
+            reply["fixed"] = True
+        assert self.control.conn is not None
+        self.control.conn.send_json(FrameType.CONTROL, reply)
+
+    def on_retune(self, body: dict) -> None:
+        """RETUNE: new settings (scheduler/adapt.py); `switch`: per tensor, the round from which it is cut anew."""
+        state = self.state
+        self.retune(body["tuning"])
+        generation, switch = int(body.get("generation", 0)), body.get("switch") or {}
+        with state.lock:
+            who = f"worker {state.rank}"
+            successors = self.recut.cut(self.table.tensors, switch, generation, state.partition_bytes, who)
+        for new in successors:
+            self.declaring.send(new)
+        if successors:
+            log.info(
+                "worker %d re-cuts %d tensors into %d-byte partitions",
+                state.rank,
+                len(successors),
+                state.partition_bytes,
+            )

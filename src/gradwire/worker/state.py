@@ -1,0 +1,80 @@
+"""What every part of a worker reads: its place in the job (rank, size, epoch, hosts), the settings in force, its
+links and credit, and whether it can still be used. The parts (calls, declaring, control, recut, failover, elastic,
+connecting) share one `WorkerState` and never reach into each other's fields; the facade (worker.py) wires them.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from gradwire.admin.metrics import Metrics
+from gradwire.admin.timeline import Timeline
+from gradwire.config import Config
+from gradwire.errors import ConfigError, JobAborted, MembershipChanged
+from gradwire.worker.credit import Credit
+from gradwire.worker.link import ServerLink
+from gradwire.worker.lost_link import LostLink
+
+SHUTDOWN_JOIN_SECONDS = 5.0  # how long a closing worker waits for each of its threads
+
+
+class WorkerState:
+    def __init__(self, config: Config) -> None:
+        self.config = config  # with the scheduler's derived settings, where not set explicitly (`apply_book`)
+        self.secret = config.secret_bytes()
+        self.rank = -1
+        self.size = 0
+        self.local_rank = 0
+        self.local_size = 1
+        self.epoch = 0
+        self.hosts: list[str] = []  # each worker's host, by rank (cross_rank, is_homogeneous)
+        self.placement: dict = {}  # the scheduler's weights and the rates it used
+        self.tuning: dict | None = None  # the scheduler's derived data-path settings (gradwire/tuning.py)
+        self.partition_bytes = config.partition_bytes  # of tensors declared from now on
+        self.slot_limit = config.partition_bytes  # the servers' slot size (the address book's)
+        self.lock = threading.Lock()  # guards the tensor table and the counters below
+        self.links: list[ServerLink | LostLink] = []  # by server index
+        self.credit: Credit | None = None
+        self.timeline: Timeline | None = None
+        self.metrics = Metrics("worker")
+        self.abort: JobAborted | None = None  # why the job ended for this worker
+        self.membership_error: MembershipChanged | None = None  # elastic: why calls fail until reset()
+        self.closed = False
+        self.active = 0  # push_pull handles in flight
+        self.clock_skew = 0.0  # the scheduler's wall clock minus this host's (seconds)
+
+    def check_usable(self) -> None:
+        if self.abort is not None:
+            raise self.abort
+        if self.membership_error is not None:
+            raise self.membership_error
+        if self.closed:
+            raise ConfigError("this worker has been shut down; call init() again to start a new job")
+
+    def apply_book(self, book: dict) -> None:
+        """The address book (at the rendezvous, or an elastic reset): place, hosts, placement and settings."""
+        self.rank, self.size, self.epoch = book["rank"], book["num_workers"], book["epoch"]
+        self.tuning = book.get("tuning")
+        self.config = self.config.tuned(self.tuning)  # derived from the links, where not set explicitly
+        self.placement = book.get("placement") or {}
+        hosts = book.get("workers") or []
+        self.hosts = list(hosts)
+        same_host = [r for r, h in enumerate(hosts) if h == hosts[self.rank]] if hosts else [self.rank]
+        self.local_rank = self.config.local_rank if self.config.local_rank is not None else same_host.index(self.rank)
+        self.local_size = self.config.local_size if self.config.local_size is not None else len(same_host)
+        live = [s for s in book["servers"] if not s.get("lost")]
+        self.slot_limit = min(int(s["slot_bytes"]) for s in live) if live else self.config.partition_bytes
+        self.partition_bytes = min(self.config.partition_bytes, self.slot_limit)
+
+    def carry_limit(self) -> int:
+        """The largest partition every link of this worker carries: the servers' slots, and the shared-memory slots
+        this worker's arenas were made with (at the partition size of the time)."""
+        arenas = [link.arena.slot_bytes for link in self.links if isinstance(link, ServerLink) and link.arena]
+        return min([self.slot_limit, *arenas])
+
+    def pacing_lead(self) -> int:
+        """Pacing's lead in bytes: GRADWIRE_PACING partitions of the partition size in use."""
+        return self.config.pacing * self.partition_bytes
+
+    def new_credit(self) -> Credit:
+        return Credit(self.config.credit_bytes, self.pacing_lead())
