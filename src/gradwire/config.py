@@ -1,9 +1,8 @@
 """All configuration of gradwire, read from the environment in one place.
 
-`Config.from_env()` is the only place that reads environment variables. Every variable, with its
-aliases (BytePS's ``DMLC_*`` and torchrun's ``RANK``/``WORLD_SIZE``/...), is listed in `ENV_VARS`; the
-table in docs/env.md is checked against it by a test. CLI flags are a thin layer that sets the same
-variables.
+`Config.from_env()` is the only place that reads environment variables. Every variable, with its aliases (BytePS's
+``DMLC_*`` and torchrun's ``RANK``/``WORLD_SIZE``/...), is listed in `ENV_VARS` (gradwire/env_vars.py); the table in
+docs/env.md is checked against it by a test. CLI flags are a thin layer that sets the same variables.
 """
 
 from __future__ import annotations
@@ -13,279 +12,11 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from gradwire.env_vars import ENV_VARS, EnvVar
 from gradwire.errors import ConfigError
 from gradwire.tuning import parse_rate
 
 MiB = 1 << 20
-
-
-@dataclass(frozen=True)
-class EnvVar:
-    """One configuration variable: its name, the field of `Config` it sets, aliases and a one-line meaning. Its type
-    and default are the field's, declared once there."""
-
-    name: str
-    field: str
-    aliases: tuple[str, ...]
-    doc: str
-
-    @property
-    def default(self) -> str:
-        """The field's default, spelled as this variable would be set to it ("" where unset means none)."""
-        value = _DEFAULTS[self.field]
-        if value is None:
-            return ""
-        if isinstance(value, bool):
-            return "1" if value else "0"
-        return f"{value:g}" if isinstance(value, float) else str(value)
-
-
-ENV_VARS: tuple[EnvVar, ...] = (
-    EnvVar("GRADWIRE_ROLE", "role", ("DMLC_ROLE",), "`scheduler`, `server` or `worker`"),
-    EnvVar(
-        "GRADWIRE_SCHEDULER",
-        "scheduler",
-        (),
-        "scheduler address `host:port`; or give `DMLC_PS_ROOT_URI` and `DMLC_PS_ROOT_PORT`",
-    ),
-    EnvVar("GRADWIRE_NUM_WORKERS", "num_workers", ("DMLC_NUM_WORKER", "WORLD_SIZE"), "workers in the job"),
-    EnvVar("GRADWIRE_NUM_SERVERS", "num_servers", ("DMLC_NUM_SERVER",), "summation servers in the job"),
-    EnvVar(
-        "GRADWIRE_RANK",
-        "rank",
-        ("DMLC_WORKER_ID", "RANK"),
-        "this node's rank within its role; empty: the scheduler assigns one in order of arrival",
-    ),
-    EnvVar("GRADWIRE_LOCAL_RANK", "local_rank", ("LOCAL_RANK",), "rank among the workers on this host"),
-    EnvVar("GRADWIRE_LOCAL_SIZE", "local_size", ("LOCAL_WORLD_SIZE",), "workers on this host"),
-    EnvVar(
-        "GRADWIRE_HOST",
-        "host",
-        (),
-        "address this node binds its data port to and advertises to the others",
-    ),
-    EnvVar(
-        "GRADWIRE_PARTITION_BYTES",
-        "partition_bytes",
-        ("BYTEPS_PARTITION_BYTES",),
-        "largest partition in bytes (element-aligned); unset, it is derived from the measured links (about 3.5 ms "
-        "of the link per partition, at most this default; docs/netem.md)",
-    ),
-    EnvVar(
-        "GRADWIRE_WINDOW",
-        "window",
-        (),
-        "partitions a worker keeps unacknowledged per server; unset, it is derived from the links (at least 4, "
-        "128 KiB and twice the bandwidth-delay product)",
-    ),
-    EnvVar(
-        "GRADWIRE_UNANSWERED",
-        "unanswered",
-        (),
-        "partitions a worker may have pushed to one server whose sum has not come back, except ones earlier in the "
-        "job-wide order; 0: no cap. Unset, it is derived: 4 where the servers' links are the bottleneck, else none",
-    ),
-    EnvVar(
-        "GRADWIRE_CREDIT_BYTES",
-        "credit_bytes",
-        (),
-        "bytes a worker keeps in flight over all servers",
-    ),
-    EnvVar(
-        "GRADWIRE_PACING",
-        "pacing",
-        (),
-        "how far (in partitions) a worker's link to one server on another host may run ahead of its share of "
-        "the bytes still to send; 0 turns pacing off (docs/placement.md)",
-    ),
-    EnvVar(
-        "GRADWIRE_FUSION_BYTES",
-        "fusion_bytes",
-        (),
-        "gradients under 64 KiB are fused into messages of up to this many bytes (torch); 0 turns fusion off",
-    ),
-    EnvVar(
-        "GRADWIRE_RING_SLOTS",
-        "ring_slots",
-        (),
-        "receive slots per server engine ring; a full ring is backpressure",
-    ),
-    EnvVar("GRADWIRE_ENGINES", "engines", (), "engine threads per server (each owns a share of the keys)"),
-    EnvVar(
-        "GRADWIRE_SECRET",
-        "secret",
-        (),
-        "job secret for the HMAC handshake; the launcher makes one per job",
-    ),
-    EnvVar("GRADWIRE_SECRET_FILE", "secret_file", (), "file holding the job secret"),
-    EnvVar(
-        "GRADWIRE_TIMEOUT",
-        "timeout",
-        (),
-        "seconds any blocking call (rendezvous, barrier, push_pull) waits before raising",
-    ),
-    EnvVar("GRADWIRE_MAX_FRAME_BYTES", "max_frame_bytes", (), "largest frame accepted from a peer"),
-    EnvVar(
-        "GRADWIRE_MAX_DECLARED_BYTES",
-        "max_declared_bytes",
-        (),
-        "most tensor bytes a job may declare (bounds the servers' accumulators)",
-    ),
-    EnvVar(
-        "GRADWIRE_HANDSHAKE_TIMEOUT",
-        "handshake_timeout",
-        (),
-        "seconds a new connection has to authenticate before it is dropped",
-    ),
-    EnvVar(
-        "GRADWIRE_FRAME_TIMEOUT",
-        "frame_timeout",
-        (),
-        "seconds a frame, once begun, has to arrive whole (a stalled peer cannot hold a server's slot)",
-    ),
-    EnvVar(
-        "GRADWIRE_MAX_PENDING_HANDSHAKES",
-        "max_pending_handshakes",
-        (),
-        "connections a server or scheduler authenticates at once; more are closed at once",
-    ),
-    EnvVar(
-        "GRADWIRE_TRANSPORT",
-        "transport",
-        (),
-        "`auto`: shared memory (over a Unix socket) to servers on the same host and network namespace, TCP "
-        "otherwise; `unix`: Unix sockets without shared memory; `tcp`: always TCP",
-    ),
-    EnvVar(
-        "GRADWIRE_SOCKET_BUFFER_BYTES",
-        "socket_buffer_bytes",
-        (),
-        "SO_SNDBUF/SO_RCVBUF for data connections; 0 leaves the kernel's autotuning",
-    ),
-    EnvVar(
-        "GRADWIRE_SWITCH_INTERVAL",
-        "switch_interval",
-        (),
-        "sys.setswitchinterval for worker processes, so I/O threads get the GIL promptly; 0 leaves it",
-    ),
-    EnvVar("GRADWIRE_LOG_LEVEL", "log_level", (), "logging level of gradwire's loggers"),
-    EnvVar("GRADWIRE_ADMIN_HOST", "admin_host", (), "address of every node's admin HTTP endpoint"),
-    EnvVar(
-        "GRADWIRE_ADMIN_PORT",
-        "admin_port",
-        (),
-        "port of the admin endpoint (/metrics, /status, /healthz); 0 picks a free one, -1 turns it off",
-    ),
-    EnvVar(
-        "GRADWIRE_HEARTBEAT_INTERVAL",
-        "heartbeat_interval",
-        (),
-        "seconds between a node's heartbeats to the scheduler (they carry its counters for /status)",
-    ),
-    EnvVar(
-        "GRADWIRE_HEARTBEAT_TIMEOUT",
-        "heartbeat_timeout",
-        (),
-        "a node the scheduler has not heard from for this long is lost and the job aborts; 0: off",
-    ),
-    EnvVar(
-        "GRADWIRE_TIMELINE",
-        "timeline",
-        (),
-        "write each worker's Chrome-trace timeline here (`{rank}` is replaced, else `.rank<r>` is added)",
-    ),
-    EnvVar("GRADWIRE_TIMELINE_STEPS", "timeline_steps", (), "steps the timeline keeps (the most recent)"),
-    EnvVar(
-        "GRADWIRE_SERVERS_PER_NODE",
-        "servers_per_node",
-        (),
-        "under torchrun with no GRADWIRE_SCHEDULER: servers that local rank 0 of each node starts beside its workers "
-        "(docs/deploy.md)",
-    ),
-    EnvVar(
-        "GRADWIRE_REINIT_SECONDS",
-        "reinit_seconds",
-        (),
-        "after every worker called shutdown() in a process that lives on, the scheduler and servers wait up to "
-        "this long for them to init() again (a new generation of the job, as Horovod's shutdown/init); the job "
-        "ends sooner once every worker process has exited; 0: it ends at the last shutdown()",
-    ),
-    EnvVar(
-        "GRADWIRE_STALL_SECONDS",
-        "stall_seconds",
-        (),
-        "a round waiting this long is logged by its server (which ranks have not pushed which tensor); 0: off",
-    ),
-    EnvVar(
-        "GRADWIRE_DETERMINISTIC",
-        "deterministic",
-        (),
-        "servers add contributions in rank order whatever order they arrive in, so sums are bit-identical from "
-        "run to run (and across a server failover); 0 adds in arrival order and stages nothing",
-    ),
-    EnvVar(
-        "GRADWIRE_SERVER_FAILOVER",
-        "server_failover",
-        (),
-        "a dead server's keys move to a standby or the surviving servers and workers resend what it lost; workers "
-        "keep a copy of each partition's last sum for that (0: a dead server aborts the job, no copies)",
-    ),
-    EnvVar(
-        "GRADWIRE_NUM_STANDBY",
-        "num_standby",
-        (),
-        "standby servers (scheduler): they take over a dead server's keys whole; `gradwire launch --standby-servers`",
-    ),
-    EnvVar("GRADWIRE_STANDBY", "standby", (), "this server is a standby (idle until a server dies)"),
-    EnvVar(
-        "GRADWIRE_COLOCATED",
-        "colocated",
-        (),
-        "this server runs on a worker host (`gradwire launch --colocate`): it gets that host's share of the bytes",
-    ),
-    EnvVar(
-        "GRADWIRE_PLACEMENT",
-        "placement",
-        (),
-        "how bytes are split over servers (scheduler): `auto`, the optimal split for link rates measured at "
-        "start-up (which also set the partition size and window, gradwire/tuning.py; GRADWIRE_LINK_RATE given on "
-        "every node is used instead); `model`, the same for GRADWIRE_LINK_RATE only (equal if unset); `equal`, "
-        "every server alike (docs/placement.md)",
-    ),
-    EnvVar(
-        "GRADWIRE_ADAPT",
-        "adapt",
-        (),
-        "follow the links while the job runs (scheduler): when the measured rate stays 2x away from the one the "
-        "partition size and window were derived for, derive them again and re-cut the tensors (docs/netem.md); 0: off",
-    ),
-    EnvVar(
-        "GRADWIRE_SERVER_EFFICIENCY",
-        "server_efficiency",
-        (),
-        "when the model's optimum mixes colocated and dedicated servers, the share of a dedicated server's link it "
-        "counts on; below 1 leaves slack on the dedicated links (docs/placement.md)",
-    ),
-    EnvVar(
-        "GRADWIRE_LINK_RATE",
-        "link_rate",
-        (),
-        "this node's network rate for the placement model, tc's spelling (`25gbit`, `100mbit`); unset: equal",
-    ),
-    EnvVar(
-        "GRADWIRE_MIN_WORKERS",
-        "min_workers",
-        (),
-        "elastic mode when above 0: the job goes on while at least this many workers are alive "
-        "(`gradwire launch --min-workers`; see docs/faults.md)",
-    ),
-    EnvVar(
-        "GRADWIRE_MAX_WORKERS",
-        "max_workers",
-        (),
-        "elastic mode: the most workers the job admits (new ones join at a commit); 0: GRADWIRE_NUM_WORKERS",
-    ),
-)
 
 
 @dataclass(frozen=True)
@@ -484,3 +215,16 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 _FIELD_TYPES = {f.name: str(f.type) for f in dataclasses.fields(Config)}
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config)}
+
+
+def default_of(var: EnvVar) -> str:
+    """The default of `var`'s field, spelled as the variable would be set to it ("" where unset means none)."""
+    value = _DEFAULTS[var.field]
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+__all__ = ["ENV_VARS", "Config", "EnvVar", "default_of"]

@@ -8,96 +8,23 @@ and get the same answer, or an error naming both ranks if they disagree.
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import numpy as np
 
 from gradwire import partition
 from gradwire.config import Config
-from gradwire.errors import GradwireError, TensorError
+from gradwire.errors import TensorError
 from gradwire.placement import Placement
-from gradwire.protocol import dtypes, messages, operations, update
+from gradwire.protocol import dtypes, operations, update
+from gradwire.scheduler.declaration import Call, Declaration, Signature
+from gradwire.scheduler.server_requests import ServerRequests
 
 log = logging.getLogger("gradwire.scheduler")
-
-
-@dataclass
-class Declaration:
-    """The first declaration of a tensor, against which every other worker's is checked."""
-
-    shape: list[int]
-    dtype: str
-    rank: int
-    servers: list[int]
-    partition_bytes: int
-    keys: list[int] = field(default_factory=list)
-    sizes: list[int] = field(default_factory=list)
-    key_op: str = "sum"  # what its keys compute (server/ops.py)
-    slices: list[list[int]] | None = None  # per rank, the [first element, count] of the result it pulls
-    meta: str | None = None  # anything else the workers must agree on (a broadcast's root)
-    members: list[int] | None = None  # the ranks that take part (a process set); None: every worker
-    op_args: str | None = None  # the operation's declared arguments (canonical JSON: a server-side optimizer's)
-    replicas: list[int | None] | None = None  # per key, the server holding a replica of its state (server/replica.py)
-    ready: threading.Event = field(default_factory=threading.Event)  # set once every owning server knows its keys
-    error: str | None = None
-
-    @property
-    def signature(self) -> Signature:
-        return Signature(self.key_op, self.dtype, self.shape, self.slices, self.meta, self.members, self.op_args)
-
-    def answer(self) -> dict:
-        """What every declarer of it is told."""
-        return (
-            {"error": self.error} if self.error else {"servers": self.servers, "partition_bytes": self.partition_bytes}
-        )
-
-
-class Signature(NamedTuple):
-    """What every worker must agree on about a tensor."""
-
-    key_op: str
-    dtype: str
-    shape: list[int]
-    slices: list[list[int]] | None
-    meta: str | None
-    members: list[int] | None  # the ranks that take part (a process set); None: every worker
-    op_args: str | None = None  # the operation's arguments (canonical JSON)
-
-    def __str__(self) -> str:
-        extra = (("slices", self.slices), ("meta", self.meta), ("ranks", self.members), ("arguments", self.op_args))
-        return f"{self.key_op} of {self.dtype}{self.shape}" + "".join(f", {k} {v}" for k, v in extra if v is not None)
-
-
-def _key_slices(sizes: list[int], slices: list[list[int]], itemsize: int) -> list[list[list[int]]]:
-    """Per key (partitions of `sizes` bytes, in order), per rank: the [start byte, bytes] of the key that falls in
-    the rank's slice [first element, count] of the tensor (empty where they miss)."""
-    out, start = [], 0
-    for nbytes in sizes:
-        end = start + nbytes
-        per_rank = []
-        for first, count in slices:
-            lo, hi = max(start, first * itemsize), min(end, (first + count) * itemsize)
-            per_rank.append([lo - start, hi - lo] if hi > lo else [0, 0])
-        out.append(per_rank)
-        start = end
-    return out
-
-
-@dataclass
-class _Call:
-    """One worker's declaration of a tensor, waiting for the others'."""
-
-    rank: int
-    signature: Signature
-    partition_bytes: int
-    answer: Callable[[dict], None]
 
 
 class Declarations:
@@ -126,15 +53,14 @@ class Declarations:
         self.tensors: dict[str, Declaration] = {}
         self.declared_bytes = 0
         self._keys: dict[int, str] = {}
-        self._send = send
-        self._acks: dict[int, tuple[threading.Event, int]] = {}  # request id -> (its reply arrived, server)
-        self._dead: set[int] = set()  # servers abandoned (dead) and not yet replaced by a standby
+        self.requests = ServerRequests(send, config.timeout)
+        self.call, self.ack = self.requests.call, self.requests.ack  # (server_requests.py)
+        self.abandon, self.revive = self.requests.abandon, self.requests.revive
         # held by a failover while it moves keys and registers them on their new servers: a declaration's answer is
         # taken either before (the workers then learn the move from the failover) or after (its servers have the keys)
         self.moving = threading.Lock()
-        self._ids = itertools.count(1)
         self._lock = threading.Lock()
-        self._pending: dict[str, dict[int, _Call]] = {}  # declarations waiting for the other workers', by rank
+        self._pending: dict[str, dict[int, Call]] = {}  # declarations waiting for the other workers', by rank
         self._since: dict[str, float] = {}  # when each pending declaration's first call came (time.monotonic)
         self._blocked: dict[str, set[int]] = {}  # pending declarations some worker waits for (synchronize)
         self.joined: set[int] = set()  # workers that have joined (hvd.join): declarations do not wait for them
@@ -148,34 +74,13 @@ class Declarations:
 
         A new tensor is placed once every worker has declared it, so a disagreement is found before any byte moves.
         """
-        name, shape, dtype = str(body["name"]), [int(d) for d in body["shape"]], str(body["dtype"])
-        key_op, slices, meta = str(body.get("key_op", "sum")), body.get("slices"), body.get("meta")
-        meta = None if meta is None else str(meta)
-        members = body.get("members")
-        if members is not None:
-            members = sorted({int(r) for r in members})
-            if not members or members[0] < 0 or members[-1] >= self.num_workers or rank not in members:
-                answer({"error": f"tensor {name!r}: worker {rank} declared it for ranks {members}", "abort": False})
-                return
-        if dtype not in dtypes.BY_NAME or any(d < 0 for d in shape) or len(shape) > 32 or not operations.known(key_op):
-            answer({"error": f"tensor {name!r}: bad declaration {key_op} of {dtype}{shape}", "abort": False})
+        name = str(body["name"])
+        try:
+            signature = self._signature(rank, name, body)
+        except _Refused as e:
+            answer({"error": f"tensor {name!r}: {e}", "abort": False})
             return
-        op_args = body.get("op_args")
-        if op_args is not None or key_op in operations.BUILT:
-            try:
-                operations.check_args(key_op, op_args)
-                op_args = update.encode_args(op_args)
-            except (TensorError, ValueError) as e:
-                answer({"error": f"tensor {name!r}: {e}", "abort": False})
-                return
-        if slices is not None:
-            slices = [[int(a), int(b)] for a, b in slices]
-            num = int(np.prod(shape, dtype=np.int64))
-            if len(slices) != self.num_workers or any(a < 0 or b < 0 or a + b > num for a, b in slices):
-                answer({"error": f"tensor {name!r}: bad slices {slices} of {num} elements", "abort": False})
-                return
-        signature = Signature(key_op, dtype, shape, slices, meta, members, op_args)
-        call = _Call(rank, signature, int(body["partition_bytes"]), answer)
+        call = Call(rank, signature, int(body["partition_bytes"]), answer)
         refusal = self._joined_refusal(name, signature)
         if refusal is not None:  # at once: the joined ranks will not call it, and the others may not under this name
             answer(refusal)
@@ -198,7 +103,33 @@ class Declarations:
             return
         self._complete(name, sorted(calls.values(), key=lambda c: c.rank))
 
-    def _complete(self, name: str, calls: list[_Call]) -> None:
+    def _signature(self, rank: int, name: str, body: dict) -> Signature:
+        """What worker `rank` declared `name` as, checked on its own; raises _Refused where only it is wrong."""
+        shape, dtype = [int(d) for d in body["shape"]], str(body["dtype"])
+        key_op, slices, meta = str(body.get("key_op", "sum")), body.get("slices"), body.get("meta")
+        meta = None if meta is None else str(meta)
+        members = body.get("members")
+        if members is not None:
+            members = sorted({int(r) for r in members})
+            if not members or members[0] < 0 or members[-1] >= self.num_workers or rank not in members:
+                raise _Refused(f"worker {rank} declared it for ranks {members}")
+        if dtype not in dtypes.BY_NAME or any(d < 0 for d in shape) or len(shape) > 32 or not operations.known(key_op):
+            raise _Refused(f"bad declaration {key_op} of {dtype}{shape}")
+        op_args = body.get("op_args")
+        if op_args is not None or key_op in operations.BUILT:
+            try:
+                operations.check_args(key_op, op_args)
+                op_args = update.encode_args(op_args)
+            except (TensorError, ValueError) as e:
+                raise _Refused(str(e)) from None
+        if slices is not None:
+            slices = [[int(a), int(b)] for a, b in slices]
+            num = int(np.prod(shape, dtype=np.int64))
+            if len(slices) != self.num_workers or any(a < 0 or b < 0 or a + b > num for a, b in slices):
+                raise _Refused(f"bad slices {slices} of {num} elements")
+        return Signature(key_op, dtype, shape, slices, meta, members, op_args)
+
+    def _complete(self, name: str, calls: list[Call]) -> None:
         """Every worker has declared `name`: if they agree, place it, register its keys and answer all; else tell
         every one of them how they differ."""
         first = calls[0]
@@ -240,7 +171,7 @@ class Declarations:
         for c in calls:
             c.answer(reply)
 
-    def _answer_late(self, name: str, known: Declaration, call: _Call) -> None:
+    def _answer_late(self, name: str, known: Declaration, call: Call) -> None:
         """A declaration of a tensor the job already has (a worker that joined later, or declares again)."""
         if call.signature != known.signature:
             call.answer(
@@ -276,12 +207,12 @@ class Declarations:
         """The ranks that call a tensor: its process set's, or every worker."""
         return range(self.num_workers) if signature.members is None else signature.members
 
-    def _expected(self, calls: dict[int, _Call]) -> list[int]:
+    def _expected(self, calls: dict[int, Call]) -> list[int]:
         """The ranks that must declare a pending tensor: its process set's, or every worker; not those that have
         joined (hvd.join: they are out of data, and an allreduce goes on with zeros in their place)."""
         return [r for r in self._ranks(next(iter(calls.values())).signature) if r not in self.joined]
 
-    def _take_pending(self, name: str) -> dict[int, _Call]:
+    def _take_pending(self, name: str) -> dict[int, Call]:
         """Take a pending declaration off the books (it completes, or fails); its calls. Under the lock."""
         self._since.pop(name, None)
         self._blocked.pop(name, None)
@@ -348,49 +279,6 @@ class Declarations:
             for c in calls.values():
                 c.answer({"error": f"tensor {name!r} cannot be declared: {why}", "abort": False})
 
-    def ack(self, request_id: int) -> None:
-        """A server confirmed the keys of request `request_id`."""
-        entry = self._acks.get(request_id)
-        if entry is not None:
-            entry[0].set()
-
-    def abandon(self, dead: int) -> None:
-        """Server `dead` is gone: stop waiting for its replies (the requests waiting go on without them)."""
-        with self._lock:
-            self._dead.add(dead)
-            for event, server in list(self._acks.values()):
-                if server == dead:
-                    event.set()
-
-    def _request(self, server: int, body: dict) -> tuple[int, threading.Event] | None:
-        """Send `body` with a new request id to `server`; None if the server is dead or the send failed (a server
-        whose connection fails is being failed over: the failover moves what it had)."""
-        rid, event = next(self._ids), threading.Event()
-        with self._lock:
-            if server in self._dead:
-                return None
-            self._acks[rid] = (event, server)
-        try:
-            self._send(server, body | {"id": rid})
-        except GradwireError as e:
-            log.warning("cannot send %s to server %d: %s", body.get("op"), server, e)
-            self._acks.pop(rid, None)
-            return None
-        return rid, event
-
-    def _answered(self, server: int, rid: int, event: threading.Event) -> bool:
-        """Wait for the reply to request `rid`: True once it came, False if it did not in time or the server died."""
-        try:
-            return event.wait(self.config.timeout) and server not in self._dead
-        finally:
-            self._acks.pop(rid, None)
-
-    def call(self, server: int, body: dict) -> bool:
-        """Send `body` (given a request id) to a server and wait for its reply; False if none came in time (or the
-        server is dead)."""
-        request = self._request(server, body)
-        return request is not None and self._answered(server, *request)
-
     def evict(self, dead: int) -> dict[str, list[int]]:
         """Re-place every partition of server `dead` on the live servers and register the keys there (blocks until
         they confirm). Returns {tensor: its servers now} for the tensors that moved."""
@@ -444,11 +332,6 @@ class Declarations:
             self._register_keys(name, decl, only={s for s in servers if s != dead})
         return moved
 
-    def revive(self, server: int) -> None:
-        """A standby takes dead server `server`'s place: requests go to it again."""
-        with self._lock:
-            self._dead.discard(server)
-
     def register_all(self, server: int) -> None:
         """Register every key of `server` with it again (a standby that took a dead server's place)."""
         with self._lock:
@@ -457,42 +340,8 @@ class Declarations:
             self._register_keys(name, decl, only={server})
 
     def _register_keys(self, name: str, decl: Declaration, only: set[int] | None = None) -> None:
-        """Tell each owning server (or those in `only`) its keys and wait for every answer."""
-        wire = dtypes.BY_NAME[decl.dtype]
-        cuts = _key_slices(decl.sizes, decl.slices, wire.itemsize) if decl.slices is not None else None
-        waits = []
-        bodies = []
-        replicas = decl.replicas or [None] * len(decl.keys)
-        for server in sorted({r for r in replicas if r is not None} if only is None else set()):
-            held = [
-                [k, wire.code, n] for k, n, r in zip(decl.keys, decl.sizes, replicas, strict=True) if r == server
-            ]  # keys whose state this server replicates: declared as any key, fed by their primaries
-            bodies.append((server, {"op": messages.KEYS, "keys": held, "name": name, "key_op": decl.key_op}))
-        for server in sorted(set(decl.servers) if only is None else only):
-            owned = [
-                [k, wire.code, n] for k, n, s in zip(decl.keys, decl.sizes, decl.servers, strict=True) if s == server
-            ]
-            body = {"op": messages.KEYS, "keys": owned, "name": name, "key_op": decl.key_op}
-            pairs = zip(decl.keys, decl.servers, replicas, strict=True)
-            targets = {str(k): r for k, s, r in pairs if s == server and r is not None}
-            if targets and self.address_of is not None:
-                body["replicas"] = targets
-                body["addresses"] = {str(r): self.address_of(r) for r in set(targets.values())}
-            bodies.append((server, body))
-        for server, body in bodies:
-            if decl.members is not None:
-                body["members"] = decl.members
-            if decl.op_args is not None:
-                body["op_args"] = json.loads(decl.op_args)
-            if cuts is not None:
-                body["slices"] = {str(k): cuts[decl.keys.index(k)] for k, _, _ in body["keys"]}
-            request = self._request(server, body)
-            if request is not None:
-                waits.append((server, *request))
-        for server, rid, event in waits:
-            if not self._answered(server, rid, event) and server not in self._dead:
-                decl.error = f"server {server} did not confirm the keys of {name!r} in {self.config.timeout}s"
-        decl.ready.set()
+        """Tell each owning server (or those in `only`) its keys and wait for every answer (server_requests.py)."""
+        self.requests.register_keys(name, decl, only, self.address_of)
 
     def _place(self, name: str, shape: list[int], dtype: str, rank: int, pbytes: int) -> Declaration:
         itemsize = dtypes.BY_NAME[dtype].itemsize  # our own table, not the peer's word
@@ -521,3 +370,7 @@ class Declarations:
         self.declared_bytes += total
         decl = self.tensors[name] = Declaration(shape, dtype, rank, servers, pbytes, keys, sizes)
         return decl
+
+
+class _Refused(Exception):
+    """A declaration wrong on its own (whatever the other workers declare): only its declarer is told."""

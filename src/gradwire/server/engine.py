@@ -50,24 +50,10 @@ from gradwire.protocol import dtypes
 from gradwire.protocol.frames import DEPARTED_EVENT, JOIN_EVENT, REPLAY, SEED
 from gradwire.ring import Ring, RingClosed, Slot
 from gradwire.server import ops
-from gradwire.server.rounds import KeyOp, KeyState
+from gradwire.server.rounds import Ack, Fail, FailRank, Forward, KeyOp, KeyState, Reply
 from gradwire.transport.shm import NO_SLOT
 
 log = logging.getLogger("gradwire.server")
-
-
-# reply(key, round, dtype code, payload, pull slot per rank, bitmask of ranks) -> None: queue the result for them;
-# the payload is one view for all, or a list with each rank's view (a key declared with slices)
-Reply = Callable[[int, int, int, "memoryview | list[memoryview]", list[int], int], None]
-# fail(slot, message) -> None: send an ERROR for the slot's key to its sender
-Fail = Callable[[Slot, str], None]
-# ack(rank, key, round) -> None: tell one worker its contribution is in
-Ack = Callable[[int, int, int], None]
-# fail_rank(rank, key, message) -> None: send an ERROR for the key to that worker (a round that cannot complete)
-FailRank = Callable[[int, int, str], None]
-# forward(replica server, key, round, dtype code, payload parts, done) -> None: replicate an applied update; done()
-# once the replica has it
-Forward = Callable[[int, int, int, int, list, Callable[[], None]], None]
 
 
 class Engine:
@@ -225,19 +211,10 @@ class Engine:
         return None
 
     def stalled(self, now: float, threshold: float) -> list[tuple[str, int, int, float, list[int]]]:
-        """Rounds begun more than `threshold` seconds ago and still missing workers.
-
-        Returns (tensor, key, round, seconds waited, ranks that have not pushed). Read from another thread for a
-        report: it only reads counters the engine writes, so at worst a round is reported a moment late.
-        """
-        out = []
-        for key, state in list(self.keys.items()):
-            for i in (0, 1):
-                count = state.count[i]
-                if 0 < count < state.need and now - state.started[i] > threshold:
-                    missing = [r for r in state.members if not state.pushed[i] >> r & 1]
-                    out.append((state.name, key, state.round[i], now - state.started[i], missing))
-        return out
+        """Rounds begun more than `threshold` seconds ago and still missing workers: (tensor, key, round, seconds
+        waited, ranks that have not pushed). Read from another thread, for a report (KeyState.stalled)."""
+        keys = list(self.keys.items())
+        return [(state.name, key, *stall) for key, state in keys for stall in state.stalled(now, threshold)]
 
     def on_event(self, slot: Slot) -> None:
         """Add one contribution (or take a seed); publish the sum when the round is complete."""
@@ -316,7 +293,7 @@ class Engine:
         elif sender == state.turn[i]:
             if not (landed and sender == state.first):  # else it was received into the accumulator (`landing`)
                 state.op.add(state, i, dtype, wire, sender == state.first)
-            self._drain(state, i, dtype)
+            state.drain(i, dtype)
         else:  # early: it waits in its staging buffer (where a socket's reader received it, or copied from the ring
             # or the worker's shared slot), and is acknowledged now (see the module's docstring)
             if not landed:
@@ -398,17 +375,6 @@ class Engine:
     def reply(self, key: int, rnd: int, code: int, payload: memoryview, pulls: list[int], ranks: int) -> None:
         """Send `payload` to `ranks` (from any thread: the repliers' queues are thread-safe)."""
         self._reply(key, rnd, code, payload, pulls, ranks)
-
-    def _drain(self, state: KeyState, i: int, dtype: dtypes.DType) -> None:
-        """After rank `turn` was added: add the early contributions that are now next in rank order."""
-        state.turn[i] = state.nexts[state.turn[i]]
-        while state.staged[i] >> state.turn[i] & 1:
-            rank = state.turn[i]
-            source = state.stage[i][rank]
-            assert source is not None
-            state.op.add(state, i, dtype, source[: state.lengths[i][rank]], rank == state.first)
-            state.staged[i] &= ~(1 << rank)
-            state.turn[i] = state.nexts[rank]
 
     def _seed(self, state: KeyState, i: int, slot: Slot, dtype: dtypes.DType) -> None:
         """A worker resends a sum it holds (after a failover): complete the round with it, answer its pushers.

@@ -20,6 +20,21 @@ if TYPE_CHECKING:
     from gradwire.ring import Slot
 
 
+# what the engine sends through (the server's repliers): the callables it is given
+# reply(key, round, dtype code, payload, pull slot per rank, bitmask of ranks) -> None: queue the result for them;
+# the payload is one view for all, or a list with each rank's view (a key declared with slices)
+Reply = Callable[[int, int, int, "memoryview | list[memoryview]", list[int], int], None]
+# fail(slot, message) -> None: send an ERROR for the slot's key to its sender
+Fail = Callable[["Slot", str], None]
+# ack(rank, key, round) -> None: tell one worker its contribution is in
+Ack = Callable[[int, int, int], None]
+# fail_rank(rank, key, message) -> None: send an ERROR for the key to that worker (a round that cannot complete)
+FailRank = Callable[[int, int, str], None]
+# forward(replica server, key, round, dtype code, payload parts, done) -> None: replicate an applied update; done()
+# once the replica has it
+Forward = Callable[[int, int, int, int, list, Callable[[], None]], None]
+
+
 class Outbox(Protocol):
     """What a per-key operation may send: a round's result, one push's answer, an acknowledgement, a payload of its
     own, an update forwarded to the key's replica (None: no replicas)."""
@@ -167,3 +182,26 @@ class KeyState:
     def fits(self, code: int, length: int) -> bool:
         """A contribution of `length` bytes of dtype `code` may go into this key (a gather's may be shorter)."""
         return self.dtype.code == code and (length == self.length or self.op.variable and length < self.length)
+
+    def drain(self, i: int, dtype: dtypes.DType) -> None:
+        """Deterministic sums, after rank `turn` was added to buffer `i`: add the early contributions that are now
+        next in rank order."""
+        self.turn[i] = self.nexts[self.turn[i]]
+        while self.staged[i] >> self.turn[i] & 1:
+            rank = self.turn[i]
+            source = self.stage[i][rank]
+            assert source is not None
+            self.op.add(self, i, dtype, source[: self.lengths[i][rank]], rank == self.first)
+            self.staged[i] &= ~(1 << rank)
+            self.turn[i] = self.nexts[rank]
+
+    def stalled(self, now: float, threshold: float) -> list[tuple[int, float, list[int]]]:
+        """Its rounds begun more than `threshold` seconds ago and still missing workers: (round, seconds waited,
+        ranks that have not pushed). Read from another thread for a report: it only reads counters the engine writes,
+        so at worst a round is reported a moment late."""
+        out = []
+        for i in (0, 1):
+            if 0 < self.count[i] < self.need and now - self.started[i] > threshold:
+                missing = [r for r in self.members if not self.pushed[i] >> r & 1]
+                out.append((self.round[i], now - self.started[i], missing))
+        return out

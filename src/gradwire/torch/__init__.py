@@ -48,14 +48,12 @@ from .compression import Compression
 from .exchange import (
     allgather,
     allgather_async,
-    allgather_object,
     alltoall,
     alltoall_async,
     broadcast,
     broadcast_,
     broadcast_async,
     broadcast_async_,
-    broadcast_object,
     grouped_allgather,
     grouped_allgather_async,
     grouped_reducescatter,
@@ -88,6 +86,7 @@ from .introspection import (
     start_timeline,
     stop_timeline,
 )
+from .objects import allgather_object, broadcast_object
 from .optimizer import DistributedOptimizer
 from .server_optimizer import ServerOptimizer
 from .sync_batch_norm import SyncBatchNorm

@@ -9,7 +9,8 @@ from typing import Any
 import gradwire
 import torch
 
-from .exchange import broadcast_, broadcast_object
+from .exchange import broadcast_
+from .objects import broadcast_object
 
 
 def broadcast_parameters(params: Any, root_rank: int, process_set: Any = None) -> None:

@@ -8,8 +8,6 @@ Tensors of any dtype gradwire carries travel from their own memory when they are
 
 from __future__ import annotations
 
-import io
-import pickle
 from typing import Any
 
 import numpy as np
@@ -118,20 +116,6 @@ def grouped_allgather(tensors: list[torch.Tensor], name: str | None = None, proc
     return [allgather(t, f"{name}.{i}", process_set) for i, t in enumerate(tensors)]
 
 
-def allgather_object(obj: Any, name: str | None = None, process_set: Any = None) -> list:
-    """Every rank's picklable `obj`, in rank order."""
-    name = name or type(obj).__name__
-    payload = torch.from_numpy(np.frombuffer(_dumps(obj), np.uint8).copy())
-    length = torch.tensor([payload.numel()], dtype=torch.int64)
-    sizes = allgather(length, f"allgather_object.{name}.sizes", process_set)
-    data = allgather(payload, f"allgather_object.{name}", process_set).numpy()
-    out, start = [], 0
-    for size in sizes.tolist():
-        out.append(_loads(data[start : start + size].tobytes()))
-        start += size
-    return out
-
-
 def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: str = Average, process_set: Any = None) -> Any:
     """Start summing (op=Sum) or averaging a sparse tensor over the ranks, as Horovod does it: an allgather of its
     indices and one of its values (the servers concatenate; duplicates add up when the result is used). Returns a
@@ -216,19 +200,6 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None, pro
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> Any:
     """In place: overwrite `tensor` with the root's; returns it. Blocks."""
     return gradwire.torch.synchronize(broadcast_async_(tensor, root_rank, name, process_set))
-
-
-def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None, process_set: Any = None) -> Any:
-    """The root's picklable `obj` on every rank (tensors inside travel with it)."""
-    name = name or type(obj).__name__
-    payload = _dumps(obj) if gradwire.rank() == root_rank else b""
-    length = torch.tensor([len(payload)], dtype=torch.int64)
-    size = broadcast(length, root_rank, f"broadcast_object.{name}.size", process_set)
-    data = torch.zeros(int(size[0]), dtype=torch.uint8)
-    if gradwire.rank() == root_rank:
-        data.numpy()[:] = np.frombuffer(payload, np.uint8)
-    data = broadcast_(data, root_rank, f"broadcast_object.{name}", process_set)
-    return obj if gradwire.rank() == root_rank else _loads(data.numpy().tobytes())
 
 
 # -- alltoall ----------------------------------------------------------------------------------------------------
@@ -391,14 +362,3 @@ def grouped_reducescatter(
         reducescatter(t, f"{name}.{i}", compression, op, process_set, prescale_factor, postscale_factor)
         for i, t in enumerate(tensors)
     ]
-
-
-def _dumps(obj: Any) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf, pickle_protocol=pickle.HIGHEST_PROTOCOL)
-    return buf.getvalue()
-
-
-def _loads(data: bytes) -> Any:
-    # the bytes come from the job's ranks over authenticated connections
-    return torch.load(io.BytesIO(data), weights_only=False)

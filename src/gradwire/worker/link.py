@@ -356,13 +356,8 @@ class ServerLink:
                 f"server {self.server} answered {work.tensor!r} round {header.round} with {header.length} bytes; "
                 f"expected round {work.round} with {work.nbytes}"
             )
-        out = work.out.reshape(-1).view(np.uint8)
-        saved = None
-        if self.seeds is not None and work.replayable:
-            Seed.keep_contribution(self.seeds, work)
-        elif self.seeds is not None and not work.partial:  # the sum goes to the key's saved copy first (see above)
-            saved = Seed.for_sum(self.seeds, work)
-        into = saved.data if saved is not None else out
+        seed = Seed.of(self.seeds, work) if self.seeds is not None else None
+        into = seed.data if seed is not None else work.out.reshape(-1).view(np.uint8)
         if header.flags & shm.SHM_PAYLOAD:
             if self.arena is None or header.status != work.pull_slot:
                 raise RemoteProtocolError(f"server {self.server} answered in pull slot {header.status}, not ours")
@@ -374,15 +369,7 @@ class ServerLink:
             with self._cond:
                 self._free_pull.append(work.pull_slot)
             work.pull_slot = shm.NO_SLOT
-        source = work.out
-        if saved is not None:  # the saved copy keeps the sum; the output gets it (averaged) in one pass
-            saved.round = work.round
-            source = saved.data.view(work.out.dtype)
-        if work.average > 1:
-            # integers: the quotient truncated toward zero, as Horovod's average of an integer tensor
-            np.divide(source, work.average, out=work.out, casting="unsafe")
-        elif saved is not None:
-            np.copyto(out, saved.data)
+        work.deliver(seed)
         self._record(work, time.monotonic())
         assert work.handle is not None
         work.handle.part_done()

@@ -23,6 +23,15 @@ class Seed:
         self.contribution = contribution  # `data` is this worker's push, not the round's result
 
     @classmethod
+    def of(cls, seeds: dict[int, Seed], work: Work) -> Seed | None:
+        """Where `work`'s answer is received: its key's seed, for a sum kept for a failover (None: straight into the
+        output). A sliced round's answer is not kept; its own contribution is, now (`keep_contribution`)."""
+        if work.replayable:
+            cls.keep_contribution(seeds, work)
+            return None
+        return None if work.partial else cls.for_sum(seeds, work)
+
+    @classmethod
     def for_sum(cls, seeds: dict[int, Seed], work: Work) -> Seed:
         """The copy of `work`'s key's sum in `seeds` (a worker's, by key), allocated once per key, that the next sum is
         received into."""
@@ -107,6 +116,19 @@ class Work:
         self.pull_slot = shm.NO_SLOT
         # when it was queued, taken by the sender, fully sent, and answered (time.monotonic): the stages
         self.t_queued = self.t_sent = self.t_pushed = self.t_result = 0.0
+
+    def deliver(self, seed: Seed | None) -> None:
+        """The answer is in (in `seed`, or in the output): into the output, averaged, in one pass; the seed keeps the
+        sum of this round."""
+        source = self.out
+        if seed is not None:
+            seed.round = self.round
+            source = seed.data.view(self.out.dtype)
+        if self.average > 1:
+            # integers: the quotient truncated toward zero, as Horovod's average of an integer tensor
+            np.divide(source, self.average, out=self.out, casting="unsafe")
+        elif seed is not None:
+            np.copyto(self.out.reshape(-1).view(np.uint8), seed.data)
 
     def stages(self, done: float) -> tuple[tuple[str, float, float], ...]:
         """Its four stages (name, start, end), once answered at `done`: queued, pushed, waiting for the sum, pulled."""

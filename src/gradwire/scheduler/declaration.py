@@ -1,0 +1,82 @@
+"""A tensor as the scheduler keeps it (`Declaration`: the first declaration, its partitions, keys and servers), what
+every worker must agree on about it (`Signature`), and one worker's declaration waiting for the others' (`Call`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+@dataclass
+class Declaration:
+    """The first declaration of a tensor, against which every other worker's is checked."""
+
+    shape: list[int]
+    dtype: str
+    rank: int
+    servers: list[int]
+    partition_bytes: int
+    keys: list[int] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+    key_op: str = "sum"  # what its keys compute (server/ops.py)
+    slices: list[list[int]] | None = None  # per rank, the [first element, count] of the result it pulls
+    meta: str | None = None  # anything else the workers must agree on (a broadcast's root)
+    members: list[int] | None = None  # the ranks that take part (a process set); None: every worker
+    op_args: str | None = None  # the operation's declared arguments (canonical JSON: a server-side optimizer's)
+    replicas: list[int | None] | None = None  # per key, the server holding a replica of its state (server/replica.py)
+    ready: threading.Event = field(default_factory=threading.Event)  # set once every owning server knows its keys
+    error: str | None = None
+
+    @property
+    def signature(self) -> Signature:
+        return Signature(self.key_op, self.dtype, self.shape, self.slices, self.meta, self.members, self.op_args)
+
+    def answer(self) -> dict:
+        """What every declarer of it is told."""
+        return (
+            {"error": self.error} if self.error else {"servers": self.servers, "partition_bytes": self.partition_bytes}
+        )
+
+
+class Signature(NamedTuple):
+    """What every worker must agree on about a tensor."""
+
+    key_op: str
+    dtype: str
+    shape: list[int]
+    slices: list[list[int]] | None
+    meta: str | None
+    members: list[int] | None  # the ranks that take part (a process set); None: every worker
+    op_args: str | None = None  # the operation's arguments (canonical JSON)
+
+    def __str__(self) -> str:
+        extra = (("slices", self.slices), ("meta", self.meta), ("ranks", self.members), ("arguments", self.op_args))
+        return f"{self.key_op} of {self.dtype}{self.shape}" + "".join(f", {k} {v}" for k, v in extra if v is not None)
+
+
+def key_slices(sizes: list[int], slices: list[list[int]], itemsize: int) -> list[list[list[int]]]:
+    """Per key (partitions of `sizes` bytes, in order), per rank: the [start byte, bytes] of the key that falls in
+    the rank's slice [first element, count] of the tensor (empty where they miss)."""
+    out, start = [], 0
+    for nbytes in sizes:
+        end = start + nbytes
+        per_rank = []
+        for first, count in slices:
+            lo, hi = max(start, first * itemsize), min(end, (first + count) * itemsize)
+            per_rank.append([lo - start, hi - lo] if hi > lo else [0, 0])
+        out.append(per_rank)
+        start = end
+    return out
+
+
+@dataclass
+class Call:
+    """One worker's declaration of a tensor, waiting for the others'."""
+
+    rank: int
+    signature: Signature
+    partition_bytes: int
+    answer: Callable[[dict], None]
