@@ -241,6 +241,46 @@ def alltoall_async(
     (filled once the handle completes)."""
     ranks = _ranks(worker, members)
     n, rank, me = len(ranks), worker.rank, ranks.index(worker.rank)
+    splits = _splits(array, splits, n, name, rank)
+    chain = _chain(worker)
+    result = chain.begin(worker, name)
+    matrix = np.empty(n * n, np.int64)
+    counts = [n if r in ranks else 0 for r in range(worker.size)]
+    try:
+        first = worker.gather_async(
+            np.array(splits, np.int64), f"{name}.splits", counts, matrix, priority=priority, members=members
+        )
+    except GradwireError as e:
+        result.fail(e)
+        raise
+    received, src, per_row = np.empty(n, np.int32), np.ascontiguousarray(array), _row_elements(array)
+    offsets = np.cumsum([0] + splits) * per_row
+
+    def start(flat: np.ndarray) -> Handle:
+        table = flat.reshape(n, n)  # table[a][b]: rows the a-th rank sends to the b-th (of `ranks`)
+        received[:] = table[:, me]
+        out = np.empty((int(received.sum()), *src.shape[1:]), src.dtype)
+        flat_src = src.reshape(-1)
+        handles = []
+        for b, dest in enumerate(ranks):
+            counts = [0] * worker.size
+            for a, r in enumerate(ranks):
+                counts[r] = int(table[a][b]) * per_row
+            total = sum(counts)
+            slices = [(0, total if r == dest else 0) for r in range(worker.size)]
+            into = out if dest == rank else out.reshape(-1)[:0]
+            give, to = flat_src[offsets[b] : offsets[b + 1]], f"{name}.to{dest}"
+            handles.append(
+                worker.gather_async(give, to, counts, into, slices, priority, (total,), dtype=dtype, members=members)
+            )
+        return _all(handles, out, name)
+
+    chain.then(first, result, start)
+    return result, received
+
+
+def _splits(array: np.ndarray, splits: list[int] | None, n: int, name: str, rank: int) -> list[int]:
+    """An alltoall's row counts per destination, checked (None: the rows split evenly over the `n` ranks)."""
     if array.ndim == 0:
         raise TensorError(f"worker {rank}: alltoall of {name!r} needs at least one dimension", tensor=name, rank=rank)
     if splits is None:
@@ -260,44 +300,7 @@ def alltoall_async(
             tensor=name,
             rank=rank,
         )
-    chain = _chain(worker)
-    result = chain.begin(worker, name)
-    matrix = np.empty(n * n, np.int64)
-    counts = [n if r in ranks else 0 for r in range(worker.size)]
-    try:
-        first = worker.gather_async(
-            np.array(splits, np.int64), f"{name}.splits", counts, matrix, priority=priority, members=members
-        )
-    except GradwireError as e:
-        result.fail(e)
-        raise
-    received = np.empty(n, np.int32)
-    src, per_row = np.ascontiguousarray(array), _row_elements(array)
-    offsets = np.cumsum([0] + splits) * per_row
-
-    def start(flat: np.ndarray) -> Handle:
-        table = flat.reshape(n, n)  # table[a][b]: rows the a-th rank sends to the b-th (of `ranks`)
-        received[:] = table[:, me]
-        out = np.empty((int(received.sum()), *src.shape[1:]), src.dtype)
-        flat_src = src.reshape(-1)
-        handles = []
-        for b, dest in enumerate(ranks):
-            counts = [0] * worker.size
-            for a, r in enumerate(ranks):
-                counts[r] = int(table[a][b]) * per_row
-            total = sum(counts)
-            slices = [(0, total if r == dest else 0) for r in range(worker.size)]
-            into = out if dest == rank else out.reshape(-1)[:0]
-            give = flat_src[offsets[b] : offsets[b + 1]]
-            handles.append(
-                worker.gather_async(
-                    give, f"{name}.to{dest}", counts, into, slices, priority, (total,), dtype=dtype, members=members
-                )
-            )
-        return _all(handles, out, name)
-
-    chain.then(first, result, start)
-    return result, received
+    return splits
 
 
 def _all(handles: list[Handle], out: np.ndarray, name: str) -> Handle:

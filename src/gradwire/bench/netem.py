@@ -284,31 +284,33 @@ def run_train_config(
             finally:
                 if progress is not None:
                     os.unlink(progress.name)
-            row = rows[0]
-            median = statistics.median(row["times"])
-            results.append(
-                {
-                    "way": way,
-                    "workers": topo.workers,
-                    "per_host": topo.per_host,
-                    "servers": topo.servers,
-                    "colocated": topo.worker_hosts if topo.colocate else 0,
-                    "worker_rate": rate,
-                    "server_rate": rate if drift else topo.server_rate,
-                    "parameters": row["parameters"],
-                    "partition_bytes": row.get("partition_bytes"),
-                    "derived_again": row.get("derived_again"),  # why the settings changed mid-job (scheduler/adapt.py)
-                    "recut_steps": row.get("recut_steps") or [],  # the steps in which tensors were cut anew
-                    "step_seconds_median": median,
-                    "step_seconds_all": row["times"],
-                    "samples_per_s": row["samples_per_step"] / median,
-                    "cpu_utilization": cpu,
-                }
-            )
+            results.append(_train_row(topo, way, rate, drift, rows[0], cpu))
     ddp = next(r for r in results if r["way"] == "ddp")
     for r in results:
         r["x_ddp_samples_per_s"] = r["samples_per_s"] / ddp["samples_per_s"]
     return results
+
+
+def _train_row(topo: Topology, way: str, rate: str, drift: tuple[str, str] | None, row: dict, cpu: float) -> dict:
+    """One way's figures: the job's shape and links, the settings it ran with, and its step times."""
+    median = statistics.median(row["times"])
+    return {
+        "way": way,
+        "workers": topo.workers,
+        "per_host": topo.per_host,
+        "servers": topo.servers,
+        "colocated": topo.worker_hosts if topo.colocate else 0,
+        "worker_rate": rate,
+        "server_rate": rate if drift else topo.server_rate,
+        "parameters": row["parameters"],
+        "partition_bytes": row.get("partition_bytes"),
+        "derived_again": row.get("derived_again"),  # why the settings changed mid-job (scheduler/adapt.py)
+        "recut_steps": row.get("recut_steps") or [],  # the steps in which tensors were cut anew
+        "step_seconds_median": median,
+        "step_seconds_all": row["times"],
+        "samples_per_s": row["samples_per_step"] / median,
+        "cpu_utilization": cpu,
+    }
 
 
 def _reshape_after(cluster: EmulatedCluster, progress: str, steps: int, rate: str, timeout: float) -> None:

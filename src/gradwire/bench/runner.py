@@ -111,16 +111,8 @@ def run_gradwire(
     """One gradwire job: scheduler in this process, k server and n worker processes."""
     base = Config.from_env(env, num_workers=n, num_servers=k)
     scheduler = Scheduler(Config.from_env(env, role="scheduler", num_workers=n, num_servers=k)).start()
-    child_env = (
-        os.environ
-        | env
-        | {
-            "GRADWIRE_SCHEDULER": scheduler.address,
-            "GRADWIRE_NUM_WORKERS": str(n),
-            "GRADWIRE_NUM_SERVERS": str(k),
-            "GRADWIRE_PARTITION_BYTES": str(base.partition_bytes),
-        }
-    )
+    job = {"GRADWIRE_SCHEDULER": scheduler.address, "GRADWIRE_NUM_WORKERS": str(n), "GRADWIRE_NUM_SERVERS": str(k)}
+    child_env = os.environ | env | job | {"GRADWIRE_PARTITION_BYTES": str(base.partition_bytes)}
     servers = [
         subprocess.Popen(
             [sys.executable, "-m", "gradwire", "server"],
@@ -141,35 +133,43 @@ def run_gradwire(
         )
         for r in range(n)
     ]
-    peaks = [0]
-    done = threading.Event()
-    cpu = CpuSampler([p.pid for p in servers])
-
-    def sample() -> None:  # servers exit as soon as the workers say bye: read their peak while they run
-        while not done.wait(0.02):
-            cpu.sample()
-            if len(cpu.samples) % 10 == 0:
-                peaks[0] = max([peaks[0]] + [_peak_rss(p.pid) for p in servers])
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
+    watch = _ServerWatch(servers)
     try:
         out = _collect(workers, "gradwire worker", timeout)
-        done.set()
-        sampler.join()
-        peak = peaks[0]
-        timings = _parse("gradwire", n, k, out, cpu)
+        watch.stop()
+        timings = _parse("gradwire", n, k, out, watch.cpu)
         for t in timings:
-            t.server_peak_rss = peak
+            t.server_peak_rss = watch.peak
         return timings
     finally:
-        done.set()
+        watch.stop()
         for proc in servers:
             try:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 proc.kill()
         scheduler.stop()
+
+
+class _ServerWatch:
+    """The servers' CPU use and peak RSS, sampled while they run (they exit as soon as the workers say bye)."""
+
+    def __init__(self, servers: list[subprocess.Popen]) -> None:
+        self.servers, self.peak = servers, 0
+        self.cpu = CpuSampler([p.pid for p in servers])
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._done.wait(0.02):
+            self.cpu.sample()
+            if len(self.cpu.samples) % 10 == 0:
+                self.peak = max([self.peak] + [_peak_rss(p.pid) for p in self.servers])
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
 
 
 def run_gloo(n: int, sizes: list[int], repeats: int, warmup: int, timeout: float = 600) -> list[Timing]:

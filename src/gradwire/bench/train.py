@@ -76,24 +76,7 @@ def main(way: str, steps: int, warmup: int) -> None:
     import torch
 
     torch.set_num_threads(1)
-    net = model()
-    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-    if way == "ddp":
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        _gloo(rank, world)
-        net = torch.nn.parallel.DistributedDataParallel(net)
-    else:
-        import gradwire.torch as gw
-
-        gw.init()
-        rank, world = gw.rank(), gw.size()
-        if way == "optimizer":
-            opt = gw.DistributedOptimizer(opt, named_parameters=net.named_parameters())
-        else:
-            _gloo(rank, world)
-            inner = net
-            net = torch.nn.parallel.DistributedDataParallel(net)
-            net.register_comm_hook(gw.PushPullHookState(inner), gw.push_pull_hook)
+    net, opt, rank, world = _distributed(way)
     g = torch.Generator().manual_seed(rank)
     times = []
     partitions = [_data_path(way).get("partition_bytes")]
@@ -123,6 +106,28 @@ def main(way: str, steps: int, warmup: int) -> None:
         import gradwire.torch as gw
 
         gw.shutdown()
+
+
+def _distributed(way: str) -> tuple:
+    """The model and its optimizer made distributed `way`'s way (ddp, optimizer, hook), and this rank and the size."""
+    import torch
+
+    net = model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    if way == "ddp":
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        _gloo(rank, world)
+        return torch.nn.parallel.DistributedDataParallel(net), opt, rank, world
+    import gradwire.torch as gw
+
+    gw.init()
+    rank, world = gw.rank(), gw.size()
+    if way == "optimizer":
+        return net, gw.DistributedOptimizer(opt, named_parameters=net.named_parameters()), rank, world
+    _gloo(rank, world)
+    ddp = torch.nn.parallel.DistributedDataParallel(net)
+    ddp.register_comm_hook(gw.PushPullHookState(net), gw.push_pull_hook)
+    return ddp, opt, rank, world
 
 
 if __name__ == "__main__":

@@ -112,6 +112,30 @@ class Launcher:
     def _on_signal(self, signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
+    def _spawn_servers(self) -> None:
+        """The dedicated servers, a colocated one per worker (--colocate), and the standby servers."""
+        for r in range(self.num_servers):
+            self._spawn(
+                "server",
+                r,
+                [sys.executable, "-m", "gradwire", "server"],
+                {"GRADWIRE_ROLE": "server", "GRADWIRE_RANK": str(r)},
+            )
+        for r in range(self.num_workers if self.colocate else 0):
+            self._spawn(
+                "colocated server",
+                r,
+                [sys.executable, "-m", "gradwire", "server"],
+                {"GRADWIRE_ROLE": "server", "GRADWIRE_RANK": str(self.num_servers + r), "GRADWIRE_COLOCATED": "1"},
+            )
+        for r in range(self.num_standby):
+            self._spawn(
+                "standby",
+                r,
+                [sys.executable, "-m", "gradwire", "server"],
+                {"GRADWIRE_ROLE": "server", "GRADWIRE_STANDBY": "1"},
+            )
+
     def _run(self) -> int:
         scheduler = self._spawn(
             "scheduler",
@@ -134,50 +158,9 @@ class Launcher:
                 f"watch: gradwire top {self.admin_url}"
             )
             threading.Thread(target=self._progress, name="gw-progress", daemon=True).start()
-        for r in range(self.num_servers):
-            self._spawn(
-                "server",
-                r,
-                [sys.executable, "-m", "gradwire", "server"],
-                {"GRADWIRE_ROLE": "server", "GRADWIRE_RANK": str(r)},
-            )
-        for r in range(self.num_workers if self.colocate else 0):
-            self._spawn(
-                "colocated server",
-                r,
-                [sys.executable, "-m", "gradwire", "server"],
-                {"GRADWIRE_ROLE": "server", "GRADWIRE_RANK": str(self.num_servers + r), "GRADWIRE_COLOCATED": "1"},
-            )
-        for r in range(self.num_standby):
-            self._spawn(
-                "standby",
-                r,
-                [sys.executable, "-m", "gradwire", "server"],
-                {"GRADWIRE_ROLE": "server", "GRADWIRE_STANDBY": "1"},
-            )
+        self._spawn_servers()
         for r in range(self.num_workers):
-            self._spawn(
-                "worker",
-                r,
-                self.command,
-                {
-                    "GRADWIRE_ROLE": "worker",
-                    "GRADWIRE_RANK": str(r),
-                    "GRADWIRE_LOCAL_RANK": str(r),
-                    "GRADWIRE_LOCAL_SIZE": str(self.num_workers),
-                    "RANK": str(r),
-                    "LOCAL_RANK": str(r),
-                    "WORLD_SIZE": str(self.num_workers),
-                    "LOCAL_WORLD_SIZE": str(self.num_workers),
-                    # horovodrun's, for scripts (and Horovod's own tests) that read them
-                    "HOROVOD_RANK": str(r),
-                    "HOROVOD_SIZE": str(self.num_workers),
-                    "HOROVOD_LOCAL_RANK": str(r),
-                    "HOROVOD_LOCAL_SIZE": str(self.num_workers),
-                    "HOROVOD_CROSS_RANK": "0",
-                    "HOROVOD_CROSS_SIZE": "1",
-                },
-            )
+            self._spawn("worker", r, self.command, worker_env(r, self.num_workers))
         return self._watch()
 
     def _watch(self) -> int:
@@ -372,3 +355,13 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)
     except ProcessLookupError:
         pass
+
+
+def worker_env(rank: int, size: int) -> dict[str, str]:
+    """A worker's place in a one-host job, in gradwire's variables, torchrun's and horovodrun's (scripts, and Horovod's
+    own tests, read them)."""
+    env = {"GRADWIRE_ROLE": "worker", "GRADWIRE_RANK": str(rank), "GRADWIRE_LOCAL_RANK": str(rank)}
+    env |= {"GRADWIRE_LOCAL_SIZE": str(size), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(size)}
+    env |= {"LOCAL_WORLD_SIZE": str(size), "HOROVOD_RANK": str(rank), "HOROVOD_SIZE": str(size)}
+    env |= {"HOROVOD_LOCAL_RANK": str(rank), "HOROVOD_LOCAL_SIZE": str(size)}
+    return env | {"HOROVOD_CROSS_RANK": "0", "HOROVOD_CROSS_SIZE": "1"}

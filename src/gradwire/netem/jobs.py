@@ -15,6 +15,7 @@ from typing import IO
 
 from gradwire.errors import GradwireError
 from gradwire.netem.cluster import EmulatedCluster
+from gradwire.netem.topology import Host
 
 
 @dataclass
@@ -63,22 +64,7 @@ def start_gradwire(cluster: EmulatedCluster, argv: Sequence[str], env: Mapping[s
         "GRADWIRE_SECRET": secrets.token_hex(32),
         "PYTHONUNBUFFERED": "1",
     }
-    scheduler = cluster.spawn(
-        sched,
-        [sys.executable, "-m", "gradwire", "scheduler"],
-        base | {"GRADWIRE_SCHEDULER": f"{sched.address}:0", "GRADWIRE_HOST": sched.address},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    assert scheduler.stdout is not None
-    first = scheduler.stdout.readline()
-    if not first.startswith("gradwire scheduler listening on "):
-        scheduler.kill()
-        raise GradwireError(f"the scheduler did not start: {first!r}")
-    base["GRADWIRE_SCHEDULER"] = first.split(" listening on ", 1)[1].split()[0]
-    # keep reading, or a chatty scheduler would block on a full pipe
-    threading.Thread(target=_drain, args=(scheduler.stdout,), daemon=True).start()
+    scheduler, base["GRADWIRE_SCHEDULER"] = _start_scheduler(cluster, sched, base)
     given = base.get("GRADWIRE_PLACEMENT") == "model"  # else (the default, auto) the scheduler measures the links
 
     def node_env(h, rank: int) -> dict[str, str]:
@@ -111,6 +97,26 @@ def start_gradwire(cluster: EmulatedCluster, argv: Sequence[str], env: Mapping[s
         for rank, h in topo.placed_workers()
     ]
     return Job(services, workers)
+
+
+def _start_scheduler(cluster: EmulatedCluster, sched: Host, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
+    """The scheduler on its emulated host, and the address it listens on (its first line)."""
+    scheduler = cluster.spawn(
+        sched,
+        [sys.executable, "-m", "gradwire", "scheduler"],
+        env | {"GRADWIRE_SCHEDULER": f"{sched.address}:0", "GRADWIRE_HOST": sched.address},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert scheduler.stdout is not None
+    first = scheduler.stdout.readline()
+    if not first.startswith("gradwire scheduler listening on "):
+        scheduler.kill()
+        raise GradwireError(f"the scheduler did not start: {first!r}")
+    # keep reading, or a chatty scheduler would block on a full pipe
+    threading.Thread(target=_drain, args=(scheduler.stdout,), daemon=True).start()
+    return scheduler, first.split(" listening on ", 1)[1].split()[0]
 
 
 def _drain(stream: IO[str]) -> None:

@@ -35,24 +35,7 @@ def placement_weights(
     for worker in workers:
         hosts.setdefault(host_of(worker), len(hosts))
     sharing = link_sharers(workers, servers, hosts)
-    rated = list(workers) + [s for s in servers if not s.colocated]
-    known = all(n.link_rate > 0 for n in rated)
-    if not known and any(n.link_rate > 0 for n in rated):
-        log.warning("some nodes gave GRADWIRE_LINK_RATE and some did not: placing as if every link were equal")
-    host_rates = [0.0] * len(hosts)
-    for worker in workers:
-        i = hosts[host_of(worker)]
-        rate = worker.link_rate if known else 1.0
-        host_rates[i] = min(host_rates[i], rate) if host_rates[i] else rate
-    described = []
-    for server in servers:
-        host = hosts.get(server.host_id) if server.colocated else None
-        if server.colocated and host is None:
-            log.warning(
-                "server %d says it is colocated, but no worker runs on its host: placing it as dedicated", server.rank
-            )
-        rate = server.link_rate if known and server.link_rate > 0 else host_rates[host] if host is not None else 1.0
-        described.append((host, rate))
+    host_rates, described, known = _rates(workers, servers, hosts)
     if mode == "auto":  # measured rates a few percent apart are one rate: noise must not tilt the split
         snapped = snap([*host_rates, *(r for _, r in described)])
         host_rates, described = (
@@ -81,6 +64,32 @@ def placement_weights(
         info["weights"],
     )
     return weights, info
+
+
+def _rates(
+    workers: Sequence[Node], servers: Sequence[Node], hosts: dict[str, int]
+) -> tuple[list[float], list[tuple[int | None, float]], bool]:
+    """Each worker host's link rate (its slowest worker's), each server's (host index if colocated, rate), and whether
+    the rates are known (every node gave or measured one; else all are 1: equal links)."""
+    rated = list(workers) + [s for s in servers if not s.colocated]
+    known = all(n.link_rate > 0 for n in rated)
+    if not known and any(n.link_rate > 0 for n in rated):
+        log.warning("some nodes gave GRADWIRE_LINK_RATE and some did not: placing as if every link were equal")
+    host_rates = [0.0] * len(hosts)
+    for worker in workers:
+        i = hosts[host_of(worker)]
+        rate = worker.link_rate if known else 1.0
+        host_rates[i] = min(host_rates[i], rate) if host_rates[i] else rate
+    described: list[tuple[int | None, float]] = []
+    for server in servers:
+        host = hosts.get(server.host_id) if server.colocated else None
+        if server.colocated and host is None:
+            log.warning(
+                "server %d says it is colocated, but no worker runs on its host: placing it as dedicated", server.rank
+            )
+        rate = server.link_rate if known and server.link_rate > 0 else host_rates[host] if host is not None else 1.0
+        described.append((host, rate))
+    return host_rates, described, known
 
 
 def link_sharers(workers: Sequence[Node], servers: Sequence[Node], hosts: dict[str, int]) -> list[int]:

@@ -241,10 +241,7 @@ class Engine:
         if replay and self._stale_replay(state, i, slot.round, bit):
             return
         if state.round[i] != slot.round:
-            if 0 < state.count[i] < state.need:
-                raise TensorError(f"round {slot.round} arrived while round {state.round[i]} is unfinished")
-            state.round[i], state.count[i], state.pushed[i] = slot.round, 0, 0
-            state.turn[i], state.staged[i], state.seeded[i] = state.first, 0, False
+            state.begin(i, slot.round)
         state.pulls[i][slot.sender] = slot.pull
         if state.seeded[i] and state.count[i] == state.need:
             # a worker the dead server never answered pushes a round whose sum came as a seed: answer it alone
@@ -254,12 +251,7 @@ class Engine:
         if state.pushed[i] & bit:
             raise TensorError(f"worker {slot.sender} pushed round {slot.round} twice")
         if state.count[i] == 0:
-            state.virtual[i] = 0
-            if self.joined & state.everyone and not isinstance(state.op, ops.Reduce):
-                raise TensorMismatch(
-                    f"{state.name!r}: worker(s) {_ranks(self.joined & state.everyone)} have joined (hvd.join): only "
-                    "allreduce goes on without them (their contributions count as zeros)"
-                )
+            self._first_in(state, i)
         self._contribute(state, i, slot.sender, slot.data.view(dtype.wire), slot.landed)
         if replay:
             state.virtual[i] |= bit  # its sender had its slice from the dead server: no answer, no acknowledgement
@@ -274,6 +266,16 @@ class Engine:
                 self._ack(slot.sender, slot.key, slot.round)
         else:  # complete: the RESULT is the last pusher's acknowledgement too
             self._complete(state, slot.key, slot.round, slot.dtype, i)
+
+    def _first_in(self, state: KeyState, i: int) -> None:
+        """The first contribution of buffer `i`'s round: no rank stands in yet; joined workers (hvd.join) stand in
+        only for a reduction."""
+        state.virtual[i] = 0
+        if self.joined & state.everyone and not isinstance(state.op, ops.Reduce):
+            raise TensorMismatch(
+                f"{state.name!r}: worker(s) {_ranks(self.joined & state.everyone)} have joined (hvd.join): only "
+                "allreduce goes on without them (their contributions count as zeros)"
+            )
 
     @staticmethod
     def _stale_replay(state: KeyState, i: int, rnd: int, bit: int) -> bool:

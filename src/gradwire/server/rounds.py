@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import numpy as np
 
+from gradwire.errors import TensorError
 from gradwire.protocol import dtypes
 from gradwire.transport.shm import NO_SLOT
 
@@ -182,6 +183,13 @@ class KeyState:
     def fits(self, code: int, length: int) -> bool:
         """A contribution of `length` bytes of dtype `code` may go into this key (a gather's may be shorter)."""
         return self.dtype.code == code and (length == self.length or self.op.variable and length < self.length)
+
+    def begin(self, i: int, rnd: int) -> None:
+        """Buffer `i` takes round `rnd` (its previous round must be complete: double buffering)."""
+        if 0 < self.count[i] < self.need:
+            raise TensorError(f"round {rnd} arrived while round {self.round[i]} is unfinished")
+        self.round[i], self.count[i], self.pushed[i] = rnd, 0, 0
+        self.turn[i], self.staged[i], self.seeded[i] = self.first, 0, False
 
     def drain(self, i: int, dtype: dtypes.DType) -> None:
         """Deterministic sums, after rank `turn` was added to buffer `i`: add the early contributions that are now

@@ -119,26 +119,9 @@ def push_pull_async(
     ranks that take part (a process set; None: every worker).
     """
     worker = worker or gradwire.current_worker()
-    if name is None:
-        raise gradwire.TensorError(
-            f"worker {worker.rank}: push_pull needs a name that is the same on every worker (name='layer1.weight')",
-            rank=worker.rank,
-        )
     source = tensor.detach()
     wire, ctx = compression.compress(source)
-    if wire.dtype not in _SUPPORTED:
-        raise gradwire.TensorError(
-            f"worker {worker.rank}: push_pull of {name!r}: dtype {wire.dtype} is not supported (supported: "
-            f"{', '.join(sorted(str(d) for d in _SUPPORTED))}); cast it first",
-            tensor=name,
-            rank=worker.rank,
-        )
-    if average and wire.dtype == torch.bool:
-        raise gradwire.TensorError(
-            f"worker {worker.rank}: the average of bool tensor {name!r} is not defined; use op=Sum (a logical or)",
-            tensor=name,
-            rank=worker.rank,
-        )
+    _check_push_pull(worker, name, wire, average)
     staged = None
     if wire.device.type != "cpu":
         staged = torch.empty(wire.shape, dtype=wire.dtype, pin_memory=torch.cuda.is_available())
@@ -159,3 +142,25 @@ def push_pull_async(
     )
     divide_by = (worker.size if members is None else len(members)) if average and not worker_average else 1
     return TorchHandle(handle, output, wire, ctx, compression, staged, divide_by)
+
+
+def _check_push_pull(worker: Worker, name: str | None, wire: torch.Tensor, average: bool) -> None:
+    """What a push_pull refuses before anything moves: no name, a dtype the wire does not carry, a bool average."""
+    if name is None:
+        raise gradwire.TensorError(
+            f"worker {worker.rank}: push_pull needs a name that is the same on every worker (name='layer1.weight')",
+            rank=worker.rank,
+        )
+    if wire.dtype not in _SUPPORTED:
+        raise gradwire.TensorError(
+            f"worker {worker.rank}: push_pull of {name!r}: dtype {wire.dtype} is not supported (supported: "
+            f"{', '.join(sorted(str(d) for d in _SUPPORTED))}); cast it first",
+            tensor=name,
+            rank=worker.rank,
+        )
+    if average and wire.dtype == torch.bool:
+        raise gradwire.TensorError(
+            f"worker {worker.rank}: the average of bool tensor {name!r} is not defined; use op=Sum (a logical or)",
+            tensor=name,
+            rank=worker.rank,
+        )

@@ -169,24 +169,8 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
       `pipesize` (BytePS): accepted; gradwire pipelines every tensor by partitions already.
     Arguments are checked before anything else, so a wrong call fails the same way before or after `init()`.
     """
-    if backward_passes_per_step < 1:
-        raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
-    if gradient_predivide_factor <= 0:
-        raise ValueError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor}")
-    if staleness != 0:
-        raise ValueError(f"staleness={staleness}: gradwire's DistributedOptimizer is synchronous (staleness=0)")
-    if getattr(process_set, "ranks", None) is not None and getattr(process_set, "process_set_id", None) is None:
-        raise ValueError(f"{process_set!r} is not registered: call add_process_set first")
-    if isinstance(groups, int):  # Horovod accepted an int here before num_groups existed
-        groups, num_groups = None, groups
-    if groups is not None and num_groups:
-        raise ValueError("pass groups or num_groups, not both")
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-    if num_groups:
-        if num_groups < 0:
-            raise ValueError(f"num_groups must be >= 0, got {num_groups}")
-        size = -(-len(params) // num_groups)
-        groups = [params[i : i + size] for i in range(0, len(params), size)]
+    _check_keywords(backward_passes_per_step, gradient_predivide_factor, staleness, process_set)
+    groups = _fusion_groups(optimizer, groups, num_groups)
     cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
@@ -202,3 +186,31 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         getattr(process_set, "ranks", None),
     )
     return wrapped
+
+
+def _fusion_groups(optimizer: torch.optim.Optimizer, groups: Any, num_groups: int) -> Any:
+    """Horovod's `groups` (lists of parameters fused together) or `num_groups` (that many groups of the parameters
+    in order), checked; None: fused by size."""
+    if isinstance(groups, int):  # Horovod accepted an int here before num_groups existed
+        groups, num_groups = None, groups
+    if groups is not None and num_groups:
+        raise ValueError("pass groups or num_groups, not both")
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    if num_groups:
+        if num_groups < 0:
+            raise ValueError(f"num_groups must be >= 0, got {num_groups}")
+        size = -(-len(params) // num_groups)
+        groups = [params[i : i + size] for i in range(0, len(params), size)]
+    return groups
+
+
+def _check_keywords(passes: int, predivide: float, staleness: int, process_set: Any) -> None:
+    """Horovod's keywords, as Horovod checks them (ValueError)."""
+    if passes < 1:
+        raise ValueError(f"backward_passes_per_step must be >= 1, got {passes}")
+    if predivide <= 0:
+        raise ValueError(f"gradient_predivide_factor must be > 0, got {predivide}")
+    if staleness != 0:
+        raise ValueError(f"staleness={staleness}: gradwire's DistributedOptimizer is synchronous (staleness=0)")
+    if getattr(process_set, "ranks", None) is not None and getattr(process_set, "process_set_id", None) is None:
+        raise ValueError(f"{process_set!r} is not registered: call add_process_set first")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -79,31 +81,13 @@ class Calls:
             )
         tensor = self.declaring.declare(name, src.shape, dtype or src.dtype, op, wait=False, members=members)
         return self._launch(
-            tensor, out, src.reshape(-1), 0, out.reshape(-1), 0, self._divisor(average, members), priority
+            tensor, out, Transfer(src.reshape(-1), 0, out.reshape(-1), 0, self._divisor(average, members), priority)
         )
 
-    def _launch(
-        self,
-        tensor: Tensor,
-        out: np.ndarray,
-        send: np.ndarray,
-        send_at: int,
-        pull: np.ndarray,
-        pull_at: int,
-        average: int,
-        priority: int,
-        extra: np.ndarray | None = None,
-        partial: bool = False,
-        same_round: bool = False,
-    ) -> Handle:
-        """Push every partition of `tensor`'s next round: `send` holds the elements [send_at, send_at + len) of the
-        tensor that this worker contributes (all of them for a reduction, its own segment for a gather); the result's
-        elements [pull_at, pull_at + len) land in `pull` (a view of `out`): all of them, or this rank's slice.
-        `extra`: bytes every partition's push carries after its data (a server-side update's trailer). `partial`: the
-        answers are not results to keep for a failover (reads of a server's state). `same_round`: not a new round
-        (a read or write that its server answers outside the rounds)."""
+    def _launch(self, tensor: Tensor, out: np.ndarray, transfer: Transfer) -> Handle:
+        """Push every partition of `tensor`'s next round as `transfer` says; the handle completes into `out`."""
         tensor = self._follow(tensor)
-        handle, rnd = self._begin(tensor, out, same_round)
+        handle, rnd = self._begin(tensor, out, transfer.same_round)
 
         def submit(error: GradwireError | None) -> None:
             if error is not None:
@@ -112,27 +96,9 @@ class Calls:
             with self.state.lock:
                 servers = list(tensor.servers)
             handle.add_parts(len(tensor.parts))
-            code, sent, pulled = tensor.dtype.code, len(send), len(pull)
-            extra_view = memoryview(extra).cast("B") if extra is not None else None
-            for part, key, server in zip(tensor.parts, tensor.keys, servers, strict=True):
-                lo, hi = part.start, part.start + part.count
-                give = send[min(max(lo - send_at, 0), sent) : min(max(hi - send_at, 0), sent)]
-                take = pull[min(max(lo - pull_at, 0), pulled) : min(max(hi - pull_at, 0), pulled)]
-                sliced = len(take) < hi - lo
-                work = Work(
-                    tensor.name,
-                    key,
-                    rnd,
-                    code,
-                    give,
-                    take,
-                    average,
-                    handle,
-                    part.index,
-                    partial=partial or sliced,
-                    replayable=sliced and not partial,
-                )
-                self.state.links[server].submit(work.trail(extra_view), priority)
+            links = self.state.links
+            for server, work in zip(servers, transfer.works(tensor, rnd, handle), strict=True):
+                links[server].submit(work, transfer.priority)
             handle.part_done()  # the declaration's part
 
         with self.state.lock:
@@ -204,7 +170,7 @@ class Calls:
         self._check_output(f"reduce-scatter of {name!r} with slices {slices}", name, out, count, src.dtype)
         tensor = self.declaring.declare(name, src.shape, dtype or src.dtype, op, slices, wait=False, members=members)
         n = self._divisor(average, members)
-        return self._launch(tensor, out, src.reshape(-1), 0, out.reshape(-1), first, n, priority)
+        return self._launch(tensor, out, Transfer(src.reshape(-1), 0, out.reshape(-1), first, n, priority))
 
     def gather_async(
         self,
@@ -244,7 +210,7 @@ class Calls:
         tensor = self.declaring.declare(
             name, shape or (total,), dtype or src.dtype, "gather", slices, meta, wait=False, members=members
         )
-        return self._launch(tensor, out, src, sum(counts[: self.rank]), out.reshape(-1), first, 1, priority)
+        return self._launch(tensor, out, Transfer(src, sum(counts[: self.rank]), out.reshape(-1), first, 1, priority))
 
     def update_async(
         self,
@@ -287,9 +253,8 @@ class Calls:
         )
         extra = update.trailer(kind, which, hyper)
         direct = kind in (update.READ, update.WRITE)
-        return self._launch(
-            tensor, out, send, 0, out.reshape(-1), 0, 1, priority, extra=extra, partial=direct, same_round=direct
-        )
+        transfer = Transfer(send, 0, out.reshape(-1), 0, 1, priority, extra, partial=direct, same_round=direct)
+        return self._launch(tensor, out, transfer)
 
     def _begin(self, tensor: Tensor, out: np.ndarray, same_round: bool = False) -> tuple[Handle, int]:
         """A handle for the tensor's next round, and that round (numbered here, in call order; `same_round`: the
@@ -371,3 +336,37 @@ class Calls:
         with self.state.lock:  # rounds the others summed while this worker had joined: the next is after them
             self.table.skip_to(reply.get("rounds", {}))
         return int(reply["last"])
+
+
+@dataclass
+class Transfer:
+    """What one call moves. `send` holds the elements [send_at, send_at + len) of the tensor that this worker
+    contributes (all of them for a reduction, its own segment for a gather); the result's elements [pull_at, pull_at +
+    len) land in `pull` (a view of the output): all of them, or this rank's slice. `average`: what the result is
+    divided by. `extra`: bytes every partition's push carries after its data (a server-side update's trailer).
+    `partial`: the answers are not results to keep for a failover (reads of a server's state). `same_round`: not a new
+    round (a read or write that its server answers outside the rounds)."""
+
+    send: np.ndarray
+    send_at: int
+    pull: np.ndarray
+    pull_at: int
+    average: int
+    priority: int
+    extra: np.ndarray | None = None
+    partial: bool = False
+    same_round: bool = False
+
+    def works(self, tensor: Tensor, rnd: int, handle: Handle) -> Iterator[Work]:
+        """A `Work` per partition of `tensor`, for round `rnd`, in partition order."""
+        send, pull, sent, pulled = self.send, self.pull, len(self.send), len(self.pull)
+        extra = memoryview(self.extra).cast("B") if self.extra is not None else None
+        code = tensor.dtype.code
+        for part, key in zip(tensor.parts, tensor.keys, strict=True):
+            lo, hi = part.start, part.start + part.count
+            give = send[min(max(lo - self.send_at, 0), sent) : min(max(hi - self.send_at, 0), sent)]
+            take = pull[min(max(lo - self.pull_at, 0), pulled) : min(max(hi - self.pull_at, 0), pulled)]
+            sliced = len(take) < hi - lo
+            partial, replayable = self.partial or sliced, sliced and not self.partial
+            args = (tensor.name, key, rnd, code, give, take, self.average, handle, part.index)
+            yield Work(*args, partial=partial, replayable=replayable).trail(extra)

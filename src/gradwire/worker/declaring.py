@@ -65,16 +65,20 @@ class Declaring:
         if new:
             self.send(tensor)
         if wait:
-            timeout = self.state.config.timeout
-            if not tensor.ready.wait(timeout):
-                raise GradwireTimeout(
-                    f"worker {self.state.rank}: the declaration of {tensor.name!r} did not complete in {timeout}s: "
-                    "every worker must declare it (call the same collective on it)",
-                    tensor=tensor.name,
-                )
-            if tensor.error is not None:
-                raise tensor.error
+            self._wait(tensor)
         return tensor
+
+    def _wait(self, tensor: Tensor) -> None:
+        """Until `tensor`'s declaration completes (at most GRADWIRE_TIMEOUT); raises the error that failed it."""
+        timeout = self.state.config.timeout
+        if not tensor.ready.wait(timeout):
+            raise GradwireTimeout(
+                f"worker {self.state.rank}: the declaration of {tensor.name!r} did not complete in {timeout}s: "
+                "every worker must declare it (call the same collective on it)",
+                tensor=tensor.name,
+            )
+        if tensor.error is not None:
+            raise tensor.error
 
     def send(self, tensor: Tensor) -> None:
         """Ask the scheduler to declare `tensor` as its signature says; `completed` runs with the answer."""
