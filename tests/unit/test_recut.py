@@ -7,6 +7,7 @@ import pytest
 from gradwire import partition
 from gradwire.errors import GradwireTimeout, RemoteProtocolError
 from gradwire.protocol import dtypes
+from gradwire.protocol.signature import Signature
 from gradwire.worker.recut import Recut
 from gradwire.worker.tensors import Tensor
 
@@ -16,7 +17,7 @@ F32 = dtypes.BY_NAME["float32"]
 def _tensor(name, elements, rnd, partition_bytes=4096):
     t = Tensor(name, (elements,), F32, round=rnd, root=name)
     t.parts = partition.split(elements, 4, partition_bytes)
-    t.signature = ((elements,), "float32", "sum", None, None, None, None)
+    t.signature = Signature("sum", "float32", (elements,), None, None, None)
     t.ready.set()
     return t
 

@@ -1,5 +1,5 @@
-"""A tensor as the scheduler keeps it (`Declaration`: the first declaration, its partitions, keys and servers), what
-every worker must agree on about it (`Signature`), and one worker's declaration waiting for the others' (`Call`).
+"""A tensor as the scheduler keeps it (`Declaration`: the first declaration, its partitions, keys and servers), and
+one worker's declaration waiting for the others' (`Call`). What every worker must agree on: protocol/signature.py.
 """
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+
+from gradwire.protocol.signature import Signature
 
 
 @dataclass
@@ -39,22 +40,6 @@ class Declaration:
         return (
             {"error": self.error} if self.error else {"servers": self.servers, "partition_bytes": self.partition_bytes}
         )
-
-
-class Signature(NamedTuple):
-    """What every worker must agree on about a tensor."""
-
-    key_op: str
-    dtype: str
-    shape: list[int]
-    slices: list[list[int]] | None
-    meta: str | None
-    members: list[int] | None  # the ranks that take part (a process set); None: every worker
-    op_args: str | None = None  # the operation's arguments (canonical JSON)
-
-    def __str__(self) -> str:
-        extra = (("slices", self.slices), ("meta", self.meta), ("ranks", self.members), ("arguments", self.op_args))
-        return f"{self.key_op} of {self.dtype}{self.shape}" + "".join(f", {k} {v}" for k, v in extra if v is not None)
 
 
 def key_slices(sizes: list[int], slices: list[list[int]], itemsize: int) -> list[list[list[int]]]:

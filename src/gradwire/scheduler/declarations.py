@@ -21,7 +21,8 @@ from gradwire.config import Config
 from gradwire.errors import TensorError
 from gradwire.placement import Placement
 from gradwire.protocol import dtypes, operations, update
-from gradwire.scheduler.declaration import Call, Declaration, Signature
+from gradwire.protocol.signature import Signature
+from gradwire.scheduler.declaration import Call, Declaration
 from gradwire.scheduler.server_requests import ServerRequests
 
 log = logging.getLogger("gradwire.scheduler")

@@ -11,6 +11,7 @@ import logging
 
 from gradwire.errors import GradwireError, GradwireTimeout, JobAborted, TensorError, TensorMismatch
 from gradwire.protocol import dtypes, messages, update
+from gradwire.protocol.signature import Signature
 from gradwire.worker.control import Control
 from gradwire.worker.state import WorkerState
 from gradwire.worker.tensors import Tensor, TensorTable
@@ -59,7 +60,7 @@ class Declaring:
         cut = tuple((int(a), int(b)) for a, b in slices) if slices is not None else None
         ranks = tuple(sorted(members)) if members is not None else None
         args = update.encode_args(op_args) if op_args is not None else None
-        signature = (shape, wire, key_op, cut, meta, ranks, args)
+        signature = Signature(key_op, wire.name, shape, cut, meta, ranks, args)
         with self.state.lock:
             tensor, new = self.table.entry(name, shape, wire, signature)
         if new:
@@ -82,7 +83,8 @@ class Declaring:
 
     def send(self, tensor: Tensor) -> None:
         """Ask the scheduler to declare `tensor` as its signature says; `completed` runs with the answer."""
-        _, _, key_op, slices, meta, members, args = tensor.signature
+        assert tensor.signature is not None
+        key_op, _, _, slices, meta, members, args = tensor.signature
         # a server-side update's pushes carry a trailer after each partition's data: partitions leave room for it
         trailer = update.TRAILER_BYTES if key_op == "optimizer" else 0
         body = {

@@ -12,6 +12,7 @@ import numpy as np
 from gradwire import partition
 from gradwire.errors import GradwireError
 from gradwire.protocol import dtypes
+from gradwire.protocol.signature import Signature
 from gradwire.worker.handle import Handle
 
 
@@ -32,7 +33,7 @@ class Tensor:
     error: GradwireError | None = None  # why the declaration failed
     waiting: list = field(default_factory=list, repr=False)  # fn(error or None), run once it is ready
     user_name: str = ""
-    signature: tuple = ()
+    signature: Signature | None = None  # what every worker declared it as
     stateful: bool = False  # its servers hold state (parameter-server mode): seeded to a new server after a failover
     # re-cut with another partition size while the job runs (scheduler/adapt.py): from round `successor[0]` on, the
     # tensor's rounds are those of `successor[1]`, declared as `root~generation` (new keys)
@@ -57,7 +58,7 @@ class Tensor:
     def recuttable(self) -> bool:
         """A re-cut may give it new partitions: a plain sum (no slices, process set, or server-side state) whose
         declaration has completed."""
-        return self.ready.is_set() and self.error is None and self.signature[2:] == ("sum", None, None, None, None)
+        return self.ready.is_set() and self.error is None and self.signature is not None and self.signature.plain_sum
 
     def fits_one(self, partition_bytes: int) -> bool:
         """It is one partition, and would be one at `partition_bytes` too (nothing to re-cut)."""
@@ -70,12 +71,14 @@ class TensorTable:
 
     def __init__(self) -> None:
         self.tensors: dict[str, Tensor] = {}
-        self._versions: dict[str, list[tuple]] = {}  # user name -> its signatures, in order of first use
+        self._versions: dict[str, list[Signature]] = {}  # user name -> its signatures, in order of first use
         self.owner: dict[int, int] = {}  # key -> its server's index
         self._moves: dict[str, list[int]] = {}  # tensor -> a server per partition, as a failover moved them
         self._round_floor: dict[str, int] = {}  # tensors others summed while this worker had joined: their rounds
 
-    def entry(self, name: str, shape: tuple[int, ...], dtype: dtypes.DType, signature: tuple) -> tuple[Tensor, bool]:
+    def entry(
+        self, name: str, shape: tuple[int, ...], dtype: dtypes.DType, signature: Signature
+    ) -> tuple[Tensor, bool]:
         """The tensor that `name` with `signature` names, and whether it is new (to be declared). A name used again
         with another signature is another tensor: `name#1`, `name#2`, ... in the order of first use (the same on
         every worker running the same program); a process set's tensor is its own (`@ranks...`)."""
@@ -84,7 +87,7 @@ class TensorTable:
             versions.append(signature)
         version = versions.index(signature)
         internal = name if version == 0 else f"{name}#{version}"
-        ranks = signature[5]
+        ranks = signature.members
         if ranks is not None:  # a process set's tensor is its own, whatever other sets call theirs
             internal += "@ranks" + "-".join(map(str, ranks))
         tensor = self.tensors.get(internal)
