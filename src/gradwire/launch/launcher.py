@@ -360,8 +360,20 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 def worker_env(rank: int, size: int) -> dict[str, str]:
     """A worker's place in a one-host job, in gradwire's variables, torchrun's and horovodrun's (scripts, and Horovod's
     own tests, read them)."""
-    env = {"GRADWIRE_ROLE": "worker", "GRADWIRE_RANK": str(rank), "GRADWIRE_LOCAL_RANK": str(rank)}
-    env |= {"GRADWIRE_LOCAL_SIZE": str(size), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(size)}
-    env |= {"LOCAL_WORLD_SIZE": str(size), "HOROVOD_RANK": str(rank), "HOROVOD_SIZE": str(size)}
-    env |= {"HOROVOD_LOCAL_RANK": str(rank), "HOROVOD_LOCAL_SIZE": str(size)}
-    return env | {"HOROVOD_CROSS_RANK": "0", "HOROVOD_CROSS_SIZE": "1"}
+    r, n = str(rank), str(size)
+    return {
+        "GRADWIRE_ROLE": "worker",
+        "GRADWIRE_RANK": r,
+        "GRADWIRE_LOCAL_RANK": r,
+        "GRADWIRE_LOCAL_SIZE": n,
+        "RANK": r,
+        "LOCAL_RANK": r,
+        "WORLD_SIZE": n,
+        "LOCAL_WORLD_SIZE": n,
+        "HOROVOD_RANK": r,
+        "HOROVOD_SIZE": n,
+        "HOROVOD_LOCAL_RANK": r,
+        "HOROVOD_LOCAL_SIZE": n,
+        "HOROVOD_CROSS_RANK": "0",
+        "HOROVOD_CROSS_SIZE": "1",
+    }

@@ -39,6 +39,8 @@ RECUT_ROUNDS = "recut_rounds"  # worker -> scheduler: `rounds` {tensor: round}; 
 # a re-cut's first round of a tensor: the latest any worker reported plus this; a worker holds calls that far ahead
 # until the RETUNE says where the new partitions begin (scheduler/adapt.py)
 RECUT_AHEAD = 2
+# a worker's heartbeat counters of its network links' use, which the scheduler's drift check reads (scheduler/adapt.py)
+LINK_USE = ("link_busy_seconds", "link_bytes", "window_full_seconds")
 RETUNE = "retune"  # scheduler -> worker: new `tuning`; `switch` {tensor: first round cut anew} for `generation`
 DEPARTED = "departed"  # scheduler -> server: workers that left (shutdown()) while others go on (`ranks`, all so far)
 

@@ -29,7 +29,6 @@ if TYPE_CHECKING:
     from gradwire.scheduler.roster import Roster
 
 log = logging.getLogger("gradwire.scheduler")
-COUNTERS = ("link_busy_seconds", "link_bytes", "window_full_seconds")  # in a worker's heartbeat (worker.status)
 CPU = ("host_cpu_busy_seconds", "host_cpu_seconds")  # in every node's heartbeat (admin/metrics.host_cpu)
 RECUT_AHEAD = messages.RECUT_AHEAD  # rounds past the latest a worker reported: the first cut anew (step 2)
 
@@ -66,7 +65,7 @@ class Adaptation:
         shared = max((self.roster.tuning or {}).get("workers_per_host") or [1]) > 1  # placing.link_sharers
         hosts: dict[str, list[tuning.Sample]] = {}
         for worker in self.roster.live_workers():
-            delta = self._delta(worker, COUNTERS)
+            delta = self._delta(worker, messages.LINK_USE)
             if delta is not None:
                 busy, moved, full = delta
                 key = host_of(worker) if shared else f"worker{worker.rank}"

@@ -1,7 +1,8 @@
 """The readers: per worker connection a thread that checks each frame against its key's declaration, claims a slot in
 the ring of the engine that owns the key, receives the payload straight into it (or into the key's landing buffer, or
 finds it in the worker's shared push slot) and publishes it; and per server whose keys this one replicates, a thread
-that does the same for the updates it forwards. Every slot a server publishes goes through `claim` and `publish`.
+that does the same for the updates it forwards. Every slot a server fills is claimed by `claim`; a frame's is
+published by `publish` (control.py publishes its join and departure events itself).
 """
 
 from __future__ import annotations

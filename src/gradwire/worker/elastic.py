@@ -18,7 +18,6 @@ from gradwire.worker.state import SHUTDOWN_JOIN_SECONDS, WorkerState
 from gradwire.worker.tensors import TensorTable
 
 log = logging.getLogger("gradwire.worker")
-LINK_USE = ("link_busy_seconds", "link_bytes", "window_full_seconds")  # in the heartbeat: the drift check's
 
 
 class Elastic:
@@ -107,5 +106,5 @@ class Elastic:
         state = self.state
         busy, moved = state.credit.busy() if state.credit else (0.0, 0)
         full = sum(link.flow.full_seconds for link in state.links if getattr(link, "network", False))
-        now = dict(zip(LINK_USE, (busy, moved, full), strict=True))
+        now = dict(zip(messages.LINK_USE, (busy, moved, full), strict=True))
         return {k: self._use_before.get(k, 0) + v for k, v in now.items()}
