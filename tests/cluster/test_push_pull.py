@@ -212,7 +212,7 @@ def test_a_round_that_needs_a_worker_that_shut_down_fails_at_once_and_one_it_pus
         waiter.join(10)
         begun = a.push_pull_async(x, "g")  # round 3, which b will never push: begun before b leaves ...
         deadline = time.monotonic() + 10
-        while not all(any(k.count[1] for e in s.engines for k in e.keys.values()) for s in c.servers):
+        while not all(any(k.rounds[1].count for e in s.engines for k in e.keys.values()) for s in c.servers):
             assert time.monotonic() < deadline, "a's pushes of round 3 never reached both servers"
             time.sleep(0.005)
         b.shutdown(final=False)

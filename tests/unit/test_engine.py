@@ -187,8 +187,8 @@ def test_the_first_rank_lands_in_the_accumulator_once_rounds_complete_and_never_
         _push(engine, rank, np.full(4, rank + 1, np.float32), rnd=1, land=True)
     assert len(replies) == 1  # round 1 complete: from now on rank 0 lands
     into = engine.landing(9, 3, 0)
-    assert into is not None and np.shares_memory(into, state.acc[1])
-    assert engine.landing(9, 2, 0) is not None and np.shares_memory(engine.landing(9, 2, 0), state.acc[0])
+    assert into is not None and np.shares_memory(into, state.rounds[1].acc)
+    assert engine.landing(9, 2, 0) is not None and np.shares_memory(engine.landing(9, 2, 0), state.rounds[0].acc)
     _push(engine, 1, np.full(4, 2, np.float32), rnd=3, land=True)  # round 3 begun, rank 0's part not in: may land
     assert engine.landing(9, 3, 0) is not None
     assert engine.landing(9, 5, 0) is None  # another round while 3 is unfinished (a misbehaving worker)

@@ -53,7 +53,7 @@ def test_replies_sent_at_once_never_overtake_queued_ones_and_every_frame_stays_w
     socket sends the rest through the reply thread, in order (server.py WorkerLink.reply)."""
     import numpy as np
 
-    from gradwire.server.replier import WorkerLink
+    from gradwire.server.replier import AckReply, ResultReply, WorkerLink
     from gradwire.transport.shm import NO_SLOT
 
     ours, theirs = socket.socketpair()
@@ -67,7 +67,9 @@ def test_replies_sent_at_once_never_overtake_queued_ones_and_every_frame_stays_w
     order = ["ack", "small", "ack"] + ["small", "ack", "big", "ack", "small"] * 6
     for key, kind in enumerate(order):
         payload = payloads[kind]
-        link.reply((key, 1, 2, None if payload is None else memoryview(payload).cast("B"), NO_SLOT))
+        link.reply(
+            AckReply(key, 1) if payload is None else ResultReply(key, 1, 2, memoryview(payload).cast("B"), NO_SLOT)
+        )
         if key == 0:
             assert link._queued == 0  # sent at once: nothing was queued, and the socket took it
     peer = tcp.Connection(theirs, 1 << 22)

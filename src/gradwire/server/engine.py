@@ -7,10 +7,10 @@ the result to their reply queues: all of it, or each rank its declared slice. Be
 any operation. Decisions and why:
 
 - Copy the first contribution, add the rest in place: one pass over memory per contribution, no zeroing.
-- Double-buffered rounds (`acc[round % 2]`): a worker pushes round r+1 of a key only after it received
-  the sum of round r, and round r+1 completes only when every worker has pushed it, hence received round
-  r. So when round r+2 starts writing `acc[r % 2]`, every reply of round r has been handed to the kernel.
-  A fast worker's round r+1 lands in the other buffer and never corrupts round r.
+- Double-buffered rounds (`KeyState.rounds[round % 2]`, a `Round` each): a worker pushes round r+1 of a key
+  only after it received the sum of round r, and round r+1 completes only when every worker has pushed it,
+  hence received round r. So when round r+2 starts writing `rounds[r % 2]`, every reply of round r has been
+  handed to the kernel. A fast worker's round r+1 lands in the other buffer and never corrupts round r.
 - One buffer is sent to every worker, so all receive bit-identical bytes.
 - Deterministic by default: contributions are added in rank order, whatever order they arrive in (one that
   arrives early is copied into a staging buffer of its key until its turn). Floating-point addition is not
@@ -50,7 +50,7 @@ from gradwire.protocol import dtypes
 from gradwire.protocol.frames import DEPARTED_EVENT, JOIN_EVENT, REPLAY, SEED
 from gradwire.ring import Ring, RingClosed, Slot
 from gradwire.server import ops
-from gradwire.server.rounds import Ack, Fail, FailRank, Forward, KeyOp, KeyState, Reply
+from gradwire.server.rounds import Ack, Fail, FailRank, Forward, KeyOp, KeyState, Reply, Round
 from gradwire.transport.shm import NO_SLOT
 
 log = logging.getLogger("gradwire.server")
@@ -174,28 +174,28 @@ class Engine:
             return None
         if not (self.deterministic or state.op.ordered) or state.op.asynchronous:
             return None
-        i = rnd & 1
+        r = state.rounds[rnd & 1]
         if sender != state.first:
-            return self._stage(state, i, sender).view(np.uint8)
+            return self._stage(state, r, sender).view(np.uint8)
         # The first rank's contribution is added first: where the operation allows, it is received into the round's
         # accumulator itself, which saves a pass over the partition (a copy out of the ring slot). Free at this
         # point: a worker pushes round `rnd` only once it has round `rnd - 1`'s result, so every worker has round
         # `rnd - 2`'s, the accumulator's last. Not where that does not hold (a misbehaving or replaying worker: the
         # engine refuses or handles those from a ring slot), nor before a round completed from contributions alone.
-        if not state.landable or state.seeded[i]:
+        if not state.landable or r.seeded:
             return None
-        current = state.round[i] == rnd
-        if current and (state.pushed[i] >> sender & 1 or state.count[i] >= state.need):
+        current = r.number == rnd
+        if current and (r.pushed >> sender & 1 or r.count >= state.need):
             return None
-        if not current and 0 < state.count[i] < state.need:
+        if not current and state.unfinished(r):
             return None
-        into = state.op.landing(state, i)
+        into = state.op.landing(state, r)
         return None if into is None else into.view(np.uint8)
 
     @staticmethod
-    def _stage(state: KeyState, i: int, sender: int) -> np.ndarray:
-        """The staging buffer of `sender` in round buffer `i`, allocated once per key, rank and buffer."""
-        stage = state.stage[i]
+    def _stage(state: KeyState, r: Round, sender: int) -> np.ndarray:
+        """The staging buffer of `sender` in round `r`'s buffer, allocated once per key, rank and buffer."""
+        stage = r.stage
         if stage[sender] is None:
             stage[sender] = np.empty(state.length // state.dtype.itemsize, state.dtype.wire)
         return stage[sender]
@@ -230,47 +230,47 @@ class Engine:
         if state.op.intercepts and state.op.intercept(self, state, slot):
             return
         dtype = state.dtype
-        i = slot.round & 1
+        r = state.rounds[slot.round & 1]
         if slot.flags & SEED:
-            self._seed(state, i, slot, dtype)
+            self._seed(state, r, slot, dtype)
             return
         bit = 1 << slot.sender
         if not state.everyone & bit:
             raise TensorError(f"worker {slot.sender} is not among the ranks {state.members} of {state.name!r}")
         replay = slot.flags & REPLAY
-        if replay and self._stale_replay(state, i, slot.round, bit):
+        if replay and self._stale_replay(state, r, slot.round, bit):
             return
-        if state.round[i] != slot.round:
-            state.begin(i, slot.round)
-        state.pulls[i][slot.sender] = slot.pull
-        if state.seeded[i] and state.count[i] == state.need:
+        if r.number != slot.round:
+            state.begin(r, slot.round)
+        r.pulls[slot.sender] = slot.pull
+        if r.seeded and r.count == state.need:
             # a worker the dead server never answered pushes a round whose sum came as a seed: answer it alone
             self.seeded_answers += 1
-            self.answer_round(state, slot.key, slot.round, slot.dtype, i, bit)
+            self.answer_round(slot.key, slot.dtype, r, bit)
             return
-        if state.pushed[i] & bit:
+        if r.pushed & bit:
             raise TensorError(f"worker {slot.sender} pushed round {slot.round} twice")
-        if state.count[i] == 0:
-            self._first_in(state, i)
-        self._contribute(state, i, slot.sender, slot.data.view(dtype.wire), slot.landed)
+        if r.count == 0:
+            self._first_in(state, r)
+        self._contribute(state, r, slot.sender, slot.data.view(dtype.wire), slot.landed)
         if replay:
-            state.virtual[i] |= bit  # its sender had its slice from the dead server: no answer, no acknowledgement
-        if self.joined and state.count[i] < state.need:
-            self._join_in(state, i)  # joined workers contribute zeros (hvd.join)
-        if self.departed and state.count[i] < state.need and self._fail_departed(state, slot.key, i):
+            r.virtual |= bit  # its sender had its slice from the dead server: no answer, no acknowledgement
+        if self.joined and r.count < state.need:
+            self._join_in(state, r)  # joined workers contribute zeros (hvd.join)
+        if self.departed and r.count < state.need and self._fail_departed(state, slot.key, r):
             return
-        if state.count[i] < state.need:
+        if r.count < state.need:
             # The worker's window counts contributions not yet in, not sums not yet out: a window of
             # unanswered sums deadlocks when workers' windows fill with different keys. (A replay holds no window.)
             if not replay:
                 self._ack(slot.sender, slot.key, slot.round)
         else:  # complete: the RESULT is the last pusher's acknowledgement too
-            self._complete(state, slot.key, slot.round, slot.dtype, i)
+            self._complete(state, slot.key, slot.dtype, r)
 
-    def _first_in(self, state: KeyState, i: int) -> None:
-        """The first contribution of buffer `i`'s round: no rank stands in yet; joined workers (hvd.join) stand in
-        only for a reduction."""
-        state.virtual[i] = 0
+    def _first_in(self, state: KeyState, r: Round) -> None:
+        """The first contribution of round `r`: no rank stands in yet; joined workers (hvd.join) stand in only for a
+        reduction."""
+        r.virtual = 0
         if self.joined & state.everyone and not isinstance(state.op, ops.Reduce):
             raise TensorMismatch(
                 f"{state.name!r}: worker(s) {_ranks(self.joined & state.everyone)} have joined (hvd.join): only "
@@ -278,40 +278,40 @@ class Engine:
             )
 
     @staticmethod
-    def _stale_replay(state: KeyState, i: int, rnd: int, bit: int) -> bool:
+    def _stale_replay(state: KeyState, r: Round, rnd: int, bit: int) -> bool:
         """A replayed contribution (REPLAY, after a failover) that is not needed: its round is complete here already,
         or past, or the sender's contribution is in (a second failover asked for it again)."""
-        if state.round[i] != rnd:
-            return state.round[i] > rnd
-        return state.count[i] == state.need or bool(state.pushed[i] & bit)
+        if r.number != rnd:
+            return r.number > rnd
+        return r.count == state.need or bool(r.pushed & bit)
 
-    def _contribute(self, state: KeyState, i: int, sender: int, wire: np.ndarray, landed: bool) -> None:
-        """Put `sender`'s contribution into round buffer `i`, in rank order (deterministic) or as it comes."""
+    def _contribute(self, state: KeyState, r: Round, sender: int, wire: np.ndarray, landed: bool) -> None:
+        """Put `sender`'s contribution into round `r`, in rank order (deterministic) or as it comes."""
         dtype = state.dtype
-        if state.count[i] == 0:
-            state.started[i] = self.clock()
+        if r.count == 0:
+            r.started = self.clock()
         if not (self.deterministic or state.op.ordered):
-            state.op.add(state, i, dtype, wire, state.count[i] == 0)
-        elif sender == state.turn[i]:
+            state.op.add(state, r, dtype, wire, r.count == 0)
+        elif sender == r.turn:
             if not (landed and sender == state.first):  # else it was received into the accumulator (`landing`)
-                state.op.add(state, i, dtype, wire, sender == state.first)
-            state.drain(i, dtype)
+                state.op.add(state, r, dtype, wire, sender == state.first)
+            state.drain(r, dtype)
         else:  # early: it waits in its staging buffer (where a socket's reader received it, or copied from the ring
             # or the worker's shared slot), and is acknowledged now (see the module's docstring)
             if not landed:
-                self._stage(state, i, sender)[: len(wire)] = wire
-            state.lengths[i][sender] = len(wire)
-            state.staged[i] |= 1 << sender
-        state.count[i] += 1
-        state.pushed[i] |= 1 << sender
+                self._stage(state, r, sender)[: len(wire)] = wire
+            r.lengths[sender] = len(wire)
+            r.staged |= 1 << sender
+        r.count += 1
+        r.pushed |= 1 << sender
 
-    def _complete(self, state: KeyState, key: int, rnd: int, code: int, i: int) -> None:
+    def _complete(self, state: KeyState, key: int, code: int, r: Round) -> None:
         """Every contribution is in: finish the round and answer the workers that pushed (not joined ones' zeros)."""
         state.landable = True
-        state.op.finish(state, i)
+        state.op.finish(state, r)
         if state.narrow:
-            dtypes.narrow(state.dtype, state.acc[i], state.out[i])
-        state.op.answer(self, state, key, rnd, code, i, state.everyone & ~state.virtual[i])
+            dtypes.narrow(state.dtype, r.acc, r.out)
+        state.op.answer(self, state, key, code, r, state.everyone & ~r.virtual)
 
     def set_joined(self, mask: int) -> None:
         """Workers in `mask` have joined (hvd.join: out of data): the rounds of sums go on with zeros in their place,
@@ -322,11 +322,11 @@ class Engine:
         for key, state in list(self.keys.items()):
             if not isinstance(state.op, ops.Reduce):
                 continue
-            for i in (0, 1):
-                if 0 < state.count[i] < state.need and not state.seeded[i]:
-                    self._join_in(state, i)
-                    if state.count[i] == state.need:
-                        self._complete(state, key, state.round[i], state.dtype.code, i)
+            for r in state.rounds:
+                if state.unfinished(r) and not r.seeded:
+                    self._join_in(state, r)
+                    if r.count == state.need:
+                        self._complete(state, key, state.dtype.code, r)
 
     def set_departed(self, mask: int) -> None:
         """Workers in `mask` have left the job (shutdown()) while others go on: a round that needs a push of theirs
@@ -334,30 +334,30 @@ class Engine:
         wait until the timeout). Runs on the engine's thread (a ring event), in order with the pushes."""
         self.departed = mask
         for key, state in list(self.keys.items()):
-            for i in (0, 1):
-                if 0 < state.count[i] < state.need and not state.seeded[i]:
-                    self._fail_departed(state, key, i)
+            for r in state.rounds:
+                if state.unfinished(r) and not r.seeded:
+                    self._fail_departed(state, key, r)
 
-    def _fail_departed(self, state: KeyState, key: int, i: int) -> bool:
-        """Fail round buffer `i`'s round where a worker that has left owes a push to it; True if it did."""
-        missing = self.departed & state.everyone & ~state.pushed[i] & ~self.joined
+    def _fail_departed(self, state: KeyState, key: int, r: Round) -> bool:
+        """Fail round `r` where a worker that has left owes a push to it; True if it did."""
+        missing = self.departed & state.everyone & ~r.pushed & ~self.joined
         if not missing:
             return False
         who = ", ".join(map(str, _ranks(missing)))
         message = (
-            f"worker {who} left the job (shutdown(), or its process ended) before pushing round {state.round[i]} of "
+            f"worker {who} left the job (shutdown(), or its process ended) before pushing round {r.number} of "
             f"{state.name!r}, which can never complete: every worker must make the same calls before it shuts down"
         )
-        pushers = [r for r in state.members if state.pushed[i] >> r & 1 and not state.virtual[i] >> r & 1]
-        state.count[i], state.pushed[i], state.staged[i], state.turn[i] = 0, 0, 0, state.first
+        pushers = [rank for rank in state.members if r.pushed >> rank & 1 and not r.virtual >> rank & 1]
+        r.fail(state.first)
         for rank in pushers:
             if self._fail_rank is not None:
                 self._fail_rank(rank, key, message)
         return True
 
-    def _join_in(self, state: KeyState, i: int) -> None:
-        """Zeros for every joined member that has not pushed round buffer `i`'s round."""
-        missing = self.joined & state.everyone & ~state.pushed[i]
+    def _join_in(self, state: KeyState, r: Round) -> None:
+        """Zeros for every joined member that has not pushed round `r`."""
+        missing = self.joined & state.everyone & ~r.pushed
         if not missing or not isinstance(state.op, ops.Reduce):
             return
         zeros = self._zeros.get((state.dtype.code, state.length))
@@ -367,33 +367,32 @@ class Engine:
             )
         for rank in state.members:
             if missing >> rank & 1:
-                self._contribute(state, i, rank, zeros, False)
-                state.virtual[i] |= 1 << rank
+                self._contribute(state, r, rank, zeros, False)
+                r.virtual |= 1 << rank
 
-    def answer_round(self, state: KeyState, key: int, rnd: int, code: int, i: int, ranks: int) -> None:
-        """Send the result of round buffer `i` to `ranks`: all of it, or each rank its slice."""
-        self._reply(key, rnd, code, state.results[i], state.pulls[i], ranks)
+    def answer_round(self, key: int, code: int, r: Round, ranks: int) -> None:
+        """Send the result of round `r` to `ranks`: all of it, or each rank its slice."""
+        self._reply(key, r.number, code, r.result, r.pulls, ranks)
 
     def reply(self, key: int, rnd: int, code: int, payload: memoryview, pulls: list[int], ranks: int) -> None:
         """Send `payload` to `ranks` (from any thread: the repliers' queues are thread-safe)."""
         self._reply(key, rnd, code, payload, pulls, ranks)
 
-    def _seed(self, state: KeyState, i: int, slot: Slot, dtype: dtypes.DType) -> None:
+    def _seed(self, state: KeyState, r: Round, slot: Slot, dtype: dtypes.DType) -> None:
         """A worker resends a sum it holds (after a failover): complete the round with it, answer its pushers.
 
         Stale seeds are dropped: the buffer already holds a later round (every worker had that sum), or this round
         is complete already (another worker's seed, or every contribution came in). Any sum of a round is the same
         bytes, so which seed wins does not matter.
         """
-        if state.round[i] > slot.round or (state.round[i] == slot.round and state.count[i] == state.need):
+        if r.number > slot.round or (r.number == slot.round and r.count == state.need):
             return
-        waiting = state.pushed[i] if state.round[i] == slot.round else 0
-        state.op.seeded(state, i, slot.round, slot.data.view(dtype.wire))
-        state.round[i], state.count[i], state.pushed[i] = slot.round, state.need, state.everyone
-        state.turn[i], state.staged[i], state.seeded[i] = self.num_workers, 0, True
+        waiting = r.pushed if r.number == slot.round else 0
+        state.op.seeded(state, r, slot.round, slot.data.view(dtype.wire))
+        r.seed(slot.round, state.need, state.everyone, self.num_workers)
         if waiting:
             self.seeded_answers += bin(waiting).count("1")
-            self.answer_round(state, slot.key, slot.round, slot.dtype, i, waiting)
+            self.answer_round(slot.key, slot.dtype, r, waiting)
 
 
 def _ranks(mask: int) -> list[int]:

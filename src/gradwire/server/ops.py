@@ -22,7 +22,7 @@ import numpy as np
 
 from gradwire.errors import TensorError
 from gradwire.protocol import dtypes, operations
-from gradwire.server.rounds import KeyOp, KeyState
+from gradwire.server.rounds import KeyOp, KeyState, Round
 
 
 class Reduce(KeyOp):
@@ -32,11 +32,11 @@ class Reduce(KeyOp):
         self.name = name  # type: ignore[misc]
         self.ufunc = ufunc
 
-    def landing(self, state: KeyState, i: int) -> np.ndarray | None:
-        return None if state.narrow else state.acc[i]  # the first contribution is the accumulator's start
+    def landing(self, state: KeyState, r: Round) -> np.ndarray | None:
+        return None if state.narrow else r.acc  # the first contribution is the accumulator's start
 
-    def add(self, state: KeyState, i: int, dtype: dtypes.DType, wire: np.ndarray, first: bool) -> None:
-        acc = state.acc[i]
+    def add(self, state: KeyState, r: Round, dtype: dtypes.DType, wire: np.ndarray, first: bool) -> None:
+        acc = r.acc
         if first:
             dtypes.widen(dtype, wire, acc)
         elif self.ufunc is np.add:
@@ -49,28 +49,26 @@ class Reduce(KeyOp):
 
 
 class Gather(KeyOp):
-    """Concatenation in rank order (allgather, broadcast); `state.filled[i]` is how many elements are in."""
+    """Concatenation in rank order (allgather, broadcast); a round's `filled` is how many elements are in."""
 
     name = "gather"
     ordered = True
     variable = True
 
-    def add(self, state: KeyState, i: int, dtype: dtypes.DType, wire: np.ndarray, first: bool) -> None:
-        start = 0 if first else state.filled[i]
+    def add(self, state: KeyState, r: Round, dtype: dtypes.DType, wire: np.ndarray, first: bool) -> None:
+        start = 0 if first else r.filled
         end = start + len(wire)
-        if end > len(state.acc[i]):
-            raise TensorError(
-                f"gather {state.name!r}: contributions of {end} elements overflow the key's {len(state.acc[i])}"
-            )
+        if end > len(r.acc):
+            raise TensorError(f"gather {state.name!r}: contributions of {end} elements overflow the key's {len(r.acc)}")
         if len(wire):
-            dtypes.widen(dtype, wire, state.acc[i][start:end])
-        state.filled[i] = end
+            dtypes.widen(dtype, wire, r.acc[start:end])
+        r.filled = end
 
-    def check(self, state: KeyState, i: int) -> None:
-        if state.filled[i] != len(state.acc[i]):
+    def check(self, state: KeyState, r: Round) -> None:
+        if r.filled != len(r.acc):
             raise TensorError(
-                f"gather {state.name!r}: the workers' contributions fill {state.filled[i]} of the key's "
-                f"{len(state.acc[i])} elements (their sizes disagree)"
+                f"gather {state.name!r}: the workers' contributions fill {r.filled} of the key's {len(r.acc)} "
+                "elements (their sizes disagree)"
             )
 
 

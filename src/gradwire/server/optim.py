@@ -31,7 +31,7 @@ from gradwire.protocol import dtypes, update
 from gradwire.protocol.frames import REPLICA, SEED
 from gradwire.server import replica
 from gradwire.server.optimizers import NumpyStep, TorchStep
-from gradwire.server.rounds import KeyOp, KeyState, Outbox
+from gradwire.server.rounds import KeyOp, KeyState, Outbox, Round
 
 if TYPE_CHECKING:
     from gradwire.ring import Slot
@@ -124,21 +124,21 @@ class ServerUpdate(KeyOp):
             raise TensorError(f"a server-side optimizer holds float32 or float64 parameters, not {state.dtype.name}")
         if previous is not None and previous.held is not None:  # an elastic reset keeps parameters and state
             state.held = previous.held
-            state.held.workers(len(state.pulls[0]))
+            state.held.workers(len(state.rounds[0].pulls))
             state.held.round = -1  # the workers number their rounds afresh
         else:
             count = (state.length - self.trailer) // state.dtype.itemsize
-            state.held = Held(self, count, np.dtype(state.dtype.wire), len(state.pulls[0]))
+            state.held = Held(self, count, np.dtype(state.dtype.wire), len(state.rounds[0].pulls))
         params = state.held.params
-        state.out = [params, params]
-        state.results = [memoryview(params).cast("B")] * 2
+        for r in state.rounds:
+            r.out, r.result = params, memoryview(params).cast("B")
 
     @staticmethod
     def _trailer(data: np.ndarray) -> np.ndarray:
         return np.frombuffer(data.view(np.uint8)[-update.TRAILER_BYTES :].tobytes(), np.float64)
 
-    def add(self, state: KeyState, i: int, dtype: dtypes.DType, wire: np.ndarray, first: bool) -> None:
-        held = state.held
+    def add(self, state: KeyState, r: Round, dtype: dtypes.DType, wire: np.ndarray, first: bool) -> None:
+        held, i = state.held, r.index
         _check_whole(state, wire, "a push")
         t = self._trailer(wire)
         if first:
@@ -146,7 +146,7 @@ class ServerUpdate(KeyOp):
         elif t[0] != held.trailer[i][0]:
             kinds = f"{held.trailer[i][0]:.0f} and {t[0]:.0f}"
             raise TensorError(f"{state.name!r}: the workers pushed different kinds of round ({kinds})")
-        acc, data = state.acc[i][: held.m], wire[: held.m]
+        acc, data = r.acc[: held.m], wire[: held.m]
         if held.trailer[i][0] == update.GRAD:
             if first:
                 np.copyto(acc, data)
@@ -155,10 +155,10 @@ class ServerUpdate(KeyOp):
         elif first:  # INIT: the first member's parameters
             np.copyto(acc, data)
 
-    def finish(self, state: KeyState, i: int) -> None:
-        held, t = state.held, state.held.trailer[i]
-        acc = state.acc[i][: held.m]
-        if state.round[i] <= held.round:  # a replica that took its primary's place, answering a round it has
+    def finish(self, state: KeyState, r: Round) -> None:
+        held, t = state.held, state.held.trailer[r.index]
+        acc = r.acc[: held.m]
+        if r.number <= held.round:  # a replica that took its primary's place, answering a round it has
             return
         if t[0] == update.INIT:
             held.install(acc)
@@ -169,9 +169,9 @@ class ServerUpdate(KeyOp):
             held.stepper.step(acc, t[2:])
         else:
             raise TensorError(f"{state.name!r}: a round of kind {t[0]:.0f}")
-        held.round = state.round[i]
+        held.round = r.number
 
-    def seeded(self, state: KeyState, i: int, rnd: int, data: np.ndarray) -> None:
+    def seeded(self, state: KeyState, r: Round, rnd: int, data: np.ndarray) -> None:
         """A worker resent the parameters it holds (after a failover): installed if newer than what is here."""
         held = state.held
         if len(data) != held.m:
@@ -190,14 +190,15 @@ class ServerUpdate(KeyOp):
                 rnd,
             )
 
-    def answer(self, engine: Outbox, state: KeyState, key: int, rnd: int, code: int, i: int, ranks: int) -> None:
+    def answer(self, engine: Outbox, state: KeyState, key: int, code: int, r: Round, ranks: int) -> None:
         """Answer a round once its replica has it (if the key has one): what was applied goes there first."""
         held = state.held
         if held.replica is None or engine.forward is None:
-            engine.answer_round(state, key, rnd, code, i, ranks)
+            engine.answer_round(key, code, r, ranks)
             return
-        payload, pulls = state.results[i], list(state.pulls[i])
-        parts = [memoryview(state.acc[i][: held.m]).cast("B"), memoryview(held.trailer[i]).cast("B")]
+        rnd, payload, pulls = r.number, r.result, list(r.pulls)
+        assert isinstance(payload, memoryview)
+        parts = [memoryview(r.acc[: held.m]).cast("B"), memoryview(held.trailer[r.index]).cast("B")]
         engine.forward(held.replica, key, rnd, code, parts, lambda: engine.reply(key, rnd, code, payload, pulls, ranks))
 
     def _apply_replica(self, state: KeyState, slot: Slot, wire: np.ndarray) -> None:
@@ -242,11 +243,11 @@ class ServerUpdate(KeyOp):
             _check_whole(state, wire, "a write")
             held.write(which, wire[: held.m])
             if held.replica is None or engine.forward is None:
-                engine.answer_one(slot, state.results[0])
+                engine.answer_one(slot, _params(state))
                 return True
             # the data and the writer's answer taken now: the ring slot is reused once this returns
             parts = [memoryview(wire.copy()).cast("B")]
-            answer = (slot.key, slot.round, slot.dtype, state.results[0], slot.pull, slot.sender)
+            answer = (slot.key, slot.round, slot.dtype, _params(state), slot.pull, slot.sender)
             done = partial(engine.answer_rank, *answer)
             engine.forward(held.replica, slot.key, slot.round, slot.dtype, parts, done)
             return True
@@ -285,7 +286,14 @@ class ServerUpdate(KeyOp):
         for r in ready:
             rnd, pull = held.held.pop(r)
             held.seen[r] = held.stepper.count
-            engine.answer_rank(slot.key, rnd, slot.dtype, state.results[0], pull, r)
+            engine.answer_rank(slot.key, rnd, slot.dtype, _params(state), pull, r)
+
+
+def _params(state: KeyState) -> memoryview:
+    """The key's parameters, as every round answers them."""
+    result = state.rounds[0].result
+    assert isinstance(result, memoryview)
+    return result
 
 
 def _check_whole(state: KeyState, wire: np.ndarray, what: str) -> None:

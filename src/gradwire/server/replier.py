@@ -24,14 +24,79 @@ log = logging.getLogger("gradwire.server")
 DIRECT_REPLY_BYTES = 64 << 10
 
 
-class _Rest:
-    """The part of a frame that a send without waiting left over: the reply thread sends it before anything else."""
+class ReplyItem:
+    """What a worker's reply queue holds: one frame to send. Each kind makes its own frame (`parts`)."""
+
+    __slots__ = ("key",)
+    direct = False  # may go at once from the engine's thread (`WorkerLink.reply`)
+
+    def parts(self, link: WorkerLink, header: bytearray, epoch: int, sender: int) -> tuple[list, int]:
+        """The frame's parts, its header packed into `header`, and the bytes of a sum it carries (for metrics)."""
+        raise NotImplementedError
+
+
+class ResultReply(ReplyItem):
+    """A round's result (or the worker's slice of it); `pull`: the worker's shared pull slot, or NO_SLOT."""
+
+    __slots__ = ("dtype", "payload", "pull", "round")
+
+    def __init__(self, key: int, rnd: int, dtype: int, payload: memoryview, pull: int) -> None:
+        self.key, self.round, self.dtype, self.payload, self.pull = key, rnd, dtype, payload, pull
+
+    @property
+    def direct(self) -> bool:  # type: ignore[override]
+        return len(self.payload) <= DIRECT_REPLY_BYTES
+
+    def parts(self, link: WorkerLink, header: bytearray, epoch: int, sender: int) -> tuple[list, int]:
+        payload, size = self.payload, len(self.payload)
+        if self.pull != shm.NO_SLOT and link.arena is not None:
+            # the worker offered a shared pull slot: one memcpy here, none through the kernel
+            np.copyto(link.arena.pull_slot(self.pull, size), np.frombuffer(payload, np.uint8))
+            shared = (shm.SHM_PAYLOAD, self.pull)
+            frames.pack_header_into(
+                header, FrameType.RESULT, size, self.dtype, epoch, sender, self.key, self.round, *shared
+            )
+            return [header], size
+        frames.pack_header_into(header, FrameType.RESULT, size, self.dtype, epoch, sender, self.key, self.round)
+        return [header, payload], size
+
+
+class AckReply(ReplyItem):
+    """A contribution is in (it frees a place in the worker's window)."""
+
+    __slots__ = ("round",)
+    direct = True
+
+    def __init__(self, key: int, rnd: int) -> None:
+        self.key, self.round = key, rnd
+
+    def parts(self, link: WorkerLink, header: bytearray, epoch: int, sender: int) -> tuple[list, int]:
+        frames.pack_header_into(header, FrameType.ACK, 0, 0, epoch, sender, self.key, self.round)
+        return [header], 0
+
+
+class ErrorReply(ReplyItem):
+    """An ERROR for a key: queued like the rest, so it cannot overtake the key's ACK."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, key: int, message: str) -> None:
+        self.key, self.message = key, message
+
+    def parts(self, link: WorkerLink, header: bytearray, epoch: int, sender: int) -> tuple[list, int]:
+        return [frames.encode_json(FrameType.ERROR, {"message": self.message}, key=self.key)], 0
+
+
+class RestReply(ReplyItem):
+    """The part of a frame that a send without waiting left over: the replier sends it before anything else."""
 
     __slots__ = ("pulled", "views")
 
-    def __init__(self, views: list[memoryview], pulled: int) -> None:
-        self.views = views
-        self.pulled = pulled  # the sum's bytes (0: an ACK), counted once sent
+    def __init__(self, key: int, views: list[memoryview], pulled: int) -> None:
+        self.key, self.views, self.pulled = key, views, pulled  # pulled: the sum's bytes (0: an ACK), once sent
+
+    def parts(self, link: WorkerLink, header: bytearray, epoch: int, sender: int) -> tuple[list, int]:
+        return self.views, self.pulled
 
 
 class WorkerLink:
@@ -51,17 +116,14 @@ class WorkerLink:
         self._direct_header = bytearray(frames.HEADER_SIZE)
         self._ids: tuple[int, int] | None = None  # (epoch, server rank) for headers, once the replier runs
 
-    def reply(self, item: tuple) -> None:
-        """Send a reply (key, round, dtype code, payload, pull slot): a sum (payload a view), an ACK (None) or an
-        ERROR (a message). In order with every other reply to this worker.
+    def reply(self, item: ReplyItem) -> None:
+        """Queue a reply to this worker (a sum, an ACK or an ERROR), in order with every other reply to it.
 
         An ACK or a small sum over a socket goes at once from the calling thread (an engine's) when nothing is queued
         or being sent before it and the socket takes it without waiting; what the socket does not take, and
         everything else, goes through the queue to the replier, so a slow worker never holds an engine."""
-        payload = item[3]
-        direct = self._ids is not None and self.arena is None and not isinstance(payload, str)
         with self._order:
-            if direct and self._queued == 0 and (payload is None or len(payload) <= DIRECT_REPLY_BYTES):
+            if self._queued == 0 and self._ids is not None and self.arena is None and item.direct:
                 rest = self._send_now(item)
                 if rest is None:
                     return
@@ -69,28 +131,16 @@ class WorkerLink:
             self._queued += 1
             self.replies.put(item)
 
-    def _send_now(self, item: tuple) -> tuple | None:
+    def _send_now(self, item: ReplyItem) -> RestReply | None:
         """Send a reply without waiting; None if the socket took it whole, else what is left, for the replier."""
         assert self._ids is not None
-        key, rnd, dtype, payload, _ = item
-        rest = self.conn.send_nowait(self._frame(self._direct_header, key, rnd, dtype, payload, *self._ids))
-        pulled = 0 if payload is None else len(payload)
+        parts, pulled = item.parts(self, self._direct_header, *self._ids)
+        rest = self.conn.send_nowait(parts)
         if not rest:
             if pulled:
                 self.metrics.pulled(pulled)
             return None
-        return key, rnd, dtype, _Rest(rest, pulled), shm.NO_SLOT
-
-    @staticmethod
-    def _frame(
-        header: bytearray, key: int, rnd: int, dtype: int, payload: memoryview | None, epoch: int, sender: int
-    ) -> list:
-        """The parts of an ACK (payload None) or of a RESULT over the socket, its header packed into `header`."""
-        if payload is None:
-            frames.pack_header_into(header, FrameType.ACK, 0, 0, epoch, sender, key, rnd)
-            return [header]
-        frames.pack_header_into(header, FrameType.RESULT, len(payload), dtype, epoch, sender, key, rnd)
-        return [header, payload]
+        return RestReply(item.key, rest, pulled)
 
     def release(self) -> None:
         """The reader or the replier is done; the last one unmaps the shared slots (the other may still use them)."""
@@ -116,25 +166,9 @@ class WorkerLink:
             if not sent:
                 return
 
-    def _send_queued(self, item: tuple, epoch: int, sender: int) -> bool:
+    def _send_queued(self, item: ReplyItem, epoch: int, sender: int) -> bool:
         """Send one queued reply; False if the connection failed."""
-        header = self._header
-        key, rnd, dtype, payload, pull = item
-        pulled = 0
-        if isinstance(payload, _Rest):  # what a send at once left over (`reply`)
-            parts, pulled = payload.views, payload.pulled
-        elif isinstance(payload, str):  # an ERROR for the key: queued, so it cannot overtake the key's ACK
-            parts = [frames.encode_json(FrameType.ERROR, {"message": payload}, key=key)]
-        elif payload is not None and pull != shm.NO_SLOT and self.arena is not None:
-            # the worker offered a shared pull slot: one memcpy here, none through the kernel
-            np.copyto(self.arena.pull_slot(pull, len(payload)), np.frombuffer(payload, np.uint8))
-            frames.pack_header_into(
-                header, FrameType.RESULT, len(payload), dtype, epoch, sender, key, rnd, shm.SHM_PAYLOAD, pull
-            )
-            parts, pulled = [header], len(payload)
-        else:
-            parts = self._frame(header, key, rnd, dtype, payload, epoch, sender)
-            pulled = 0 if payload is None else len(payload)
+        parts, pulled = item.parts(self, self._header, epoch, sender)
         try:
             self.conn.send(parts)
         except GradwireError as e:

@@ -1,9 +1,9 @@
 """A key's rounds on a server, and what a per-key operation does with them.
 
-`KeyState`: the accumulators and round bookkeeping of one key (double-buffered rounds, rank order, staging, seeds:
-server/engine.py says why). `KeyOp`: the interface of a per-key operation (the engine's one extension point;
-server/ops.py and server/optim.py implement it). `Outbox`: what an operation may send, and nothing else of the
-engine's (the engine implements it).
+`KeyState`: one key's two `Round`s (double buffering) and who contributes to them. `Round`: the round a buffer
+holds, whose contributions are in (rank order, staging, seeds: server/engine.py says why), and its accumulator.
+`KeyOp`: the interface of a per-key operation (the engine's one extension point; server/ops.py and server/optim.py
+implement it). `Outbox`: what an operation may send, and nothing else of the engine's (the engine implements it).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class Outbox(Protocol):
 
     forward: Callable[[int, int, int, int, list, Callable[[], None]], None] | None
 
-    def answer_round(self, state: KeyState, key: int, rnd: int, code: int, i: int, ranks: int) -> None: ...
+    def answer_round(self, key: int, code: int, r: Round, ranks: int) -> None: ...
 
     def answer_one(self, slot: Slot, payload: memoryview) -> None: ...
 
@@ -66,68 +66,114 @@ class KeyOp:
     def setup(self, state: KeyState, previous: KeyState | None = None) -> None:
         """Per-key state, allocated when the key is declared (`previous`: the key's state before an elastic reset)."""
 
-    def add(self, state: KeyState, i: int, dtype: dtypes.DType, wire: np.ndarray, first: bool) -> None:
-        """Put one contribution into round buffer `i` (`first`: the round's first, in the order it is added)."""
+    def add(self, state: KeyState, r: Round, dtype: dtypes.DType, wire: np.ndarray, first: bool) -> None:
+        """Put one contribution into round `r` (`first`: the round's first, in the order it is added)."""
         raise NotImplementedError
 
-    def landing(self, state: KeyState, i: int) -> np.ndarray | None:
-        """Where round buffer `i`'s first contribution (in rank order) may be received directly, so that it is in
+    def landing(self, state: KeyState, r: Round) -> np.ndarray | None:
+        """Where round `r`'s first contribution (in rank order) may be received directly, so that it is in
         without `add` (None: `add` puts it in). Deterministic sums only (server/engine.py `landing`)."""
         return None
 
-    def check(self, state: KeyState, i: int) -> None:
+    def check(self, state: KeyState, r: Round) -> None:
         """Called when every contribution is in: raise TensorError if they do not make a result."""
 
-    def finish(self, state: KeyState, i: int) -> None:
-        """Called when every contribution is in, before the result of round buffer `i` is sent."""
-        self.check(state, i)
+    def finish(self, state: KeyState, r: Round) -> None:
+        """Called when every contribution is in, before the result of round `r` is sent."""
+        self.check(state, r)
 
-    def seeded(self, state: KeyState, i: int, rnd: int, data: np.ndarray) -> None:
-        """A worker resent the result of round `rnd` it holds (after a failover): it is buffer `i`'s result."""
-        state.out[i][:] = data
+    def seeded(self, state: KeyState, r: Round, rnd: int, data: np.ndarray) -> None:
+        """A worker resent the result of round `rnd` it holds (after a failover): it is `r`'s result."""
+        r.out[:] = data
 
     def intercept(self, outbox: Outbox, state: KeyState, slot: Slot) -> bool:
         """Handle a push outside the rounds (True), or let the engine run it (False). Only with `intercepts`."""
         return False
 
-    def answer(self, outbox: Outbox, state: KeyState, key: int, rnd: int, code: int, i: int, ranks: int) -> None:
-        """Send round buffer `i`'s result to `ranks` (an operation may first replicate what it did)."""
-        outbox.answer_round(state, key, rnd, code, i, ranks)
+    def answer(self, outbox: Outbox, state: KeyState, key: int, code: int, r: Round, ranks: int) -> None:
+        """Send round `r`'s result to `ranks` (an operation may first replicate what it did)."""
+        outbox.answer_round(key, code, r, ranks)
 
 
-class KeyState:
-    """The accumulators and round bookkeeping of one key."""
+class Round:
+    """One of a key's two round buffers (double buffering: server/engine.py): the round it holds, whose
+    contributions are in, where each rank's answer goes, and the accumulator with its result."""
 
     __slots__ = (
         "acc",
         "count",
-        "dtype",
         "filled",
-        "length",
+        "index",
         "lengths",
-        "members",
-        "need",
-        "nexts",
-        "everyone",
-        "first",
-        "held",
-        "landable",
-        "name",
-        "narrow",
-        "op",
+        "number",
         "out",
         "pulls",
         "pushed",
-        "results",
-        "round",
-        "scratch",
+        "result",
         "seeded",
-        "slices",
         "stage",
         "staged",
         "started",
         "turn",
         "virtual",
+    )
+
+    def __init__(self, index: int, n: int, dtype: dtypes.DType, num_workers: int, first: int) -> None:
+        self.index = index  # 0 or 1: the round numbers it holds are this, modulo 2
+        self.number = -1  # the round it holds
+        self.count = 0  # contributions in
+        self.pushed = 0  # bitmask of ranks that pushed it
+        self.turn = first  # deterministic mode: the rank whose contribution is added next
+        self.staged = 0  # bitmask of ranks whose early contributions wait in `stage`
+        self.stage: list[np.ndarray | None] = [None] * num_workers  # their staging buffers, allocated on need
+        self.lengths = [0] * num_workers  # elements of each staged contribution (a gather's vary)
+        self.seeded = False  # its sum came as a seed (a failover), not from contributions
+        self.virtual = 0  # ranks not answered: joined ones' zeros stood in, or they replayed (REPLAY)
+        self.filled = 0  # a gather's elements in
+        self.started = 0.0  # when it got its first contribution (the engine's clock)
+        self.pulls = [NO_SLOT] * num_workers  # each worker's shared-memory pull slot
+        self.acc = np.empty(n, dtype.accumulate)
+        self.out = np.empty(n, dtype.wire) if dtype.accumulate != dtype.wire else self.acc
+        self.result: memoryview | list[memoryview] = memoryview(self.out).cast("B")  # KeyState makes it per rank
+
+    def begin(self, number: int, first: int) -> None:
+        """Take round `number` (the previous one here complete)."""
+        self.number, self.count, self.pushed = number, 0, 0
+        self.turn, self.staged, self.seeded = first, 0, False
+
+    def seed(self, number: int, need: int, everyone: int, past: int) -> None:
+        """Round `number` is complete with a seed's sum (`past`: a turn past every rank)."""
+        self.number, self.count, self.pushed = number, need, everyone
+        self.turn, self.staged, self.seeded = past, 0, True
+
+    def fail(self, first: int) -> None:
+        """Forget the contributions in (the round can never complete): it starts again with the next push."""
+        self.count, self.pushed, self.staged, self.turn = 0, 0, 0, first
+
+    def missing(self, members: list[int]) -> list[int]:
+        """The members that have not pushed it."""
+        return [r for r in members if not self.pushed >> r & 1]
+
+
+class KeyState:
+    """A key's two rounds, who contributes to them, and its operation."""
+
+    __slots__ = (
+        "dtype",
+        "everyone",
+        "first",
+        "held",
+        "landable",
+        "length",
+        "members",
+        "name",
+        "narrow",
+        "need",
+        "nexts",
+        "op",
+        "rounds",
+        "scratch",
+        "slices",
     )
 
     def __init__(
@@ -152,28 +198,17 @@ class KeyState:
             self.nexts[a] = b
         self.op = op
         self.slices = slices  # (start byte, bytes) of the result each rank pulls; None: all of it
-        self.filled = [0, 0]  # a gather's elements in, per buffer
-        self.lengths = [[0] * num_workers for _ in range(2)]  # elements of each staged contribution (a gather's vary)
-        self.started = [0.0, 0.0]  # when each buffer's round got its first contribution (the engine's clock)
         self.dtype = dtype
         self.length = length = length + op.trailer  # what each push carries
         n = length // dtype.itemsize
         self.narrow = dtype.accumulate != dtype.wire
-        self.acc = [np.empty(n, dtype.accumulate) for _ in range(2)]
-        self.out = [np.empty(n, dtype.wire) for _ in range(2)] if self.narrow else self.acc
-        self.scratch = np.empty(n, dtype.accumulate) if dtype.accumulate != dtype.wire else self.acc[0]
-        # what each buffer's round answers: the whole result, or one slice per rank (views made once, here)
-        whole = [memoryview(out).cast("B") for out in self.out]
-        self.results: list = whole if slices is None else [[w[a : a + b] for a, b in slices] for w in whole]
-        self.round = [-1, -1]
-        self.count = [0, 0]
-        self.pushed = [0, 0]  # bitmask of ranks that pushed the round in this buffer
-        self.pulls = [[NO_SLOT] * num_workers for _ in range(2)]  # each worker's shared pull slot, per buffer
-        self.turn = [self.first, self.first]  # deterministic mode: the rank whose contribution is added next
-        self.staged = [0, 0]  # bitmask of ranks whose early contributions wait in `stage`
-        self.stage: list[list[np.ndarray | None]] = [[None] * num_workers for _ in range(2)]  # allocated on need
-        self.seeded = [False, False]  # the round's sum came as a seed (a failover), not from contributions
-        self.virtual = [0, 0]  # ranks not answered: joined ones' zeros stood in, or they replayed (REPLAY)
+        self.rounds = (Round(0, n, dtype, num_workers, self.first), Round(1, n, dtype, num_workers, self.first))
+        self.scratch = np.empty(n, dtype.accumulate) if self.narrow else self.rounds[0].acc
+        if slices is not None:  # what each round answers: one slice per rank (views made once, here)
+            for r in self.rounds:
+                whole = r.result
+                assert isinstance(whole, memoryview)
+                r.result = [whole[a : a + b] for a, b in slices]
         self.held = None  # what the operation keeps per key (server/optim.py)
         # the first rank's contributions may be received straight into the accumulator (Engine.landing): only once a
         # round completed from contributions (before, after a failover, a seed may be written there meanwhile)
@@ -184,32 +219,34 @@ class KeyState:
         """A contribution of `length` bytes of dtype `code` may go into this key (a gather's may be shorter)."""
         return self.dtype.code == code and (length == self.length or self.op.variable and length < self.length)
 
-    def begin(self, i: int, rnd: int) -> None:
-        """Buffer `i` takes round `rnd` (its previous round must be complete: double buffering)."""
-        if 0 < self.count[i] < self.need:
-            raise TensorError(f"round {rnd} arrived while round {self.round[i]} is unfinished")
-        self.round[i], self.count[i], self.pushed[i] = rnd, 0, 0
-        self.turn[i], self.staged[i], self.seeded[i] = self.first, 0, False
+    def unfinished(self, r: Round) -> bool:
+        """`r` holds a round begun and not complete."""
+        return 0 < r.count < self.need
 
-    def drain(self, i: int, dtype: dtypes.DType) -> None:
-        """Deterministic sums, after rank `turn` was added to buffer `i`: add the early contributions that are now
-        next in rank order."""
-        self.turn[i] = self.nexts[self.turn[i]]
-        while self.staged[i] >> self.turn[i] & 1:
-            rank = self.turn[i]
-            source = self.stage[i][rank]
+    def begin(self, r: Round, number: int) -> None:
+        """`r` takes round `number` (its previous round must be complete: double buffering)."""
+        if 0 < r.count < self.need:
+            raise TensorError(f"round {number} arrived while round {r.number} is unfinished")
+        r.begin(number, self.first)
+
+    def drain(self, r: Round, dtype: dtypes.DType) -> None:
+        """Deterministic sums, after rank `turn` was added to `r`: add the early contributions that are now next in
+        rank order."""
+        r.turn = self.nexts[r.turn]
+        while r.staged >> r.turn & 1:
+            rank = r.turn
+            source = r.stage[rank]
             assert source is not None
-            self.op.add(self, i, dtype, source[: self.lengths[i][rank]], rank == self.first)
-            self.staged[i] &= ~(1 << rank)
-            self.turn[i] = self.nexts[rank]
+            self.op.add(self, r, dtype, source[: r.lengths[rank]], rank == self.first)
+            r.staged &= ~(1 << rank)
+            r.turn = self.nexts[rank]
 
     def stalled(self, now: float, threshold: float) -> list[tuple[int, float, list[int]]]:
         """Its rounds begun more than `threshold` seconds ago and still missing workers: (round, seconds waited,
         ranks that have not pushed). Read from another thread for a report: it only reads counters the engine writes,
         so at worst a round is reported a moment late."""
-        out = []
-        for i in (0, 1):
-            if 0 < self.count[i] < self.need and now - self.started[i] > threshold:
-                missing = [r for r in self.members if not self.pushed[i] >> r & 1]
-                out.append((self.round[i], now - self.started[i], missing))
-        return out
+        return [
+            (r.number, now - r.started, r.missing(self.members))
+            for r in self.rounds
+            if 0 < r.count < self.need and now - r.started > threshold
+        ]

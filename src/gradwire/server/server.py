@@ -25,10 +25,10 @@ from gradwire.server.control import ServerControl
 from gradwire.server.engine import Engine
 from gradwire.server.reader import Reader
 from gradwire.server.replica import Replicas
-from gradwire.server.replier import WorkerLink
+from gradwire.server.replier import AckReply, ErrorReply, ResultReply, WorkerLink
 from gradwire.server.state import ServerState
 from gradwire.throttle import HandshakeGate
-from gradwire.transport import shm, tcp
+from gradwire.transport import tcp
 
 log = logging.getLogger("gradwire.server")
 
@@ -296,12 +296,12 @@ class Server:
         for rank in range(state.num_workers):
             link = links.get(rank)
             if link is not None and ranks >> rank & 1:
-                link.reply((key, rnd, dtype, payload[rank] if sliced else payload, pulls[rank]))
+                link.reply(ResultReply(key, rnd, dtype, payload[rank] if sliced else payload, pulls[rank]))
 
     def _queue_ack(self, rank: int, key: int, rnd: int) -> None:
         link = self.state.links.get(rank)
         if link is not None:
-            link.reply((key, rnd, 0, None, shm.NO_SLOT))
+            link.reply(AckReply(key, rnd))
 
     def _fail(self, slot: Slot, message: str) -> None:
         conn = slot.conn
@@ -316,7 +316,7 @@ class Server:
         replies already queued for it (its ACK for that key among them)."""
         link = self.state.links.get(rank)
         if link is not None:
-            link.reply((key, 0, 0, message, shm.NO_SLOT))
+            link.reply(ErrorReply(key, message))
 
     # -- stalls and the scheduler ----------------------------------------------------------------
 
