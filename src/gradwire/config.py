@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from gradwire.env_vars import ENV_VARS, EnvVar
 from gradwire.errors import ConfigError
-from gradwire.tuning import parse_rate
+from gradwire.tuning import Tuning, parse_rate
 
 MiB = 1 << 20
 
@@ -93,13 +93,12 @@ class Config:
         values.setdefault("explicit", frozenset(values))
         return cls(**values)  # type: ignore[arg-type]
 
-    def tuned(self, tuning: dict | None) -> Config:
+    def tuned(self, tuning: Tuning | None) -> Config:
         """This config with the scheduler's derived settings (gradwire/tuning.py) for every field not set
         explicitly; unchanged without them."""
-        if not tuning:
+        if tuning is None:
             return self
-        fields = {f: int(tuning[f]) for f in ("partition_bytes", "window", "unanswered") if f in tuning}
-        return dataclasses.replace(self, **{f: v for f, v in fields.items() if f not in self.explicit})
+        return dataclasses.replace(self, **{f: v for f, v in tuning.settings().items() if f not in self.explicit})
 
     def link_rate_bytes(self) -> float:
         """GRADWIRE_LINK_RATE in bytes per second (0.0 when unset)."""
@@ -219,7 +218,21 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config)}
 
 def default_of(var: EnvVar) -> str:
     """The default of `var`'s field, spelled as the variable would be set to it ("" where unset means none)."""
-    value = _DEFAULTS[var.field]
+    return _spelled(_DEFAULTS[var.field])
+
+
+def env_for(**fields: object) -> dict[str, str]:
+    """The environment that sets these Config fields, by the table's variable names (the launchers make their
+    children's environments with it): env_for(num_workers=4, standby=True) == {"GRADWIRE_NUM_WORKERS": "4",
+    "GRADWIRE_STANDBY": "1"}. Unknown fields are an error (a misspelt setting must not vanish)."""
+    unknown = sorted(set(fields) - _BY_FIELD.keys())
+    if unknown:
+        raise ConfigError(f"no GRADWIRE_* variable sets {', '.join(unknown)}")
+    return {_BY_FIELD[f].name: _spelled(v) for f, v in fields.items()}
+
+
+def _spelled(value: object) -> str:
+    """A value as an environment variable spells it ("" for None)."""
     if value is None:
         return ""
     if isinstance(value, bool):
@@ -227,4 +240,6 @@ def default_of(var: EnvVar) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-__all__ = ["ENV_VARS", "Config", "EnvVar", "default_of"]
+_BY_FIELD = {v.field: v for v in ENV_VARS}
+
+__all__ = ["ENV_VARS", "Config", "EnvVar", "default_of", "env_for"]

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from gradwire.config import Config
+from gradwire.config import Config, env_for
 from gradwire.errors import ConfigError, GradwireError
 
 
@@ -102,21 +102,17 @@ class Cluster:
         if num_workers < 1 or num_servers < 1:
             raise ConfigError(f"need at least one worker and one server, got {num_workers} and {num_servers}")
         _check_resources({"CPU": cpus_per_server * num_servers, **_scaled(server_resources, num_servers)}, "servers")
-        self.env = {
-            **(env or {}),
-            "GRADWIRE_NUM_WORKERS": str(num_workers),
-            "GRADWIRE_NUM_SERVERS": str(num_servers),
-            "GRADWIRE_SECRET": secrets.token_hex(32),
-            "GRADWIRE_TIMEOUT": str(int(timeout_s)),
-        }
+        self.env = dict(env or {}) | env_for(
+            num_workers=num_workers, num_servers=num_servers, secret=secrets.token_hex(32), timeout=int(timeout_s)
+        )
         self.scheduler = _SchedulerActor.remote()
-        self.env["GRADWIRE_SCHEDULER"] = ray.get(self.scheduler.start.remote(self.env), timeout=timeout_s)
+        self.env |= env_for(scheduler=ray.get(self.scheduler.start.remote(self.env), timeout=timeout_s))
         server_cls = ray.remote(num_cpus=cpus_per_server, resources=server_resources or {})(_ServerActor)
         self.servers = [server_cls.remote() for _ in range(num_servers)]
         self.serving = [s.serve.remote(self.env) for s in self.servers]  # each returns when the job ends
 
     def worker_env(self, rank: int) -> dict[str, str]:
-        return self.env | {"GRADWIRE_RANK": str(rank)}
+        return self.env | env_for(rank=rank)
 
     def stop(self) -> None:
         for actor in [*self.servers, self.scheduler]:

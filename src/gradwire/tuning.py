@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 KiB, MiB = 1 << 10, 1 << 20
 PARTITION_SECONDS = 0.0035  # about a partition's time on the worker's link (rounded down to a power of two)
@@ -38,9 +38,13 @@ MIN_WINDOW, MAX_WINDOW = 4, 64
 FAN_IN_CAP = 4  # unanswered partitions per server where the servers' links are the bottleneck
 
 
+SETTINGS = ("partition_bytes", "window", "unanswered")  # the Config fields a Tuning sets (where the user set none)
+
+
 @dataclass(frozen=True)
 class Tuning:
-    """Settings for the data path, and why."""
+    """Settings for the data path, and why: the one type in which they travel (the scheduler's roster, the address
+    book, RETUNE and REPLACE, a worker's state, /status), as a dict on the wire (`as_dict`, `from_dict`)."""
 
     partition_bytes: int
     window: int
@@ -48,9 +52,29 @@ class Tuning:
     rate_bytes_per_s: float  # the link rate they were derived from (0: unknown)
     rtt_seconds: float
     reason: str
+    workers_per_host: tuple[int, ...] = ()  # the hosts' link sharing they were derived for (the drift check's shares)
+    derived_for: str | None = None  # why they were derived again (a failover, an elastic reset, drift); None: at start
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return asdict(self) | {"workers_per_host": list(self.workers_per_host)}
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> Tuning | None:
+        if not d:
+            return None
+        return cls(**{**d, "workers_per_host": tuple(d.get("workers_per_host") or ())})
+
+    def settings(self) -> dict[str, int]:
+        """What it sets in a worker's Config."""
+        return {f: int(getattr(self, f)) for f in SETTINGS}
+
+    def again(self, why: str) -> Tuning:
+        """The same settings, derived again for `why`."""
+        return replace(self, derived_for=why)
+
+    def explained(self, more: str) -> Tuning:
+        """The same settings with `more` added to the reason."""
+        return replace(self, reason=self.reason + more)
 
 
 def derive(
@@ -179,21 +203,20 @@ class Drift:
         self.last: dict = {}  # the last interval's judgement, for /status
 
     def observe(
-        self, now: float, samples: Sequence[Sample], tuning: Tuning | dict, host_busy: float | None = None
+        self, now: float, samples: Sequence[Sample], tuning: Tuning, host_busy: float | None = None
     ) -> float | None:
         """One interval's samples (one per worker that moved bytes) and the share of it the job's hosts' CPUs were
         busy (None: unknown); the rate to derive the settings for anew when a re-derivation is due, else None."""
-        t = tuning if isinstance(tuning, dict) else tuning.as_dict()
-        model = float(t.get("rate_bytes_per_s") or 0.0)
+        model, partition = tuning.rate_bytes_per_s, tuning.partition_bytes
         busy = [s for s in samples if s.busy_seconds > 0 and s.bytes > 0]
         if model <= 0 or not busy:
             return None  # nothing to compare with, or an idle interval
         rate = sorted(s.rate for s in busy)[len(busy) // 2] / MEASURED_SHARE
         full = sum(s.full_seconds for s in busy) / sum(s.busy_seconds for s in busy)
         direction = 0
-        if rate > DRIFT_BAND * model and t["partition_bytes"] < MAX_PARTITION:
+        if rate > DRIFT_BAND * model and partition < MAX_PARTITION:
             direction = 1
-        elif rate * DRIFT_BAND < model and t["partition_bytes"] > MIN_PARTITION and full >= FULL_WINDOW_SHARE:
+        elif rate * DRIFT_BAND < model and partition > MIN_PARTITION and full >= FULL_WINDOW_SHARE:
             direction = -1 if host_busy is None or host_busy < HOST_BUSY_SHARE else 0
         self.last = {"measured_bytes_per_s": rate, "model_bytes_per_s": model, "window_full_share": round(full, 3)}
         self.last["host_cpu_busy_share"] = None if host_busy is None else round(host_busy, 3)

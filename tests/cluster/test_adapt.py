@@ -120,15 +120,15 @@ def test_links_faster_than_measured_are_measured_and_the_settings_derived_again(
     """The settings were derived for 1 Mbit/s (GRADWIRE_LINK_RATE). Loopback moves far more: after three intervals
     the scheduler derives them again for the rate the workers' links measured."""
     with LocalCluster(num_workers=3, num_servers=2, link_rate="1mbit", transport="tcp", heartbeat_interval=0.1) as c:
-        first = dict(c.scheduler.tuning)
+        first = c.scheduler.tuning
         training = _Training(c)
         try:
             _wait_for(lambda: c.scheduler.adaptation.history or not training.alive())
         finally:
             training.result()
         now = c.scheduler.tuning
-        assert "measured over 3 intervals" in now["derived_for"]
-        assert now["rate_bytes_per_s"] > 2 * first["rate_bytes_per_s"]
+        assert "measured over 3 intervals" in now.derived_for
+        assert now.rate_bytes_per_s > 2 * first.rate_bytes_per_s
         status = c.scheduler.adaptation.status()
         assert status["rederived"] and status["last_interval"]["measured_bytes_per_s"] > 0
 
@@ -137,7 +137,7 @@ def test_tensors_in_use_are_re_cut_at_one_round_on_every_worker():
     """A re-derivation for 1 Gbit/s links (256 KiB partitions) while every worker trains, in its own order and with
     pauses: the tensors in use get new keys at one round on every worker, and every sum stays right."""
     with LocalCluster(num_workers=3, num_servers=2, link_rate="1mbit", transport="tcp", heartbeat_interval=0.1) as c:
-        assert c.scheduler.tuning["partition_bytes"] == 16 << 10
+        assert c.scheduler.tuning.partition_bytes == 16 << 10
         _force_drift(c, 125e6)
         training = _Training(c)
         try:
@@ -145,7 +145,7 @@ def test_tensors_in_use_are_re_cut_at_one_round_on_every_worker():
         finally:
             training.result()
         now = c.scheduler.tuning
-        assert now["partition_bytes"] == 256 << 10
+        assert now.partition_bytes == 256 << 10
         history = c.scheduler.adaptation.history
         assert [h["recut_tensors"] for h in history] == [4]  # every tensor is given the round to switch at ...
         for w in c.workers:
@@ -153,7 +153,7 @@ def test_tensors_in_use_are_re_cut_at_one_round_on_every_worker():
             assert tensor.successor is not None  # re-cut, at one round on every worker
             assert tensor.successor[0] == c.workers[0].table.tensors["fc"].successor[0]
             assert len(tensor.chain()[-1].parts) < len(tensor.parts)
-            assert w.status()["data_path"]["partition_bytes"] == now["partition_bytes"]
+            assert w.status()["data_path"]["partition_bytes"] == now.partition_bytes
             assert w.status()["data_path"]["recuts"][0]["tensors"] == 2  # ... fc and big: conv and bias fit one
             assert w.credit.lead == w.config.pacing * (256 << 10)  # pacing's lead, counted in partitions
 
@@ -169,8 +169,8 @@ def test_a_re_cut_stays_within_what_every_worker_s_links_carry():
             _wait_for(lambda: all(_recut_rounds_done(w, "fc") >= 2 for w in c.workers) or not training.alive())
         finally:
             training.result()
-        assert c.scheduler.tuning["partition_bytes"] == 32 << 10
-        assert "largest the workers' links carry" in c.scheduler.tuning["reason"]
+        assert c.scheduler.tuning.partition_bytes == 32 << 10
+        assert "largest the workers' links carry" in c.scheduler.tuning.reason
         for w in c.workers:
             fc = w.table.tensors["fc"].chain()[-1]
             assert len(fc.parts) == -(-SHAPES["fc"][0] * 4 // (32 << 10))  # float32, in 32 KiB partitions
@@ -202,7 +202,7 @@ def test_off_with_gradwire_adapt_0():
     ) as c:
         c.run(lambda w: _train(w, 15))
         time.sleep(0.5)
-        assert not c.scheduler.adaptation.history and c.scheduler.tuning["partition_bytes"] == 16 << 10
+        assert not c.scheduler.adaptation.history and c.scheduler.tuning.partition_bytes == 16 << 10
 
 
 def test_a_held_round_waits_for_the_scheduler_and_no_longer():
@@ -214,13 +214,13 @@ def test_a_held_round_waits_for_the_scheduler_and_no_longer():
         x = np.ones(100_000, np.float32)
         w.push_pull(x, "g")
         sent = []
-        w.control.conn.send_json = lambda kind, body: sent.append(body)  # keep the answer from the scheduler
-        w.retuning.on_recut({"op": messages.RECUT, "generation": 7})
-        assert [b["rounds"] for b in sent if b["op"] == messages.RECUT_ROUNDS] == [{"g": 1}]
+        w.control.conn.send_message = sent.append  # keep the answer from the scheduler
+        w.retuning.on_recut(messages.Recut(7))
+        assert [m.rounds for m in sent if isinstance(m, messages.RecutRounds)] == [{"g": 1}]
         w.push_pull(x, "g")  # round 2: not held
         with pytest.raises(GradwireTimeout, match="re-cut 7"):
             w.push_pull(x, "g")  # round 3: held, and nobody answers
-        w.retuning.on_retune({"op": messages.RETUNE, "tuning": w.tuning, "switch": {}, "generation": 7})
+        w.retuning.on_retune(messages.Retune(w.tuning.as_dict(), {}, 7))
         assert w.push_pull(x, "g")[0] == 1.0
 
 
@@ -232,10 +232,10 @@ def test_a_raised_window_keeps_within_a_shared_memory_link_s_slots():
         links = [w.links[0] for w in c.workers]
         assert all(link.transport == "shm" for link in links)
         slots = links[0].arena.push
-        raised = dict(c.workers[0].tuning, window=4 * slots)
+        raised = c.workers[0].tuning.as_dict() | {"window": 4 * slots}
         for w in c.workers:
             w.state.config = dataclasses.replace(w.config, timeout=10.0)
-            w.retuning.on_retune({"op": messages.RETUNE, "tuning": raised, "switch": {}, "generation": 0})
+            w.retuning.on_retune(messages.Retune(raised, {}, 0))
         assert [link.window for link in links] == [slots, slots]
         x = np.ones(1_000_000, np.float32)  # 245 partitions of 16 KiB, far more than the window
         for out in c.run(lambda w: w.push_pull(x, "g")):
@@ -263,14 +263,14 @@ def test_the_settings_are_derived_for_a_worker_s_share_of_its_host_s_link():
     runs on another get a quarter of the host's 100 Mbit/s each; on two hosts of two, a half. A job all on one host
     (here, as it starts) crosses no link: the rate is not divided."""
     with LocalCluster(num_workers=4, num_servers=1, link_rate="100mbit", adapt=False) as c:
-        assert c.scheduler.tuning["workers_per_host"] == [1]
-        assert c.scheduler.tuning["rate_bytes_per_s"] == pytest.approx(100e6 / 8)
+        assert c.scheduler.tuning.workers_per_host == (1,)
+        assert c.scheduler.tuning.rate_bytes_per_s == pytest.approx(100e6 / 8)
         c.scheduler.roster.servers[0].host_id = "server-host"
         for hosts, share in (([0, 0, 0, 0], 4), ([0, 0, 1, 1], 2)):
             for node, host in zip(c.scheduler.roster.workers, hosts, strict=True):
                 node.host_id = f"host{host}"
             with c.scheduler.roster.lock:
                 c.scheduler.adaptation.retune_locked(f"hosts of {share}")
-                assert c.scheduler.tuning["workers_per_host"] == [share] * (4 // share)
-                assert c.scheduler.tuning["rate_bytes_per_s"] == pytest.approx(100e6 / 8 / share)
-                assert f"shared by {share} workers" in c.scheduler.tuning["reason"]
+                assert c.scheduler.tuning.workers_per_host == (share,) * (4 // share)
+                assert c.scheduler.tuning.rate_bytes_per_s == pytest.approx(100e6 / 8 / share)
+                assert f"shared by {share} workers" in c.scheduler.tuning.reason

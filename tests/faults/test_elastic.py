@@ -77,12 +77,12 @@ def test_the_data_path_settings_are_re_derived_when_the_job_re_forms():
             node.host_id = f"host{i}"
         with c.scheduler.roster.lock:
             c.scheduler.adaptation.retune_locked("three hosts")
-        assert c.scheduler.tuning["unanswered"] == 4
+        assert c.scheduler.tuning.unanswered == 4
         c.kill_worker(1)
         c.run(lambda w: _sum_until_reset(w, 1.0))
-        assert c.scheduler.tuning["unanswered"] == 0 and "2 workers" in c.scheduler.tuning["derived_for"]
+        assert c.scheduler.tuning.unanswered == 0 and "2 workers" in c.scheduler.tuning.derived_for
         for worker in c.workers:
-            assert worker.tuning["unanswered"] == 0
+            assert worker.tuning.unanswered == 0
             assert all(link.unanswered_cap == 0 for link in worker.links if hasattr(link, "unanswered_cap"))
 
 
@@ -111,7 +111,7 @@ def test_a_joiner_keeps_the_measured_placement(new_host, caplog):
         assert newcomer.link_rate > 0 and (newcomer.rtt > 0) == new_host
         if not new_host:
             assert newcomer.link_rate == rates[0]  # the host's rate, measured at the start
-        assert c.scheduler.tuning["rate_bytes_per_s"] > 0
+        assert c.scheduler.tuning.rate_bytes_per_s > 0
         assert "placing as if every link were equal" not in caplog.text
         assert c.run(lambda w: w.push_pull(np.full(5000, w.rank + 1.0, np.float32), "g")[0]) == [6.0] * 3
 

@@ -373,12 +373,12 @@ def test_the_data_path_settings_are_re_derived_after_a_failover():
         for i, node in enumerate(c.scheduler.roster.workers):  # as if each worker had its own host (they share one)
             node.host_id = f"host{i}"
         c.run(lambda w: w.push_pull(np.ones(3000, np.float32), "g"))
-        assert all(w.tuning["unanswered"] == 0 for w in c.workers)
+        assert all(w.tuning.unanswered == 0 for w in c.workers)
         c.kill_server(1)
         sums = c.run(lambda w: [w.push_pull(np.ones(3000, np.float32), "g")[0] for _ in range(3)])
         assert sums == [[2.0] * 3] * 2
-        assert c.scheduler.tuning["unanswered"] == 4 and "server 1 lost" in c.scheduler.tuning["derived_for"]
+        assert c.scheduler.tuning.unanswered == 4 and "server 1 lost" in c.scheduler.tuning.derived_for
         for worker in c.workers:
-            assert worker.tuning["unanswered"] == 4
+            assert worker.tuning.unanswered == 4
             assert worker.status()["data_path"]["derived_again"] == "server 1 lost"  # /status says why
             assert all(link.unanswered_cap == 4 for link in worker.links if hasattr(link, "unanswered_cap"))

@@ -4,8 +4,9 @@ from pathlib import Path
 import pytest
 
 import gradwire
-from gradwire.config import ENV_VARS, Config, default_of
+from gradwire.config import ENV_VARS, Config, default_of, env_for
 from gradwire.errors import ConfigError
+from gradwire.tuning import Tuning
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "env.md"
 
@@ -100,10 +101,22 @@ def test_the_table_defaults_are_the_dataclass_defaults():
 
 
 def test_explicit_settings_win_over_the_derived_tuning():
-    derived = {"partition_bytes": 32768, "window": 6, "unanswered": 0}
+    derived = Tuning(32768, 6, 0, 4e6, 0.001, "a test's")
     tuned = Config.from_env({}).tuned(derived)
     assert (tuned.partition_bytes, tuned.window, tuned.unanswered) == (32768, 6, 0)
     mine = Config.from_env({"GRADWIRE_PARTITION_BYTES": "65536", "BYTEPS_PARTITION_BYTES": "1"}).tuned(derived)
     assert (mine.partition_bytes, mine.window) == (65536, 6)
     assert Config.from_env({}, window=9).tuned(derived).window == 9  # overrides count as explicit
     assert Config.from_env({}).tuned(None) == Config.from_env({})
+
+
+def test_the_launchers_environments_are_made_from_the_table_and_read_back_the_same():
+    """env_for names each setting by the table (env_vars.py), so what a launcher sets is what Config reads."""
+
+    fields = {"num_workers": 4, "num_servers": 6, "rank": 2, "standby": True, "timeout": 30.5, "link_rate": "100mbit"}
+    env = env_for(**fields)
+    assert env["GRADWIRE_NUM_WORKERS"] == "4" and env["GRADWIRE_STANDBY"] == "1"
+    config = Config.from_env(env | {"GRADWIRE_ROLE": "server"})
+    assert {f: getattr(config, f) for f in fields} == fields
+    with pytest.raises(ConfigError, match="num_wrokers"):
+        env_for(num_wrokers=4)

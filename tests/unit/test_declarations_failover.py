@@ -3,6 +3,7 @@
 import threading
 
 from gradwire.config import Config
+from gradwire.protocol import messages
 from gradwire.scheduler.declarations import Declarations
 from gradwire.transport.tcp import ConnectionClosed
 
@@ -11,20 +12,20 @@ class Servers:
     """Stands for the servers' connections: records KEYS requests; a dead server's send fails, as a fenced one's."""
 
     def __init__(self) -> None:
-        self.sent: list[tuple[int, dict]] = []
+        self.sent: list[tuple[int, messages.Message]] = []
         self.dead: set[int] = set()
         self.got_keys = threading.Event()
         self.declarations: Declarations | None = None
         self.answer_at_once = True
 
-    def send(self, server: int, body: dict) -> None:
+    def send(self, server: int, body: messages.Keys) -> None:
         if server in self.dead:
             raise ConnectionClosed(f"server {server} closed the connection")
         self.sent.append((server, body))
         self.got_keys.set()
         if self.answer_at_once or server not in {1}:
             assert self.declarations is not None
-            self.declarations.ack(body["id"])
+            self.declarations.ack(body.id)
 
 
 def _declarations(servers: Servers, num_workers: int = 2) -> Declarations:
@@ -35,7 +36,7 @@ def _declarations(servers: Servers, num_workers: int = 2) -> Declarations:
 
 
 def _declare(d: Declarations, rank: int, name: str, answers: dict, count: int = 4096) -> threading.Thread:
-    body = {"name": name, "shape": [count], "dtype": "float32", "partition_bytes": 1024}
+    body = messages.Declare(name=name, shape=[count], dtype="float32", partition_bytes=1024)
     thread = threading.Thread(target=d.declare, args=(rank, body, lambda reply: answers.__setitem__(rank, reply)))
     thread.start()
     return thread

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from gradwire.tuning import MAX_PARTITION, MEASURED_SHARE, MIN_PARTITION, Drift, Sample, derive
+from gradwire.tuning import MAX_PARTITION, MEASURED_SHARE, MIN_PARTITION, Drift, Sample, Tuning, derive
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -65,7 +65,7 @@ def test_the_cap_only_where_the_servers_links_are_the_bottleneck():
 
 
 def _settings(rate, partition=32 * KiB):
-    return {"rate_bytes_per_s": rate, "partition_bytes": partition, "window": 4, "unanswered": 0}
+    return Tuning(partition, 4, 0, rate, 0.0, "a test's")
 
 
 def _at(rate, seconds=1.0, full=0.0, workers=4):
@@ -163,7 +163,7 @@ def test_four_workers_sharing_a_host_link_are_no_drift():
     """The settings for four workers on each 100 Mbit/s host are derived for their share (25 Mbit/s): the host's
     samples, in that share, stay in the band. Judged by itself against the host's rate, each worker looked four times
     slower than its link, and the job re-cut itself mid-step (issue 32)."""
-    share = derive([mbit(25)] * 8).as_dict()
+    share = derive([mbit(25)] * 8)
     d = Drift(1.0)
     host = Sample.of_host(_at(mbit(25), full=1.0, workers=4))
     assert all(d.observe(float(i), [host, host], share) is None for i in range(10))

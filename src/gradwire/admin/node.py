@@ -11,7 +11,6 @@ from gradwire.admin.metrics import Metrics
 from gradwire.config import Config
 from gradwire.errors import GradwireError
 from gradwire.protocol import messages
-from gradwire.protocol.frames import FrameType
 from gradwire.transport import tcp
 
 log = logging.getLogger("gradwire.admin")
@@ -46,7 +45,7 @@ class NodeAdmin:
     def _beat(self, conn: tcp.Connection) -> None:
         while not self._stop.wait(self.config.heartbeat_interval):
             try:
-                conn.send_json(FrameType.CONTROL, {"op": messages.HEARTBEAT, "stats": self.metrics.snapshot()})
+                conn.send_message(messages.Heartbeat(self.metrics.snapshot()))
             except GradwireError:
                 return
 

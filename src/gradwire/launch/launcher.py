@@ -21,6 +21,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from gradwire.config import env_for
 from gradwire.launch.output import consequence, how, make_output, progress_line
 
 GRACE_SECONDS = 5.0
@@ -71,20 +72,18 @@ class Launcher:
         self.min_workers, self.max_workers, self.restarts_left = min_workers, max_workers or num_workers, max_restarts
         self._next_worker = num_workers  # the label of the next replacement
         self.base_env = dict(os.environ if env is None else env)
-        self.base_env.update(
-            {
-                "GRADWIRE_NUM_WORKERS": str(num_workers),
-                "GRADWIRE_NUM_SERVERS": str(num_servers + (num_workers if colocate else 0)),
-                "GRADWIRE_NUM_STANDBY": str(standby),
-                "GRADWIRE_MIN_WORKERS": str(min_workers),
-                "GRADWIRE_MAX_WORKERS": str(max_workers),
-                "GRADWIRE_HOST": host,
-                "GRADWIRE_SECRET": secrets.token_hex(32),
-                "PYTHONUNBUFFERED": "1",
-            }
+        self.base_env |= env_for(
+            num_workers=num_workers,
+            num_servers=num_servers + (num_workers if colocate else 0),
+            num_standby=standby,
+            min_workers=min_workers,
+            max_workers=max_workers,
+            host=host,
+            secret=secrets.token_hex(32),
         )
+        self.base_env["PYTHONUNBUFFERED"] = "1"
         if timeout is not None:
-            self.base_env["GRADWIRE_TIMEOUT"] = str(timeout)
+            self.base_env |= env_for(timeout=timeout)
         self.children: list[Child] = []
         self.admin_url: str | None = None
         self._finished = threading.Event()
@@ -119,21 +118,21 @@ class Launcher:
                 "server",
                 r,
                 [sys.executable, "-m", "gradwire", "server"],
-                {"GRADWIRE_ROLE": "server", "GRADWIRE_RANK": str(r)},
+                env_for(role="server", rank=r),
             )
         for r in range(self.num_workers if self.colocate else 0):
             self._spawn(
                 "colocated server",
                 r,
                 [sys.executable, "-m", "gradwire", "server"],
-                {"GRADWIRE_ROLE": "server", "GRADWIRE_RANK": str(self.num_servers + r), "GRADWIRE_COLOCATED": "1"},
+                env_for(role="server", rank=self.num_servers + r, colocated=True),
             )
         for r in range(self.num_standby):
             self._spawn(
                 "standby",
                 r,
                 [sys.executable, "-m", "gradwire", "server"],
-                {"GRADWIRE_ROLE": "server", "GRADWIRE_STANDBY": "1"},
+                env_for(role="server", standby=True),
             )
 
     def _run(self) -> int:
@@ -141,12 +140,12 @@ class Launcher:
             "scheduler",
             0,
             [sys.executable, "-m", "gradwire", "scheduler"],
-            {"GRADWIRE_ROLE": "scheduler", "GRADWIRE_SCHEDULER": f"{self.host}:0"},
+            env_for(role="scheduler", scheduler=f"{self.host}:0"),
         )
         address = self._await_address(scheduler)
         if address is None:
             return self._report(scheduler, "did not start")
-        self.base_env["GRADWIRE_SCHEDULER"] = address
+        self.base_env |= env_for(scheduler=address)
         standby = f" (+{self.num_standby} standby)" if self.num_standby else ""
         self._say(
             f"scheduler at {address}; starting {self.num_servers} servers{standby}"
@@ -236,7 +235,7 @@ class Launcher:
         label = self._next_worker
         self._next_worker += 1
         self._say(f"starting worker {label} to join the job")
-        extra = {"GRADWIRE_ROLE": "worker", "GRADWIRE_LOCAL_RANK": str(label), "LOCAL_RANK": str(label)}
+        extra = env_for(role="worker", local_rank=label) | {"LOCAL_RANK": str(label)}
         replacement = self._spawn("worker", label, self.command, extra, unset=("GRADWIRE_RANK", "RANK", "HOROVOD_RANK"))
         running.add(id(replacement))
         self._replacements.add(id(replacement))
@@ -361,11 +360,7 @@ def worker_env(rank: int, size: int) -> dict[str, str]:
     """A worker's place in a one-host job, in gradwire's variables, torchrun's and horovodrun's (scripts, and Horovod's
     own tests, read them)."""
     r, n = str(rank), str(size)
-    return {
-        "GRADWIRE_ROLE": "worker",
-        "GRADWIRE_RANK": r,
-        "GRADWIRE_LOCAL_RANK": r,
-        "GRADWIRE_LOCAL_SIZE": n,
+    return env_for(role="worker", rank=rank, local_rank=rank, local_size=size) | {
         "RANK": r,
         "LOCAL_RANK": r,
         "WORLD_SIZE": n,

@@ -29,7 +29,7 @@ import threading
 from collections.abc import Mapping
 from datetime import timedelta
 
-from gradwire.config import Config
+from gradwire.config import Config, env_for
 from gradwire.errors import ConfigError
 
 log = logging.getLogger("gradwire.torchrun")
@@ -57,22 +57,22 @@ def bootstrap(env: Mapping[str, str], timeout: float = 300.0) -> dict[str, str]:
     store = _store(master, master_port, rank, env, timeout)
     # where the other nodes reach this one: MASTER_ADDR is not that (c10d rendezvous gives each node "localhost")
     host = env.get("GRADWIRE_HOST") or this_host_address(master)
-    job = {
-        "GRADWIRE_NUM_WORKERS": str(world),
+    job = env_for(
+        num_workers=world,
         # the colocated servers, unless the user counts dedicated server machines in too
-        "GRADWIRE_NUM_SERVERS": env.get("GRADWIRE_NUM_SERVERS") or str(nodes * per_node),
-        "GRADWIRE_RANK": str(rank),
-        "GRADWIRE_TIMEOUT": env.get("GRADWIRE_TIMEOUT", str(int(timeout))),
-    }
+        num_servers=env.get("GRADWIRE_NUM_SERVERS") or nodes * per_node,
+        rank=rank,
+        timeout=env.get("GRADWIRE_TIMEOUT", int(timeout)),
+    )
     if rank == 0:
         secret = env.get("GRADWIRE_SECRET") or secrets.token_hex(32)
-        port = _start_scheduler(env | job | {"GRADWIRE_SECRET": secret})
+        port = _start_scheduler(env | job | env_for(secret=secret))
         store.set(prefix + "secret", secret)
         store.set(prefix + "scheduler", f"{host}:{port}")
     store.wait([prefix + "scheduler", prefix + "secret"], timedelta(seconds=timeout))
-    job["GRADWIRE_SCHEDULER"] = store.get(prefix + "scheduler").decode()
-    job["GRADWIRE_SECRET"] = store.get(prefix + "secret").decode()
-    job["GRADWIRE_HOST"] = host
+    job |= env_for(
+        scheduler=store.get(prefix + "scheduler").decode(), secret=store.get(prefix + "secret").decode(), host=host
+    )
     if local_rank == 0:
         for _ in range(per_node):
             _spawn([sys.executable, "-m", "gradwire", "server"], env | job | {"GRADWIRE_COLOCATED": "1"}, "server")

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
 
+from gradwire.config import env_for
 from gradwire.errors import GradwireError
 from gradwire.netem.cluster import EmulatedCluster
 from gradwire.netem.topology import Host
@@ -58,18 +59,16 @@ def start_gradwire(cluster: EmulatedCluster, argv: Sequence[str], env: Mapping[s
     default GRADWIRE_PLACEMENT=auto); with GRADWIRE_PLACEMENT=model each node is told its link's rate instead."""
     topo = cluster.topology
     sched = topo.of("scheduler")[0]
-    base = dict(env or os.environ) | {
-        "GRADWIRE_NUM_WORKERS": str(topo.workers),
-        "GRADWIRE_NUM_SERVERS": str(topo.servers + (topo.worker_hosts if topo.colocate else 0)),
-        "GRADWIRE_SECRET": secrets.token_hex(32),
-        "PYTHONUNBUFFERED": "1",
-    }
-    scheduler, base["GRADWIRE_SCHEDULER"] = _start_scheduler(cluster, sched, base)
+    servers = topo.servers + (topo.worker_hosts if topo.colocate else 0)
+    base = dict(env or os.environ) | {"PYTHONUNBUFFERED": "1"}
+    base |= env_for(num_workers=topo.workers, num_servers=servers, secret=secrets.token_hex(32))
+    scheduler, address = _start_scheduler(cluster, sched, base)
+    base |= env_for(scheduler=address)
     given = base.get("GRADWIRE_PLACEMENT") == "model"  # else (the default, auto) the scheduler measures the links
 
     def node_env(h, rank: int) -> dict[str, str]:
-        rate = {"GRADWIRE_LINK_RATE": h.up} if given else {}
-        return base | rate | {"GRADWIRE_HOST": h.address, "GRADWIRE_RANK": str(rank)}
+        rate = env_for(link_rate=h.up) if given else {}
+        return base | rate | env_for(host=h.address, rank=rank)
 
     services = [scheduler] + [
         cluster.spawn(h, [sys.executable, "-m", "gradwire", "server"], node_env(h, h.index), stdout=subprocess.DEVNULL)
@@ -80,7 +79,7 @@ def start_gradwire(cluster: EmulatedCluster, argv: Sequence[str], env: Mapping[s
             cluster.spawn(
                 h,
                 [sys.executable, "-m", "gradwire", "server"],
-                node_env(h, topo.servers + h.index) | {"GRADWIRE_COLOCATED": "1"},
+                node_env(h, topo.servers + h.index) | env_for(colocated=True),
                 stdout=subprocess.DEVNULL,
             )
             for h in topo.of("worker")
@@ -104,7 +103,7 @@ def _start_scheduler(cluster: EmulatedCluster, sched: Host, env: dict[str, str])
     scheduler = cluster.spawn(
         sched,
         [sys.executable, "-m", "gradwire", "scheduler"],
-        env | {"GRADWIRE_SCHEDULER": f"{sched.address}:0", "GRADWIRE_HOST": sched.address},
+        env | env_for(scheduler=f"{sched.address}:0", host=sched.address),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

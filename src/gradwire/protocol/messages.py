@@ -1,86 +1,389 @@
-"""Control messages: JSON bodies of CONTROL frames, keyed by "op".
+"""Control messages: the JSON bodies of CONTROL frames, one typed message per op.
 
-Node -> scheduler: register, declare, barrier, bye. Scheduler -> node: address_book, reply (to a
-request id), abort, shutdown. Requests carry an "id"; the reply carries the same id and either the
-result fields or "error".
+Each op is a `Message` (protocol/message.py): its fields and their types are the message's whole vocabulary. `parse`
+checks a received body (a known op, every required field, no unknown field, each value of its type) and returns the
+message; `encode` makes the body to send. Receivers dispatch by the message's type.
+
+Node -> scheduler: register, declare, barrier, bye, ... Scheduler -> node: address_book, reply (to a request id),
+abort, shutdown, ... Requests carry an `id`; the reply carries the same id and either the result's fields or `error`.
 """
 
 from __future__ import annotations
 
-from gradwire.errors import RemoteProtocolError
+from dataclasses import dataclass, field
+from typing import Any
 
-REGISTER = "register"
-ADDRESS_BOOK = "address_book"
-DECLARE = "declare"
-BARRIER = "barrier"
-BYE = "bye"
-REPLY = "reply"
-ABORT = "abort"
-SHUTDOWN = "shutdown"
-HEARTBEAT = "heartbeat"  # node -> scheduler, every GRADWIRE_HEARTBEAT_INTERVAL: {stats} for /status
-KEYS = "keys"  # scheduler -> server: the keys it owns, with dtype and bytes; the server replies when ready
-SERVER_LOST = "server_lost"  # worker -> scheduler: my connection to this server died
-PROMOTE = "promote"  # scheduler -> standby server: you are now server `rank`, in `epoch`
-REPLACE = "replace"  # scheduler -> worker: server `server` is gone; its keys are on `standby` or `moved` tensors
-RESET = "reset"  # elastic: scheduler -> worker: the workers changed, cancel and rejoin; -> server: start epoch afresh
-REJOIN = "rejoin"  # elastic: worker -> scheduler (a request): ready for the new membership; the reply is the book
-PROBE = "probe"  # scheduler -> node in rendezvous: send `send` PROBE frames of `bytes`, `report` the rate of ours,
-# or answer a `ping` at once
-PROBE_RESULT = "probe_result"  # node -> scheduler: the rate (bytes/s) at which our PROBE frames reached it (`down`),
-# or `pong`
-FAILOVER_STATE = "failover_state"  # worker -> scheduler: per moved key, [round of its saved sum, round it resends]
-SEED = "seed"  # scheduler -> worker: resend the saved sums of these [key, round] (a round some worker still needs)
-MEMBERS = "members"  # elastic: scheduler -> worker: `joining` workers wait to join (at the next commit)
-BLOCKED = "blocked"  # worker -> scheduler: I wait (synchronize) for `name`, whose declaration is not complete
-JOIN = "join"  # worker -> scheduler (a request): I am out of data (hvd.join); `rounds`: my round of each tensor
-JOINED = "joined"  # scheduler -> server: the workers that have joined now (`ranks`; empty once every worker has)
-RECUT = "recut"  # scheduler -> worker: the partition size changes (`generation`): report your round of each tensor
-RECUT_ROUNDS = "recut_rounds"  # worker -> scheduler: `rounds` {tensor: round}; `fixed`: my partition size is explicit
+from gradwire.errors import RemoteProtocolError
+from gradwire.protocol.message import Message, Request, decode, typed
+
 # a re-cut's first round of a tensor: the latest any worker reported plus this; a worker holds calls that far ahead
 # until the RETUNE says where the new partitions begin (scheduler/adapt.py)
 RECUT_AHEAD = 2
 # a worker's heartbeat counters of its network links' use, which the scheduler's drift check reads (scheduler/adapt.py)
 LINK_USE = ("link_busy_seconds", "link_bytes", "window_full_seconds")
-RETUNE = "retune"  # scheduler -> worker: new `tuning`; `switch` {tensor: first round cut anew} for `generation`
-DEPARTED = "departed"  # scheduler -> server: workers that left (shutdown()) while others go on (`ranks`, all so far)
 
-_REQUIRED = {
-    REGISTER: ("role", "host", "port"),
-    ADDRESS_BOOK: ("rank", "epoch", "num_workers", "servers"),
-    DECLARE: ("id", "name", "shape", "dtype"),
-    BARRIER: ("id",),
-    BYE: (),
-    REPLY: ("id",),
-    ABORT: ("message",),
-    SHUTDOWN: (),
-    KEYS: ("id", "keys"),
-    HEARTBEAT: ("stats",),
-    SERVER_LOST: ("server",),
-    PROMOTE: ("rank", "epoch"),
-    REPLACE: ("epoch", "server", "moved"),
-    RESET: ("epoch",),
-    REJOIN: ("id",),
-    MEMBERS: ("joining",),
-    BLOCKED: ("name",),
-    JOIN: ("id", "rounds"),
-    JOINED: ("id", "ranks"),
-    FAILOVER_STATE: ("epoch", "keys"),
-    SEED: ("epoch", "keys"),
-    RECUT: ("generation",),
-    RECUT_ROUNDS: ("generation", "rounds"),
-    RETUNE: ("tuning",),
-    DEPARTED: ("ranks",),
-    PROBE: (),
-    PROBE_RESULT: (),  # `down` or `pong`: checked where it is read (probe.py)
+
+# -- node -> scheduler ----------------------------------------------------------------------------
+
+
+@dataclass
+class Register(Message):
+    """The first message of every node: who it is and where it is reached."""
+
+    op = "register"
+    always = ("role", "host", "port", "rank")
+    role: str = ""
+    host: str = ""
+    port: int = 0
+    rank: int | None = None  # None: the scheduler assigns one in order of arrival
+    slot_bytes: int = 0  # shared-memory slots a server offers (0: none)
+    unix: str = ""  # a server's Unix socket
+    host_id: str = ""  # which nodes share a host (shared memory)
+    admin: int = -1  # the node's admin port
+    admin_host: str = ""
+    standby: bool = False
+    colocated: bool = False
+    link_rate: float = 0.0  # GRADWIRE_LINK_RATE, bits/s (0: measure)
+
+
+@dataclass
+class Declare(Request):
+    """Declare a tensor (its signature); the reply places its partitions on servers."""
+
+    op = "declare"
+    always = ("name", "shape", "dtype")
+    name: str = ""
+    shape: list = field(default_factory=list)
+    dtype: str = ""
+    partition_bytes: int = 0
+    key_op: str = "sum"
+    op_args: dict | None = None
+    slices: list | None = None
+    meta: Any = None
+    members: list | None = None  # a process set's ranks
+
+
+@dataclass
+class Barrier(Request):
+    op = "barrier"
+
+
+@dataclass
+class Bye(Message):
+    """The node leaves (`final`: for good; else init() may follow); `error`: the script raised."""
+
+    op = "bye"
+    final: bool = True
+    error: str | None = None
+
+
+@dataclass
+class Heartbeat(Message):
+    """Every GRADWIRE_HEARTBEAT_INTERVAL: the node's counters, for /status and the drift check."""
+
+    op = "heartbeat"
+    always = ("stats",)
+    stats: dict = field(default_factory=dict)
+
+
+@dataclass
+class ServerLost(Message):
+    """Worker -> scheduler: my connection to this server died."""
+
+    op = "server_lost"
+    always = ("server",)
+    server: int = 0
+    epoch: int = 0
+    error: str = "?"
+
+
+@dataclass
+class Rejoin(Request):
+    """Elastic: ready for the new membership; the reply is the address book."""
+
+    op = "rejoin"
+
+
+@dataclass
+class Blocked(Message):
+    """I wait (synchronize) for `name`, whose declaration is not complete."""
+
+    op = "blocked"
+    always = ("name",)
+    name: str = ""
+
+
+@dataclass
+class Join(Request):
+    """I am out of data (hvd.join); `rounds`: my round of each tensor."""
+
+    op = "join"
+    always = ("rounds",)
+    rounds: dict = field(default_factory=dict)
+
+
+@dataclass
+class FailoverState(Message):
+    """Per moved key: [round of the sum I hold, round I resend, whether I hold it]."""
+
+    op = "failover_state"
+    always = ("epoch", "keys")
+    epoch: int = 0
+    keys: dict = field(default_factory=dict)
+
+
+@dataclass
+class RecutRounds(Message):
+    """`rounds` {tensor: round}; `fixed`: my partition size is explicit."""
+
+    op = "recut_rounds"
+    always = ("generation", "rounds")
+    generation: int = 0
+    rounds: dict = field(default_factory=dict)
+    largest_partition: int = 0
+    fixed: bool = False
+
+
+@dataclass
+class ProbeResult(Message):
+    """The rate (bytes/s) at which the scheduler's PROBE frames reached me (`down`), or `pong`."""
+
+    op = "probe_result"
+    pong: bool = False
+    down: float | None = None
+
+
+# -- scheduler -> node ----------------------------------------------------------------------------
+
+
+@dataclass
+class AddressBook(Message):
+    """Where the servers are, and how (scheduler/roster.py `address_book`); also a REJOIN's reply's fields."""
+
+    op = "address_book"
+    always = ("rank", "epoch", "num_workers", "servers")
+    rank: int = 0
+    epoch: int = 0
+    num_workers: int = 0
+    servers: list = field(default_factory=list)
+    standby: bool = False
+    workers: list = field(default_factory=list)
+    placement: dict | None = None
+    tuning: dict | None = None
+    wall_time: float = 0.0
+
+
+@dataclass
+class Reply(Message):
+    """The answer to a request `id`: the result's fields (`result`, sent flat beside the id), or `error`."""
+
+    op = "reply"
+    always = ("id",)
+    id: int = 0
+    result: dict = field(default_factory=dict)
+
+    def encode(self) -> dict:
+        if "op" in self.result or "id" in self.result:
+            raise ValueError(f"a reply's result may not set op or id: {sorted(self.result)}")
+        return {"op": self.op, "id": self.id} | self.result
+
+    @property
+    def error(self) -> str | None:
+        return self.result.get("error")
+
+
+@dataclass
+class Abort(Message):
+    op = "abort"
+    always = ("message",)
+    message: str = ""
+    lost_role: str | None = None  # the node whose loss ended the job
+    lost_rank: int | None = None
+
+
+@dataclass
+class Shutdown(Message):
+    op = "shutdown"
+
+
+@dataclass
+class Probe(Message):
+    """In the rendezvous: send `send` PROBE frames of `bytes`, `report` the rate of the scheduler's, or answer a
+    `ping` at once."""
+
+    op = "probe"
+    ping: bool = False
+    report: bool = False
+    send: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class Replace(Message):
+    """Server `server` is gone: its keys are on `standby`, or the `moved` tensors' keys on other servers."""
+
+    op = "replace"
+    always = ("epoch", "server", "moved")
+    epoch: int = 0
+    server: int = 0
+    moved: dict = field(default_factory=dict)
+    standby: dict | None = None
+    tuning: dict | None = None
+
+
+@dataclass
+class Seed(Message):
+    """Resend the sums I hold of these [key, round] (a round some worker still needs, after a failover)."""
+
+    op = "seed"
+    always = ("epoch", "keys")
+    epoch: int = 0
+    keys: list = field(default_factory=list)
+
+
+@dataclass
+class Members(Message):
+    """Elastic: `joining` workers wait to join (at the next commit)."""
+
+    op = "members"
+    always = ("joining",)
+    joining: int = 0
+
+
+@dataclass
+class Reset(Message):
+    """Elastic (or a new generation): the workers changed. To a worker: cancel and rejoin; to a server (a request):
+    start the epoch afresh for `num_workers` (`forget`: drop every key)."""
+
+    op = "reset"
+    always = ("epoch",)
+    epoch: int = 0
+    num_workers: int = 0
+    forget: bool = False
+    message: str = "?"
+    lost_rank: int | None = None
+    id: int = -1  # to a server: a request (scheduler/server_requests.py `call`)
+
+
+@dataclass
+class Recut(Message):
+    """The partition size changes (`generation`): report your round of each tensor."""
+
+    op = "recut"
+    always = ("generation",)
+    generation: int = 0
+
+
+@dataclass
+class Retune(Message):
+    """New `tuning`; `switch` {tensor: first round cut anew} for re-cut `generation`."""
+
+    op = "retune"
+    always = ("tuning",)
+    tuning: dict | None = None
+    switch: dict = field(default_factory=dict)
+    generation: int = 0
+
+
+# -- scheduler -> server --------------------------------------------------------------------------
+
+
+@dataclass
+class Keys(Request):
+    """The keys a server owns, with dtype and bytes (and how they are summed); it replies once they are ready."""
+
+    op = "keys"
+    always = ("keys",)
+    keys: list = field(default_factory=list)
+    name: str = "?"
+    key_op: str = "sum"
+    op_args: dict | None = None
+    slices: dict | None = None
+    replicas: dict | None = None
+    addresses: dict | None = None
+    members: list | None = None
+
+
+@dataclass
+class Promote(Request):
+    """To a standby: you are now server `rank`, in `epoch`."""
+
+    op = "promote"
+    always = ("rank", "epoch")
+    rank: int = 0
+    epoch: int = 0
+
+
+@dataclass
+class Joined(Request):
+    """The workers that have joined now (hvd.join; empty once every worker has)."""
+
+    op = "joined"
+    always = ("ranks",)
+    ranks: list = field(default_factory=list)
+
+
+@dataclass
+class Departed(Message):
+    """Workers that left (shutdown()) while others go on: all so far."""
+
+    op = "departed"
+    always = ("ranks",)
+    ranks: list = field(default_factory=list)
+
+
+MESSAGES: dict[str, type[Message]] = {
+    m.op: m
+    for m in (
+        Register,
+        Declare,
+        Barrier,
+        Bye,
+        Heartbeat,
+        ServerLost,
+        Rejoin,
+        Blocked,
+        Join,
+        FailoverState,
+        RecutRounds,
+        ProbeResult,
+        AddressBook,
+        Reply,
+        Abort,
+        Shutdown,
+        Probe,
+        Replace,
+        Seed,
+        Members,
+        Reset,
+        Recut,
+        Retune,
+        Keys,
+        Promote,
+        Joined,
+        Departed,
+    )
 }
 
 
-def check(body: dict) -> str:
-    """Validate a control body's op and required fields; return the op."""
+def parse(body: dict) -> Message:
+    """The message a received body holds; RemoteProtocolError saying what is wrong with it."""
     op = body.get("op")
-    if op not in _REQUIRED:
+    cls = MESSAGES.get(op) if isinstance(op, str) else None
+    if cls is None:
         raise RemoteProtocolError(f"unknown control op {op!r}")
-    missing = [f for f in _REQUIRED[op] if f not in body]
-    if missing:
-        raise RemoteProtocolError(f"control op {op!r} lacks {', '.join(missing)}")
-    return op
+    if cls is Reply:
+        if "id" not in body:
+            raise RemoteProtocolError("control op 'reply' lacks id")
+        return Reply(typed("reply", "id", body["id"], int), {k: v for k, v in body.items() if k not in ("op", "id")})
+    return decode(cls, body)
+
+
+def address_book(result: dict) -> AddressBook:
+    """A reply's result read as an address book (a REJOIN's reply is one)."""
+    book = parse(result | {"op": AddressBook.op})
+    assert isinstance(book, AddressBook)
+    return book
+
+
+__all__ = ["MESSAGES", "Message", "Request", "address_book", "parse"]

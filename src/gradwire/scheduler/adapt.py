@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from gradwire import tuning
@@ -62,7 +63,8 @@ class Adaptation:
     def _samples(self) -> list[tuning.Sample]:
         """One sample per worker host: its workers share its link, so the link's rate is judged per host
         (tuning.Sample.of_host), in the per-worker share the settings were derived for."""
-        shared = max((self.roster.tuning or {}).get("workers_per_host") or [1]) > 1  # placing.link_sharers
+        now = self.roster.tuning
+        shared = now is not None and max(now.workers_per_host, default=1) > 1  # placing.link_sharers
         hosts: dict[str, list[tuning.Sample]] = {}
         for worker in self.roster.live_workers():
             delta = self._delta(worker, messages.LINK_USE)
@@ -99,7 +101,8 @@ class Adaptation:
         return tuple(a - b for a, b in zip(now, before, strict=True))
 
     def _rederive(self, rate: float, now: float) -> None:
-        model = float(self.roster.tuning["rate_bytes_per_s"])
+        assert self.roster.tuning is not None
+        model = self.roster.tuning.rate_bytes_per_s
         self.roster.rate_scale *= rate / model
         why = (
             f"the links moved {rate * 8 / 1e6:.0f} Mbit/s per worker, the settings were for {model * 8 / 1e6:.0f} "
@@ -108,23 +111,22 @@ class Adaptation:
         new = for_job_now(self.roster)
         if new is None:
             return
-        keys = ("partition_bytes", "window", "unanswered")
-        record = {"at": time.time(), "why": why, "recut_tensors": 0} | {k: new[k] for k in keys}
+        record = {"at": time.time(), "why": why, "recut_tensors": 0} | new.settings()
         self.history.append(record)
-        log.info("data path re-derived (%s): %s", why, new["reason"])
-        if new["partition_bytes"] == self.roster.tuning["partition_bytes"]:
-            self._apply(new | {"derived_for": why}, {}, 0)
+        log.info("data path re-derived (%s): %s", why, new.reason)
+        if new.partition_bytes == self.roster.tuning.partition_bytes:
+            self._apply(new.again(why), {}, 0)
             return
         self.generation += 1
         self.pending = {"generation": self.generation, "tuning": new, "why": why, "answers": {}, "started": now}
-        self.roster.tell(self.roster.live_workers(), {"op": messages.RECUT, "generation": self.generation})
+        self.roster.tell(self.roster.live_workers(), messages.Recut(self.generation))
 
-    def answered(self, node: Node, body: dict) -> None:
+    def answered(self, node: Node, answer: messages.RecutRounds) -> None:
         """A worker's RECUT_ROUNDS."""
-        if self.pending is None or int(body["generation"]) != self.pending["generation"]:
+        if self.pending is None or answer.generation != self.pending["generation"]:
             return  # cancelled meanwhile: the cancel's RETUNE released it
-        rounds = {str(k): int(v) for k, v in body["rounds"].items()}
-        self.pending["answers"][node.rank] = (rounds, bool(body.get("fixed")), int(body["largest_partition"]))
+        rounds = {str(k): int(v) for k, v in answer.rounds.items()}
+        self.pending["answers"][node.rank] = (rounds, answer.fixed, answer.largest_partition)
         self._maybe_finish()
 
     def _maybe_finish(self) -> None:
@@ -134,25 +136,24 @@ class Adaptation:
         if not all(rank in answers for rank in live):
             return
         pending, self.pending = self.pending, None
-        settings = pending["tuning"] | {"derived_for": pending["why"]}
-        largest = min((answers[rank][2] for rank in live), default=settings["partition_bytes"])
-        if settings["partition_bytes"] > largest:  # a worker's shared-memory slots, made for the partitions of then
-            settings["partition_bytes"] = largest
-            settings["reason"] += f" (partitions kept at {largest >> 10} KiB: the largest the workers' links carry)"
+        settings: tuning.Tuning = pending["tuning"].again(pending["why"])
+        largest = min((answers[rank][2] for rank in live), default=settings.partition_bytes)
+        if settings.partition_bytes > largest:  # a worker's shared-memory slots, made for the partitions of then
+            kept = f" (partitions kept at {largest >> 10} KiB: the largest the workers' links carry)"
+            settings = replace(settings.explained(kept), partition_bytes=largest)
         fixed = [rank for rank in live if answers[rank][1]]
         switch: dict[str, int] = {}
         if fixed:
             log.warning("tensors not re-cut: worker %s set GRADWIRE_PARTITION_BYTES", ", ".join(map(str, fixed)))
-        elif settings["partition_bytes"] != self.roster.tuning["partition_bytes"]:
+        elif self.roster.tuning is None or settings.partition_bytes != self.roster.tuning.partition_bytes:
             names = set.intersection(*(set(answers[rank][0]) for rank in live)) if live else set()
             switch = {name: max(answers[rank][0][name] for rank in live) + RECUT_AHEAD for name in sorted(names)}
-        self.history[-1] |= {"recut_tensors": len(switch), "partition_bytes": settings["partition_bytes"]}
+        self.history[-1] |= {"recut_tensors": len(switch), "partition_bytes": settings.partition_bytes}
         self._apply(settings, switch, pending["generation"])
 
-    def _apply(self, settings: dict, switch: dict[str, int], generation: int) -> None:
+    def _apply(self, settings: tuning.Tuning, switch: dict[str, int], generation: int) -> None:
         self.roster.tuning = settings
-        body = {"op": messages.RETUNE, "tuning": settings, "switch": switch, "generation": generation}
-        self.roster.tell(self.roster.live_workers(), body)
+        self.roster.tell(self.roster.live_workers(), messages.Retune(settings.as_dict(), switch, generation))
 
     def cancel(self, why: str) -> None:
         """Give up the re-cut in step 1 (a failover, an elastic reset, a worker that does not answer): the workers'
@@ -161,20 +162,19 @@ class Adaptation:
             return
         log.warning("re-cut %d given up: %s", self.pending["generation"], why)
         generation, self.pending = self.pending["generation"], None
-        body = {"op": messages.RETUNE, "tuning": self.roster.tuning, "switch": {}, "generation": generation}
-        self.roster.tell(self.roster.live_workers(), body)
+        now = self.roster.tuning
+        self.roster.tell(self.roster.live_workers(), messages.Retune(now and now.as_dict(), {}, generation))
 
-    def retune_locked(self, why: str) -> dict | None:
+    def retune_locked(self, why: str) -> tuning.Tuning | None:
         """Re-derive the settings for the job as it is now (after a failover or an elastic reset: other workers,
         fewer servers), from the rates measured at the start. Kept as they are where a node's rate is unknown (a
         standby or a joining worker on a host never measured). Returns the settings in force."""
         self.cancel(why)  # a re-cut in progress: the job it was for has changed
         new = for_job_now(self.roster)
         if new is not None and self.roster.tuning is not None:
-            keys = ("partition_bytes", "window", "unanswered")
-            if any(new[k] != self.roster.tuning[k] for k in keys):
-                log.info("data path re-derived (%s): %s", why, new["reason"])
-            self.roster.tuning = new | {"derived_for": why}
+            if new.settings() != self.roster.tuning.settings():
+                log.info("data path re-derived (%s): %s", why, new.reason)
+            self.roster.tuning = new.again(why)
         return self.roster.tuning
 
     def status(self) -> dict:
@@ -186,7 +186,7 @@ class Adaptation:
         }
 
 
-def derive(roster: Roster, info: dict) -> dict | None:
+def derive(roster: Roster, info: dict) -> tuning.Tuning | None:
     """The data path's settings (gradwire/tuning.py) for the links described by `info` (placement_weights'): the
     worker hosts' and dedicated servers' rates, and the median round trip. None when rates are unknown."""
     rates = info.get("rates_bytes_per_s") or {}
@@ -200,15 +200,17 @@ def derive(roster: Roster, info: dict) -> dict | None:
     # the workers of one host share its link: each pushes and pulls its own copy, so each has its share of it
     sharing = info["workers_per_host"]  # placing.link_sharers
     workers = [r * scale / m for r, m in zip(rates["worker_hosts"], sharing, strict=True) for _ in range(m)]
-    derived = tuning.derive(workers, rtt, server_rates=[r * scale for r in dedicated]).as_dict()
-    derived["workers_per_host"] = sharing  # the drift check judges the links in the same shares
+    derived = tuning.derive(workers, rtt, server_rates=[r * scale for r in dedicated])
+    derived = replace(derived, workers_per_host=tuple(sharing))  # the drift check judges the links in the same shares
     if max(sharing, default=1) > 1:
         most = max(sharing)
-        derived["reason"] += f" (a host's link shared by {'up to ' if min(sharing) < most else ''}{most} workers)"
+        derived = derived.explained(
+            f" (a host's link shared by {'up to ' if min(sharing) < most else ''}{most} workers)"
+        )
     return derived
 
 
-def for_job_now(roster: Roster) -> dict | None:
+def for_job_now(roster: Roster) -> tuning.Tuning | None:
     """The settings for the job as it is now: its live servers, the rates measured at the start (times the drift
     check's scale). None where a rate is unknown."""
     config = roster.config

@@ -23,7 +23,7 @@ LOG_EVERY_SECONDS = 5.0  # how often a waiting node says what it waits for
 
 def join(
     config: Config, role: str, clock: Callable[[], float] = time.monotonic, **registration: object
-) -> tuple[tcp.Connection, dict]:
+) -> tuple[tcp.Connection, messages.AddressBook]:
     """Connect to the scheduler, authenticate, register, and wait for the address book.
 
     Any start order works: a scheduler that is not listening yet (refused, unreachable) is tried again with capped
@@ -54,9 +54,12 @@ def join(
             time.sleep(min(delay, deadline - now))  # the last try comes at the deadline
             delay = min(MAX_RETRY_SECONDS, delay * 2)
             continue
-        if messages.check(book) == messages.ABORT:
+        if isinstance(book, messages.Abort):
             conn.close()
-            raise JobAborted(f"job aborted during rendezvous: {book['message']}")
+            raise JobAborted(f"job aborted during rendezvous: {book.message}")
+        if not isinstance(book, messages.AddressBook):
+            conn.close()
+            raise RemoteProtocolError(f"the scheduler sent {book.op!r} before the address book")
         return conn, book
 
 
@@ -69,16 +72,18 @@ def _register(config: Config, role: str, timeout: float, registration: dict) -> 
         max_payload=0,
         timeout=min(timeout, config.handshake_timeout),
     )
-    body = {"op": messages.REGISTER, "role": role, "rank": config.rank, "host": config.host} | registration
+    body = messages.Register(role=role, rank=config.rank, host=config.host, **registration)  # type: ignore[arg-type]
     try:
-        conn.send_json(FrameType.CONTROL, body)
+        conn.send_message(body)
     except BaseException:
         conn.close()
         raise
     return conn
 
 
-def _await(conn: tcp.Connection, config: Config, role: str, deadline: float, clock: Callable[[], float]) -> dict:
+def _await(
+    conn: tcp.Connection, config: Config, role: str, deadline: float, clock: Callable[[], float]
+) -> messages.Message:
     conn.sock.settimeout(max(0.1, deadline - clock()))
     try:
         book = _await_book(conn)
@@ -95,7 +100,7 @@ def _await(conn: tcp.Connection, config: Config, role: str, deadline: float, clo
     return book
 
 
-def _await_book(conn: tcp.Connection) -> dict:
+def _await_book(conn: tcp.Connection) -> messages.Message:
     """Wait for the address book, answering the scheduler's link probes meanwhile (scheduler/probe.py)."""
     arrivals: list[float] = []
     scratch = bytearray(MAX_CONTROL_BYTES)
@@ -107,16 +112,16 @@ def _await_book(conn: tcp.Connection) -> dict:
             continue
         if header.type != FrameType.CONTROL:
             raise RemoteProtocolError(f"scheduler sent a {header.type.name} frame during the rendezvous")
-        body = decode_json(conn.recv_body(header))
-        if messages.check(body) != messages.PROBE:
-            return body
-        if body.get("ping"):  # the scheduler times our round trip (probe.round_trip)
-            conn.send_json(FrameType.CONTROL, {"op": messages.PROBE_RESULT, "pong": True})
-        elif body.get("report"):
-            conn.send_json(FrameType.CONTROL, {"op": messages.PROBE_RESULT, "down": probe.rate(arrivals)})
+        message = messages.parse(decode_json(conn.recv_body(header)))
+        if not isinstance(message, messages.Probe):
+            return message
+        if message.ping:  # the scheduler times our round trip (probe.round_trip)
+            conn.send_message(messages.ProbeResult(pong=True))
+        elif message.report:
+            conn.send_message(messages.ProbeResult(down=probe.rate(arrivals)))
             arrivals = []
         else:
-            size = min(int(body["bytes"]), MAX_CONTROL_BYTES)
+            size = min(message.bytes, MAX_CONTROL_BYTES)
             frame, payload = encode_header(FrameType.PROBE, size), bytes(size)
-            for _ in range(min(int(body["send"]), 64)):
+            for _ in range(min(message.send, 64)):
                 conn.send([frame, payload])

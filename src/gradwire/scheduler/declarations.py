@@ -20,7 +20,7 @@ from gradwire import partition
 from gradwire.config import Config
 from gradwire.errors import TensorError
 from gradwire.placement import Placement
-from gradwire.protocol import dtypes, operations, update
+from gradwire.protocol import dtypes, messages, operations, update
 from gradwire.protocol.signature import Signature
 from gradwire.scheduler.declaration import Call, Declaration
 from gradwire.scheduler.server_requests import ServerRequests
@@ -41,7 +41,7 @@ class Declarations:
         self,
         config: Config,
         slot_bytes: Sequence[int],
-        send: Callable[[int, dict], None],
+        send: Callable[[int, messages.Message], None],
         weights: Sequence[float] | None = None,
         num_workers: int = 0,
         address_of: Callable[[int], dict] | None = None,
@@ -67,7 +67,7 @@ class Declarations:
         self.joined: set[int] = set()  # workers that have joined (hvd.join): declarations do not wait for them
         self.departed: dict[int, str] = {}  # workers that left the job (shutdown()), and why
 
-    def declare(self, rank: int, body: dict, answer: Callable[[dict], None]) -> None:
+    def declare(self, rank: int, body: messages.Declare, answer: Callable[[dict], None]) -> None:
         """A worker's declaration; `answer(reply)` is called (maybe later, from another worker's thread) with
         {servers, partition_bytes} or {error}: with abort=False if only the declarer's request is wrong, mismatch=True
         if the workers disagree (then every one of them gets it, and the name is free again), neither if the job
@@ -75,13 +75,13 @@ class Declarations:
 
         A new tensor is placed once every worker has declared it, so a disagreement is found before any byte moves.
         """
-        name = str(body["name"])
+        name = body.name
         try:
             signature = self._signature(rank, name, body)
         except _Refused as e:
             answer({"error": f"tensor {name!r}: {e}", "abort": False})
             return
-        call = Call(rank, signature, int(body["partition_bytes"]), answer)
+        call = Call(rank, signature, body.partition_bytes, answer)
         refusal = self._joined_refusal(name, signature)
         if refusal is not None:  # at once: the joined ranks will not call it, and the others may not under this name
             answer(refusal)
@@ -104,19 +104,18 @@ class Declarations:
             return
         self._complete(name, sorted(calls.values(), key=lambda c: c.rank))
 
-    def _signature(self, rank: int, name: str, body: dict) -> Signature:
+    def _signature(self, rank: int, name: str, body: messages.Declare) -> Signature:
         """What worker `rank` declared `name` as, checked on its own; raises _Refused where only it is wrong."""
-        shape, dtype = [int(d) for d in body["shape"]], str(body["dtype"])
-        key_op, slices, meta = str(body.get("key_op", "sum")), body.get("slices"), body.get("meta")
-        meta = None if meta is None else str(meta)
-        members = body.get("members")
+        shape, dtype, key_op, slices = [int(d) for d in body.shape], body.dtype, body.key_op, body.slices
+        meta = None if body.meta is None else str(body.meta)
+        members = body.members
         if members is not None:
             members = sorted({int(r) for r in members})
             if not members or members[0] < 0 or members[-1] >= self.num_workers or rank not in members:
                 raise _Refused(f"worker {rank} declared it for ranks {members}")
         if dtype not in dtypes.BY_NAME or any(d < 0 for d in shape) or len(shape) > 32 or not operations.known(key_op):
             raise _Refused(f"bad declaration {key_op} of {dtype}{shape}")
-        op_args = body.get("op_args")
+        op_args = body.op_args
         if op_args is not None or key_op in operations.BUILT:
             try:
                 operations.check_args(key_op, op_args)

@@ -37,12 +37,12 @@ class Departures:
         self.failover = failover
         self.membership = membership
 
-    def said_bye(self, node: Node, body: dict) -> bool:
+    def said_bye(self, node: Node, bye: messages.Bye) -> bool:
         """A BYE; True when it is the node's last word (its connection is done)."""
         # shutdown() in a process that lives on keeps its connection open: it may init() again, and its connection
         # closing (at exit, or once it has registered anew) is its final word
-        node.final_bye = bool(body.get("final", True)) or node.role != "worker"
-        if body.get("error") and self._failed(node, str(body["error"])):
+        node.final_bye = bye.final or node.role != "worker"
+        if bye.error and self._failed(node, bye.error):
             return True
         self.bye(node)
         return node.final_bye
@@ -97,7 +97,7 @@ class Departures:
             left = sorted(w.rank for w in roster.workers if w.said_bye)
             if roster.done.is_set() or len(left) == len(roster.workers):
                 return  # the job is over, or ends now: no round waits
-            roster.tell(roster.live_servers(), {"op": messages.DEPARTED, "ranks": left})
+            roster.tell(roster.live_servers(), messages.Departed(ranks=left))
 
     def disconnected(self, node: Node, error: Exception) -> None:
         """`node`'s connection dropped, with `error`."""

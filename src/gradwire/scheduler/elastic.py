@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from gradwire.errors import GradwireError
 from gradwire.protocol import messages
-from gradwire.protocol.frames import FrameType
 from gradwire.scheduler import probe
 from gradwire.scheduler.placing import host_of
 
@@ -55,7 +55,7 @@ class Membership:
         log.info("worker from %s waits to join (%d joining)", node.host, len(self.roster.joiners))
         if self.resetting:
             return  # it joins this reset
-        self.roster.tell(self.roster.live_workers(), {"op": messages.MEMBERS, "joining": len(self.roster.joiners)})
+        self.roster.tell(self.roster.live_workers(), messages.Members(len(self.roster.joiners)))
 
     def left(self, node: Node, why: str) -> None:
         """A member worker (or a joiner) is gone."""
@@ -88,8 +88,8 @@ class Membership:
         if not self.resetting:
             self.resetting = True
             self.roster.epoch += 1
-        body = {"op": messages.RESET, "epoch": self.roster.epoch, "message": reason, "lost_rank": lost_rank}
-        self.roster.tell([w for w in self.roster.live_workers() if id(w) not in self.rejoined], body)
+        reset = messages.Reset(self.roster.epoch, message=reason, lost_rank=lost_rank)
+        self.roster.tell([w for w in self.roster.live_workers() if id(w) not in self.rejoined], reset)
 
     def _maybe_complete(self) -> None:
         live = self.roster.live_workers()
@@ -118,8 +118,7 @@ class Membership:
             self.roster.joins = {}  # a join in progress is cancelled with the workers' other requests
         self._measure_joiners(members)
         for server in self.roster.live_servers():
-            body = {"op": messages.RESET, "epoch": epoch, "num_workers": len(members)}
-            if not declarations.call(server.rank, body):
+            if not declarations.call(server.rank, messages.Reset(epoch, num_workers=len(members))):
                 with self.roster.lock:
                     self.roster.abort_locked(f"server {server.rank} did not reset for epoch {epoch}")
                 return
@@ -127,13 +126,13 @@ class Membership:
             self.adaptation.retune_locked(f"the job re-formed with {len(members)} workers")
         book = self.roster.address_book()
         for worker in members:
-            body = book | {"rank": worker.rank, "epoch": epoch, "num_workers": len(members)}
-            if id(worker) in replies:
-                body |= {"op": messages.REPLY, "id": replies[id(worker)]}
+            theirs = replace(book, rank=worker.rank, epoch=epoch, num_workers=len(members), standby=False)
+            if id(worker) in replies:  # a REJOIN's answer: the book's fields
+                message: messages.Message = messages.Reply(replies[id(worker)], theirs.fields())
             else:
-                body |= {"op": messages.ADDRESS_BOOK, "standby": False}
+                message = theirs
             try:
-                worker.conn.send_json(FrameType.CONTROL, body)
+                worker.conn.send_message(message)
             except GradwireError:
                 pass  # its loss starts the next reset
         with self.roster.lock:
@@ -144,7 +143,7 @@ class Membership:
             live = self.roster.live_workers()
         log.info("job re-formed in epoch %d with %d workers", epoch, len(members))
         if joining:  # arrived during the reset: they join the next one
-            self.roster.tell(live, {"op": messages.MEMBERS, "joining": joining})
+            self.roster.tell(live, messages.Members(joining))
 
     def _measure_joiners(self, members: list[Node]) -> None:
         """Joiners get a link rate as the workers of the start did (without the lock): the rate of a host measured

@@ -64,13 +64,13 @@ class Failover:
             target=self._fail_over, args=(node, standby, epoch, why), name="gw-sched-failover", daemon=True
         ).start()
 
-    def reported(self, node: Node, body: dict) -> None:
+    def reported(self, node: Node, state: messages.FailoverState) -> None:
         """A worker's FAILOVER_STATE: per moved key, the round of the sum it holds and the round it resends."""
         with self.roster.lock:
-            entry = self._states.get(int(body["epoch"]))
+            entry = self._states.get(state.epoch)
             if entry is not None:
                 everyone, reported = entry
-                reported[node.rank] = {int(k): (int(v[0]), int(v[1]), bool(v[2])) for k, v in body["keys"].items()}
+                reported[node.rank] = {int(k): (int(v[0]), int(v[1]), bool(v[2])) for k, v in state.keys.items()}
                 if len(reported) >= len(self.roster.live_workers()):
                     everyone.set()
 
@@ -85,8 +85,7 @@ class Failover:
             return
         with roster.lock:
             settings = self.adaptation.retune_locked(f"server {dead.rank} lost")
-        body = {"op": messages.REPLACE, "epoch": epoch, "server": dead.rank, "standby": address, "moved": moved}
-        body["tuning"] = settings
+        body = messages.Replace(epoch, dead.rank, moved, address, settings and settings.as_dict())
         everyone, reported = threading.Event(), {}
         with roster.lock:
             workers = roster.live_workers()
@@ -102,7 +101,7 @@ class Failover:
             seeds = seeds_needed(dict(reported))
             seeders = {rank: roster.workers[rank] for rank in seeds if rank < len(roster.workers)}
         for rank, worker in seeders.items():
-            roster.tell([worker], {"op": messages.SEED, "epoch": epoch, "keys": seeds[rank]})
+            roster.tell([worker], messages.Seed(epoch, seeds[rank]))
         to = "standby" if standby is not None else "survivors"
         seconds = roster.clock() - started
         seeded = sum(len(k) for k in seeds.values())
@@ -122,7 +121,7 @@ class Failover:
                 return moved | declarations.evict(dead.rank), None
             # confirmed before the workers hear of it: they connect to it at once, and a standby not yet promoted
             # refuses them (the dead server's keys may all have gone to replicas: nothing else to wait on)
-            promote = {"op": messages.PROMOTE, "rank": dead.rank, "epoch": epoch}
+            promote = messages.Promote(rank=dead.rank, epoch=epoch)
             declarations.revive(dead.rank)
             if not declarations.call(dead.rank, promote):
                 raise GradwireError(f"the standby taking server {dead.rank}'s place did not confirm its promotion")

@@ -91,8 +91,7 @@ class Generations:
             epoch, declarations = roster.epoch, roster.declarations
         assert declarations is not None
         for server in roster.live_servers():
-            body = {"op": messages.RESET, "epoch": epoch, "num_workers": len(ranked), "forget": True}
-            if not declarations.call(server.rank, body):
+            if not declarations.call(server.rank, messages.Reset(epoch, num_workers=len(ranked), forget=True)):
                 roster.abort(f"server {server.rank} did not reset for the new generation (epoch {epoch})")
                 return
         with roster.lock:

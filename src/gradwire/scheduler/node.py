@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from gradwire.errors import GradwireError
+from gradwire.protocol.messages import ProbeResult
 from gradwire.transport import tcp
 
 
@@ -27,13 +28,13 @@ class Probe:
         if len(self.arrivals) == self.frames:
             self.up_done.set()
 
-    def on_result(self, body: dict) -> None:
-        if body.get("pong"):
+    def on_result(self, result: ProbeResult) -> None:
+        if result.pong:
             self.pong.set()
             return
-        if not isinstance(body.get("down"), (int, float)):
-            raise GradwireError(f"a probe result needs `down` (a rate) or `pong`, got {sorted(body)}")
-        self.down = float(body["down"])
+        if result.down is None:
+            raise GradwireError("a probe result needs `down` (a rate) or `pong`")
+        self.down = result.down
         self.down_done.set()
 
 

@@ -34,7 +34,7 @@ def round_trip(node: Node, timeout: float) -> float:
     for _ in range(PINGS):
         probe.pong.clear()
         sent = time.monotonic()
-        node.conn.send_json(FrameType.CONTROL, {"op": messages.PROBE, "ping": True})
+        node.conn.send_message(messages.Probe(ping=True))
         if not probe.pong.wait(timeout):
             raise GradwireError(f"{node.role} {node.rank} did not answer a ping in {timeout}s")
         best = min(best, time.monotonic() - sent)
@@ -45,14 +45,14 @@ def round_trip(node: Node, timeout: float) -> float:
 def measure(node: Node, timeout: float) -> float:
     """The node's link rate in bytes per second: min(upload, download) as seen over the control connection."""
     probe = node.probe = Probe(FRAMES)
-    node.conn.send_json(FrameType.CONTROL, {"op": messages.PROBE, "send": FRAMES, "bytes": FRAME_BYTES})
+    node.conn.send_message(messages.Probe(send=FRAMES, bytes=FRAME_BYTES))
     if not probe.up_done.wait(timeout):
         raise GradwireError(f"{node.role} {node.rank} did not send its probe in {timeout}s")
     up = rate(probe.arrivals)
     header = encode_header(FrameType.PROBE, FRAME_BYTES)
     for _ in range(FRAMES):
         node.conn.send([header, _PAYLOAD])
-    node.conn.send_json(FrameType.CONTROL, {"op": messages.PROBE, "report": True})
+    node.conn.send_message(messages.Probe(report=True))
     if not probe.down_done.wait(timeout):
         raise GradwireError(f"{node.role} {node.rank} did not report its probe in {timeout}s")
     node.probe = None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import replace
 
 from gradwire.errors import GradwireError
 from gradwire.protocol import messages
@@ -25,23 +26,23 @@ log = logging.getLogger("gradwire.scheduler")
 def registered(conn: tcp.Connection, clock_now: float) -> Node:
     """The node that `conn`'s first message (REGISTER) describes."""
     _, body = conn.recv_json(FrameType.CONTROL)
-    if messages.check(body) != messages.REGISTER:
-        raise GradwireError(f"first message from {conn.peer} must be register, got {body.get('op')}")
-    rank = body.get("rank")
+    m = messages.parse(body)
+    if not isinstance(m, messages.Register):
+        raise GradwireError(f"first message from {conn.peer} must be register, got {m.op}")
     node = Node(
         conn,
-        str(body["role"]),
-        None if rank is None else int(rank),
-        str(body["host"]),
-        int(body["port"]),
-        slot_bytes=int(body.get("slot_bytes", 0)),
-        unix=str(body.get("unix", "")),
-        host_id=str(body.get("host_id", "")),
-        admin=int(body.get("admin", -1)),
-        admin_host=str(body.get("admin_host", "")) or conn.peer.rsplit(":", 1)[0],
-        standby=bool(body.get("standby", False)),
-        colocated=bool(body.get("colocated", False)),
-        link_rate=float(body.get("link_rate", 0.0)),
+        m.role,
+        m.rank,
+        m.host,
+        m.port,
+        slot_bytes=m.slot_bytes,
+        unix=m.unix,
+        host_id=m.host_id,
+        admin=m.admin,
+        admin_host=m.admin_host or conn.peer.rsplit(":", 1)[0],
+        standby=m.standby,
+        colocated=m.colocated,
+        link_rate=m.link_rate,
     )
     node.heard = node.last_seen = clock_now
     return node
@@ -110,19 +111,18 @@ class Rendezvous:
         )
         roster.tuning = adapt.derive(roster, roster.placement_info)
         if roster.tuning:
-            log.info("data path tuning: %s", roster.tuning["reason"])
+            log.info("data path tuning: %s", roster.tuning.reason)
         roster.declarations = Declarations(
             config,
             [s.slot_bytes for s in roster.servers],
-            lambda rank, body: roster.servers[rank].conn.send_json(FrameType.CONTROL, body),
+            lambda rank, message: roster.servers[rank].conn.send_message(message),
             weights,
             num_workers=len(roster.workers),
             address_of=lambda rank: server_entry(roster.servers[rank]),
         )
         book = roster.address_book()
         for node in roster.nodes if to is None else to:
-            body = book | {"op": messages.ADDRESS_BOOK, "rank": node.rank, "standby": node.standby}
-            node.conn.send_json(FrameType.CONTROL, body)
+            node.conn.send_message(replace(book, rank=node.rank, standby=node.standby))
         log.info("rendezvous complete: %d workers, %d servers", len(roster.workers), len(roster.servers))
 
     def watch_deadline(self) -> None:

@@ -15,9 +15,9 @@ from collections.abc import Callable
 from gradwire.config import Config
 from gradwire.errors import GradwireError
 from gradwire.protocol import messages
-from gradwire.protocol.frames import FrameType
 from gradwire.scheduler.declarations import Declarations
 from gradwire.scheduler.node import Node
+from gradwire.tuning import Tuning
 
 log = logging.getLogger("gradwire.scheduler")
 
@@ -36,7 +36,7 @@ class Roster:
         self.standby: list[Node] = []  # standby servers not yet promoted
         self.declarations: Declarations | None = None  # once ranks are fixed
         self.placement_info: dict = {}  # the placement's mode, rates and weights (in the address book, /status)
-        self.tuning: dict | None = None  # the data path's settings derived from the links (tuning.py)
+        self.tuning: Tuning | None = None  # the data path's settings derived from the links (tuning.py)
         self.rate_scale = 1.0  # the links' rate now over the one measured at the start (the drift check: adapt.py)
         self.barrier: list[tuple[Node, int]] = []  # workers in a barrier: (node, request id)
         self.joins: dict[int, tuple[Node, int, dict[str, int]]] = {}  # workers in hvd.join: (node, request, rounds)
@@ -64,11 +64,11 @@ class Roster:
         return any(w.said_bye for w in self.workers)
 
     @staticmethod
-    def tell(nodes: list[Node], body: dict) -> None:
+    def tell(nodes: list[Node], message: messages.Message) -> None:
         """Send a control message to each node; one that cannot be reached is lost, which its connection reports."""
         for node in nodes:
             try:
-                node.conn.send_json(FrameType.CONTROL, body)
+                node.conn.send_message(message)
             except GradwireError:
                 pass
 
@@ -83,10 +83,7 @@ class Roster:
         if self.abort_reason is None:
             self.abort_reason = reason
             log.error("aborting the job: %s", reason)
-        body = {"op": messages.ABORT, "message": reason}
-        if lost is not None:
-            body |= {"lost_role": lost[0], "lost_rank": lost[1]}
-        self.tell(self.nodes, body)
+        self.tell(self.nodes, messages.Abort(reason, *(lost or (None, None))))
         self.done.set()
 
     def end(self, why: str) -> None:
@@ -97,24 +94,25 @@ class Roster:
             self.joiners, self.between = [], None
             # before the shutdowns go out: a server that closes on receiving one has not been lost
             self.ending = True
-        self.tell(servers, {"op": messages.SHUTDOWN})
-        self.tell(joiners, {"op": messages.ABORT, "message": "the job ended before it joined"})
+        self.tell(servers, messages.Shutdown())
+        self.tell(joiners, messages.Abort("the job ended before it joined"))
         log.info("%s", why)
         self.done.set()
 
-    def address_book(self) -> dict:
+    def address_book(self) -> messages.AddressBook:
         """What every worker learns at the rendezvous, a reset or a new generation: where the servers are, and how."""
         # "lost": its keys moved onto the others (failover without a standby)
         servers = [server_entry(s) | {"lost": s.lost} for s in self.servers]
-        return {
-            "epoch": self.epoch,
-            "num_workers": len(self.workers),
-            "servers": servers,
-            "workers": [w.host for w in self.workers],
-            "placement": self.placement_info,
-            "tuning": self.tuning,  # derived from the links (gradwire/tuning.py); None when their rates are unknown
-            "wall_time": time.time(),  # the job's clock: workers align their timelines to it
-        }
+        return messages.AddressBook(
+            epoch=self.epoch,
+            num_workers=len(self.workers),
+            servers=servers,
+            workers=[w.host for w in self.workers],
+            placement=self.placement_info,
+            # derived from the links (gradwire/tuning.py); None when their rates are unknown
+            tuning=self.tuning and self.tuning.as_dict(),
+            wall_time=time.time(),  # the job's clock: workers align their timelines to it
+        )
 
 
 def server_entry(server: Node) -> dict:

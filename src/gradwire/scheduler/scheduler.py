@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from gradwire.admin.http import AdminServer, json_handler
 from gradwire.admin.metrics import Metrics
@@ -202,77 +203,78 @@ class Scheduler:
 
     # -- requests --------------------------------------------------------------------------------
 
-    def _dispatch_table(self) -> dict[str, tuple[str | None, Callable[[Node, dict], object]]]:
-        """op -> (the role that may send it, None: any; its handler). A handler's True: the node has said bye."""
+    def _dispatch_table(self) -> dict[type, tuple[str | None, Callable[[Node, Any], object]]]:
+        """message type -> (the role that may send it, None: any; its handler). A handler's True: the node has said
+        bye."""
         return {
-            messages.DECLARE: (None, self._declare),
-            messages.BLOCKED: ("worker", self._blocked),
-            messages.FAILOVER_STATE: ("worker", self.failover.reported),
-            messages.PROBE_RESULT: (None, self._probe_result),
-            messages.HEARTBEAT: (None, lambda node, body: self.liveness.heartbeat(node, body["stats"])),
-            messages.RECUT_ROUNDS: ("worker", self._recut_rounds),
-            messages.REPLY: ("server", self._server_reply),
-            messages.BARRIER: (None, lambda node, body: self.synchronisation.enter_barrier(node, int(body["id"]))),
-            messages.JOIN: ("worker", self._join),
-            messages.REJOIN: ("worker", self._rejoin),
-            messages.SERVER_LOST: ("worker", self._server_lost),
-            messages.BYE: (None, self.departures.said_bye),
+            messages.Declare: (None, self._declare),
+            messages.Blocked: ("worker", self._blocked),
+            messages.FailoverState: ("worker", self.failover.reported),
+            messages.ProbeResult: (None, self._probe_result),
+            messages.Heartbeat: (None, lambda node, m: self.liveness.heartbeat(node, m.stats)),
+            messages.RecutRounds: ("worker", self._recut_rounds),
+            messages.Reply: ("server", self._server_reply),
+            messages.Barrier: (None, lambda node, m: self.synchronisation.enter_barrier(node, m.id)),
+            messages.Join: ("worker", self._join),
+            messages.Rejoin: ("worker", self._rejoin),
+            messages.ServerLost: ("worker", self._server_lost),
+            messages.Bye: (None, self.departures.said_bye),
         }
 
     def _handle(self, node: Node, body: dict) -> bool:
         """Serve one request; True when the node has said bye."""
-        op = messages.check(body)
+        message = messages.parse(body)
         node.heard = self.clock()
-        role, handler = self._handlers.get(op, (None, None))
+        role, handler = self._handlers.get(type(message), (None, None))
         if handler is None or role not in (None, node.role):
-            raise GradwireError(f"{node.role} {node.rank} sent unexpected op {op!r}")
-        return bool(handler(node, body))
+            raise GradwireError(f"{node.role} {node.rank} sent unexpected op {message.op!r}")
+        return bool(handler(node, message))
 
-    def _declare(self, node: Node, body: dict) -> None:
+    def _declare(self, node: Node, m: messages.Declare) -> None:
         declarations = self.roster.declarations
         if declarations is None:
             raise GradwireError(f"worker {node.rank} declared a tensor before the rendezvous completed")
-        declarations.declare(node.rank, body, lambda reply: self._answer_declaration(node, body["id"], reply))
+        declarations.declare(node.rank, m, lambda reply: self._answer_declaration(node, m.id, reply))
 
     def _answer_declaration(self, node: Node, request_id: int, reply: dict) -> None:
         try:
-            node.conn.send_json(FrameType.CONTROL, {"op": messages.REPLY, "id": request_id} | reply)
+            node.conn.send_message(messages.Reply(request_id, reply))
         except GradwireError:
             pass  # that worker's own loss is handled on its connection
         # after the reply, so the declarer gets the TensorError; a mismatch among workers fails only the tensor
         if "error" in reply and reply.get("abort", True) and not reply.get("mismatch"):
             self.roster.abort(reply["error"])
 
-    def _blocked(self, node: Node, body: dict) -> None:
+    def _blocked(self, node: Node, m: messages.Blocked) -> None:
         declarations = self.roster.declarations
         if declarations is not None:
-            declarations.blocked(str(body["name"]), node.rank)
+            declarations.blocked(m.name, node.rank)
             self.synchronisation.break_barrier_deadlocks()
 
-    def _probe_result(self, node: Node, body: dict) -> None:
+    def _probe_result(self, node: Node, m: messages.ProbeResult) -> None:
         if node.probe is None:
             raise GradwireError(f"{node.role} {node.rank} sent a probe result with no probe running")
-        node.probe.on_result(body)
+        node.probe.on_result(m)
 
-    def _recut_rounds(self, node: Node, body: dict) -> None:
+    def _recut_rounds(self, node: Node, m: messages.RecutRounds) -> None:
         with self.roster.lock:
-            self.adaptation.answered(node, body)
+            self.adaptation.answered(node, m)
 
-    def _server_reply(self, node: Node, body: dict) -> None:
+    def _server_reply(self, node: Node, m: messages.Reply) -> None:
         declarations = self.roster.declarations
         if declarations is not None:
-            declarations.ack(int(body["id"]))
+            declarations.ack(m.id)
 
-    def _join(self, node: Node, body: dict) -> None:
-        self.synchronisation.join(node, int(body["id"]), {str(k): int(v) for k, v in body["rounds"].items()})
+    def _join(self, node: Node, m: messages.Join) -> None:
+        self.synchronisation.join(node, m.id, {str(k): int(v) for k, v in m.rounds.items()})
 
-    def _rejoin(self, node: Node, body: dict) -> None:
+    def _rejoin(self, node: Node, m: messages.Rejoin) -> None:
         with self.roster.lock:
             if self.membership is None:
                 raise GradwireError(f"worker {node.rank} asked to rejoin, but the job is not elastic")
-            self.membership.rejoin(node, int(body["id"]))
+            self.membership.rejoin(node, m.id)
 
-    def _server_lost(self, node: Node, body: dict) -> None:
-        servers, server = self.roster.servers, int(body["server"])
-        if 0 <= server < len(servers) and int(body.get("epoch", 0)) >= servers[server].since_epoch:
-            self.failover.server_lost(servers[server], f"worker {node.rank} lost it: {body.get('error', '?')}")
+    def _server_lost(self, node: Node, m: messages.ServerLost) -> None:
+        servers, server = self.roster.servers, m.server
+        if 0 <= server < len(servers) and m.epoch >= servers[server].since_epoch:
+            self.failover.server_lost(servers[server], f"worker {node.rank} lost it: {m.error}")

@@ -10,16 +10,20 @@ import json
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 
 from gradwire.errors import GradwireError
 from gradwire.protocol import dtypes, messages
 from gradwire.scheduler.declaration import Declaration, key_slices
 
+# what the scheduler asks a server, and waits for the answer of (each given a request id as it is sent)
+ServerRequest = messages.Keys | messages.Reset | messages.Promote | messages.Joined
+
 log = logging.getLogger("gradwire.scheduler")
 
 
 class ServerRequests:
-    def __init__(self, send: Callable[[int, dict], None], timeout: float) -> None:
+    def __init__(self, send: Callable[[int, messages.Message], None], timeout: float) -> None:
         self._send = send  # send(server rank, body): a control message to a server
         self.timeout = timeout
         self._acks: dict[int, tuple[threading.Event, int]] = {}  # request id -> (its reply arrived, server)
@@ -41,7 +45,7 @@ class ServerRequests:
                 if server == dead:
                     event.set()
 
-    def request(self, server: int, body: dict) -> tuple[int, threading.Event] | None:
+    def request(self, server: int, body: ServerRequest) -> tuple[int, threading.Event] | None:
         """Send `body` with a new request id to `server`; None if the server is dead or the send failed (a server
         whose connection fails is being failed over: the failover moves what it had)."""
         rid, event = next(self._ids), threading.Event()
@@ -50,9 +54,9 @@ class ServerRequests:
                 return None
             self._acks[rid] = (event, server)
         try:
-            self._send(server, body | {"id": rid})
+            self._send(server, replace(body, id=rid))
         except GradwireError as e:
-            log.warning("cannot send %s to server %d: %s", body.get("op"), server, e)
+            log.warning("cannot send %s to server %d: %s", body.op, server, e)
             self._acks.pop(rid, None)
             return None
         return rid, event
@@ -64,7 +68,7 @@ class ServerRequests:
         finally:
             self._acks.pop(rid, None)
 
-    def call(self, server: int, body: dict) -> bool:
+    def call(self, server: int, body: ServerRequest) -> bool:
         """Send `body` (given a request id) to a server and wait for its reply; False if none came in time (or the
         server is dead)."""
         request = self.request(server, body)
@@ -88,25 +92,24 @@ class ServerRequests:
             held = [
                 [k, wire.code, n] for k, n, r in zip(decl.keys, decl.sizes, replicas, strict=True) if r == server
             ]  # keys whose state this server replicates: declared as any key, fed by their primaries
-            bodies.append((server, {"op": messages.KEYS, "keys": held, "name": name, "key_op": decl.key_op}))
+            bodies.append((server, messages.Keys(keys=held, name=name, key_op=decl.key_op)))
         for server in sorted(set(decl.servers) if only is None else only):
             owned = [
                 [k, wire.code, n] for k, n, s in zip(decl.keys, decl.sizes, decl.servers, strict=True) if s == server
             ]
-            body = {"op": messages.KEYS, "keys": owned, "name": name, "key_op": decl.key_op}
+            body = messages.Keys(keys=owned, name=name, key_op=decl.key_op)
             pairs = zip(decl.keys, decl.servers, replicas, strict=True)
             targets = {str(k): r for k, s, r in pairs if s == server and r is not None}
             if targets and address_of is not None:
-                body["replicas"] = targets
-                body["addresses"] = {str(r): address_of(r) for r in set(targets.values())}
+                body.replicas = targets
+                body.addresses = {str(r): address_of(r) for r in set(targets.values())}
             bodies.append((server, body))
         for server, body in bodies:
-            if decl.members is not None:
-                body["members"] = decl.members
+            body.members = decl.members
             if decl.op_args is not None:
-                body["op_args"] = json.loads(decl.op_args)
+                body.op_args = json.loads(decl.op_args)
             if cuts is not None:
-                body["slices"] = {str(k): cuts[decl.keys.index(k)] for k, _, _ in body["keys"]}
+                body.slices = {str(k): cuts[decl.keys.index(k)] for k, _, _ in body.keys}
             request = self.request(server, body)
             if request is not None:
                 waits.append((server, *request))

@@ -69,7 +69,8 @@ def cluster_status(
             "healthy": not s.abort_reason and all(node_state(n) != "lost" for n in s.workers + s.live_servers()),
             "failovers": list(failovers),
             "placement": s.placement_info,
-            "data_path": s.tuning,  # the settings derived from the measured links, and why (tuning.py)
+            # the settings derived from the measured links, and why (tuning.py)
+            "data_path": s.tuning and s.tuning.as_dict(),
             # the drift check: the rate measured last interval against the settings', and the re-derivations so far
             "adaptation": adaptation.status() if s.config.adapt else None,
             "elastic": None

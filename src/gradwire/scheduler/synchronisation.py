@@ -10,7 +10,6 @@ import threading
 
 from gradwire.errors import GradwireError
 from gradwire.protocol import messages
-from gradwire.protocol.frames import FrameType
 from gradwire.scheduler.node import Node
 from gradwire.scheduler.roster import Roster
 
@@ -35,11 +34,11 @@ class Synchronisation:
         if not complete:
             self.break_barrier_deadlocks()
             return
-        reply: dict = {"op": messages.REPLY}
+        result: dict = {}
         if gone:  # a worker that has left never enters: fail the barrier now instead of at the timeout
-            reply |= {"error": departed(gone), "lost_rank": gone[0].rank}
+            result = {"error": departed(gone), "lost_rank": gone[0].rank}
         for waiter, rid in waiting:
-            waiter.conn.send_json(FrameType.CONTROL, reply | {"id": rid})
+            waiter.conn.send_message(messages.Reply(rid, result))
 
     def fail_barrier(self, node: Node) -> None:
         """Worker `node` has left (said bye): the workers waiting in a barrier for it are told it never comes."""
@@ -48,9 +47,9 @@ class Synchronisation:
             waiting = roster.barrier if node.role == "worker" and node in roster.workers else []
             roster.barrier = [] if waiting else roster.barrier
         for waiter, rid in waiting:
-            body = {"op": messages.REPLY, "id": rid, "error": departed([node]), "lost_rank": node.rank}
+            result = {"error": departed([node]), "lost_rank": node.rank}
             try:
-                waiter.conn.send_json(FrameType.CONTROL, body)
+                waiter.conn.send_message(messages.Reply(rid, result))
             except GradwireError:
                 pass  # that worker's own loss is handled on its connection
 
@@ -81,9 +80,8 @@ class Synchronisation:
             for name, rnd in reported.items():
                 latest[name] = max(latest.get(name, 0), rnd)
         for waiter, rid, _ in waiting:
-            reply = {"op": messages.REPLY, "id": rid, "last": node.rank, "rounds": latest}
             try:
-                waiter.conn.send_json(FrameType.CONTROL, reply)
+                waiter.conn.send_message(messages.Reply(rid, {"last": node.rank, "rounds": latest}))
             except GradwireError:
                 pass  # its own loss is handled on its connection
 
@@ -104,9 +102,8 @@ class Synchronisation:
         assert declarations is not None
         # every server has it in its engines' rings before anything that follows: the declarations that complete
         # now, and (once all have joined) the workers' next pushes, which must not be taken for joined ones'
-        body = {"op": messages.JOINED, "ranks": sorted(joined)}
         for server in servers:
-            if not declarations.call(server.rank, body):
+            if not declarations.call(server.rank, messages.Joined(ranks=sorted(joined))):
                 log.warning("server %d did not confirm the joined workers %s", server.rank, sorted(joined))
         declarations.set_joined(joined)
         return complete, waiting

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from gradwire.errors import GradwireError, RemoteProtocolError, TensorError
 from gradwire.protocol import dtypes, messages
@@ -22,12 +23,12 @@ log = logging.getLogger("gradwire.server")
 class ServerControl:
     def __init__(self, state: ServerState) -> None:
         self.state = state
-        self._handlers: dict[str, Callable[[dict], None]] = {
-            messages.KEYS: self._declare_keys,
-            messages.RESET: self._reset,
-            messages.JOINED: self._joined,
-            messages.DEPARTED: lambda body: self._set_joined([int(r) for r in body["ranks"]], DEPARTED_EVENT),
-            messages.PROMOTE: self._promote,
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            messages.Keys: self._declare_keys,
+            messages.Reset: self._reset,
+            messages.Joined: self._joined,
+            messages.Departed: lambda m: self._set_joined([int(r) for r in m.ranks], DEPARTED_EVENT),
+            messages.Promote: self._promote,
         }
 
     def loop(self) -> None:
@@ -37,39 +38,40 @@ class ServerControl:
         try:
             while True:
                 _, body = state.scheduler.recv_json(FrameType.CONTROL)
-                op = messages.check(body)
-                if op == messages.SHUTDOWN:
+                message = messages.parse(body)
+                if isinstance(message, messages.Shutdown):
                     break
-                if op == messages.ABORT:
-                    state.error = body["message"]
-                    self._tell_workers(body)
+                if isinstance(message, messages.Abort):
+                    state.error = message.message
+                    self._tell_workers(message)
                     break
-                if op in self._handlers:
-                    self._handlers[op](body)
+                handler = self._handlers.get(type(message))
+                if handler is not None:
+                    handler(message)
         except GradwireError as e:
             if not state.done.is_set():
                 state.error = f"lost the scheduler: {e}"
 
-    def _reply(self, body: dict) -> None:
+    def _reply(self, request_id: int) -> None:
         assert self.state.scheduler is not None
-        self.state.scheduler.send_json(FrameType.CONTROL, {"op": messages.REPLY, "id": body["id"]})
+        self.state.scheduler.send_message(messages.Reply(request_id))
 
-    def _declare_keys(self, body: dict) -> None:
+    def _declare_keys(self, body: messages.Keys) -> None:
         """Allocate the accumulators of keys this server owns, then tell the scheduler they are ready."""
         state = self.state
-        name = str(body.get("name", "?"))
+        name = body.name
         try:
-            op = ops.build(str(body.get("key_op", "sum")), body.get("op_args"))
+            op = ops.build(body.key_op, body.op_args)
         except TensorError as e:
             raise RemoteProtocolError(str(e)) from None
-        slices = body.get("slices") or {}
-        replicas = body.get("replicas") or {}
-        members = body.get("members")
+        slices = body.slices or {}
+        replicas = body.replicas or {}
+        members = body.members
         if members is not None:
             members = sorted({int(r) for r in members})
             if not members or members[0] < 0 or members[-1] >= state.num_workers:
                 raise RemoteProtocolError(f"scheduler declared {name!r} for ranks {members} of {state.num_workers}")
-        for key, code, length in body["keys"]:
+        for key, code, length in body.keys:
             key, length = int(key), int(length)
             dtype = dtypes.BY_CODE[int(code)]
             if not 0 <= length + op.trailer <= state.config.partition_bytes or length % dtype.itemsize:
@@ -79,14 +81,14 @@ class ServerControl:
             engine.declare(key, dtype, length, name, op, cut, members)
             target = replicas.get(str(key))
             if target is not None and state.replicas is not None:  # its updates are replicated there
-                address = body["addresses"][str(target)]
+                address = (body.addresses or {})[str(target)]
                 if state.replicas.ensure(int(target), address):
                     engine.keys[key].held.replica = int(target)
-        self._reply(body)
+        self._reply(body.id)
 
-    def _joined(self, body: dict) -> None:
-        self._set_joined([int(r) for r in body["ranks"]])
-        self._reply(body)
+    def _joined(self, body: messages.Joined) -> None:
+        self._set_joined([int(r) for r in body.ranks])
+        self._reply(body.id)
 
     def _set_joined(self, ranks: list[int], flags: int = 0) -> None:
         """The workers that have joined (hvd.join) changed, or (`flags` DEPARTED_EVENT) those that have left: each
@@ -102,13 +104,12 @@ class ServerControl:
             slot.valid, slot.flags, slot.key, slot.length, slot.conn = True, JOIN_EVENT | flags, mask, 0, None
             engine.ring.publish(seq)
 
-    def _reset(self, body: dict) -> None:
+    def _reset(self, body: messages.Reset) -> None:
         """Elastic: the workers changed. Drop every worker connection, let the engines drain, and start every key
         afresh for the new number of workers in the new epoch; then tell the scheduler. With `forget` (a new
         generation of workers after shutdown() and init()), every key is dropped: they declare theirs anew."""
         state = self.state
-        epoch, num_workers = int(body["epoch"]), int(body["num_workers"])
-        forget = bool(body.get("forget", False))
+        epoch, num_workers, forget = body.epoch, body.num_workers, body.forget
         deadline = time.monotonic() + state.config.timeout
         with state.links_lock:
             state.epoch = epoch  # frames of the old epoch are refused from now on
@@ -122,21 +123,20 @@ class ServerControl:
         state.set_workers(num_workers)
         generation = " (a new generation)" if forget else ""
         log.info("epoch %d: starting afresh with %d workers%s", epoch, num_workers, generation)
-        self._reply(body)
+        self._reply(body.id)
 
-    def _promote(self, body: dict) -> None:
+    def _promote(self, body: messages.Promote) -> None:
         """A standby takes a dead server's place."""
         state = self.state
-        state.rank, state.epoch, state.standby = int(body["rank"]), int(body["epoch"]), False
+        state.rank, state.epoch, state.standby = body.rank, body.epoch, False
         if state.replicas is not None:
             state.replicas.rank = state.rank
-        if "id" in body:
-            self._reply(body)
+        self._reply(body.id)
         log.warning("standby promoted: now server %d (epoch %d)", state.rank, state.epoch)
 
-    def _tell_workers(self, abort: dict) -> None:
+    def _tell_workers(self, abort: messages.Abort) -> None:
         """Pass an abort on before closing, so workers report the cause (and a lost rank), not a closed socket."""
-        body = {k: abort[k] for k in ("message", "lost_role", "lost_rank") if k in abort} | {"abort": True}
+        body = {k: v for k, v in abort.encode().items() if k != "op"} | {"abort": True}
         for link in list(self.state.links.values()):
             try:
                 link.conn.send_json(FrameType.ERROR, body)

@@ -85,9 +85,9 @@ class Server:
             colocated=config.colocated,
             link_rate=config.link_rate_bytes(),
         )
-        state.rank, state.epoch = book["rank"], book["epoch"]
-        state.set_workers(book["num_workers"])
-        state.standby = bool(book.get("standby"))
+        state.rank, state.epoch = book.rank, book.epoch
+        state.set_workers(book.num_workers)
+        state.standby = book.standby
         state.replicas = Replicas(state.rank, state.secret, config.partition_bytes, config.timeout)
         for i in range(config.engines):
             state.engines.append(self._engine(i))

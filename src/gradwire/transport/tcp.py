@@ -20,6 +20,7 @@ from gradwire.errors import AuthenticationError, GradwireTimeout, RemoteProtocol
 from gradwire.protocol import frames
 from gradwire.protocol.frames import FrameType, Header
 from gradwire.protocol.handshake import Handshake
+from gradwire.protocol.message import Message
 
 
 class ConnectionClosed(RemoteProtocolError):
@@ -71,6 +72,10 @@ class Connection:
     def send_json(self, ftype: int, body: dict, **fields: int) -> None:
         """Send a control frame with a JSON body."""
         self.send([frames.encode_json(ftype, body, **fields)])
+
+    def send_message(self, message: Message) -> None:
+        """Send a control message (protocol/messages.py)."""
+        self.send([frames.encode_json(FrameType.CONTROL, message.encode())])
 
     # -- receiving (one thread) ------------------------------------------------------------------
 

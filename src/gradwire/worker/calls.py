@@ -299,7 +299,7 @@ class Calls:
                 tensor = self.table.tensors.get(handle.waits_on or handle.name)
                 pending = tensor is not None and not tensor.ready.is_set()
             if pending:
-                self.control.send({"op": messages.BLOCKED, "name": tensor.name})
+                self.control.send(messages.Blocked(tensor.name))
         return handle.wait(self.timeout, describe=lambda: self._describe_outstanding(handle.name))
 
     def push_pull(
@@ -327,7 +327,7 @@ class Calls:
         self.state.check_usable()
         with self.state.lock:
             rounds = self.table.rounds()
-        request = self.control.request_async({"op": messages.JOIN, "rounds": rounds})
+        request = self.control.request_async(messages.Join(rounds=rounds))
         request.wait()
         if request.reply is None:  # woken by an abort or a membership change
             self.state.check_usable()

@@ -49,7 +49,7 @@ class Connecting:
             host_id=tcp.host_identity(),
             link_rate=config.link_rate_bytes(),
         )
-        self.state.clock_skew = float(book.get("wall_time", time.time())) - time.time()
+        self.state.clock_skew = (book.wall_time or time.time()) - time.time()
         return conn, book
 
     def connect_all(self, servers: list[dict], hooks: LinkHooks) -> None:

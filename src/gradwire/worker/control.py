@@ -8,6 +8,8 @@ import itertools
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
 
 from gradwire.errors import GradwireError, GradwireTimeout, JobAborted, WorkerLost, abort_error
 from gradwire.protocol import messages
@@ -19,8 +21,8 @@ log = logging.getLogger("gradwire.worker")
 
 
 class Request:
-    """One request in flight. `reply` is the scheduler's answer once `done` is set, or None if it was cancelled;
-    `callback(reply)` (or `callback(None)`) runs on the thread that answers or cancels it."""
+    """One request in flight. `reply` is the scheduler's answer (the REPLY's result fields) once `done` is set, or
+    None if it was cancelled; `callback(reply)` (or `callback(None)`) runs on the thread that answers or cancels it."""
 
     __slots__ = ("callback", "done", "reply")
 
@@ -58,7 +60,7 @@ class Control:
         self._rejoin_id = -1  # an elastic reset's request: its reply is the new membership
         self._thread: threading.Thread | None = None
 
-    def start(self, handlers: dict[str, Callable[[dict], None]]) -> None:
+    def start(self, handlers: dict[type, Callable[[Any], None]]) -> None:
         """Serve the scheduler's messages on a thread of their own: each op to its handler, REPLY to its request,
         ABORT (or a lost connection) fails everything."""
         self._thread = threading.Thread(target=self._loop, args=(handlers,), name="gw-worker-control", daemon=True)
@@ -68,17 +70,17 @@ class Control:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(SHUTDOWN_JOIN_SECONDS)
 
-    def send(self, body: dict) -> None:
+    def send(self, message: messages.Message) -> None:
         """A message that expects no reply; where the scheduler cannot be reached, the control loop reports it."""
         if self.conn is None:
             return
         try:
-            self.conn.send_json(FrameType.CONTROL, body)
+            self.conn.send_message(message)
         except GradwireError:
             pass
 
     def request_async(
-        self, body: dict, callback: Callable[[dict | None], None] | None = None, rejoin: bool = False
+        self, body: messages.Request, callback: Callable[[dict | None], None] | None = None, rejoin: bool = False
     ) -> Request:
         """Send a request without waiting. With a `callback`, `callback(reply)` runs on the control thread when the
         reply comes, or `callback(None)` if an abort or a membership change cancels it first."""
@@ -88,28 +90,26 @@ class Control:
             if rejoin:
                 self._rejoin_id = rid
         assert self.conn is not None
-        self.conn.send_json(FrameType.CONTROL, body | {"id": rid})
+        self.conn.send_message(replace(body, id=rid))
         return request
 
-    def request(self, body: dict, check: bool = True, rejoin: bool = False) -> dict:
+    def request(self, body: messages.Request, check: bool = True, rejoin: bool = False) -> dict:
         """Send a request and wait for its reply (at most GRADWIRE_TIMEOUT)."""
         state = self.state
         if check:
             state.check_usable()
         request = self.request_async(body, rejoin=rejoin)
         if not request.wait(state.config.timeout):
-            raise GradwireTimeout(
-                f"worker {state.rank}: scheduler did not answer {body['op']} in {state.config.timeout}s"
-            )
+            raise GradwireTimeout(f"worker {state.rank}: scheduler did not answer {body.op} in {state.config.timeout}s")
         if request.reply is None:  # woken by an abort or a membership change, not a reply
             state.check_usable()
-            raise JobAborted(f"worker {state.rank}: {body['op']} was cancelled", rank=state.rank)
+            raise JobAborted(f"worker {state.rank}: {body.op} was cancelled", rank=state.rank)
         return request.reply
 
     def barrier(self) -> None:
         """Block until every worker has entered the barrier. Raises WorkerLost at once if a worker has left the
         job (shut down) and so can never enter it."""
-        reply = self.request({"op": messages.BARRIER})
+        reply = self.request(messages.Barrier())
         if "error" in reply:
             raise WorkerLost(f"worker {self.state.rank}: barrier failed: {reply['error']}", int(reply["lost_rank"]))
 
@@ -133,27 +133,27 @@ class Control:
         for link in self.state.links:
             link.close(error)
 
-    def _loop(self, handlers: dict[str, Callable[[dict], None]]) -> None:
+    def _loop(self, handlers: dict[type, Callable[[Any], None]]) -> None:
         assert self.conn is not None
         try:
             while True:
                 _, body = self.conn.recv_json(FrameType.CONTROL)
-                op = messages.check(body)
-                if op == messages.ABORT:
-                    self.fail_all(abort_error(body, rank=self.state.rank))
+                message = messages.parse(body)
+                if isinstance(message, messages.Abort):
+                    self.fail_all(abort_error(message.encode(), rank=self.state.rank))
                     return
-                if op == messages.REPLY:
-                    self._answered(body)
-                elif op in handlers:
-                    handlers[op](body)
+                if isinstance(message, messages.Reply):
+                    self._answered(message)
+                elif type(message) in handlers:
+                    handlers[type(message)](message)
         except GradwireError as e:
             if not self.state.closed:
                 rank = self.state.rank
                 self.fail_all(JobAborted(f"worker {rank} lost the scheduler: {e}", rank=rank))
 
-    def _answered(self, body: dict) -> None:
+    def _answered(self, reply: messages.Reply) -> None:
         """A REPLY: the request with its id is answered."""
         with self.state.lock:
-            request = self._requests.pop(int(body["id"]), None)
+            request = self._requests.pop(reply.id, None)
         if request is not None:
-            request.answer(body)
+            request.answer(reply.result)

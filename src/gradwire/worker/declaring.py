@@ -87,24 +87,19 @@ class Declaring:
         key_op, _, _, slices, meta, members, args = tensor.signature
         # a server-side update's pushes carry a trailer after each partition's data: partitions leave room for it
         trailer = update.TRAILER_BYTES if key_op == "optimizer" else 0
-        body = {
-            "op": messages.DECLARE,
-            "name": tensor.name,
-            "shape": list(tensor.shape),
-            "dtype": tensor.dtype.name,
-            "partition_bytes": self.state.partition_bytes - trailer,
-        }
+        body = messages.Declare(
+            name=tensor.name,
+            shape=list(tensor.shape),
+            dtype=tensor.dtype.name,
+            partition_bytes=self.state.partition_bytes - trailer,
+            key_op=key_op,
+            op_args=None if args is None else json.loads(args),
+            slices=None if slices is None else [list(s) for s in slices],
+            meta=meta,
+            members=None if members is None else list(members),
+        )
         if args is not None:
-            body["op_args"] = json.loads(args)
             tensor.stateful = True
-        if key_op != "sum":
-            body["key_op"] = key_op
-        if slices is not None:
-            body["slices"] = [list(s) for s in slices]
-        if meta is not None:
-            body["meta"] = meta
-        if members is not None:
-            body["members"] = list(members)
         try:
             self.state.check_usable()
             self.control.request_async(body, lambda reply: self.completed(tensor, reply))

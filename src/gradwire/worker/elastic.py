@@ -40,17 +40,17 @@ class Elastic:
         self.resets: list[dict] = []
         self._use_before: dict[str, float] = {}  # link use counted by credits and links since replaced
 
-    def on_members(self, body: dict) -> None:
+    def on_members(self, members: messages.Members) -> None:
         """MEMBERS: workers wait to join; the next `state.commit()` re-forms the job with them."""
-        self.joining = int(body["joining"])
+        self.joining = members.joining
 
-    def on_reset(self, body: dict) -> None:
+    def on_reset(self, reset: messages.Reset) -> None:
         """RESET from the scheduler: cancel everything in flight; calls raise MembershipChanged until reset()."""
-        lost, rank = body.get("lost_rank"), self.state.rank
+        rank = self.state.rank
         error = MembershipChanged(
-            f"worker {rank}: the job's workers changed ({body.get('message', '?')}); restore the last commit and "
+            f"worker {rank}: the job's workers changed ({reset.message}); restore the last commit and "
             "call reset() (gradwire.torch.elastic.run does both)",
-            lost_rank=lost if isinstance(lost, int) else None,
+            lost_rank=reset.lost_rank,
             rank=rank,
         )
         self._cancel(error)
@@ -79,7 +79,8 @@ class Elastic:
         for link in state.links:
             link.join(SHUTDOWN_JOIN_SECONDS)
         started, old_rank, old_size = time.monotonic(), state.rank, state.size
-        book = self.control.request({"op": messages.REJOIN}, check=False, rejoin=True)
+        reply = self.control.request(messages.Rejoin(), check=False, rejoin=True)
+        book = messages.address_book(reply)
         if state.abort is not None:
             raise state.abort
         with state.lock:
@@ -92,7 +93,7 @@ class Elastic:
             state.membership_error = None
             self.joining = 0
         state.credit = state.new_credit()  # the cancelled pushes' credit is not coming back
-        self.connecting.connect_all(book["servers"], self.failover.hooks)
+        self.connecting.connect_all(book.servers, self.failover.hooks)
         self.control.barrier()
         seconds = time.monotonic() - started
         self.resets.append({"epoch": state.epoch, "rank": state.rank, "size": state.size, "seconds": seconds})

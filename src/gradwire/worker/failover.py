@@ -14,6 +14,7 @@ import time
 from gradwire.errors import GradwireError, JobAborted
 from gradwire.protocol import messages
 from gradwire.protocol.frames import REPLAY, SEED
+from gradwire.tuning import Tuning
 from gradwire.worker.connecting import Connecting, LinkHooks
 from gradwire.worker.control import Control
 from gradwire.worker.link import ServerLink
@@ -58,9 +59,9 @@ class Failover:
             link.conn.peer,
             error,
         )
-        self.control.send({"op": messages.SERVER_LOST, "server": link.server, "epoch": link.epoch, "error": str(error)})
+        self.control.send(messages.ServerLost(link.server, link.epoch, str(error)))
 
-    def on_replace(self, body: dict) -> None:
+    def on_replace(self, body: messages.Replace) -> None:
         """REPLACE: the scheduler moved a dead server's keys (to a standby at the same index, or onto the survivors).
 
         The dead link is retired (its submits redirected) only after the new owners are known. Then the worker tells
@@ -70,15 +71,15 @@ class Failover:
         """
         state = self.state
         started, told_at = time.monotonic(), time.time()
-        dead, state.epoch = int(body["server"]), int(body["epoch"])
-        self.retuning.retune(body.get("tuning"))
+        dead, state.epoch = body.server, body.epoch
+        self.retuning.retune(Tuning.from_dict(body.tuning))
         old = state.links[dead]
         with self._lock:
             orphans = old.detach(SHUTDOWN_JOIN_SECONDS)
-            standby = body.get("standby")
+            standby = body.standby
             if standby and not self._replace_link(dead, standby):
                 return
-            moved = {str(name): [int(s) for s in servers] for name, servers in body["moved"].items()}
+            moved = {str(name): [int(s) for s in servers] for name, servers in body.moved.items()}
             with state.lock:
                 moved_keys = self.table.move(moved, dead)
             orphans += old.retire(self.resubmit)
@@ -87,7 +88,7 @@ class Failover:
                 self.resubmit(work, 0)
             held = self._held(moved_keys, orphans)
         # even empty: the scheduler waits for every worker's report
-        self.control.send({"op": messages.FAILOVER_STATE, "epoch": state.epoch, "keys": held})
+        self.control.send(messages.FailoverState(state.epoch, held))
         record = {
             "server": dead,
             "epoch": state.epoch,
@@ -140,12 +141,12 @@ class Failover:
         seeds = self.seeds
         return sum(self._seed(key, seeds[key]) for key in keys if key in stateful and key in seeds)
 
-    def on_seed(self, body: dict) -> None:
+    def on_seed(self, body: messages.Seed) -> None:
         """SEED: resend the sums (or, for sliced keys, the contributions) the scheduler asked for: a round another
         worker still waits for. One already replaced by a later round's is not needed any more: that later round could
         only complete once everyone had this one."""
         seeds = self.seeds
-        asked = [int(k) for k, rnd in body["keys"] if int(k) in seeds and seeds[int(k)].round == int(rnd)]
+        asked = [int(k) for k, rnd in body.keys if int(k) in seeds and seeds[int(k)].round == int(rnd)]
         sent = sum(self._seed(key, seeds[key]) for key in asked)
         if self.records:
             self.records[-1]["seeds"] += sent

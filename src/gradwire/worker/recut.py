@@ -15,7 +15,7 @@ import time
 
 from gradwire.errors import GradwireTimeout, RemoteProtocolError
 from gradwire.protocol import messages
-from gradwire.protocol.frames import FrameType
+from gradwire.tuning import Tuning
 from gradwire.worker.control import Control
 from gradwire.worker.declaring import Declaring
 from gradwire.worker.link import ServerLink
@@ -108,11 +108,11 @@ class Retuning:
         self.declaring = declaring
         self.recut = Recut(state.lock)
 
-    def retune(self, tuning: dict | None) -> None:
+    def retune(self, tuning: Tuning | None) -> None:
         """New settings from the scheduler (a re-derivation, a failover): every link's window and cap from now on,
         and the partition size of tensors declared from now on (declared ones keep their keys)."""
         state = self.state
-        if not tuning or tuning == state.tuning:
+        if tuning is None or tuning == state.tuning:
             return
         state.tuning = tuning
         state.config = state.config.tuned(tuning)
@@ -123,28 +123,21 @@ class Retuning:
             if isinstance(link, ServerLink):
                 link.set_flow(state.config.window, state.config.unanswered)
 
-    def on_recut(self, body: dict) -> None:
+    def on_recut(self, recut: messages.Recut) -> None:
         """RECUT (step 1): report each tensor's round, and hold calls two rounds past it until RETUNE says where the
         new partitions begin."""
         state = self.state
         with state.lock:
-            rounds = self.recut.hold(list(self.table.tensors.values()), int(body["generation"]))
-        reply = {
-            "op": messages.RECUT_ROUNDS,
-            "generation": body["generation"],
-            "rounds": rounds,
-            "largest_partition": state.carry_limit(),
-        }
-        if "partition_bytes" in state.config.explicit:
-            reply["fixed"] = True
+            rounds = self.recut.hold(list(self.table.tensors.values()), recut.generation)
+        fixed = "partition_bytes" in state.config.explicit
         assert self.control.conn is not None
-        self.control.conn.send_json(FrameType.CONTROL, reply)
+        self.control.conn.send_message(messages.RecutRounds(recut.generation, rounds, state.carry_limit(), fixed))
 
-    def on_retune(self, body: dict) -> None:
+    def on_retune(self, retune: messages.Retune) -> None:
         """RETUNE: new settings (scheduler/adapt.py); `switch`: per tensor, the round from which it is cut anew."""
         state = self.state
-        self.retune(body["tuning"])
-        generation, switch = int(body.get("generation", 0)), body.get("switch") or {}
+        self.retune(Tuning.from_dict(retune.tuning))
+        generation, switch = retune.generation, retune.switch
         with state.lock:
             who = f"worker {state.rank}"
             successors = self.recut.cut(self.table.tensors, switch, generation, state.partition_bytes, who)

@@ -11,6 +11,8 @@ from gradwire.admin.metrics import Metrics
 from gradwire.admin.timeline import Timeline
 from gradwire.config import Config
 from gradwire.errors import ConfigError, JobAborted, MembershipChanged
+from gradwire.protocol.messages import AddressBook
+from gradwire.tuning import Tuning
 from gradwire.worker.credit import Credit
 from gradwire.worker.link import ServerLink
 from gradwire.worker.lost_link import LostLink
@@ -29,7 +31,7 @@ class WorkerState:
         self.epoch = 0
         self.hosts: list[str] = []  # each worker's host, by rank (cross_rank, is_homogeneous)
         self.placement: dict = {}  # the scheduler's weights and the rates it used
-        self.tuning: dict | None = None  # the scheduler's derived data-path settings (gradwire/tuning.py)
+        self.tuning: Tuning | None = None  # the scheduler's derived data-path settings (gradwire/tuning.py)
         self.partition_bytes = config.partition_bytes  # of tensors declared from now on
         self.slot_limit = config.partition_bytes  # the servers' slot size (the address book's)
         self.lock = threading.Lock()  # guards the tensor table and the counters below
@@ -51,18 +53,18 @@ class WorkerState:
         if self.closed:
             raise ConfigError("this worker has been shut down; call init() again to start a new job")
 
-    def apply_book(self, book: dict) -> None:
+    def apply_book(self, book: AddressBook) -> None:
         """The address book (at the rendezvous, or an elastic reset): place, hosts, placement and settings."""
-        self.rank, self.size, self.epoch = book["rank"], book["num_workers"], book["epoch"]
-        self.tuning = book.get("tuning")
+        self.rank, self.size, self.epoch = book.rank, book.num_workers, book.epoch
+        self.tuning = Tuning.from_dict(book.tuning)
         self.config = self.config.tuned(self.tuning)  # derived from the links, where not set explicitly
-        self.placement = book.get("placement") or {}
-        hosts = book.get("workers") or []
+        self.placement = book.placement or {}
+        hosts = book.workers
         self.hosts = list(hosts)
         same_host = [r for r, h in enumerate(hosts) if h == hosts[self.rank]] if hosts else [self.rank]
         self.local_rank = self.config.local_rank if self.config.local_rank is not None else same_host.index(self.rank)
         self.local_size = self.config.local_size if self.config.local_size is not None else len(same_host)
-        live = [s for s in book["servers"] if not s.get("lost")]
+        live = [s for s in book.servers if not s.get("lost")]
         self.slot_limit = min(int(s["slot_bytes"]) for s in live) if live else self.config.partition_bytes
         self.partition_bytes = min(self.config.partition_bytes, self.slot_limit)
 

@@ -16,6 +16,7 @@ from gradwire.config import Config
 from gradwire.errors import GradwireError, JobAborted
 from gradwire.protocol import messages
 from gradwire.protocol.frames import FrameType, encode_header
+from gradwire.tuning import SETTINGS
 from gradwire.worker.calls import Calls
 from gradwire.worker.connecting import Connecting
 from gradwire.worker.control import Control
@@ -87,8 +88,8 @@ class Worker:
         state.apply_book(book)
         state.credit = state.new_credit()
         if state.config.timeline:
-            self.start_timeline(timeline.path_for(state.config.timeline, state.rank), len(book["servers"]))
-        self.connecting.connect_all(book["servers"], self.failover.hooks)
+            self.start_timeline(timeline.path_for(state.config.timeline, state.rank), len(book.servers))
+        self.connecting.connect_all(book.servers, self.failover.hooks)
         state.metrics.gauge(
             "gradwire_credit_in_flight_bytes",
             "Bytes pushed and not yet acknowledged",
@@ -98,12 +99,12 @@ class Worker:
         state.metrics.extra = self.elastic.link_use
         self.control.start(
             {
-                messages.REPLACE: self.failover.on_replace,
-                messages.SEED: self.failover.on_seed,
-                messages.RESET: self.elastic.on_reset,
-                messages.MEMBERS: self.elastic.on_members,
-                messages.RECUT: self.retuning.on_recut,
-                messages.RETUNE: self.retuning.on_retune,
+                messages.Replace: self.failover.on_replace,
+                messages.Seed: self.failover.on_seed,
+                messages.Reset: self.elastic.on_reset,
+                messages.Members: self.elastic.on_members,
+                messages.Recut: self.retuning.on_recut,
+                messages.Retune: self.retuning.on_retune,
             }
         )
         self.admin.start_heartbeat(self.control.conn)
@@ -154,7 +155,7 @@ class Worker:
             }
             for link in state.links
         ]
-        tuning, config = state.tuning or {}, state.config
+        tuning, config = state.tuning, state.config
         return {
             "role": "worker",
             "rank": state.rank,
@@ -169,9 +170,9 @@ class Worker:
                 "partition_bytes": state.partition_bytes,
                 "window": config.window,
                 "unanswered": config.unanswered,
-                "why": tuning.get("reason", "the defaults and GRADWIRE_* settings"),
-                "derived_again": tuning.get("derived_for"),  # after a failover or an elastic reset
-                "set_explicitly": sorted(config.explicit & {"partition_bytes", "window", "unanswered"}),
+                "why": tuning.reason if tuning else "the defaults and GRADWIRE_* settings",
+                "derived_again": tuning and tuning.derived_for,  # after a failover or an elastic reset
+                "set_explicitly": sorted(config.explicit & set(SETTINGS)),
                 "recuts": self.recut.history[-5:],  # tensors cut anew while the job runs (scheduler/adapt.py)
             },
             **state.metrics.snapshot(),
@@ -200,7 +201,7 @@ class Worker:
             except GradwireError:
                 pass
             link.close(JobAborted("worker shut down"))
-        self.control.send({"op": messages.BYE, "final": final} | ({"error": error} if error else {}))
+        self.control.send(messages.Bye(final, error))
         if final and self.control.conn is not None:
             self.control.conn.close()
         for link in state.links:
