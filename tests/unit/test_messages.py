@@ -54,13 +54,13 @@ def test_a_message_at_its_defaults_still_names_its_required_fields(op):
     [
         ({"op": "nope"}, "unknown control op 'nope'"),
         ({"name": "x"}, "unknown control op None"),
-        ({"op": "recut"}, "lacks generation"),
+        ({"op": "recut"}, "lacks number"),
         ({"op": "declare", "name": "x", "shape": [1], "dtype": "float32"}, "lacks id"),
-        ({"op": "recut", "generation": "7"}, "field generation is '7'"),
-        ({"op": "recut", "generation": 7.5}, "field generation is 7.5"),
-        ({"op": "recut", "generation": True}, "field generation is True"),
+        ({"op": "recut", "number": "7"}, "field number is '7'"),
+        ({"op": "recut", "number": 7.5}, "field number is 7.5"),
+        ({"op": "recut", "number": True}, "field number is True"),
         ({"op": "members", "joining": None}, "field joining is None"),
-        ({"op": "recut", "generation": 7, "extra": 1}, "unknown field"),
+        ({"op": "recut", "number": 7, "extra": 1}, "unknown field"),
         ({"op": "heartbeat", "stats": [1]}, "field stats is"),
         ({"op": "reply"}, "lacks id"),
         ({"op": "reply", "id": "1"}, "field id is '1'"),
@@ -73,7 +73,7 @@ def test_a_malformed_body_is_refused_saying_what_is_wrong(body, why):
 
 def test_json_numbers_take_their_field_s_type():
     """JSON has one kind of number: a whole float is an int field's, an int a float field's."""
-    assert messages.parse({"op": "recut", "generation": 7.0}) == messages.Recut(7)
+    assert messages.parse({"op": "recut", "number": 7.0}) == messages.Recut(7)
     result = messages.parse({"op": "probe_result", "down": 3})
     assert isinstance(result, messages.ProbeResult) and isinstance(result.down, float)
 

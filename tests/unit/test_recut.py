@@ -27,8 +27,8 @@ def test_step_1_reports_each_tensors_round_and_holds_calls_two_rounds_past_it():
     recut = Recut(lock)
     tensors = {"a": _tensor("a", 100_000, 3), "b": _tensor("b", 100_000, 7)}
     with lock:
-        assert recut.hold(list(tensors.values()), generation=5) == {"a": 3, "b": 7}
-    assert recut.holds == {"a": 5, "b": 9} and recut.generation == 5
+        assert recut.hold(list(tensors.values()), number=5) == {"a": 3, "b": 7}
+    assert recut.holds == {"a": 5, "b": 9} and recut.number == 5
 
 
 def test_step_2_gives_a_successor_from_the_round_chosen_and_releases_the_holds():
@@ -36,7 +36,7 @@ def test_step_2_gives_a_successor_from_the_round_chosen_and_releases_the_holds()
     recut = Recut(lock)
     tensors = {"a": _tensor("a", 100_000, 3)}
     with lock:
-        recut.hold(list(tensors.values()), generation=1)
+        recut.hold(list(tensors.values()), number=1)
         (new,) = recut.cut(tensors, {"a": 5}, 1, 1024, "worker 0")
     a = tensors["a"]
     assert new.name == "a~1" and new.root == "a" and new.round == 4 and tensors["a~1"] is new
@@ -58,7 +58,7 @@ def test_a_held_round_waits_for_the_release_and_no_longer_than_the_timeout():
     recut = Recut(lock)
     a = _tensor("a", 100_000, 3)
     with lock:
-        recut.hold([a], generation=2)
+        recut.hold([a], number=2)
         a.round = 4  # round 5 is held
         with pytest.raises(GradwireTimeout, match=r"worker 0: .* \(re-cut 2\)"):
             recut.wait_turn(a, 0.05, "worker 0")

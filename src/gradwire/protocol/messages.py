@@ -137,8 +137,8 @@ class RecutRounds(Message):
     """`rounds` {tensor: round}; `fixed`: my partition size is explicit."""
 
     op = "recut_rounds"
-    always = ("generation", "rounds")
-    generation: int = 0
+    always = ("number", "rounds")
+    number: int = 0  # the re-cut's
     rounds: dict = field(default_factory=dict)
     largest_partition: int = 0
     fixed: bool = False
@@ -267,22 +267,22 @@ class Reset(Message):
 
 @dataclass
 class Recut(Message):
-    """The partition size changes (`generation`): report your round of each tensor."""
+    """The partition size changes (re-cut `number`): report your round of each tensor."""
 
     op = "recut"
-    always = ("generation",)
-    generation: int = 0
+    always = ("number",)
+    number: int = 0
 
 
 @dataclass
 class Retune(Message):
-    """New `tuning`; `switch` {tensor: first round cut anew} for re-cut `generation`."""
+    """New `tuning`; `switch` {tensor: first round cut anew} for re-cut `recut` (0: none)."""
 
     op = "retune"
     always = ("tuning",)
     tuning: dict | None = None
     switch: dict = field(default_factory=dict)
-    generation: int = 0
+    recut: int = 0
 
 
 # -- scheduler -> server --------------------------------------------------------------------------

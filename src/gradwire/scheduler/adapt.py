@@ -5,7 +5,7 @@ derived for (tuning.Drift says when, and how that is damped).
 Window and cap change on every link at once (RETUNE). A new partition size also re-cuts the tensors already declared,
 which every worker must do at the same round of each tensor, or a round would wait for partitions that another
 worker cuts differently. That takes two messages, neither of which waits for the data path:
-1. RECUT (generation g) to every worker. Each answers from its control thread with its round of every tensor
+1. RECUT (re-cut number g) to every worker. Each answers from its control thread with its round of every tensor
    (RECUT_ROUNDS), and from then on holds any call two rounds past the one it reported until step 2 arrives.
 2. Once every worker has answered: RETUNE with the new settings and, per tensor, the first round cut anew: the
    latest round any worker reported, plus two. No worker can have passed it (step 1's hold), so each starts that
@@ -40,8 +40,8 @@ class Adaptation:
     def __init__(self, roster: Roster) -> None:
         self.roster = roster
         self.drift = tuning.Drift(roster.config.heartbeat_interval)
-        self.generation = 0
-        self.pending: dict | None = None  # a re-cut in step 1: generation, tuning, why, answers {rank: (rounds, fixed)}
+        self.recuts = 0  # re-cuts begun: each is numbered
+        self.pending: dict | None = None  # a re-cut in step 1: its number, tuning, why, answers {rank: (rounds, fixed)}
         self.seen: dict[tuple[str, int, str], tuple[float, ...]] = {}  # a node's counters at the last interval
         self.history: list[dict] = []  # each re-derivation: when, why, and the settings
 
@@ -117,13 +117,13 @@ class Adaptation:
         if new.partition_bytes == self.roster.tuning.partition_bytes:
             self._apply(new.again(why), {}, 0)
             return
-        self.generation += 1
-        self.pending = {"generation": self.generation, "tuning": new, "why": why, "answers": {}, "started": now}
-        self.roster.tell(self.roster.live_workers(), messages.Recut(self.generation))
+        self.recuts += 1
+        self.pending = {"number": self.recuts, "tuning": new, "why": why, "answers": {}, "started": now}
+        self.roster.tell(self.roster.live_workers(), messages.Recut(self.recuts))
 
     def answered(self, node: Node, answer: messages.RecutRounds) -> None:
         """A worker's RECUT_ROUNDS."""
-        if self.pending is None or answer.generation != self.pending["generation"]:
+        if self.pending is None or answer.number != self.pending["number"]:
             return  # cancelled meanwhile: the cancel's RETUNE released it
         rounds = {str(k): int(v) for k, v in answer.rounds.items()}
         self.pending["answers"][node.rank] = (rounds, answer.fixed, answer.largest_partition)
@@ -149,21 +149,21 @@ class Adaptation:
             names = set.intersection(*(set(answers[rank][0]) for rank in live)) if live else set()
             switch = {name: max(answers[rank][0][name] for rank in live) + RECUT_AHEAD for name in sorted(names)}
         self.history[-1] |= {"recut_tensors": len(switch), "partition_bytes": settings.partition_bytes}
-        self._apply(settings, switch, pending["generation"])
+        self._apply(settings, switch, pending["number"])
 
-    def _apply(self, settings: tuning.Tuning, switch: dict[str, int], generation: int) -> None:
+    def _apply(self, settings: tuning.Tuning, switch: dict[str, int], number: int) -> None:
         self.roster.tuning = settings
-        self.roster.tell(self.roster.live_workers(), messages.Retune(settings.as_dict(), switch, generation))
+        self.roster.tell(self.roster.live_workers(), messages.Retune(settings.as_dict(), switch, number))
 
     def cancel(self, why: str) -> None:
         """Give up the re-cut in step 1 (a failover, an elastic reset, a worker that does not answer): the workers'
         holds are released, nothing is re-cut."""
         if self.pending is None:
             return
-        log.warning("re-cut %d given up: %s", self.pending["generation"], why)
-        generation, self.pending = self.pending["generation"], None
+        log.warning("re-cut %d given up: %s", self.pending["number"], why)
+        number, self.pending = self.pending["number"], None
         now = self.roster.tuning
-        self.roster.tell(self.roster.live_workers(), messages.Retune(now and now.as_dict(), {}, generation))
+        self.roster.tell(self.roster.live_workers(), messages.Retune(now and now.as_dict(), {}, number))
 
     def retune_locked(self, why: str) -> tuning.Tuning | None:
         """Re-derive the settings for the job as it is now (after a failover or an elastic reset: other workers,

@@ -21,6 +21,7 @@ from typing import Any
 
 from gradwire.admin.http import AdminServer, json_handler
 from gradwire.admin.metrics import Metrics
+from gradwire.admin.stalls import watch_stalls
 from gradwire.config import Config
 from gradwire.errors import GradwireError
 from gradwire.protocol import frames, messages
@@ -89,19 +90,19 @@ class Scheduler:
             routes = {"/metrics": self.metrics.exposition, "/status": json_handler(self.status)}
             self.admin = AdminServer(self.config.admin_host, self.config.admin_port, routes)
             self.metrics.collector(lambda: node_families(self.roster))
-        self._thread(self._accept_loop, "accept")
+        self._thread(tcp.accept_forever, "accept", self._listener, self.roster.done, self._serve, "gw-sched-conn")
         self._thread(self.rendezvous.watch_deadline, "deadline")
         if self.config.heartbeat_timeout > 0:
             self._thread(self.liveness.watch, "monitor")
         if self.config.stall_seconds > 0:
-            self._thread(self._watch_stalls, "stalls")
+            self._thread(watch_stalls, "stalls", self.roster.done, self.config.stall_seconds, self.stall_report, log)
         if self.config.adapt and self.config.heartbeat_interval > 0:
             self._thread(self._adapt_loop, "adapt")
         return self
 
     @staticmethod
-    def _thread(target: Callable[[], None], name: str) -> None:
-        threading.Thread(target=target, name=f"gw-sched-{name}", daemon=True).start()
+    def _thread(target: Callable[..., None], name: str, *args: object) -> None:
+        threading.Thread(target=target, args=args, name=f"gw-sched-{name}", daemon=True).start()
 
     def status(self) -> dict:
         """/status: the whole job (scheduler/status.py)."""
@@ -124,11 +125,6 @@ class Scheduler:
         declarations = self.roster.declarations
         return declarations.stalled(self.config.stall_seconds, now) if declarations is not None else []
 
-    def _watch_stalls(self) -> None:
-        while not self.roster.done.wait(self.config.stall_seconds / 2):
-            for line in self.stall_report():
-                log.warning("stall: %s", line)
-
     def wait(self, timeout: float | None = None) -> str | None:
         """Block until the job ends; returns None on a clean end, else the abort reason."""
         self.roster.done.wait(timeout)
@@ -149,14 +145,6 @@ class Scheduler:
             node.conn.close()
 
     # -- connections -----------------------------------------------------------------------------
-
-    def _accept_loop(self) -> None:
-        while not self.roster.done.is_set():
-            try:
-                sock, addr = self._listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(sock, addr), name="gw-sched-conn", daemon=True).start()
 
     def _serve(self, sock, addr) -> None:
         conn = tcp.Connection(sock, max_payload=0, peer=f"{addr[0]}:{addr[1]}")

@@ -15,6 +15,7 @@ import threading
 import time
 
 from gradwire.admin.node import NodeAdmin
+from gradwire.admin.stalls import watch_stalls
 from gradwire.config import Config
 from gradwire.errors import GradwireError, RemoteProtocolError
 from gradwire.protocol.frames import FrameType
@@ -94,11 +95,11 @@ class Server:
         for engine in state.engines:
             engine.start()
         for listener in (self._listener, self._unix_listener):
-            self._thread(self._accept_loop, "accept", listener)
+            self._thread(tcp.accept_forever, "accept", listener, self.state.done, self._serve, "gw-server-conn")
         self._thread(self._control_loop, "control")
         self.admin.start_heartbeat(state.scheduler)
         if config.stall_seconds > 0:
-            self._thread(self._watch_stalls, "stalls")
+            self._thread(watch_stalls, "stalls", self.state.done, self.config.stall_seconds, self.stall_report, log)
         self._gauges()
         log.info("server %d%s serving on %s:%d", state.rank, " (standby)" * state.standby, config.host, self.port)
         return self
@@ -220,14 +221,6 @@ class Server:
 
     # -- connections -----------------------------------------------------------------------------
 
-    def _accept_loop(self, listener) -> None:
-        while not self.state.done.is_set():
-            try:
-                sock, addr = listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(sock, addr), name="gw-server-conn", daemon=True).start()
-
     def _serve(self, sock, addr) -> None:
         state = self.state
         tcp.configure(sock, self.config.socket_buffer_bytes)
@@ -333,12 +326,6 @@ class Server:
                     f"worker(s) {missing}; pushed by {pushed}"
                 )
         return lines
-
-    def _watch_stalls(self) -> None:
-        # repeats every half stall period while a stall lasts, so a stuck job keeps saying why
-        while not self.state.done.wait(self.config.stall_seconds / 2):
-            for line in self.stall_report():
-                log.warning("stall: %s", line)
 
     def _control_loop(self) -> None:
         self.control.loop()

@@ -14,7 +14,7 @@ import os
 import socket
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from gradwire.errors import AuthenticationError, GradwireTimeout, RemoteProtocolError
 from gradwire.protocol import frames
@@ -230,6 +230,19 @@ def listen(host: str, port: int = 0, backlog: int = 128) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def accept_forever(
+    listener: socket.socket, done: threading.Event, serve: Callable[[socket.socket, object], None], name: str
+) -> None:
+    """Serve each connection `listener` accepts on a thread of its own (`name`) until `done` is set or the listener
+    is closed (the scheduler's and every server's accept loop)."""
+    while not done.is_set():
+        try:
+            sock, addr = listener.accept()
+        except OSError:
+            return
+        threading.Thread(target=serve, args=(sock, addr), name=name, daemon=True).start()
 
 
 def close_listener(sock: socket.socket) -> None:

@@ -4,7 +4,7 @@ the partition size of tensors declared from then on; a re-cut gives the tensors 
 Every worker must make a re-cut at the same round of each tensor, or a round would wait for partitions another worker
 cuts differently. Step 1 (RECUT): the worker reports its round of each tensor and holds calls RECUT_AHEAD rounds past
 it. Step 2 (RETUNE): the scheduler says, per tensor, the first round cut anew; the tensor gets a successor
-(`root~generation`, new keys) that carries its rounds from then on, and the holds are released.
+(`root~n`, n the re-cut's number; new keys) that carries its rounds from then on, and the holds are released.
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ class Recut:
 
     def __init__(self, lock: threading.Lock) -> None:
         self.holds: dict[str, int] = {}  # root name -> the first round held until the RETUNE
-        self.generation = 0  # of the re-cut in step 1
+        self.number = 0  # the re-cut in step 1 (the scheduler numbers them)
         self.released = threading.Condition(lock)
-        self.history: list[dict] = []  # each re-cut: generation, tensors, the partition size, when told
+        self.history: list[dict] = []  # each re-cut: its number, tensors, the partition size, when told
 
-    def hold(self, tensors: list[Tensor], generation: int) -> dict[str, int]:
+    def hold(self, tensors: list[Tensor], number: int) -> dict[str, int]:
         """Step 1: each re-cuttable tensor's round, reported; calls RECUT_AHEAD rounds past it wait from now on."""
         rounds = {}
         for tensor in tensors:
@@ -44,14 +44,14 @@ class Recut:
             if tensor.root == tensor.name and current is tensor.current(next_round=True) and current.recuttable:
                 rounds[tensor.name] = current.round
         self.holds = {name: r + messages.RECUT_AHEAD for name, r in rounds.items()}
-        self.generation = generation
+        self.number = number
         return rounds
 
     def cut(
-        self, tensors: dict[str, Tensor], switch: dict, generation: int, partition_bytes: int, who: str
+        self, tensors: dict[str, Tensor], switch: dict, number: int, partition_bytes: int, who: str
     ) -> list[Tensor]:
         """Step 2: a successor for each tensor in `switch` (name -> its first round cut anew) that partitions of
-        `partition_bytes` cut otherwise, added to `tensors` and returned (to be declared); the holds of `generation`
+        `partition_bytes` cut otherwise, added to `tensors` and returned (to be declared); the holds of re-cut `number`
         released. Raises RemoteProtocolError for a round this worker (`who`) has passed (the scheduler broke step
         1)."""
         successors = []
@@ -64,15 +64,15 @@ class Recut:
                 raise RemoteProtocolError(f"{who}: re-cut of {name!r} at round {first} came too late")
             if last.fits_one(partition_bytes):
                 continue  # one partition before and after: nothing to re-cut (the same on every worker)
-            new = Tensor(f"{name}~{generation}", last.shape, last.dtype, user_name=last.user_name, root=name)
+            new = Tensor(f"{name}~{number}", last.shape, last.dtype, user_name=last.user_name, root=name)
             new.signature, new.round = last.signature, int(first) - 1
             tensors[new.name] = new
             last.successor = (int(first), new)
             successors.append(new)
-        if generation == self.generation:
+        if number == self.number:
             self.release()
         if successors:
-            record = {"generation": generation, "tensors": len(successors), "partition_bytes": partition_bytes}
+            record = {"recut": number, "tensors": len(successors), "partition_bytes": partition_bytes}
             self.history.append(record | {"at": time.time()})  # when told: its new partitions start two rounds later
         return successors
 
@@ -92,7 +92,7 @@ class Recut:
                 return current
             if not self.released.wait(max(0.0, deadline - time.monotonic())):
                 raise GradwireTimeout(
-                    f"{who}: the scheduler did not say where {tensor.root!r} is cut anew (re-cut {self.generation}) "
+                    f"{who}: the scheduler did not say where {tensor.root!r} is cut anew (re-cut {self.number}) "
                     f"in {timeout}s",
                     tensor=tensor.root,
                 )
@@ -128,19 +128,19 @@ class Retuning:
         new partitions begin."""
         state = self.state
         with state.lock:
-            rounds = self.recut.hold(list(self.table.tensors.values()), recut.generation)
+            rounds = self.recut.hold(list(self.table.tensors.values()), recut.number)
         fixed = "partition_bytes" in state.config.explicit
         assert self.control.conn is not None
-        self.control.conn.send_message(messages.RecutRounds(recut.generation, rounds, state.carry_limit(), fixed))
+        self.control.conn.send_message(messages.RecutRounds(recut.number, rounds, state.carry_limit(), fixed))
 
     def on_retune(self, retune: messages.Retune) -> None:
         """RETUNE: new settings (scheduler/adapt.py); `switch`: per tensor, the round from which it is cut anew."""
         state = self.state
         self.retune(Tuning.from_dict(retune.tuning))
-        generation, switch = retune.generation, retune.switch
+        number, switch = retune.recut, retune.switch
         with state.lock:
             who = f"worker {state.rank}"
-            successors = self.recut.cut(self.table.tensors, switch, generation, state.partition_bytes, who)
+            successors = self.recut.cut(self.table.tensors, switch, number, state.partition_bytes, who)
         for new in successors:
             self.declaring.send(new)
         if successors:

@@ -36,7 +36,7 @@ class Tensor:
     signature: Signature | None = None  # what every worker declared it as
     stateful: bool = False  # its servers hold state (parameter-server mode): seeded to a new server after a failover
     # re-cut with another partition size while the job runs (scheduler/adapt.py): from round `successor[0]` on, the
-    # tensor's rounds are those of `successor[1]`, declared as `root~generation` (new keys)
+    # tensor's rounds are those of `successor[1]`, declared as `root~n` (n: the re-cut's number; new keys)
     successor: tuple[int, Tensor] | None = field(default=None, repr=False)
     root: str = ""  # the name the calls use (this tensor's, unless it is a re-cut's successor)
 
