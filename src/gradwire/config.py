@@ -69,6 +69,8 @@ class Config:
     colocated: bool = False
     placement: str = "auto"
     adapt: bool = True
+    local_aggregation: bool = True
+    host_id: str = ""
     server_efficiency: float = 1.0
     link_rate: str = ""
     # the fields set by the user (environment or overrides), which the scheduler's derived tuning never replaces

@@ -232,6 +232,22 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "every server alike (docs/placement.md)",
     ),
     EnvVar(
+        "GRADWIRE_LOCAL_AGGREGATION",
+        "local_aggregation",
+        (),
+        "where several workers share each host and every worker host has a colocated server, sum on the host first "
+        "(through the colocated server's shared memory) and send each host's sum once each way, a share per worker "
+        "(docs/local-aggregation.md); 0: every worker pushes its own copy",
+    ),
+    EnvVar(
+        "GRADWIRE_HOST_ID",
+        "host_id",
+        (),
+        "which host this node is on, as the job groups nodes (shared memory, a host's link, local aggregation); "
+        "empty: detected (hostname, boot id, network namespace). Different values make processes of one machine "
+        "act as different hosts (tests, benchmarks)",
+    ),
+    EnvVar(
         "GRADWIRE_ADAPT",
         "adapt",
         (),

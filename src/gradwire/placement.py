@@ -22,6 +22,7 @@ class Placement:
         if len(self.weights) != num_servers or min(self.weights) < 0 or max(self.weights) <= 0:
             raise ValueError(f"need {num_servers} weights >= 0, some positive; got {self.weights}")
         self.loads = [0] * num_servers
+        self.local_loads = [0] * num_servers  # bytes of process sets placed on their own host's servers
         self.dead: set[int] = set()
 
     def remove(self, server: int) -> None:
@@ -31,10 +32,17 @@ class Placement:
         self.dead.add(server)
         self.loads[server] = 0
 
-    def assign(self, sizes: Sequence[int]) -> list[int]:
-        """Assign partitions of the given byte sizes; returns a server rank for each, in order."""
+    def assign(self, sizes: Sequence[int], among: Sequence[int] = ()) -> list[int]:
+        """Assign partitions of the given byte sizes; returns a server rank for each, in order. `among`: only these
+        servers, whatever their weights (a process set on one host: its colocated servers), where any is alive."""
         out = []
+        chosen = [s for s in among if s not in self.dead]
         for size in sizes:
+            if chosen:  # bytes that never cross the network: balanced apart from the rest
+                server = min(chosen, key=lambda s: (self.local_loads[s] + size, s))
+                self.local_loads[server] += size
+                out.append(server)
+                continue
             live = [s for s in range(len(self.loads)) if s not in self.dead and self.weights[s] > 0]
             if not live:  # every server with a share is gone: the rest take over, balanced by bytes
                 live = [s for s in range(len(self.loads)) if s not in self.dead]

@@ -43,10 +43,13 @@ class LocalCluster:
         num_servers: int = 1,
         clock: Callable[[], float] | None = None,
         colocated: int = 0,
+        hosts: int = 0,
         **config: object,
     ) -> None:
         """`colocated` of the `num_servers` servers say they run on a worker host (GRADWIRE_COLOCATED); here every
-        node shares this process's host."""
+        node shares this process's host, unless `hosts` > 0: then the workers act as if on that many hosts (ranks in
+        contiguous blocks), colocated server c on host c % hosts, each dedicated server on a host of its own
+        (GRADWIRE_HOST_ID: between hosts, sockets instead of shared memory)."""
         base = Config(
             num_workers=num_workers,
             num_servers=num_servers,
@@ -62,30 +65,32 @@ class LocalCluster:
         self.servers: list[Server] = []
         self.workers: list[Worker] = []
         self.standby: list[Server] = []
-        starters = [
-            threading.Thread(
-                target=self._start_server,
-                args=(
-                    dataclasses.replace(
-                        base,
-                        role="server",
-                        standby=i >= num_servers,
-                        colocated=num_servers - colocated <= i < num_servers,
-                    ),
-                ),
-            )
-            for i in range(num_servers + base.num_standby)
-        ]
+        num_standby = base.num_standby
+        configs = [self._server_config(i, num_servers, colocated, hosts) for i in range(num_servers + num_standby)]
+        starters = [threading.Thread(target=self._start_server, args=(c,)) for c in configs]
         for t in starters:
             t.start()
         with ThreadPoolExecutor(num_workers) as pool:
-            self.workers = list(
-                pool.map(lambda r: Worker(dataclasses.replace(base, rank=r)).start(), range(num_workers))
-            )
+            self.workers = list(pool.map(lambda r: Worker(self._worker_config(r, hosts)).start(), range(num_workers)))
         for t in starters:
             t.join()
         self.standby = [s for s in self.servers if s.standby]
         self.servers = sorted((s for s in self.servers if not s.standby), key=lambda s: s.rank)
+
+    def _server_config(self, i: int, num_servers: int, colocated: int, hosts: int) -> Config:
+        """Server `i`'s (the last `colocated` of the `num_servers` on worker hosts; standby ones after them)."""
+        on_host = i - (num_servers - colocated)  # the colocated servers' host index (negative: a host of its own)
+        return dataclasses.replace(
+            self.config,
+            role="server",
+            standby=i >= num_servers,
+            colocated=0 <= on_host < colocated,
+            host_id=_host(hosts, on_host, f"server{i}") if hosts else "",
+        )
+
+    def _worker_config(self, rank: int, hosts: int) -> Config:
+        host = _host(hosts, rank * hosts // self.config.num_workers) if hosts else ""
+        return dataclasses.replace(self.config, rank=rank, host_id=host)
 
     def kill_server(self, rank: int) -> Server:
         """Stop server `rank` abruptly (its connections close as if its process died); returns it."""
@@ -136,3 +141,8 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _host(hosts: int, index: int, alone: str = "") -> str:
+    """The host identity LocalCluster gives host `index` of `hosts` (a negative index: a node on a host of its own)."""
+    return f"local-host-{index % hosts}" if index >= 0 else f"local-{alone}"

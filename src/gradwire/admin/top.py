@@ -36,6 +36,15 @@ def render(status: dict) -> str:
             f"{data_path['reason']}"
             + (f" (derived again: {data_path['derived_for']})" if data_path.get("derived_for") else "")
         )
+    local = status.get("local_aggregation")
+    if local:  # several workers per host: each host's sum crosses its link once (worker/aggregation.py)
+        hosts = "; ".join(
+            f"workers {','.join(map(str, h['workers']))} on server {','.join(map(str, h['colocated_servers']))}"
+            for h in local["hosts"]
+        )
+        lines.append(
+            f"local aggregation: {'on' if local['on'] else 'off'} ({local['why']})" + (f": {hosts}" if hosts else "")
+        )
     lines.append(f"{'node':<10} {'state':<6} {'rounds/s':>9} {'MB/s':>9} {'placed MB':>10} {'hb age':>7}  admin")
     placed = {s["rank"]: s["placed_bytes"] for s in status.get("servers", [])}
     for n in status["nodes"]:

@@ -168,6 +168,7 @@ class AddressBook(Message):
     servers: list = field(default_factory=list)
     standby: bool = False
     workers: list = field(default_factory=list)
+    worker_hosts: list = field(default_factory=list)  # each worker's host, as the job groups them (host identity)
     placement: dict | None = None
     tuning: dict | None = None
     wall_time: float = 0.0

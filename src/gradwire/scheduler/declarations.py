@@ -45,8 +45,12 @@ class Declarations:
         weights: Sequence[float] | None = None,
         num_workers: int = 0,
         address_of: Callable[[int], dict] | None = None,
+        local_servers: Callable[[list[int]], list[int]] | None = None,
     ) -> None:
         self.config = config
+        # the servers on the one host a process set's members share (local aggregation: worker/aggregation.py), its
+        # keys' place; [] where its members are on several hosts, or theirs has no colocated server
+        self.local_servers = local_servers
         self.address_of = address_of  # how a server reaches another (for replicas); None: no replicas
         self.num_workers = num_workers  # whose slices a declaration may give
         self.slot_bytes = min(slot_bytes)
@@ -152,7 +156,8 @@ class Declarations:
             return
         with self._lock:
             try:
-                decl = self._place(name, shape, dtype, first.rank, min(c.partition_bytes for c in calls))
+                among = self.local_servers(members) if members is not None and self.local_servers else []
+                decl = self._place(name, shape, dtype, first.rank, min(c.partition_bytes for c in calls), among)
             except TensorError as e:
                 decl = None
                 error = str(e)
@@ -343,7 +348,7 @@ class Declarations:
         """Tell each owning server (or those in `only`) its keys and wait for every answer (server_requests.py)."""
         self.requests.register_keys(name, decl, only, self.address_of)
 
-    def _place(self, name: str, shape: list[int], dtype: str, rank: int, pbytes: int) -> Declaration:
+    def _place(self, name: str, shape: list[int], dtype: str, rank: int, pbytes: int, among: list[int]) -> Declaration:
         itemsize = dtypes.BY_NAME[dtype].itemsize  # our own table, not the peer's word
         if not itemsize <= pbytes <= self.slot_bytes:
             raise TensorError(
@@ -364,7 +369,7 @@ class Declarations:
         for key in keys:
             if key in self._keys:
                 raise TensorError(f"key collision between {name!r} and {self._keys[key]!r}; rename one")
-        servers = self.placement.assign(sizes)
+        servers = self.placement.assign(sizes, among)
         for key in keys:
             self._keys[key] = name
         self.declared_bytes += total

@@ -119,6 +119,7 @@ class Rendezvous:
             weights,
             num_workers=len(roster.workers),
             address_of=lambda rank: server_entry(roster.servers[rank]),
+            local_servers=roster.local_servers,
         )
         book = roster.address_book()
         for node in roster.nodes if to is None else to:

@@ -17,6 +17,7 @@ from gradwire.errors import GradwireError
 from gradwire.protocol import messages
 from gradwire.scheduler.declarations import Declarations
 from gradwire.scheduler.node import Node
+from gradwire.scheduler.placing import host_of
 from gradwire.tuning import Tuning
 
 log = logging.getLogger("gradwire.scheduler")
@@ -99,6 +100,14 @@ class Roster:
         log.info("%s", why)
         self.done.set()
 
+    def local_servers(self, members: list[int]) -> list[int]:
+        """The live colocated servers on the one host that workers `members` share; [] where they span hosts."""
+        hosts = {host_of(self.workers[r]) for r in members if 0 <= r < len(self.workers)}
+        if len(hosts) != 1:
+            return []
+        (host,) = hosts
+        return [s.rank for s in self.servers if s.colocated and not s.lost and host_of(s) == host]
+
     def address_book(self) -> messages.AddressBook:
         """What every worker learns at the rendezvous, a reset or a new generation: where the servers are, and how."""
         # "lost": its keys moved onto the others (failover without a standby)
@@ -108,6 +117,7 @@ class Roster:
             num_workers=len(self.workers),
             servers=servers,
             workers=[w.host for w in self.workers],
+            worker_hosts=[host_of(w) for w in self.workers],
             placement=self.placement_info,
             # derived from the links (gradwire/tuning.py); None when their rates are unknown
             tuning=self.tuning and self.tuning.as_dict(),
@@ -123,4 +133,5 @@ def server_entry(server: Node) -> dict:
         "slot_bytes": server.slot_bytes,
         "unix": server.unix,
         "host_id": server.host_id,
+        "colocated": server.colocated,
     }

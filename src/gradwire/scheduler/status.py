@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from gradwire.admin.metrics import prom
+from gradwire.hosts import aggregation_groups
+from gradwire.scheduler.placing import host_of
 
 if TYPE_CHECKING:
     from gradwire.scheduler.adapt import Adaptation
@@ -37,6 +39,29 @@ def describe(node: Node, now: float) -> dict:
     }
 
 
+def local_aggregation(s: Roster) -> dict:
+    """Whether the workers sum on each host first (worker/aggregation.py decides the same from the address book),
+    why, and each host's workers and colocated servers."""
+    hosts = [host_of(w) for w in s.workers]
+    colocated: dict[str, list[int]] = {}
+    for server in s.live_servers():
+        if server.colocated:
+            colocated.setdefault(host_of(server), []).append(server.rank)
+    groups, why = aggregation_groups(hosts, set(colocated))
+    on = bool(groups) and s.config.local_aggregation
+    return {
+        "on": on,
+        "why": why if s.config.local_aggregation else "GRADWIRE_LOCAL_AGGREGATION=0",
+        "hosts": [{"workers": g, "colocated_servers": colocated.get(hosts[g[0]], [])} for g in groups],
+    }
+
+
+def _server(n: Node, loads: list[int]) -> dict:
+    """A server's line in /status: the bytes placed on it, its rate, its state."""
+    placed = loads[n.rank] if n.rank < len(loads) else 0
+    return {"rank": n.rank, "placed_bytes": placed, "throughput_bytes_per_s": round(n.rate, 1), "state": node_state(n)}
+
+
 def cluster_status(
     s: Roster, adaptation: Adaptation, membership: Membership | None, failovers: list[dict], refusals: int
 ) -> dict:
@@ -46,15 +71,7 @@ def cluster_status(
         nodes = sorted(s.nodes, key=lambda n: (n.role, n.rank))
         decls = s.declarations
         loads = list(decls.placement.loads) if decls else []
-        servers = [
-            {
-                "rank": n.rank,
-                "placed_bytes": loads[n.rank] if n.rank < len(loads) else 0,
-                "throughput_bytes_per_s": round(n.rate, 1),
-                "state": node_state(n),
-            }
-            for n in s.servers
-        ]
+        servers = [_server(n, loads) for n in s.servers]
         phase = "aborted" if s.abort_reason else "done" if s.done.is_set() else "running" if s.workers else "rendezvous"
         return {
             "phase": phase,
@@ -71,6 +88,7 @@ def cluster_status(
             "placement": s.placement_info,
             # the settings derived from the measured links, and why (tuning.py)
             "data_path": s.tuning and s.tuning.as_dict(),
+            "local_aggregation": local_aggregation(s),
             # the drift check: the rate measured last interval against the settings', and the re-derivations so far
             "adaptation": adaptation.status() if s.config.adapt else None,
             "elastic": None

@@ -81,7 +81,7 @@ class Server:
             port=self.port,
             slot_bytes=config.partition_bytes,
             unix=self.unix_name,
-            host_id=tcp.host_identity(),
+            host_id=tcp.host_identity(self.config.host_id),
             standby=config.standby,
             colocated=config.colocated,
             link_rate=config.link_rate_bytes(),

@@ -193,8 +193,11 @@ def configure(sock: socket.socket, buffer_bytes: int) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
 
 
-def host_identity() -> str:
-    """Names this host and network namespace: equal identities can reach each other's Unix sockets."""
+def host_identity(given: str = "") -> str:
+    """Names this host and network namespace: equal identities can reach each other's Unix sockets. `given`
+    (GRADWIRE_HOST_ID) wins where set."""
+    if given:
+        return given
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()

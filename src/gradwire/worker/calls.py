@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -21,9 +20,22 @@ from gradwire.worker.handle import Handle
 from gradwire.worker.recut import Recut
 from gradwire.worker.state import WorkerState
 from gradwire.worker.tensors import Tensor, TensorTable
-from gradwire.worker.work import Work
+from gradwire.worker.work import Transfer
 
 log = logging.getLogger("gradwire.worker")
+
+
+class Aggregation(Protocol):
+    """What `push_pull_async` hands a reduction of the whole job to, where workers share hosts (worker/aggregation.py
+    `LocalAggregation`)."""
+
+    def applies(self, array: np.ndarray, op: str, members: list[int] | None) -> bool: ...
+
+    def push_pull_async(
+        self, src: np.ndarray, name: str, average: bool, priority: int, out: np.ndarray, dtype: object, op: str
+    ) -> Handle: ...
+
+    def close(self) -> None: ...
 
 
 class Calls:
@@ -35,6 +47,7 @@ class Calls:
         self.control = control
         self.declaring = declaring
         self.recut = recut
+        self.aggregation: Aggregation | None = None  # where workers share hosts (worker/aggregation.py)
 
     rank = property(lambda self: self.state.rank)
     size = property(lambda self: self.state.size)
@@ -79,12 +92,14 @@ class Calls:
                 tensor=name,
                 rank=self.rank,
             )
+        if self.aggregation is not None and self.aggregation.applies(src, op, members):
+            return self.aggregation.push_pull_async(src, name, average, priority, out, dtype, op)
         tensor = self.declaring.declare(name, src.shape, dtype or src.dtype, op, wait=False, members=members)
-        return self._launch(
+        return self.launch(
             tensor, out, Transfer(src.reshape(-1), 0, out.reshape(-1), 0, self._divisor(average, members), priority)
         )
 
-    def _launch(self, tensor: Tensor, out: np.ndarray, transfer: Transfer) -> Handle:
+    def launch(self, tensor: Tensor, out: np.ndarray, transfer: Transfer) -> Handle:
         """Push every partition of `tensor`'s next round as `transfer` says; the handle completes into `out`."""
         tensor = self._follow(tensor)
         handle, rnd = self._begin(tensor, out, transfer.same_round)
@@ -160,17 +175,28 @@ class Calls:
         op: str = "sum",
         dtype: object = None,
         members: list[int] | None = None,
+        partition_bytes: int = 0,
     ) -> Handle:
         """Reduce `array` across workers and receive only this worker's part of the result: worker r receives
         `slices[r]` = (first element, count) of the flattened result into its `out`. Each worker pushes all of its
-        array and pulls only its slice (half an allreduce's bytes). Every worker passes the same `slices`."""
+        array and pulls only its slice (half an allreduce's bytes). Every worker passes the same `slices`.
+        `partition_bytes`: the tensor's own partition size (0: the worker's)."""
         self.state.check_usable()
         src = np.ascontiguousarray(array).reshape(array.shape)
         first, count = slices[self.rank] if len(slices) == self.size else (0, -1)
         self._check_output(f"reduce-scatter of {name!r} with slices {slices}", name, out, count, src.dtype)
-        tensor = self.declaring.declare(name, src.shape, dtype or src.dtype, op, slices, wait=False, members=members)
+        tensor = self.declaring.declare(
+            name,
+            src.shape,
+            dtype or src.dtype,
+            op,
+            slices,
+            wait=False,
+            members=members,
+            partition_bytes=partition_bytes,
+        )
         n = self._divisor(average, members)
-        return self._launch(tensor, out, Transfer(src.reshape(-1), 0, out.reshape(-1), first, n, priority))
+        return self.launch(tensor, out, Transfer(src.reshape(-1), 0, out.reshape(-1), first, n, priority))
 
     def gather_async(
         self,
@@ -184,6 +210,7 @@ class Calls:
         meta: str | None = None,
         dtype: object = None,
         members: list[int] | None = None,
+        partition_bytes: int = 0,
     ) -> Handle:
         """Concatenate every worker's `array` (flattened), in rank order, on the servers.
 
@@ -192,7 +219,8 @@ class Calls:
         of them). So a broadcast is a gather to which only the root contributes, and an alltoall is one gather per
         destination that only the destination pulls. Every worker passes the same `counts` and `slices`. `shape` is
         what the tensor is declared as (checked across workers); it defaults to (sum(counts),). `dtype` overrides the
-        wire dtype's name (bfloat16 held as uint16).
+        wire dtype's name (bfloat16 held as uint16). `partition_bytes`: the tensor's own partition size (0: the
+        worker's).
         """
         self.state.check_usable()
         counts = [int(c) for c in counts]
@@ -208,9 +236,17 @@ class Calls:
         self._check_output(f"gather of {name!r}", name, out, count, array.dtype)
         src = np.ascontiguousarray(array).reshape(-1)
         tensor = self.declaring.declare(
-            name, shape or (total,), dtype or src.dtype, "gather", slices, meta, wait=False, members=members
+            name,
+            shape or (total,),
+            dtype or src.dtype,
+            "gather",
+            slices,
+            meta,
+            wait=False,
+            members=members,
+            partition_bytes=partition_bytes,
         )
-        return self._launch(tensor, out, Transfer(src, sum(counts[: self.rank]), out.reshape(-1), first, 1, priority))
+        return self.launch(tensor, out, Transfer(src, sum(counts[: self.rank]), out.reshape(-1), first, 1, priority))
 
     def update_async(
         self,
@@ -254,7 +290,7 @@ class Calls:
         extra = update.trailer(kind, which, hyper)
         direct = kind in (update.READ, update.WRITE)
         transfer = Transfer(send, 0, out.reshape(-1), 0, 1, priority, extra, partial=direct, same_round=direct)
-        return self._launch(tensor, out, transfer)
+        return self.launch(tensor, out, transfer)
 
     def _begin(self, tensor: Tensor, out: np.ndarray, same_round: bool = False) -> tuple[Handle, int]:
         """A handle for the tensor's next round, and that round (numbered here, in call order; `same_round`: the
@@ -336,37 +372,3 @@ class Calls:
         with self.state.lock:  # rounds the others summed while this worker had joined: the next is after them
             self.table.skip_to(reply.get("rounds", {}))
         return int(reply["last"])
-
-
-@dataclass
-class Transfer:
-    """What one call moves. `send` holds the elements [send_at, send_at + len) of the tensor that this worker
-    contributes (all of them for a reduction, its own segment for a gather); the result's elements [pull_at, pull_at +
-    len) land in `pull` (a view of the output): all of them, or this rank's slice. `average`: what the result is
-    divided by. `extra`: bytes every partition's push carries after its data (a server-side update's trailer).
-    `partial`: the answers are not results to keep for a failover (reads of a server's state). `same_round`: not a new
-    round (a read or write that its server answers outside the rounds)."""
-
-    send: np.ndarray
-    send_at: int
-    pull: np.ndarray
-    pull_at: int
-    average: int
-    priority: int
-    extra: np.ndarray | None = None
-    partial: bool = False
-    same_round: bool = False
-
-    def works(self, tensor: Tensor, rnd: int, handle: Handle) -> Iterator[Work]:
-        """A `Work` per partition of `tensor`, for round `rnd`, in partition order."""
-        send, pull, sent, pulled = self.send, self.pull, len(self.send), len(self.pull)
-        extra = memoryview(self.extra).cast("B") if self.extra is not None else None
-        code = tensor.dtype.code
-        for part, key in zip(tensor.parts, tensor.keys, strict=True):
-            lo, hi = part.start, part.start + part.count
-            give = send[min(max(lo - self.send_at, 0), sent) : min(max(hi - self.send_at, 0), sent)]
-            take = pull[min(max(lo - self.pull_at, 0), pulled) : min(max(hi - self.pull_at, 0), pulled)]
-            sliced = len(take) < hi - lo
-            partial, replayable = self.partial or sliced, sliced and not self.partial
-            args = (tensor.name, key, rnd, code, give, take, self.average, handle, part.index)
-            yield Work(*args, partial=partial, replayable=replayable).trail(extra)

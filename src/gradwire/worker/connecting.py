@@ -46,7 +46,7 @@ class Connecting:
             port=0,
             admin=admin_port,
             admin_host=admin_host,
-            host_id=tcp.host_identity(),
+            host_id=tcp.host_identity(self.state.config.host_id),
             link_rate=config.link_rate_bytes(),
         )
         self.state.clock_skew = (book.wall_time or time.time()) - time.time()
@@ -96,7 +96,7 @@ class Connecting:
             timeout=state.config.timeout,
             buffer_bytes=state.config.socket_buffer_bytes,
         )
-        local = server.get("host_id") and server["host_id"] == tcp.host_identity()
+        local = server.get("host_id") and server["host_id"] == tcp.host_identity(self.state.config.host_id)
         transport = state.config.transport
         if transport in ("auto", "unix") and local and server.get("unix"):
             try:
@@ -111,7 +111,8 @@ class Connecting:
         """Offer the server shared slots; None (plain socket transfers) if either side cannot."""
         window = self.state.config.window
         try:
-            arena = shm.Arena.create(window, 2 * window, self.state.partition_bytes)
+            slot = max(self.state.partition_bytes, self.state.local_partition_bytes)
+            arena = shm.Arena.create(window, 2 * window, slot)
         except (OSError, ValueError) as e:
             log.info("no shared memory (%s); using the socket", e)
             return None

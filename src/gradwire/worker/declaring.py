@@ -36,6 +36,7 @@ class Declaring:
         wait: bool = True,
         members: list[int] | None = None,
         op_args: dict | None = None,
+        partition_bytes: int = 0,
     ) -> Tensor:
         """Declare a tensor (idempotent). Every worker must declare `name` with the same shape and dtype.
 
@@ -54,6 +55,7 @@ class Declaring:
         anything else every worker must agree on (a broadcast's root rank), checked like the shape. `members` are
         the ranks that call it (a process set; None: every worker): only they declare it, and its rounds are theirs.
         `op_args` configure a built operation (`optimizer`: protocol/update.py), checked across workers like the shape.
+        `partition_bytes`: cut into partitions of this size, not the worker's (local aggregation's tensors on one host).
         """
         shape = tuple(int(d) for d in shape)
         wire = dtypes.from_numpy(dtype)
@@ -64,6 +66,7 @@ class Declaring:
         with self.state.lock:
             tensor, new = self.table.entry(name, shape, wire, signature)
         if new:
+            tensor.partition_bytes = partition_bytes
             self.send(tensor)
         if wait:
             self._wait(tensor)
@@ -91,7 +94,7 @@ class Declaring:
             name=tensor.name,
             shape=list(tensor.shape),
             dtype=tensor.dtype.name,
-            partition_bytes=self.state.partition_bytes - trailer,
+            partition_bytes=(tensor.partition_bytes or self.state.partition_bytes) - trailer,
             key_op=key_op,
             op_args=None if args is None else json.loads(args),
             slices=None if slices is None else [list(s) for s in slices],

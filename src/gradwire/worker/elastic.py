@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from gradwire.errors import ConfigError, MembershipChanged
 from gradwire.protocol import messages
@@ -38,6 +39,7 @@ class Elastic:
         self.retuning = retuning
         self.joining = 0  # workers waiting to join at the next reset
         self.resets: list[dict] = []
+        self.reformed: Callable[[messages.AddressBook], None] = lambda book: None  # the worker's, for the new layout
         self._use_before: dict[str, float] = {}  # link use counted by credits and links since replaced
 
     def on_members(self, members: messages.Members) -> None:
@@ -93,6 +95,7 @@ class Elastic:
             state.membership_error = None
             self.joining = 0
         state.credit = state.new_credit()  # the cancelled pushes' credit is not coming back
+        self.reformed(book)  # the layout's local aggregation, before the links (it sizes their shared slots)
         self.connecting.connect_all(book.servers, self.failover.hooks)
         self.control.barrier()
         seconds = time.monotonic() - started

@@ -39,6 +39,7 @@ class Tensor:
     # tensor's rounds are those of `successor[1]`, declared as `root~n` (n: the re-cut's number; new keys)
     successor: tuple[int, Tensor] | None = field(default=None, repr=False)
     root: str = ""  # the name the calls use (this tensor's, unless it is a re-cut's successor)
+    partition_bytes: int = 0  # the partition size it is declared with (0: the worker's; local aggregation's own)
 
     def current(self, next_round: bool = False) -> Tensor:
         """The tensor whose keys carry this one's rounds now (`next_round`: its next round), following re-cuts."""

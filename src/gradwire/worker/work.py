@@ -1,12 +1,16 @@
-"""What a worker's links carry: one partition of one call (`Work`), and what a worker keeps of a key's last answered
-round to seed a dead server's replacement with (`Seed`, docs/faults.md)."""
+"""What a worker's links carry: what one call moves (`Transfer`), cut into one `Work` per partition, and what a worker
+keeps of a key's last answered round to seed a dead server's replacement with (`Seed`, docs/faults.md)."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 
 from gradwire.transport import shm
 from gradwire.worker.handle import Handle
+from gradwire.worker.tensors import Tensor
 
 
 class Seed:
@@ -145,3 +149,37 @@ class Work:
             self.extra = extra
             self.push_bytes += len(extra)
         return self
+
+
+@dataclass
+class Transfer:
+    """What one call moves. `send` holds the elements [send_at, send_at + len) of the tensor that this worker
+    contributes (all of them for a reduction, its own segment for a gather); the result's elements [pull_at, pull_at +
+    len) land in `pull` (a view of the output): all of them, or this rank's slice. `average`: what the result is
+    divided by. `extra`: bytes every partition's push carries after its data (a server-side update's trailer).
+    `partial`: the answers are not results to keep for a failover (reads of a server's state). `same_round`: not a new
+    round (a read or write that its server answers outside the rounds)."""
+
+    send: np.ndarray
+    send_at: int
+    pull: np.ndarray
+    pull_at: int
+    average: int
+    priority: int
+    extra: np.ndarray | None = None
+    partial: bool = False
+    same_round: bool = False
+
+    def works(self, tensor: Tensor, rnd: int, handle: Handle) -> Iterator[Work]:
+        """A `Work` per partition of `tensor`, for round `rnd`, in partition order."""
+        send, pull, sent, pulled = self.send, self.pull, len(self.send), len(self.pull)
+        extra = memoryview(self.extra).cast("B") if self.extra is not None else None
+        code = tensor.dtype.code
+        for part, key in zip(tensor.parts, tensor.keys, strict=True):
+            lo, hi = part.start, part.start + part.count
+            give = send[min(max(lo - self.send_at, 0), sent) : min(max(hi - self.send_at, 0), sent)]
+            take = pull[min(max(lo - self.pull_at, 0), pulled) : min(max(hi - self.pull_at, 0), pulled)]
+            sliced = len(take) < hi - lo
+            partial, replayable = self.partial or sliced, sliced and not self.partial
+            args = (tensor.name, key, rnd, code, give, take, self.average, handle, part.index)
+            yield Work(*args, partial=partial, replayable=replayable).trail(extra)

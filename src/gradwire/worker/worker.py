@@ -17,6 +17,7 @@ from gradwire.errors import GradwireError, JobAborted
 from gradwire.protocol import messages
 from gradwire.protocol.frames import FrameType, encode_header
 from gradwire.tuning import SETTINGS
+from gradwire.worker.aggregation import LOCAL_PARTITION_BYTES, Hierarchy, LocalAggregation
 from gradwire.worker.calls import Calls
 from gradwire.worker.connecting import Connecting
 from gradwire.worker.control import Control
@@ -47,6 +48,7 @@ class Worker:
         self.connecting = Connecting(state)
         self.failover = Failover(state, self.table, self.control, self.retuning, self.connecting)
         self.elastic = Elastic(state, self.table, self.control, self.connecting, self.failover, self.retuning)
+        self.elastic.reformed = self.aggregate
         self.calls = Calls(state, self.table, self.control, self.declaring, self.retuning.recut)
         self.admin: NodeAdmin | None = None
         # the API (gradwire/__init__.py and the adapters call these)
@@ -89,6 +91,7 @@ class Worker:
         state.credit = state.new_credit()
         if state.config.timeline:
             self.start_timeline(timeline.path_for(state.config.timeline, state.rank), len(book.servers))
+        self.aggregate(book)  # first: it sizes the shared-memory slots to the host's servers
         self.connecting.connect_all(book.servers, self.failover.hooks)
         state.metrics.gauge(
             "gradwire_credit_in_flight_bytes",
@@ -111,6 +114,24 @@ class Worker:
         self.barrier()
         log.info("worker %d/%d ready with %d servers", state.rank, state.size, len(state.links))
         return self
+
+    def aggregate(self, book: messages.AddressBook) -> None:
+        """Local aggregation (worker/aggregation.py) where this job's layout has it, for the membership in `book`."""
+        state = self.state
+        if self.calls.aggregation is not None:
+            self.calls.aggregation.close()
+            self.calls.aggregation = None
+        hierarchy = Hierarchy.of(state.rank, book.worker_hosts, book.servers, state.config.local_aggregation)
+        state.local_partition_bytes = min(LOCAL_PARTITION_BYTES, state.slot_limit) if hierarchy else 0
+        if hierarchy is not None:
+            self.calls.aggregation = LocalAggregation(self.calls, hierarchy)
+            log.info("worker %d: local aggregation on: %s", state.rank, hierarchy.status())
+
+    def _aggregation_status(self) -> dict | None:
+        aggregation = self.calls.aggregation
+        if aggregation is None:
+            return None
+        return aggregation.hierarchy.status() | {"reductions": aggregation.count, "bytes": aggregation.bytes}
 
     def start_timeline(self, path: str, servers: int | None = None) -> None:
         """Start writing this worker's timeline to `path` (`{rank}` in it is replaced), as GRADWIRE_TIMELINE does;
@@ -166,6 +187,7 @@ class Worker:
             "credit_in_flight_bytes": state.credit.used if state.credit else 0,
             "servers": links,
             "aborted": str(state.abort) if state.abort else None,
+            "local_aggregation": self._aggregation_status(),
             "data_path": {
                 "partition_bytes": state.partition_bytes,
                 "window": config.window,
@@ -195,6 +217,8 @@ class Worker:
         if state.closed:
             return
         state.closed = True
+        if self.calls.aggregation is not None:
+            self.calls.aggregation.close()
         for link in state.links:
             try:
                 link.conn.send([encode_header(FrameType.BYE, 0)])
