@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from gradwire.admin.top import render
+from gradwire.errors import GradwireError
 from gradwire.hosts import aggregation_groups
 from gradwire.protocol import messages
 from gradwire.testing import LocalCluster
@@ -114,3 +115,24 @@ def test_a_large_tensor_goes_in_chunks_whose_stages_pipeline():
         assert all(np.array_equal(g, got[0]) for g in got)
         names = set(c.workers[0].table.tensors)
         assert {"big@0@host", "big@2@gather"} <= {n.split("@ranks")[0] for n in names}
+
+
+def test_a_dead_colocated_server_fails_over_and_the_sums_go_on_exact():
+    """Host 0's colocated server dies between two steps: its keys (host 0's local stages, a share of the cross
+    stage's) move to the survivor, and every sum after it is still the sum."""
+    with LocalCluster(num_workers=4, num_servers=2, colocated=2, hosts=2) as c:
+        expected = sum(_value(r) for r in range(4))
+        np.testing.assert_allclose(_each(c, lambda w: w.push_pull(_value(w.rank), "g"))[0], expected, rtol=1e-6)
+        c.kill_server(c.scheduler.status()["local_aggregation"]["hosts"][0]["colocated_servers"][0])
+        for _ in range(2):
+            got = _each(c, lambda w: w.push_pull(_value(w.rank), "g"))
+            for g in got:
+                np.testing.assert_allclose(g, expected, rtol=1e-6)
+
+
+def test_a_dead_worker_ends_the_job_with_an_error_not_a_hang():
+    with LocalCluster(num_workers=4, num_servers=2, colocated=2, hosts=2) as c:
+        _each(c, lambda w: w.push_pull(_value(w.rank), "g"))
+        c.kill_worker(1)
+        with pytest.raises(GradwireError, match="worker 1"):  # named, at once (not after a timeout)
+            _each(c, lambda w: w.push_pull(_value(w.rank), "g"))

@@ -40,7 +40,7 @@ LOCAL_MIN_BYTES = 64 << 10  # a tensor smaller than this goes direct (the same d
 # per-partition cost wants; not the network's, which cut a host's 16 MiB into 1,024 partitions at 100 Mbit/s)
 LOCAL_PARTITION_BYTES = 1 << 20
 # a tensor is cut into chunks of at least this much (at most MAX_CHUNKS) whose stages pipeline
-CHUNK_BYTES, MAX_CHUNKS = 2 << 20, 8
+CHUNK_BYTES, MAX_CHUNKS = 1 << 20, 16
 
 
 class Hierarchy:
@@ -85,8 +85,9 @@ class LocalAggregation:
     def push_pull_async(
         self, src: np.ndarray, name: str, average: bool, priority: int, out: np.ndarray, dtype: object, op: str
     ) -> Handle:
-        """The three stages for `src` (contiguous) into `out`, in chunks of CHUNK_BYTES or more that pipeline (one
-        chunk's cross stage overlaps the next one's local stages); the handle completes with the last chunk."""
+        """The three stages for `src` (contiguous) into `out`, in chunks of CHUNK_BYTES or more (at most MAX_CHUNKS)
+        that pipeline (one chunk's cross stage overlaps the next one's local stages); the handle completes with the last
+        chunk."""
         flat, result = src.reshape(-1), out.reshape(-1)
         chunks = max(1, min(MAX_CHUNKS, src.nbytes // CHUNK_BYTES))
         call = _Call(name, average, priority, dtype, op, Handle(name, out, chunks, lambda _: None))
