@@ -100,13 +100,21 @@ class Roster:
         log.info("%s", why)
         self.done.set()
 
+    def colocated_servers(self) -> dict[str, list[int]]:
+        """The live colocated servers' ranks, by host."""
+        by_host: dict[str, list[int]] = {}
+        for server in self.live_servers():
+            if server.colocated:
+                by_host.setdefault(host_of(server), []).append(server.rank)
+        return by_host
+
     def local_servers(self, members: list[int]) -> list[int]:
         """The live colocated servers on the one host that workers `members` share; [] where they span hosts."""
         hosts = {host_of(self.workers[r]) for r in members if 0 <= r < len(self.workers)}
         if len(hosts) != 1:
             return []
         (host,) = hosts
-        return [s.rank for s in self.servers if s.colocated and not s.lost and host_of(s) == host]
+        return self.colocated_servers().get(host, [])
 
     def address_book(self) -> messages.AddressBook:
         """What every worker learns at the rendezvous, a reset or a new generation: where the servers are, and how."""

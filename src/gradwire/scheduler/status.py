@@ -42,11 +42,7 @@ def describe(node: Node, now: float) -> dict:
 def local_aggregation(s: Roster) -> dict:
     """Whether the workers sum on each host first (worker/aggregation.py decides the same from the address book),
     why, and each host's workers and colocated servers."""
-    hosts = [host_of(w) for w in s.workers]
-    colocated: dict[str, list[int]] = {}
-    for server in s.live_servers():
-        if server.colocated:
-            colocated.setdefault(host_of(server), []).append(server.rank)
+    hosts, colocated = [host_of(w) for w in s.workers], s.colocated_servers()
     groups, why = aggregation_groups(hosts, set(colocated))
     on = bool(groups) and s.config.local_aggregation
     return {

@@ -136,7 +136,7 @@ class ServerControl:
 
     def _tell_workers(self, abort: messages.Abort) -> None:
         """Pass an abort on before closing, so workers report the cause (and a lost rank), not a closed socket."""
-        body = {k: v for k, v in abort.encode().items() if k != "op"} | {"abort": True}
+        body = abort.fields() | {"abort": True}
         for link in list(self.state.links.values()):
             try:
                 link.conn.send_json(FrameType.ERROR, body)

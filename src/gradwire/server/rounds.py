@@ -225,7 +225,7 @@ class KeyState:
 
     def begin(self, r: Round, number: int) -> None:
         """`r` takes round `number` (its previous round must be complete: double buffering)."""
-        if 0 < r.count < self.need:
+        if self.unfinished(r):
             raise TensorError(f"round {number} arrived while round {r.number} is unfinished")
         r.begin(number, self.first)
 
@@ -248,5 +248,5 @@ class KeyState:
         return [
             (r.number, now - r.started, r.missing(self.members))
             for r in self.rounds
-            if 0 < r.count < self.need and now - r.started > threshold
+            if self.unfinished(r) and now - r.started > threshold
         ]

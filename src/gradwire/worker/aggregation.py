@@ -104,10 +104,10 @@ class LocalAggregation:
         part done when the last completes."""
         h, calls, size, handle = self.hierarchy, self.calls, self.calls.size, call.handle
         bounds = [src.size * j // len(h.local) for j in range(len(h.local) + 1)]
-        counts = [0] * size
+        counts, slices = [0] * size, [(0, 0)] * size  # local worker j's slice of the chunk (others': none)
         for j, r in enumerate(h.local):
             counts[r] = bounds[j + 1] - bounds[j]
-        slices = [(bounds[h.local.index(r)], counts[r]) if r in h.local else (0, 0) for r in range(size)]
+            slices[r] = (bounds[j], counts[r])
         part = np.empty(counts[calls.rank], src.dtype)
         # the host's shared memory carries larger partitions than the network's
         local = {"members": h.local, "partition_bytes": calls.state.local_partition_bytes, "dtype": call.dtype}
@@ -152,6 +152,10 @@ class LocalAggregation:
     def _run(self) -> None:
         while (step := self._steps.get()) is not None:
             step()
+
+    def status(self) -> dict:
+        """For the worker's /status: its place in the hosts, and what went this way."""
+        return self.hierarchy.status() | {"reductions": self.count, "bytes": self.bytes}
 
     def close(self) -> None:
         self._steps.put(None)

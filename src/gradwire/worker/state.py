@@ -31,10 +31,10 @@ class WorkerState:
         self.epoch = 0
         self.hosts: list[str] = []  # each worker's host, by rank (cross_rank, is_homogeneous)
         self.placement: dict = {}  # the scheduler's weights and the rates it used
-        self.tuning: Tuning | None = None
+        self.tuning: Tuning | None = None  # the scheduler's derived data-path settings (gradwire/tuning.py)
         # local aggregation's partition size for tensors that stay on this worker's host (0: it is off), and so the
         # size of the shared-memory slots to the host's servers (worker/aggregation.py)
-        self.local_partition_bytes = 0  # the scheduler's derived data-path settings (gradwire/tuning.py)
+        self.local_partition_bytes = 0
         self.partition_bytes = config.partition_bytes  # of tensors declared from now on
         self.slot_limit = config.partition_bytes  # the servers' slot size (the address book's)
         self.lock = threading.Lock()  # guards the tensor table and the counters below

@@ -127,12 +127,6 @@ class Worker:
             self.calls.aggregation = LocalAggregation(self.calls, hierarchy)
             log.info("worker %d: local aggregation on: %s", state.rank, hierarchy.status())
 
-    def _aggregation_status(self) -> dict | None:
-        aggregation = self.calls.aggregation
-        if aggregation is None:
-            return None
-        return aggregation.hierarchy.status() | {"reductions": aggregation.count, "bytes": aggregation.bytes}
-
     def start_timeline(self, path: str, servers: int | None = None) -> None:
         """Start writing this worker's timeline to `path` (`{rank}` in it is replaced), as GRADWIRE_TIMELINE does;
         a timeline already being written is closed first. `servers`: its tracks (default: one per link)."""
@@ -187,7 +181,7 @@ class Worker:
             "credit_in_flight_bytes": state.credit.used if state.credit else 0,
             "servers": links,
             "aborted": str(state.abort) if state.abort else None,
-            "local_aggregation": self._aggregation_status(),
+            "local_aggregation": self.calls.aggregation and self.calls.aggregation.status(),
             "data_path": {
                 "partition_bytes": state.partition_bytes,
                 "window": config.window,
