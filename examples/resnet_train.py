@@ -124,7 +124,7 @@ def build(api: str, model: torch.nn.Module, lr: float):
         gw.broadcast_parameters(model.state_dict(), root_rank=0)
         dist.init_process_group("gloo", init_method=gloo_address(), rank=gw.rank(), world_size=gw.size())
         ddp = torch.nn.parallel.DistributedDataParallel(model)
-        ddp.register_comm_hook(gw.PushPullHookState(model), gw.push_pull_hook)
+        ddp.register_comm_hook(gw.PushPullHookState(ddp), gw.push_pull_hook)
         return ddp, opt
     raise SystemExit(f"unknown --api {api}")
 

@@ -1,4 +1,8 @@
-"""DDP with gradwire's comm hook against DDP's own allreduce_hook: the same parameters after 10 steps."""
+"""DDP with gradwire's comm hook against DDP's own allreduce_hook: the same parameters after 10 steps.
+
+Three ways: the state built on the inner module (each bucket pushed whole), on the DDP module (gradients pushed as
+backward produces them, once DDP's layout is steady), and the DDP module with `find_unused_parameters` and a branch
+some ranks skip. Steps 6 and 7 accumulate under `no_sync()`."""
 
 import copy
 import sys
@@ -13,25 +17,54 @@ import torch
 torch.set_num_threads(1)
 gwt.init()
 dist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}", rank=gwt.rank(), world_size=gwt.size())
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(10, 64)
+        self.b = torch.nn.Linear(64, 3)
+        self.side = torch.nn.Linear(10, 3)  # with find_unused_parameters: used on odd steps by rank 0 only
+
+    def forward(self, x: torch.Tensor, branch: bool = False) -> torch.Tensor:
+        out = self.b(torch.relu(self.a(x)))
+        return out + self.side(x) if branch else out
+
+
 torch.manual_seed(0)
-base = torch.nn.Sequential(torch.nn.Linear(10, 64), torch.nn.ReLU(), torch.nn.Linear(64, 3))
-models = {}
-for kind in ("gradwire", "gloo"):
-    model = DDP(copy.deepcopy(base), bucket_cap_mb=0.001)  # several buckets
+base = Net()
+
+
+def train(kind: str, state_on: str, unused: bool) -> torch.nn.Module:
+    model = DDP(copy.deepcopy(base), bucket_cap_mb=0.001, find_unused_parameters=unused)  # several buckets
+    state = None
     if kind == "gradwire":
-        model.register_comm_hook(gwt.PushPullHookState(model.module), gwt.push_pull_hook)
+        state = gwt.PushPullHookState(model if state_on == "ddp" else model.module)
+        model.register_comm_hook(state, gwt.push_pull_hook)
     else:
         model.register_comm_hook(dist.group.WORLD, default_hooks.allreduce_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     g = torch.Generator().manual_seed(100 + gwt.rank())
-    for _ in range(10):
+    for step in range(10):
         x, y = torch.randn(16, 10, generator=g), torch.randint(0, 3, (16,), generator=g)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
+        branch = not unused or (gwt.rank() == 0 and step % 2 == 1)
+        if step in (6, 7):
+            with model.no_sync():
+                torch.nn.functional.cross_entropy(model(x, branch), y).backward()
+            continue
+        torch.nn.functional.cross_entropy(model(x, branch), y).backward()
         opt.step()
-    models[kind] = model.module
-for a, b in zip(models["gradwire"].parameters(), models["gloo"].parameters(), strict=True):
-    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        opt.zero_grad()
+    if state is not None:
+        overlapped = state.sync is not None
+        assert overlapped == (state_on == "ddp"), f"{state_on}: overlapped={overlapped}"
+    return model.module
+
+
+for state_on, unused in (("module", False), ("ddp", False), ("ddp", True)):
+    ours, theirs = train("gradwire", state_on, unused), train("gloo", state_on, unused)
+    for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, s=state_on, u=unused: f"{s} {u}: {m}")
 print("DDP-HOOK-MATCH", flush=True)
 dist.destroy_process_group()
 gwt.shutdown()

@@ -126,7 +126,7 @@ def _distributed(way: str) -> tuple:
         return net, gw.DistributedOptimizer(opt, named_parameters=net.named_parameters()), rank, world
     _gloo(rank, world)
     ddp = torch.nn.parallel.DistributedDataParallel(net)
-    ddp.register_comm_hook(gw.PushPullHookState(net), gw.push_pull_hook)
+    ddp.register_comm_hook(gw.PushPullHookState(ddp), gw.push_pull_hook)
     return ddp, opt, rank, world
 
 

@@ -7,7 +7,7 @@
     gw.broadcast_optimizer_state(optimizer, root_rank=0)
     loss = gw.allreduce(loss)                         # Horovod; BytePS: gw.push_pull(loss, name="loss")
 
-Or keep DDP and swap its all-reduce: `model.register_comm_hook(gw.PushPullHookState(model), gw.push_pull_hook)`;
+Or keep DDP and swap its all-reduce: `ddp.register_comm_hook(gw.PushPullHookState(ddp), gw.push_pull_hook)`;
 or use BytePS's module wrapper, `gradwire.torch.parallel.DistributedDataParallel`.
 """
 

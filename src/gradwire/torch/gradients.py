@@ -176,6 +176,33 @@ class GradientSync:
                 p.grad = p.grad.to_sparse()
         return arrived
 
+    def take(self, params: list[torch.Tensor]) -> list[tuple[TorchHandle, fusion.FusionGroup | None]]:
+        """Hand over the push_pulls in flight of `params`, every one pushed and its fusion groups within `params`:
+        each handle with the group whose members it carries (None: one parameter's own)."""
+        taken: list[tuple[TorchHandle, fusion.FusionGroup | None]] = []
+        seen: set[str] = set()
+        for p in params:
+            pid = id(p)
+            handle = self.handles.pop(pid)
+            self.counts.pop(pid, None)
+            if handle is not None:
+                taken.append((handle, None))
+                continue
+            group = self.groups[pid]
+            if group.name in seen:
+                continue
+            seen.add(group.name)
+            entry = self.group_handles.pop(group.name, None)
+            if entry is not None:
+                taken.append((entry[1], group))
+            else:
+                raise TensorError(
+                    f"worker {self.worker.rank}: fusion group {group.name!r} is not complete",
+                    tensor=group.name,
+                    rank=self.worker.rank,
+                )
+        return taken
+
     def synchronize(self) -> None:
         """Push what is missing, then wait for every sum."""
         if self.excluded:
