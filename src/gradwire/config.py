@@ -62,6 +62,8 @@ class Config:
     servers_per_node: int = 1
     deterministic: bool = True
     server_failover: bool = True
+    # the most a worker keeps of sums for a failover; tensors past it have their last sums kept by a replica server
+    failover_copy_bytes: int = 256 * MiB
     num_standby: int = 0
     standby: bool = False
     min_workers: int = 0
@@ -160,6 +162,8 @@ class Config:
             )
         if ":" not in self.scheduler:
             raise ConfigError(f"GRADWIRE_SCHEDULER must be host:port, got {self.scheduler!r}")
+        if self.failover_copy_bytes < 0:
+            raise ConfigError(f"GRADWIRE_FAILOVER_COPY_BYTES must be >= 0, got {self.failover_copy_bytes}")
         if self.transport not in ("auto", "unix", "tcp"):
             raise ConfigError(f"GRADWIRE_TRANSPORT must be auto, unix or tcp, got {self.transport!r}")
         if self.min_workers < 0 or self.min_workers > self.num_workers:

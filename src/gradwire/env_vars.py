@@ -206,8 +206,17 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "GRADWIRE_SERVER_FAILOVER",
         "server_failover",
         (),
-        "a dead server's keys move to a standby or the surviving servers and workers resend what it lost; workers "
-        "keep a copy of each partition's last sum for that (0: a dead server aborts the job, no copies)",
+        "a dead server's keys move to a standby or the surviving servers and workers resend what it lost (0: a "
+        "dead server aborts the job, no copies)",
+    ),
+    EnvVar(
+        "GRADWIRE_FAILOVER_COPY_BYTES",
+        "failover_copy_bytes",
+        (),
+        "the most each worker keeps of the sums it received, for a failover: the job's first tensors up to this "
+        "many bytes are copied on the workers (no cost to the servers); the sums of those past it are kept by a "
+        "replica server instead, which answers a round only once it has it (workers keep nothing of them). 0: "
+        "replicas for all. With one server, or once a server has died, workers copy every sum",
     ),
     EnvVar(
         "GRADWIRE_NUM_STANDBY",

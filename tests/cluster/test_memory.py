@@ -1,6 +1,8 @@
+import time
 import tracemalloc
 
 import numpy as np
+import pytest
 
 from gradwire.testing import LocalCluster
 
@@ -23,3 +25,81 @@ def test_memory_does_not_grow_with_rounds():
             tracemalloc.stop()
         # 300 rounds move 240 MB through the server; what stays behind must be unrelated noise
         assert after_many - after_warm < 256 << 10, (after_warm, after_many)
+
+
+def _copies(num_servers: int, **config) -> tuple[list[int], int]:
+    """After a few push_pulls of a 400 KB tensor (7 partitions): the bytes of sums each worker keeps for a failover,
+    and the rounds replica servers keep."""
+    with LocalCluster(num_workers=2, num_servers=num_servers, partition_bytes=64 << 10, **config) as c:
+        small = [np.ones(1000, np.float32) for _ in c.workers]  # declared first: within any budget below
+        grads = [np.ones(100_000, np.float32) for _ in c.workers]
+
+        def job(w):
+            for _ in range(3):
+                w.push_pull_inplace(small[w.rank], "small")
+                w.push_pull_inplace(grads[w.rank], "g")
+
+        c.run(job)
+        assert all((g == 8).all() for g in grads + small)  # summed in place three times: 1, 2, 4, 8
+        kept = [sum(s.data.nbytes for s in w.failover.seeds.values()) for w in c.workers]
+        return kept, sum(s.replicated_rounds for s in c.servers)
+
+
+def test_past_the_budget_the_last_sums_are_kept_by_replicas_not_by_workers():
+    kept, replicated = _copies(2, failover_copy_bytes=100 << 10)
+    assert kept == [4000, 4000]  # the small tensor only
+    assert replicated == 3 * 7  # 7 partitions, each round kept once on the other server
+
+
+def test_workers_keep_the_copies_within_the_budget_or_with_one_server():
+    for num_servers, config in ((1, {"failover_copy_bytes": 0}), (2, {})):
+        kept, replicated = _copies(num_servers, **config)
+        assert kept == [404000, 404000] and replicated == 0, (num_servers, config)
+
+
+def _worker_bytes(snapshot: tracemalloc.Snapshot) -> int:
+    """What the workers' code holds in a snapshot (the servers run in this process too)."""
+    worker = snapshot.filter_traces([tracemalloc.Filter(True, "*gradwire/worker/*")])
+    return sum(stat.size for stat in worker.statistics("filename"))
+
+
+@pytest.mark.parametrize("budget", [2 << 20, 1 << 30], ids=["2MiB", "1GiB"])
+def test_a_workers_memory_for_failover_stays_within_the_budget_whatever_the_tensor(budget):
+    """16 MiB pushed and pulled in place with a 2 MiB budget: what the worker allocates stays under the budget
+    (a 1 MiB tensor's copies within it; the large one's sums kept by replicas), not a copy of the 16 MiB; with a
+    budget past both, the same measure sees the copies of both."""
+    with LocalCluster(num_workers=2, num_servers=2, partition_bytes=1 << 20, failover_copy_bytes=budget) as c:
+        small = [np.ones(1 << 18, np.float32) for _ in c.workers]
+        large = [np.ones(1 << 22, np.float32) for _ in c.workers]
+
+        def job(w):
+            for _ in range(4):
+                w.push_pull_inplace(small[w.rank], "small")
+                w.push_pull_inplace(large[w.rank], "large")
+
+        tracemalloc.start()  # from before the first call: the copies are allocated then
+        try:
+            c.run(job)
+            held = _worker_bytes(tracemalloc.take_snapshot())
+        finally:
+            tracemalloc.stop()
+        assert all((x == 16).all() for x in large)  # summed in place four times
+        kept = [sum(s.data.nbytes for s in w.failover.seeds.values()) for w in c.workers]
+        if budget < 16 << 20:
+            assert kept == [1 << 20, 1 << 20]
+            assert held < 2 * budget, held  # both workers: within their budgets, none of the 16 MiB
+        else:
+            assert kept == [17 << 20, 17 << 20]
+            assert held > 2 * (17 << 20), held
+
+
+def test_an_out_of_place_result_is_referenced_by_its_caller_only():
+    """Nothing of gradwire's keeps the last call's output alive (a sender thread did: every out-of-place call then
+    held two outputs)."""
+    import sys
+
+    with LocalCluster(num_workers=2, num_servers=2, partition_bytes=64 << 10) as c:
+        src = [np.ones(100_000, np.float32) for _ in c.workers]
+        outs = c.run(lambda w: w.push_pull(src[w.rank], "g"))
+        time.sleep(0.05)  # the links' threads back to waiting
+        assert [sys.getrefcount(o) for o in outs] == [3, 3]  # the list, `o`, getrefcount's argument

@@ -120,10 +120,14 @@ def _answer_one_then_die(cluster: LocalCluster, killed: threading.Event, after: 
         engine._reply = queue_reply
 
 
-def test_a_round_answered_to_some_workers_only_is_completed_from_their_copy():
+@pytest.mark.parametrize("copies", ["replica", "worker"])
+def test_a_round_answered_to_some_workers_only_is_completed_from_a_copy(copies):
     """The trap: the server dies after sending a round's sum to worker 0 and before the others got it. Worker 0's
-    input is gone (summed in place) and it has moved on; the others resend theirs, worker 0 seeds the sum it holds."""
-    with LocalCluster(num_workers=3, num_servers=2, partition_bytes=4096) as c:
+    input is gone (summed in place) and it has moved on; the others resend theirs. The round's sum comes from the
+    replica server, which had it before anyone was answered (tensors past GRADWIRE_FAILOVER_COPY_BYTES), or from
+    worker 0's copy, which it seeds (those within it)."""
+    budget = 0 if copies == "replica" else 1 << 30
+    with LocalCluster(num_workers=3, num_servers=2, partition_bytes=4096, failover_copy_bytes=budget) as c:
         killed = threading.Event()
         _answer_one_then_die(c, killed, after=15)
         results = c.run(lambda w: _train(w, killed, kill_at=STEPS - 2))
@@ -131,7 +135,9 @@ def test_a_round_answered_to_some_workers_only_is_completed_from_their_copy():
         for rank, sums in enumerate(results):
             wrong = [k for k in expected if sums[k] != expected[k]]
             assert not wrong, f"worker {rank}: sums differ for {wrong[:5]}"
-        assert c.servers[1].seeded_answers >= 2  # workers 1 and 2 got that round's sum from worker 0's copy
+        assert c.servers[1].seeded_answers >= 2  # workers 1 and 2 got that round's sum from a copy
+        seeded = c.scheduler.failovers[0]["seeds"]
+        assert (seeded == 0) if copies == "replica" else (seeded >= 1)  # which copy: worker 0 seeded, or none had to
 
 
 def test_with_failover_off_a_dead_server_aborts_the_job_naming_it():
@@ -209,10 +215,12 @@ def test_horovods_collectives_survive_a_server_killed_mid_job():
             assert np.array_equal(high, np.arange(1200, dtype=np.int32) + 2 * step)
 
 
+@pytest.mark.parametrize("copies", ["replica", "worker"])
 @pytest.mark.parametrize("collective", ["reducescatter", "alltoall"])
-def test_a_sliced_round_answered_to_some_workers_only_is_summed_again_from_their_contributions(collective):
-    """The trap of the test above, for keys whose ranks each pull only a slice: no worker holds the round's sum to
-    seed, so the workers the dead server answered replay their contributions, and the others get exact results."""
+def test_a_sliced_round_answered_to_some_workers_only_is_completed_exactly(collective, copies):
+    """The trap of the test above, for keys whose ranks each pull only a slice: the replica server holds the whole
+    result and answers each rank its slice; with workers' copies, no worker holds the round's sum to seed, so the
+    workers the dead server answered replay their contributions, and the others get exact results."""
     from gradwire import collectives
 
     steps, n = 8, 3
@@ -237,7 +245,8 @@ def test_a_sliced_round_answered_to_some_workers_only_is_summed_again_from_their
             out.append(got.copy())
         return out
 
-    with LocalCluster(num_workers=n, num_servers=2, partition_bytes=1024) as c:
+    budget = 0 if copies == "replica" else 1 << 30
+    with LocalCluster(num_workers=n, num_servers=2, partition_bytes=1024, failover_copy_bytes=budget) as c:
         killed = threading.Event()
         _answer_one_then_die(c, killed, after=5, sliced=True)
         results = c.run(job)
@@ -289,8 +298,10 @@ def _narrow(name: str, acc: np.ndarray) -> np.ndarray:
         return acc.astype(np.float16) if name == "float16" else acc
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4])
-def test_every_op_of_every_dtype_is_exact_across_a_server_failover(n):
+@pytest.mark.parametrize(
+    "n, copy_bytes", [(1, None), (2, None), (3, None), (4, None), (3, 0)], ids=["1", "2", "3", "4", "3-replicas"]
+)
+def test_every_op_of_every_dtype_is_exact_across_a_server_failover(n, copy_bytes):
     """Each per-key operation (the four reductions, allgather with rows differing by rank, broadcast, reducescatter,
     alltoall with uneven splits) of each dtype gradwire carries, at odd sizes, all in flight at once, step after step,
     while a server is killed: every result is the exact one (reductions in rank order, in the accumulator's
@@ -334,7 +345,8 @@ def test_every_op_of_every_dtype_is_exact_across_a_server_failover(n):
                 out[step, tag] = worker.synchronize(handle).copy()
         return out
 
-    with LocalCluster(num_workers=n, num_servers=3, partition_bytes=256) as c:
+    budget = {} if copy_bytes is None else {"failover_copy_bytes": copy_bytes}  # 0: every sum kept by a replica
+    with LocalCluster(num_workers=n, num_servers=3, partition_bytes=256, **budget) as c:
         killed = threading.Event()
         killer = _kill_when(c, 1, rounds=25, killed=killed)
         results = c.run(lambda w: job(w, killed))

@@ -92,6 +92,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epochs", type=int, default=16, help="with --ps or --elastic: digits training epochs")
     parser.add_argument("--async-runs", type=int, default=3, help="with --ps: runs of each asynchronous way")
     parser.add_argument(
+        "--large",
+        action="store_true",
+        help="a 1.2 GB tensor and a 0.35B-parameter transformer: first and steady calls, peak RSS per worker, against "
+        "gloo and DDP",
+    )
+    parser.add_argument("--large-elements", type=int, default=300_000_000, help="with --large: the tensor's elements")
+    parser.add_argument("--calls", type=int, default=3, help="with --large: calls on the tensor")
+    parser.add_argument(
         "--collective",
         default="allreduce",
         choices=["allreduce", "allgather", "broadcast", "reducescatter"],
@@ -109,6 +117,10 @@ def run(args: argparse.Namespace) -> int:
         env["GRADWIRE_PLACEMENT"] = args.placement
     if args.pacing is not None:
         env["GRADWIRE_PACING"] = str(args.pacing)
+    if args.large:
+        from gradwire.bench.large import run_large
+
+        return run_large(args)
     if args.ps:
         from gradwire.bench.ps import run_ps
 

@@ -37,9 +37,14 @@ class Declaration:
 
     def answer(self) -> dict:
         """What every declarer of it is told."""
-        return (
-            {"error": self.error} if self.error else {"servers": self.servers, "partition_bytes": self.partition_bytes}
-        )
+        if self.error:
+            return {"error": self.error}
+        # per key, whether a replica holds its last answered round (then workers keep no copy of it)
+        # (a server-side optimizer's keys keep the workers' copies: the parameters they pulled seed a new server where
+        # the replica is gone, docs/ps-mode.md)
+        replicas = self.replicas if self.op_args is None else None
+        replicated = [r is not None for r in replicas] if replicas is not None else None
+        return {"servers": self.servers, "partition_bytes": self.partition_bytes, "replicated": replicated}
 
 
 def key_slices(sizes: list[int], slices: list[list[int]], itemsize: int) -> list[list[list[int]]]:

@@ -52,6 +52,7 @@ class Declarations:
         # keys' place; [] where its members are on several hosts, or theirs has no colocated server
         self.local_servers = local_servers
         self.address_of = address_of  # how a server reaches another (for replicas); None: no replicas
+        self.copied_bytes = 0  # bytes of the tensors whose sums the workers copy for a failover (no replicas)
         self.num_workers = num_workers  # whose slices a declaration may give
         self.slot_bytes = min(slot_bytes)
         self.placement = Placement(len(slot_bytes), weights)
@@ -164,7 +165,7 @@ class Declarations:
             else:
                 decl.key_op, decl.slices, decl.meta, decl.members = key_op, slices, meta, members
                 decl.op_args = op_args
-                if self._replicated(op_args):
+                if self._replicated(op_args, among, sum(decl.sizes)):
                     decl.replicas = [self._replica_of(s) for s in decl.servers]
         if decl is None:
             for c in calls:
@@ -303,11 +304,20 @@ class Declarations:
             self._register_keys(name, self.tensors[name], only={s for s in servers if s != dead})
         return moved
 
-    def _replicated(self, op_args: str | None) -> bool:
-        """A server-side optimizer's state is replicated when it is synchronous and the job fails servers over."""
-        if op_args is None or self.address_of is None or not self.config.server_failover:
+    def _replicated(self, op_args: str | None, among: list[int], nbytes: int) -> bool:
+        """Whether a tensor's keys have a replica on another server, when the job fails servers over: a synchronous
+        server-side optimizer's state always; any other tensor's last answered rounds once the workers' copies would
+        pass GRADWIRE_FAILOVER_COPY_BYTES (the tensors declared first are copied on the workers, which costs the
+        servers nothing). Never a host's own keys (local aggregation's, on its colocated servers): their replica
+        would put the host's traffic on the network, and they are small."""
+        if self.address_of is None or not self.config.server_failover or among:
             return False
-        return json.loads(op_args).get("staleness") == 0
+        if op_args is not None:
+            return json.loads(op_args).get("staleness") == 0
+        if self.copied_bytes + nbytes <= self.config.failover_copy_bytes:
+            self.copied_bytes += nbytes
+            return False
+        return True
 
     def _replica_of(self, server: int) -> int | None:
         """The live server after `server` in rank order (cyclically): where its stateful keys are replicated."""

@@ -83,7 +83,9 @@ class ServerControl:
             if target is not None and state.replicas is not None:  # its updates are replicated there
                 address = (body.addresses or {})[str(target)]
                 if state.replicas.ensure(int(target), address):
-                    engine.keys[key].held.replica = int(target)
+                    engine.keys[key].replica = int(target)
+                    if engine.keys[key].held is not None:  # a server-side optimizer's state (server/optim.py)
+                        engine.keys[key].held.replica = int(target)
         self._reply(body.id)
 
     def _joined(self, body: messages.Joined) -> None:

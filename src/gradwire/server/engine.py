@@ -47,9 +47,9 @@ import numpy as np
 
 from gradwire.errors import TensorError, TensorMismatch
 from gradwire.protocol import dtypes
-from gradwire.protocol.frames import DEPARTED_EVENT, JOIN_EVENT, REPLAY, SEED
+from gradwire.protocol.frames import DEPARTED_EVENT, JOIN_EVENT, REPLAY, REPLICA, SEED
 from gradwire.ring import Ring, RingClosed, Slot
-from gradwire.server import ops
+from gradwire.server import ops, replica
 from gradwire.server.rounds import Ack, Fail, FailRank, Forward, KeyOp, KeyState, Reply, Round
 from gradwire.transport.shm import NO_SLOT
 
@@ -87,6 +87,7 @@ class Engine:
         self.departed = 0  # workers that have left the job (shutdown()) while others go on: their rounds fail
         self._zeros: dict[tuple[int, int], np.ndarray] = {}
         self.seeded_answers = 0  # workers answered with a seeded sum (after a failover)
+        self.replicated = 0  # rounds kept here for another server's keys (server/replica.py)
         self._thread = threading.Thread(target=self._run, name=f"gw-engine-{index}", daemon=True)
 
     def start(self) -> None:
@@ -231,8 +232,11 @@ class Engine:
             return
         dtype = state.dtype
         r = state.rounds[slot.round & 1]
-        if slot.flags & SEED:
+        if slot.flags & (SEED | REPLICA):
             self._seed(state, r, slot, dtype)
+            if slot.flags & REPLICA:  # a round its primary answered: kept here as a seed (server/replica.py)
+                self.replicated += 1
+                replica.acknowledge(slot.conn, slot.key, slot.round, slot.pull)
             return
         bit = 1 << slot.sender
         if not state.everyone & bit:

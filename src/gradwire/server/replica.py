@@ -39,14 +39,16 @@ class _Link:
         self.lock = threading.Lock()
         self.dead = False
 
-    def flush(self, why: BaseException) -> None:
-        """The replica is gone: answer everything waiting for it, and forward nothing more."""
+    def flush(self, why: BaseException, answer: bool = True) -> None:
+        """The replica is gone: answer everything waiting for it, and forward nothing more. Not when this server is
+        the one stopping (`answer` False): a round its replica never got must not reach any worker, or a failover
+        would find it nowhere."""
         with self.lock:
-            if not self.dead:
+            if not self.dead and answer:
                 log.warning("replica server %d lost (%s): its keys go on without a replica", self.rank, why)
             self.dead = True
             waiting, self.pending = list(self.pending.values()), {}
-        for done in waiting:
+        for done in waiting if answer else ():
             done()
         self.conn.close()
 
@@ -60,6 +62,7 @@ class Replicas:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self.forwarded = 0
+        self._closed = False  # this server is stopping: nothing more is forwarded, or answered
 
     def ensure(self, rank: int, address: dict) -> bool:
         """Connect to replica server `rank` (once); False if it cannot be reached (its keys then go unreplicated)."""
@@ -87,6 +90,8 @@ class Replicas:
     def forward(self, rank: int, key: int, rnd: int, code: int, parts: list, done: Callable[[], None]) -> None:
         """Send an applied update of `key` to replica server `rank`; `done()` once it is in there (or at once, if
         that replica is gone). `parts` must stay unchanged until then."""
+        if self._closed:
+            return
         link = self._links.get(rank)
         if link is None or link.dead:
             done()
@@ -132,11 +137,12 @@ class Replicas:
             link.flush(e)
 
     def close(self) -> None:
+        self._closed = True
         with self._lock:
             links = list(self._links.values())
         for link in links:
             link.queue.put(None)
-            link.flush(GradwireError("server stopping"))
+            link.flush(GradwireError("server stopping"), answer=False)
 
 
 def acknowledge(conn: object, key: int, rnd: int, seq: int) -> None:

@@ -91,8 +91,16 @@ class KeyOp:
         return False
 
     def answer(self, outbox: Outbox, state: KeyState, key: int, code: int, r: Round, ranks: int) -> None:
-        """Send round `r`'s result to `ranks` (an operation may first replicate what it did)."""
-        outbox.answer_round(key, code, r, ranks)
+        """Send round `r`'s result to `ranks`; with a replica, once the replica has it (server/replica.py), so that
+        every result a worker has seen survives this server. The result stays put until then: its buffer takes a new
+        round only once every worker has this one."""
+        if state.replica is None or outbox.forward is None:
+            outbox.answer_round(key, code, r, ranks)
+            return
+        rnd, payload, pulls = r.number, r.result, list(r.pulls)
+        whole = memoryview(r.out).cast("B")
+        done = lambda: outbox.reply(key, rnd, code, payload, pulls, ranks)  # noqa: E731
+        outbox.forward(state.replica, key, rnd, code, [whole], done)
 
 
 class Round:
@@ -171,6 +179,7 @@ class KeyState:
         "need",
         "nexts",
         "op",
+        "replica",
         "rounds",
         "scratch",
         "slices",
@@ -210,6 +219,7 @@ class KeyState:
                 assert isinstance(whole, memoryview)
                 r.result = [whole[a : a + b] for a, b in slices]
         self.held = None  # what the operation keeps per key (server/optim.py)
+        self.replica: int | None = None  # the server that keeps this key's last answered round (server/replica.py)
         # the first rank's contributions may be received straight into the accumulator (Engine.landing): only once a
         # round completed from contributions (before, after a failover, a seed may be written there meanwhile)
         self.landable = False

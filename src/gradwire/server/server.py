@@ -165,6 +165,7 @@ class Server:
             "workers": workers,
             "keys": sum(len(e.keys) for e in state.engines),
             "rounds_completed": self.rounds_completed,
+            "replicated_rounds": self.replicated_rounds,  # other servers' answered rounds kept here (failover)
             "ring_occupancy": sum(e.ring.occupancy for e in state.engines),
             "optimizer": optim.stats(self._key_states()),
             "error": state.error,
@@ -214,6 +215,11 @@ class Server:
     def seeded_answers(self) -> int:
         """Workers answered with a sum another worker seeded after a failover (docs/faults.md)."""
         return sum(e.seeded_answers for e in self.state.engines)
+
+    @property
+    def replicated_rounds(self) -> int:
+        """Rounds of other servers' keys kept here as their replica (GRADWIRE_FAILOVER_COPIES=replica)."""
+        return sum(e.replicated for e in self.state.engines)
 
     @property
     def rounds_completed(self) -> int:

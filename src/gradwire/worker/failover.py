@@ -82,6 +82,7 @@ class Failover:
             moved = {str(name): [int(s) for s in servers] for name, servers in body.moved.items()}
             with state.lock:
                 moved_keys = self.table.move(moved, dead)
+                self.table.unreplicate()
             orphans += old.retire(self.resubmit)
             seeded = self._seed_state(moved_keys)
             for work in orphans:

@@ -209,7 +209,9 @@ class ServerLink:
 
     def _send_all(self) -> None:
         header = bytearray(frames.HEADER_SIZE)
+        work: Work | None = None
         while True:
+            work = None  # not the last partition sent while waiting: it would keep its call's output alive
             with self._cond:
                 work = self._wait_to_send()
                 if work is None:

@@ -40,6 +40,8 @@ class Tensor:
     successor: tuple[int, Tensor] | None = field(default=None, repr=False)
     root: str = ""  # the name the calls use (this tensor's, unless it is a re-cut's successor)
     partition_bytes: int = 0  # the partition size it is declared with (0: the worker's; local aggregation's own)
+    # per key, whether a replica server keeps its last answered round (then this worker keeps no copy for failover)
+    replicated: list[bool] = field(default_factory=list)
 
     def current(self, next_round: bool = False) -> Tensor:
         """The tensor whose keys carry this one's rounds now (`next_round`: its next round), following re-cuts."""
@@ -76,6 +78,7 @@ class TensorTable:
         self.owner: dict[int, int] = {}  # key -> its server's index
         self._moves: dict[str, list[int]] = {}  # tensor -> a server per partition, as a failover moved them
         self._round_floor: dict[str, int] = {}  # tensors others summed while this worker had joined: their rounds
+        self.replicas_lost = False  # a server died: every sum is copied from now on (`unreplicate`)
 
     def entry(
         self, name: str, shape: tuple[int, ...], dtype: dtypes.DType, signature: Signature
@@ -100,14 +103,18 @@ class TensorTable:
         tensor.round = self._round_floor.pop(internal, 0)  # rounds others summed while this worker had joined
         return tensor, True
 
-    def placed(self, tensor: Tensor, partition_bytes: int, servers: list[int]) -> None:
+    def placed(
+        self, tensor: Tensor, partition_bytes: int, servers: list[int], replicated: list[bool] | None = None
+    ) -> None:
         """The declaration completed: cut the tensor as the job does (the scheduler's partition size), and record
-        its keys' servers (a failover may have moved it since the scheduler answered)."""
+        its keys' servers (a failover may have moved it since the scheduler answered) and which have a replica (none
+        once a server has died: `unreplicate`)."""
         num = int(np.prod(tensor.shape, dtype=np.int64))
         tensor.parts = partition.split(num, tensor.dtype.itemsize, partition_bytes)
         tensor.keys = [partition.key_of(tensor.name, p.index) for p in tensor.parts]
         tensor.servers = list(self._moves.get(tensor.name, servers))
         self.owner.update(zip(tensor.keys, tensor.servers, strict=True))
+        tensor.replicated = [bool(r) for r in replicated or []] if not self.replicas_lost else []
 
     def forget(self, tensor: Tensor) -> None:
         """The declaration failed: forget it, so that the name may be declared again (with the shapes the workers
@@ -117,6 +124,13 @@ class TensorTable:
         versions = self._versions.get(tensor.user_name, [])
         if tensor.signature in versions and versions.index(tensor.signature) == len(versions) - 1:
             versions.pop()
+
+    def unreplicate(self) -> None:
+        """A server died: keys moved to their replicas have none now, and the dead server's own replicas are gone.
+        From now on this worker keeps a copy of every sum (as with GRADWIRE_FAILOVER_COPIES=worker)."""
+        self.replicas_lost = True
+        for tensor in self.tensors.values():
+            tensor.replicated = []
 
     def move(self, moved: dict[str, list[int]], dead: int) -> list[int]:
         """Record the tensors' new servers (`moved`: name -> a server per partition); the keys whose server changed,

@@ -175,11 +175,14 @@ class Transfer:
         send, pull, sent, pulled = self.send, self.pull, len(self.send), len(self.pull)
         extra = memoryview(self.extra).cast("B") if self.extra is not None else None
         code = tensor.dtype.code
-        for part, key in zip(tensor.parts, tensor.keys, strict=True):
+        replicated = tensor.replicated or [False] * len(tensor.keys)
+        for part, key, kept in zip(tensor.parts, tensor.keys, replicated, strict=True):
             lo, hi = part.start, part.start + part.count
             give = send[min(max(lo - self.send_at, 0), sent) : min(max(hi - self.send_at, 0), sent)]
             take = pull[min(max(lo - self.pull_at, 0), pulled) : min(max(hi - self.pull_at, 0), pulled)]
             sliced = len(take) < hi - lo
-            partial, replayable = self.partial or sliced, sliced and not self.partial
+            # a key whose replica server keeps its last round needs no copy here: after a failover the replica
+            # answers that round from its own (a cut-off answer is then simply asked for again)
+            partial, replayable = self.partial or sliced or kept, sliced and not self.partial and not kept
             args = (tensor.name, key, rnd, code, give, take, self.average, handle, part.index)
             yield Work(*args, partial=partial, replayable=replayable).trail(extra)
