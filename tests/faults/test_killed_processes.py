@@ -109,12 +109,19 @@ def reference() -> str:
 
 
 @pytest.mark.parametrize(
-    ("kill_at", "wait", "standby"),
-    [(3, True, 0), (12, False, 0), (12, False, 1)],
-    ids=["others-mid-round-onto-survivors", "anywhere-onto-survivors", "anywhere-to-a-standby"],
+    ("kill_at", "wait", "standby", "copy_bytes"),
+    [(3, True, 0, None), (12, False, 0, None), (12, False, 1, None), (3, True, 0, "0")],
+    ids=[
+        "others-mid-round-onto-survivors",
+        "anywhere-onto-survivors",
+        "anywhere-to-a-standby",
+        "others-mid-round-onto-the-replicas",
+    ],
 )
-def test_a_sigkilled_server_leaves_the_parameters_bit_identical(reference, kill_at, wait, standby):
-    run = _run("server 1", kill_at, wait, standby)
+def test_a_sigkilled_server_leaves_the_parameters_bit_identical(reference, kill_at, wait, standby, copy_bytes):
+    # copy_bytes "0": every sum kept by a replica server rather than by the workers (docs/faults.md)
+    budget = {"GRADWIRE_FAILOVER_COPY_BYTES": copy_bytes} if copy_bytes is not None else None
+    run = _run("server 1", kill_at, wait, standby, extra_env=budget)
     out = run["output"]
     assert run["code"] == 0, out
     assert "server 1 was killed by SIGKILL" in out
