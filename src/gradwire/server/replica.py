@@ -1,11 +1,17 @@
-"""Replicas of server-held optimizer state (parameter-server mode, docs/ps-mode.md).
+"""Replicas: a key's last answered round, or its server-held optimizer state, kept on another server too.
 
-Each key of a synchronous server-side optimizer has a replica on another server (the next live one). When its primary
-finishes a round, it forwards what it applied (the averaged gradient and the round's hyper-parameters, or installed
-parameters, or a write) to the replica, which applies the same update to its own copy: torch's and numpy's steps are
-deterministic, so the two copies stay bit-identical. The primary answers the workers only once the replica has
-acknowledged, so every round a worker has seen is in the replica. When the primary dies its keys move to their
-replica (scheduler), which answers rounds it has already applied without applying them again.
+Sums (docs/faults.md): a tensor past the workers' GRADWIRE_FAILOVER_COPY_BYTES has each key's result forwarded to
+the key's replica (the next live server) before any worker gets it; the replica keeps it as that key's seed
+(server/engine.py), so when the key's server dies and the key moves to its replica, every round some worker has seen
+is answered from there, and the workers keep no copy. Costs: the replica's two round buffers per key, one more send
+of each result (1/n of what the key's server sends the workers), and one server-to-server round trip per answer.
+
+Parameter-server mode (docs/ps-mode.md): each key of a synchronous server-side optimizer has a replica on another server
+(the next live one). When its primary finishes a round, it forwards what it applied (the averaged gradient and the
+round's hyper-parameters, or installed parameters, or a write) to the replica, which applies the same update to its own
+copy: torch's and numpy's steps are deterministic, so the two copies stay bit-identical. The primary answers the workers
+only once the replica has acknowledged, so every round a worker has seen is in the replica. When the primary dies its
+keys move to their replica (scheduler), which answers rounds it has already applied without applying them again.
 
 Costs: each server also holds its replicas' parameters and state, applies each update twice over the pool, and
 sends each round's averaged gradient once more (1/n of what it sends the workers); a round's answer waits one
