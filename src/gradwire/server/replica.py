@@ -62,8 +62,11 @@ class _Link:
 class Replicas:
     """A primary server's forwards to the servers that replicate its keys. Thread-safe."""
 
-    def __init__(self, rank: int, secret: bytes, max_payload: int, timeout: float) -> None:
+    def __init__(
+        self, rank: int, secret: bytes, max_payload: int, timeout: float, host_id: str = "", buffer_bytes: int = 0
+    ) -> None:
         self.rank, self._secret, self._max_payload, self._timeout = rank, secret, max_payload, timeout
+        self._host_id, self._buffer_bytes = host_id, buffer_bytes  # a replica on this host is reached by Unix socket
         self._links: dict[int, _Link] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -76,14 +79,16 @@ class Replicas:
             link = self._links.get(rank)
             if link is not None and not link.dead:
                 return True
+            local = address.get("unix") and address.get("host_id") and address["host_id"] == self._host_id
             try:
                 conn = tcp.connect(
-                    (address["host"], int(address["port"])),
+                    address["unix"] if local else (address["host"], int(address["port"])),
                     secret=self._secret,
                     role="server",
                     rank=self.rank,
                     max_payload=self._max_payload,
                     timeout=self._timeout,
+                    buffer_bytes=self._buffer_bytes,
                 )
             except (GradwireError, OSError) as e:
                 log.warning("server %d cannot reach replica server %d at %s: %s", self.rank, rank, address, e)

@@ -89,7 +89,14 @@ class Server:
         state.rank, state.epoch = book.rank, book.epoch
         state.set_workers(book.num_workers)
         state.standby = book.standby
-        state.replicas = Replicas(state.rank, state.secret, config.partition_bytes, config.timeout)
+        state.replicas = Replicas(
+            state.rank,
+            state.secret,
+            config.partition_bytes,
+            config.timeout,
+            tcp.host_identity(config.host_id),
+            config.socket_buffer_bytes,
+        )
         for i in range(config.engines):
             state.engines.append(self._engine(i))
         for engine in state.engines:
