@@ -303,6 +303,7 @@ class Keys(Request):
     replicas: dict | None = None
     addresses: dict | None = None
     members: list | None = None
+    kept: bool = False  # keys this server keeps for their own server (a replica), not owns
 
 
 @dataclass

@@ -92,7 +92,7 @@ class ServerRequests:
             held = [
                 [k, wire.code, n] for k, n, r in zip(decl.keys, decl.sizes, replicas, strict=True) if r == server
             ]  # keys whose state this server replicates: declared as any key, fed by their primaries
-            bodies.append((server, messages.Keys(keys=held, name=name, key_op=decl.key_op)))
+            bodies.append((server, messages.Keys(keys=held, name=name, key_op=decl.key_op, kept=True)))
         for server in sorted(set(decl.servers) if only is None else only):
             owned = [
                 [k, wire.code, n] for k, n, s in zip(decl.keys, decl.sizes, decl.servers, strict=True) if s == server

@@ -193,6 +193,15 @@ class Engine:
         into = state.op.landing(state, r)
         return None if into is None else into.view(np.uint8)
 
+    def replica_landing(self, key: int, rnd: int, length: int) -> np.ndarray | None:
+        """Where a forwarded result of a key this server only keeps (a replica) may be received directly: the round
+        buffer it will be the seed of (None: a ring slot). Its rounds are only ever seeds while it is kept, and they
+        come in order on one connection, so the buffer holds an older seed nobody will ask for again."""
+        state = self.keys.get(key)
+        if state is None or not state.kept or state.op.intercepts or length != state.length:
+            return None
+        return state.rounds[rnd & 1].out.view(np.uint8)
+
     @staticmethod
     def _stage(state: KeyState, r: Round, sender: int) -> np.ndarray:
         """The staging buffer of `sender` in round `r`'s buffer, allocated once per key, rank and buffer."""
@@ -392,7 +401,8 @@ class Engine:
         if r.number > slot.round or (r.number == slot.round and r.count == state.need):
             return
         waiting = r.pushed if r.number == slot.round else 0
-        state.op.seeded(state, r, slot.round, slot.data.view(dtype.wire))
+        if not slot.landed:  # a replica's forward may have been received into the round's buffer already
+            state.op.seeded(state, r, slot.round, slot.data.view(dtype.wire))
         r.seed(slot.round, state.need, state.everyone, self.num_workers)
         if waiting:
             self.seeded_answers += bin(waiting).count("1")

@@ -104,7 +104,9 @@ class Reader:
                     raise RemoteProtocolError(f"replicated update: {problem}")
                 seq, slot = claim(engine.ring)
                 try:
-                    into = slot.array[: header.length]
+                    landing = engine.replica_landing(header.key, header.round, header.length)
+                    slot.landed = landing is not None
+                    into = landing if landing is not None else slot.array[: header.length]
                     conn.recv_into(memoryview(into))
                     slot.data, slot.valid = into, True
                 finally:

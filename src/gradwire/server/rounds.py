@@ -178,6 +178,7 @@ class KeyState:
         "narrow",
         "need",
         "nexts",
+        "kept",
         "op",
         "replica",
         "rounds",
@@ -220,6 +221,7 @@ class KeyState:
                 r.result = [whole[a : a + b] for a, b in slices]
         self.held = None  # what the operation keeps per key (server/optim.py)
         self.replica: int | None = None  # the server that keeps this key's last answered round (server/replica.py)
+        self.kept = False  # this server only keeps the key's answered rounds for its server (a replica), not owns it
         # the first rank's contributions may be received straight into the accumulator (Engine.landing): only once a
         # round completed from contributions (before, after a failover, a seed may be written there meanwhile)
         self.landable = False
