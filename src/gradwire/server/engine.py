@@ -243,9 +243,6 @@ class Engine:
         r = state.rounds[slot.round & 1]
         if slot.flags & (SEED | REPLICA):
             self._seed(state, r, slot, dtype)
-            if slot.flags & REPLICA:  # a round its primary answered: kept here as a seed (server/replica.py)
-                self.replicated += 1
-                replica.acknowledge(slot.conn, slot.key, slot.round, slot.pull)
             return
         bit = 1 << slot.sender
         if not state.everyone & bit:
@@ -391,7 +388,7 @@ class Engine:
         """Send `payload` to `ranks` (from any thread: the repliers' queues are thread-safe)."""
         self._reply(key, rnd, code, payload, pulls, ranks)
 
-    def _seed(self, state: KeyState, r: Round, slot: Slot, dtype: dtypes.DType) -> None:
+    def _take_seed(self, state: KeyState, r: Round, slot: Slot, dtype: dtypes.DType) -> None:
         """A worker resends a sum it holds (after a failover): complete the round with it, answer its pushers.
 
         Stale seeds are dropped: the buffer already holds a later round (every worker had that sum), or this round
@@ -407,6 +404,14 @@ class Engine:
         if waiting:
             self.seeded_answers += bin(waiting).count("1")
             self.answer_round(slot.key, slot.dtype, r, waiting)
+
+    def _seed(self, state: KeyState, r: Round, slot: Slot, dtype: dtypes.DType) -> None:
+        """A seed (SEED, from a worker) or a round its key's server answered (REPLICA, kept here: server/replica.py,
+        acknowledged once it is in)."""
+        self._take_seed(state, r, slot, dtype)
+        if slot.flags & REPLICA:
+            self.replicated += 1
+            replica.acknowledge(slot.conn, slot.key, slot.round, slot.pull)
 
 
 def _ranks(mask: int) -> list[int]:
