@@ -1,4 +1,5 @@
-"""Every transport gives the same sums: shared memory (same host), Unix sockets, TCP."""
+"""Every transport gives the same sums: shared memory (same host), Unix sockets, TCP; GRADWIRE_TRANSPORT chooses for
+workers' links and servers' replica links alike."""
 
 import os
 
@@ -18,7 +19,9 @@ def _ours():
 @pytest.mark.parametrize("transport,shared,unix", [("auto", True, True), ("unix", False, True), ("tcp", False, False)])
 def test_sums_over_every_transport(transport, shared, unix):
     # window 1: two pull slots per link, so most of the 12 tensors in flight take the inline fallback
-    with LocalCluster(num_workers=3, num_servers=2, transport=transport, window=1, partition_bytes=8192) as c:
+    # failover_copy_bytes 0: every key is replicated, so every server also links to its replica
+    config = dict(transport=transport, window=1, partition_bytes=8192, failover_copy_bytes=0)
+    with LocalCluster(num_workers=3, num_servers=2, **config) as c:
         links = [link for w in c.workers for link in w.links]
         assert all((link.arena is not None) == shared for link in links)
         assert all(link.conn.peer.startswith("unix:") == unix for link in links)
@@ -31,6 +34,9 @@ def test_sums_over_every_transport(transport, shared, unix):
         for results in c.run(job):
             for i, r in enumerate(results):
                 assert np.all(r == sum(rank + i for rank in range(3)))
+        replica_links = [link for s in c.servers for link in s.state.replicas._links.values()]
+        assert len(replica_links) == 2
+        assert all(link.conn.peer.startswith("unix:") == unix for link in replica_links)
 
 
 class _Recorder:

@@ -63,10 +63,18 @@ class Replicas:
     """A primary server's forwards to the servers that replicate its keys. Thread-safe."""
 
     def __init__(
-        self, rank: int, secret: bytes, max_payload: int, timeout: float, host_id: str = "", buffer_bytes: int = 0
+        self,
+        rank: int,
+        secret: bytes,
+        max_payload: int,
+        timeout: float,
+        host_id: str = "",
+        buffer_bytes: int = 0,
+        transport: str = "auto",
     ) -> None:
         self.rank, self._secret, self._max_payload, self._timeout = rank, secret, max_payload, timeout
-        self._host_id, self._buffer_bytes = host_id, buffer_bytes  # a replica on this host is reached by Unix socket
+        # a replica on this host and namespace is reached by Unix socket, as workers reach servers (tcp.connect_node)
+        self._host_id, self._buffer_bytes, self._transport = host_id, buffer_bytes, transport
         self._links: dict[int, _Link] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -79,10 +87,13 @@ class Replicas:
             link = self._links.get(rank)
             if link is not None and not link.dead:
                 return True
-            local = address.get("unix") and address.get("host_id") and address["host_id"] == self._host_id
             try:
-                conn = tcp.connect(
-                    address["unix"] if local else (address["host"], int(address["port"])),
+                conn, _ = tcp.connect_node(
+                    address,
+                    self._host_id,
+                    self._transport,
+                    what=f"replica server {rank}",
+                    log=log,
                     secret=self._secret,
                     role="server",
                     rank=self.rank,

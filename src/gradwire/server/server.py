@@ -96,6 +96,7 @@ class Server:
             config.timeout,
             tcp.host_identity(config.host_id),
             config.socket_buffer_bytes,
+            config.transport,
         )
         for i in range(config.engines):
             state.engines.append(self._engine(i))

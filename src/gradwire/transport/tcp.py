@@ -10,6 +10,7 @@ at partition sizes of 64 KiB and up. `sendmsg([header, memoryview])` sends the a
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import struct
@@ -293,6 +294,22 @@ def connect(
         raise
     sock.settimeout(None)
     return conn
+
+
+def connect_node(
+    node: dict, host_id: str, transport: str, *, what: str, log: logging.Logger, **options
+) -> tuple[Connection, bool]:
+    """Connect to a node of the address book (`host`, `port`, and where it listens on one, `unix` and `host_id`):
+    by its Unix socket when it is on this host and network namespace (`host_id` equal) and GRADWIRE_TRANSPORT allows
+    (auto or unix), else, or if that fails, by TCP. Returns the connection and whether it is the Unix socket.
+    `options` are connect()'s."""
+    local = bool(node.get("unix")) and bool(node.get("host_id")) and node["host_id"] == host_id
+    if transport in ("auto", "unix") and local:
+        try:
+            return connect(node["unix"], **options), True
+        except OSError as e:
+            log.info("Unix socket to %s at %s failed (%s); using TCP", what, node.get("host"), e)
+    return connect((node["host"], int(node["port"])), **options), False
 
 
 def accept(

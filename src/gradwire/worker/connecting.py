@@ -96,16 +96,10 @@ class Connecting:
             timeout=state.config.timeout,
             buffer_bytes=state.config.socket_buffer_bytes,
         )
-        local = server.get("host_id") and server["host_id"] == tcp.host_identity(self.state.config.host_id)
         transport = state.config.transport
-        if transport in ("auto", "unix") and local and server.get("unix"):
-            try:
-                conn = tcp.connect(server["unix"], **options)  # type: ignore[arg-type]
-            except OSError as e:
-                log.info("Unix socket to server at %s failed (%s); using TCP", server["host"], e)
-            else:
-                return conn, self._attach_shared(conn) if transport == "auto" else None
-        return tcp.connect((server["host"], int(server["port"])), **options), None  # type: ignore[arg-type]
+        host_id = tcp.host_identity(state.config.host_id)
+        conn, unix = tcp.connect_node(server, host_id, transport, what="server", log=log, **options)  # type: ignore[arg-type]
+        return conn, self._attach_shared(conn) if unix and transport == "auto" else None
 
     def _attach_shared(self, conn: tcp.Connection) -> shm.Arena | None:
         """Offer the server shared slots; None (plain socket transfers) if either side cannot."""
