@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from gradwire import collectives
+from gradwire import compression as _compression
 from gradwire.config import Config
 from gradwire.errors import (
     AuthenticationError,
@@ -112,15 +113,19 @@ def declare(name: str, shape: tuple[int, ...], dtype: object) -> None:
     current_worker().declare(name, shape, dtype)
 
 
-def push_pull(array: np.ndarray, name: str, average: bool = False, priority: int = 0, op: str = "sum") -> np.ndarray:
+def push_pull(
+    array: np.ndarray, name: str, average: bool = False, priority: int = 0, op: str = "sum", compression: object = None
+) -> np.ndarray:
     """Sum (or average) `array` across all workers; returns a new array. Blocks. `op`: "sum", "min", "max" or
-    "product"."""
-    return current_worker().push_pull(array, name, average, priority, op)
+    "product". `compression`: a compressor of gradwire.compression (or BytePS's dict), docs/compression.md."""
+    return current_worker().push_pull(array, name, average, priority, op, _compression.args_of(compression))
 
 
-def push_pull_inplace(array: np.ndarray, name: str, average: bool = False, priority: int = 0) -> np.ndarray:
+def push_pull_inplace(
+    array: np.ndarray, name: str, average: bool = False, priority: int = 0, compression: object = None
+) -> np.ndarray:
     """Sum (or average) `array` across all workers into itself. Blocks."""
-    return current_worker().push_pull_inplace(array, name, average, priority)
+    return current_worker().push_pull_inplace(array, name, average, priority, _compression.args_of(compression))
 
 
 def push_pull_async(
@@ -130,9 +135,11 @@ def push_pull_async(
     priority: int = 0,
     out: np.ndarray | None = None,
     op: str = "sum",
+    compression: object = None,
 ) -> Handle:
     """Start a push_pull; returns a handle for `poll` and `synchronize`. Higher priority leaves first."""
-    return current_worker().push_pull_async(array, name, average, priority, out, op=op)
+    args = _compression.args_of(compression)
+    return current_worker().push_pull_async(array, name, average, priority, out, op=op, compression=args)
 
 
 def allgather(array: np.ndarray, name: str) -> np.ndarray:

@@ -16,6 +16,7 @@ from gradwire.env_vars import ENV_VARS, EnvVar
 from gradwire.errors import ConfigError
 from gradwire.tuning import Tuning, parse_rate
 
+KiB = 1 << 10
 MiB = 1 << 20
 
 
@@ -64,6 +65,8 @@ class Config:
     server_failover: bool = True
     # the most a worker keeps of sums for a failover; tensors past it have their last sums kept by a replica server
     failover_copy_bytes: int = 256 * MiB
+    # tensors smaller than this travel uncompressed whatever compressor is asked for (BytePS's threshold)
+    compression_min_bytes: int = 64 * KiB
     num_standby: int = 0
     standby: bool = False
     min_workers: int = 0
@@ -162,6 +165,8 @@ class Config:
             )
         if ":" not in self.scheduler:
             raise ConfigError(f"GRADWIRE_SCHEDULER must be host:port, got {self.scheduler!r}")
+        if self.compression_min_bytes < 0:
+            raise ConfigError(f"GRADWIRE_COMPRESSION_MIN_BYTES must be >= 0, got {self.compression_min_bytes}")
         if self.failover_copy_bytes < 0:
             raise ConfigError(f"GRADWIRE_FAILOVER_COPY_BYTES must be >= 0, got {self.failover_copy_bytes}")
         if self.transport not in ("auto", "unix", "tcp"):

@@ -210,6 +210,12 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "dead server aborts the job, no copies)",
     ),
     EnvVar(
+        "GRADWIRE_COMPRESSION_MIN_BYTES",
+        "compression_min_bytes",
+        ("BYTEPS_MIN_COMPRESS_BYTES",),
+        "tensors smaller than this travel uncompressed, whatever compressor is asked for (docs/compression.md)",
+    ),
+    EnvVar(
         "GRADWIRE_FAILOVER_COPY_BYTES",
         "failover_copy_bytes",
         (),

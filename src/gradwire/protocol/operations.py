@@ -3,11 +3,15 @@ sees a declaration and the servers implement (server/ops.py, server/optim.py).""
 
 from __future__ import annotations
 
-from gradwire.protocol import update
+import json
+
+from gradwire.protocol import compression, update
 
 REDUCTIONS = ("sum", "min", "max", "product")  # elementwise: a joined rank's zeros stand in for its contribution
 GATHER = "gather"  # concatenation in rank order (allgather, broadcast, alltoall)
-BUILT = ("optimizer",)  # configured by their declaration's arguments (protocol/update.py)
+# configured by their declaration's arguments: a server-side optimizer (protocol/update.py), a sum of compressed
+# contributions (protocol/compression.py)
+BUILT = ("optimizer", "compressed")
 NAMES = (*REDUCTIONS, GATHER, *BUILT)
 
 
@@ -25,11 +29,17 @@ def check_args(name: str, args: dict | None) -> dict | None:
     saying what is wrong."""
     if name not in NAMES:
         raise ValueError(f"unknown per-key operation {name!r}; known: {', '.join(sorted(NAMES))}")
-    if name == "optimizer":
+    if name in BUILT:
         try:
-            return update.check_args(args or {})
+            return (update if name == "optimizer" else compression).check_args(args or {})
         except ValueError as e:
-            raise ValueError(f"optimizer: {e}") from None
+            raise ValueError(f"{name}: {e}") from None
     if args:
         raise ValueError(f"per-key operation {name!r} takes no arguments, got {args}")
     return None
+
+
+def encode_args(name: str, args: dict) -> str:
+    """The canonical text of a built operation's arguments (what workers must agree on); ValueError if wrong."""
+    checked = check_args(name, args)
+    return json.dumps(checked, sort_keys=True, separators=(",", ":"))

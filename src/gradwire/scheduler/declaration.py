@@ -42,7 +42,7 @@ class Declaration:
         # per key, whether a replica holds its last answered round (then workers keep no copy of it)
         # (a server-side optimizer's keys keep the workers' copies: the parameters they pulled seed a new server where
         # the replica is gone, docs/ps-mode.md)
-        replicas = self.replicas if self.op_args is None else None
+        replicas = self.replicas if self.key_op != "optimizer" else None
         replicated = [r is not None for r in replicas] if replicas is not None else None
         return {"servers": self.servers, "partition_bytes": self.partition_bytes, "replicated": replicated}
 

@@ -20,7 +20,7 @@ from gradwire import partition
 from gradwire.config import Config
 from gradwire.errors import TensorError
 from gradwire.placement import Placement
-from gradwire.protocol import dtypes, messages, operations, update
+from gradwire.protocol import dtypes, messages, operations
 from gradwire.protocol.signature import Signature
 from gradwire.scheduler.declaration import Call, Declaration
 from gradwire.scheduler.server_requests import ServerRequests
@@ -123,10 +123,11 @@ class Declarations:
         op_args = body.op_args
         if op_args is not None or key_op in operations.BUILT:
             try:
-                operations.check_args(key_op, op_args)
-                op_args = update.encode_args(op_args)
+                op_args = operations.encode_args(key_op, op_args)
             except (TensorError, ValueError) as e:
                 raise _Refused(str(e)) from None
+        if key_op == "compressed" and (dtype != "float32" or slices is not None):
+            raise _Refused(f"a compressed sum is of a whole float32 tensor, not {dtype}{shape} with slices {slices}")
         if slices is not None:
             slices = [[int(a), int(b)] for a, b in slices]
             num = int(np.prod(shape, dtype=np.int64))
@@ -312,7 +313,7 @@ class Declarations:
         would put the host's traffic on the network, and they are small."""
         if self.address_of is None or not self.config.server_failover or among:
             return False
-        if op_args is not None:
+        if op_args is not None and json.loads(op_args).get("algorithm"):  # a server-side optimizer
             return json.loads(op_args).get("staleness") == 0
         if self.copied_bytes + nbytes <= self.config.failover_copy_bytes:
             self.copied_bytes += nbytes

@@ -87,4 +87,8 @@ def build(name: str, args: dict | None) -> KeyOp:
         from gradwire.server.optim import ServerUpdate
 
         return ServerUpdate(checked or {})
+    if name == "compressed":
+        from gradwire.server.compressed import Compressed
+
+        return Compressed(checked or {})
     return OPS[name]

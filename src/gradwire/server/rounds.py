@@ -63,6 +63,11 @@ class KeyOp:
     intercepts: ClassVar[bool] = False  # `intercept` sees each push first
     asynchronous: bool = False  # pushes are not gathered into rounds (no staging: they go through the ring)
 
+    def lengths(self, nbytes: int, itemsize: int) -> tuple[int, int]:
+        """For a key of `nbytes` bytes of data: the bytes each push carries, and the accumulator's elements (a
+        compressed key's pushes are smaller than its data: server/compressed.py)."""
+        return nbytes + self.trailer, (nbytes + self.trailer) // itemsize
+
     def setup(self, state: KeyState, previous: KeyState | None = None) -> None:
         """Per-key state, allocated when the key is declared (`previous`: the key's state before an elastic reset)."""
 
@@ -126,7 +131,7 @@ class Round:
         "virtual",
     )
 
-    def __init__(self, index: int, n: int, dtype: dtypes.DType, num_workers: int, first: int) -> None:
+    def __init__(self, index: int, n: int, dtype: dtypes.DType, num_workers: int, first: int, wire: int = -1) -> None:
         self.index = index  # 0 or 1: the round numbers it holds are this, modulo 2
         self.number = -1  # the round it holds
         self.count = 0  # contributions in
@@ -141,7 +146,9 @@ class Round:
         self.started = 0.0  # when it got its first contribution (the engine's clock)
         self.pulls = [NO_SLOT] * num_workers  # each worker's shared-memory pull slot
         self.acc = np.empty(n, dtype.accumulate)
-        self.out = np.empty(n, dtype.wire) if dtype.accumulate != dtype.wire else self.acc
+        # the result as it travels: narrowed (float16, bfloat16), or encoded (`wire` elements: a compressed key's)
+        narrow = dtype.accumulate != dtype.wire or 0 <= wire != n
+        self.out = np.empty(n if wire < 0 else wire, dtype.wire) if narrow else self.acc
         self.result: memoryview | list[memoryview] = memoryview(self.out).cast("B")  # KeyState makes it per rank
 
     def begin(self, number: int, first: int) -> None:
@@ -174,8 +181,10 @@ class KeyState:
         "landable",
         "length",
         "members",
+        "key",
         "name",
         "narrow",
+        "nbytes",
         "need",
         "nexts",
         "kept",
@@ -209,10 +218,15 @@ class KeyState:
         self.op = op
         self.slices = slices  # (start byte, bytes) of the result each rank pulls; None: all of it
         self.dtype = dtype
-        self.length = length = length + op.trailer  # what each push carries
-        n = length // dtype.itemsize
+        self.key = 0  # set by the engine that owns it
+        self.nbytes = length  # the key's data, as declared
+        self.length, n = op.lengths(length, dtype.itemsize)  # what each push carries; the accumulator's elements
+        wire = self.length // dtype.itemsize
         self.narrow = dtype.accumulate != dtype.wire
-        self.rounds = (Round(0, n, dtype, num_workers, self.first), Round(1, n, dtype, num_workers, self.first))
+        self.rounds = (
+            Round(0, n, dtype, num_workers, self.first, wire),
+            Round(1, n, dtype, num_workers, self.first, wire),
+        )
         self.scratch = np.empty(n, dtype.accumulate) if self.narrow else self.rounds[0].acc
         if slices is not None:  # what each round answers: one slice per rank (views made once, here)
             for r in self.rounds:

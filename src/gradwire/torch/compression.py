@@ -1,13 +1,16 @@
-"""Gradient compression on the wire, in Horovod's shape: `Compression.none`, `.fp16`, `.bf16`.
+"""Gradient compression on the wire, in Horovod's shape: `Compression.none`, `.fp16`, `.bf16`, and the compressors the
+servers run (docs/compression.md): `Compression.onebit(...)`, `.topk(0.01)`, `.randomk(...)`, `.dithering(...)`.
 
-A compressor turns a tensor into what travels (`compress` returns the wire tensor and a context) and back
+Horovod's kind turns a tensor into what travels (`compress` returns the wire tensor and a context) and back
 (`decompress`). Servers sum float16 and bfloat16 in float32, so compression costs precision once per
-push and once per pull, never per addition.
+push and once per pull, never per addition. The servers' kind (gradwire.compression) leaves the tensor as it is: its
+partitions are encoded on their way to the servers, which decode, sum and encode the sum once.
 """
 
 from __future__ import annotations
 
 import torch
+from gradwire import compression as _servers
 
 
 class Compressor:
@@ -48,3 +51,7 @@ class Compression:
     none = NoneCompressor
     fp16 = FP16Compressor
     bf16 = BF16Compressor
+    onebit = staticmethod(_servers.onebit)
+    topk = staticmethod(_servers.topk)
+    randomk = staticmethod(_servers.randomk)
+    dithering = staticmethod(_servers.dithering)

@@ -14,6 +14,7 @@ import numpy as np
 
 import gradwire
 import torch
+from gradwire import compression as _servers
 from gradwire.worker import Handle, Worker
 
 from .compression import Compression, Compressor
@@ -120,7 +121,10 @@ def push_pull_async(
     """
     worker = worker or gradwire.current_worker()
     source = tensor.detach()
-    wire, ctx = compression.compress(source)
+    servers = _servers.args_of(compression)  # a compressor the servers run: the worker encodes each partition
+    if servers is None and isinstance(compression, dict):  # BytePS's spelling, naming no compressor
+        compression = Compression.none
+    wire, ctx = compression.compress(source) if servers is None else (source, source.dtype)
     _check_push_pull(worker, name, wire, average)
     staged = None
     if wire.device.type != "cpu":
@@ -138,10 +142,11 @@ def push_pull_async(
     array, dtype = as_numpy(wire)
     worker_average = average and dtype != "bfloat16"
     handle = worker.push_pull_async(
-        array, name, worker_average, priority, out=array, dtype=dtype, op=op, members=members
+        array, name, worker_average, priority, out=array, dtype=dtype, op=op, members=members, compression=servers
     )
     divide_by = (worker.size if members is None else len(members)) if average and not worker_average else 1
-    return TorchHandle(handle, output, wire, ctx, compression, staged, divide_by)
+    unwrap = compression if servers is None else Compression.none
+    return TorchHandle(handle, output, wire, ctx, unwrap, staged, divide_by)
 
 
 def _check_push_pull(worker: Worker, name: str | None, wire: torch.Tensor, average: bool) -> None:

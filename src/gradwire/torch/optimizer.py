@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from gradwire import compression as _servers
 from gradwire.errors import TensorError
 
 from .collectives import Average, Sum
@@ -65,6 +66,17 @@ class _DistributedOptimizer:
         )
         self._synchronized = False
         self._skip = False
+        self._feedback = bool(getattr(compression, "args", {}).get("ef"))  # residuals to rescale as the lr changes
+        self._lr: float | None = None
+
+    def _follow_lr(self) -> None:
+        """A changed learning rate rescales the residuals of error feedback by old/new (as BytePS does), so that what
+        they carry moves the parameters as far as when it was dropped."""
+        lr = float(self.param_groups[0].get("lr", 0.0))  # type: ignore[attr-defined]
+        if self._lr and lr and lr != self._lr:
+            worker = self._sync.worker
+            worker.calls.compressing.rescale(self._lr / lr)
+        self._lr = lr
 
     @property
     def _handles(self) -> dict:
@@ -96,6 +108,8 @@ class _DistributedOptimizer:
         elif not self._synchronized:
             raise TensorError("step() inside skip_synchronize() without a synchronize() call first")
         self._synchronized = False
+        if self._feedback:
+            self._follow_lr()
         return super().step(closure)  # type: ignore[misc]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -153,6 +167,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     fusion_bytes: int | None = None,
     staleness: int = 0,
     pipesize: int = 1,
+    compression_params: dict | None = None,
 ) -> torch.optim.Optimizer:
     """Wrap `optimizer` so that step() uses gradients averaged (or summed) over all workers.
 
@@ -167,10 +182,17 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     - `process_set`: the gradients are averaged among its ranks only (each set trains its own replica).
       `staleness` (BytePS): only 0, synchronous training.
       `pipesize` (BytePS): accepted; gradwire pipelines every tensor by partitions already.
+    - `compression`: Horovod's `Compression.fp16`/`.bf16`, or a compressor the servers run (`Compression.onebit()`,
+      `.topk(0.01)`, `.randomk(...)`, `.dithering(...)`: docs/compression.md); or BytePS's `compression_params`
+      dict ({"compressor": "onebit", "ef": "vanilla", "momentum": "nesterov", "scaling": True, ...}), whose momentum
+      takes the optimizer's (then set to 0 in the optimizer, as BytePS does). Error feedback follows the learning
+      rate: when it changes, every residual is rescaled by old/new.
     Arguments are checked before anything else, so a wrong call fails the same way before or after `init()`.
     """
     _check_keywords(backward_passes_per_step, gradient_predivide_factor, staleness, process_set)
     groups = _fusion_groups(optimizer, groups, num_groups)
+    if compression_params is not None:
+        compression = _byteps_compression(optimizer, compression_params) or compression
     cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
@@ -186,6 +208,17 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         getattr(process_set, "ranks", None),
     )
     return wrapped
+
+
+def _byteps_compression(optimizer: torch.optim.Optimizer, params: dict) -> Any:
+    """BytePS's `compression_params` as a compressor; its momentum takes the optimizer's, which is then set to 0."""
+    momentum = next((g["momentum"] for g in optimizer.param_groups if g.get("momentum")), 0.9)
+    found = _servers.from_byteps(params, momentum_mu=momentum)
+    if found is not None and found.args["momentum"] > 0:
+        for group in optimizer.param_groups:
+            if "momentum" in group:
+                group["momentum"] = 0.0
+    return found
 
 
 def _fusion_groups(optimizer: torch.optim.Optimizer, groups: Any, num_groups: int) -> Any:

@@ -12,8 +12,11 @@ from typing import Protocol
 
 import numpy as np
 
+from gradwire import compression as _user
 from gradwire.errors import GradwireError, GradwireTimeout, JobAborted, TensorError
+from gradwire.protocol import compression as codecs
 from gradwire.protocol import messages, update
+from gradwire.worker.compressing import CompressedTransfer, Compressing
 from gradwire.worker.control import Control
 from gradwire.worker.declaring import Declaring
 from gradwire.worker.handle import Handle
@@ -50,6 +53,7 @@ class Calls:
         self.declaring = declaring
         self.recut = recut
         self.aggregation: Aggregation | None = None  # where workers share hosts (worker/aggregation.py)
+        self.compressing = Compressing(state)  # compressed tensors' residuals (worker/compressing.py)
 
     rank = property(lambda self: self.state.rank)
     size = property(lambda self: self.state.size)
@@ -65,10 +69,13 @@ class Calls:
         dtype: object = None,
         op: str = "sum",
         members: list[int] | None = None,
+        compression: object = None,
     ) -> Handle:
         """Start summing `array` across workers; the sum (or average) lands in `out` (a new array if None).
         `op` is the reduction: "sum" (the default), "min", "max" or "product". `members`: only these ranks take
-        part (a process set; each of them calls it, the average divides by their number).
+        part (a process set; each of them calls it, the average divides by their number). `compression`: a
+        compressor (gradwire.compression, or its arguments; docs/compression.md) for a float32 sum of at least
+        GRADWIRE_COMPRESSION_MIN_BYTES; anything else travels as it is.
 
         `out` may be `array` itself (in place). Neither may be modified until the handle completes.
         `dtype` overrides the wire dtype name (e.g. "bfloat16" for uint16-held bfloat16 bits).
@@ -94,12 +101,44 @@ class Calls:
                 tensor=name,
                 rank=self.rank,
             )
+        if compression is not None and self._compressible(src, op, dtype):
+            return self._push_pull_compressed(src, name, average, priority, out, members, compression)
         if self.aggregation is not None and self.aggregation.applies(src, op, members):
             return self.aggregation.push_pull_async(src, name, average, priority, out, dtype, op)
         tensor = self.declaring.declare(name, src.shape, dtype or src.dtype, op, wait=False, members=members)
         return self.launch(
             tensor, out, Transfer(src.reshape(-1), 0, out.reshape(-1), 0, self._divisor(average, members), priority)
         )
+
+    def _compressible(self, src: np.ndarray, op: str, dtype: object) -> bool:
+        """A compressor applies: a float32 sum large enough to gain (GRADWIRE_COMPRESSION_MIN_BYTES)."""
+        wire = np.dtype(dtype) if dtype is not None and dtype != "bfloat16" else src.dtype
+        return op == "sum" and wire == np.float32 and src.nbytes >= self.state.config.compression_min_bytes
+
+    def _push_pull_compressed(
+        self,
+        src: np.ndarray,
+        name: str,
+        average: bool,
+        priority: int,
+        out: np.ndarray,
+        members: list[int] | None,
+        compression: object,
+    ) -> Handle:
+        """A sum of compressed partitions (worker/compressing.py): declared as the `compressed` operation with the
+        compressor's arguments, which every worker must pass alike. Not through local aggregation: the blocks are
+        what travels, and a host's workers would each encode anyway."""
+        try:
+            args = codecs.check_args(_user.args_of(compression) or compression)
+        except ValueError as e:
+            raise TensorError(f"worker {self.rank}: push_pull of {name!r}: {e}", tensor=name, rank=self.rank) from None
+        tensor = self.declaring.declare(
+            name, src.shape, np.float32, "compressed", wait=False, members=members, op_args=args
+        )
+        divisor = self._divisor(average, members)
+        flat, result = src.reshape(-1), out.reshape(-1)
+        transfer = CompressedTransfer(flat, 0, result, 0, divisor, priority, args=args, store=self.compressing)
+        return self.launch(tensor, out, transfer)
 
     def launch(self, tensor: Tensor, out: np.ndarray, transfer: Transfer) -> Handle:
         """Push every partition of `tensor`'s next round as `transfer` says; the handle completes into `out`."""
@@ -341,16 +380,26 @@ class Calls:
         return handle.wait(self.timeout, describe=lambda: self._describe_outstanding(handle.name))
 
     def push_pull(
-        self, array: np.ndarray, name: str, average: bool = False, priority: int = 0, op: str = "sum"
+        self,
+        array: np.ndarray,
+        name: str,
+        average: bool = False,
+        priority: int = 0,
+        op: str = "sum",
+        compression: object = None,
     ) -> np.ndarray:
         """Sum (or reduce by `op`) `array` across workers (blocking); returns a new array."""
-        return self.synchronize(self.push_pull_async(array, name, average, priority, op=op))
+        handle = self.push_pull_async(array, name, average, priority, op=op, compression=compression)
+        return self.synchronize(handle)
 
-    def push_pull_inplace(self, array: np.ndarray, name: str, average: bool = False, priority: int = 0) -> np.ndarray:
+    def push_pull_inplace(
+        self, array: np.ndarray, name: str, average: bool = False, priority: int = 0, compression: object = None
+    ) -> np.ndarray:
         """Sum `array` across workers into itself (blocking); returns `array`."""
         if not array.flags.c_contiguous:
             raise TensorError(f"in-place push_pull of {name!r} needs a C-contiguous array", tensor=name)
-        return self.synchronize(self.push_pull_async(array, name, average, priority, out=array))
+        handle = self.push_pull_async(array, name, average, priority, out=array, compression=compression)
+        return self.synchronize(handle)
 
     def _describe_outstanding(self, name: str) -> str:
         busy = [f"server {link.server} ({link.conn.peer})" for link in self.state.links if name in link.outstanding()]

@@ -10,7 +10,7 @@ import json
 import logging
 
 from gradwire.errors import GradwireError, GradwireTimeout, JobAborted, TensorError, TensorMismatch
-from gradwire.protocol import dtypes, messages, update
+from gradwire.protocol import dtypes, messages, operations, update
 from gradwire.protocol.signature import Signature
 from gradwire.worker.control import Control
 from gradwire.worker.state import WorkerState
@@ -54,14 +54,15 @@ class Declaring:
         `slices`, per rank, the (first element, count) of the result that rank pulls (None: all of it). `meta` is
         anything else every worker must agree on (a broadcast's root rank), checked like the shape. `members` are
         the ranks that call it (a process set; None: every worker): only they declare it, and its rounds are theirs.
-        `op_args` configure a built operation (`optimizer`: protocol/update.py), checked across workers like the shape.
+        `op_args` configure a built operation (`optimizer`: protocol/update.py; `compressed`: protocol/compression.py),
+        checked across workers like the shape.
         `partition_bytes`: cut into partitions of this size, not the worker's (local aggregation's tensors on one host).
         """
         shape = tuple(int(d) for d in shape)
         wire = dtypes.from_numpy(dtype)
         cut = tuple((int(a), int(b)) for a, b in slices) if slices is not None else None
         ranks = tuple(sorted(members)) if members is not None else None
-        args = update.encode_args(op_args) if op_args is not None else None
+        args = operations.encode_args(key_op, op_args) if op_args is not None else None
         signature = Signature(key_op, wire.name, shape, cut, meta, ranks, args)
         with self.state.lock:
             tensor, new = self.table.entry(name, shape, wire, signature)
@@ -101,7 +102,7 @@ class Declaring:
             meta=meta,
             members=None if members is None else list(members),
         )
-        if args is not None:
+        if key_op == "optimizer":
             tensor.stateful = True
         try:
             self.state.check_usable()

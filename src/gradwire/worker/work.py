@@ -3,7 +3,7 @@ keeps of a key's last answered round to seed a dead server's replacement with (`
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,6 +64,7 @@ class Work:
         "average",
         "credited",
         "dtype",
+        "expand",
         "extra",
         "handle",
         "index",
@@ -106,6 +107,8 @@ class Work:
         self.send = memoryview(send).cast("B")
         self.push_bytes = len(self.send)  # what this worker contributes (a gather's part may be short, or empty)
         self.extra: memoryview | None = None  # bytes pushed after the data (`trail`)
+        # a compressed partition's: decodes the answered block into the caller's output (worker/compressing.py)
+        self.expand: Callable[[np.ndarray, int], None] | None = None
         self.out = out
         self.nbytes = out.nbytes  # what it pulls
         self.partial = partial  # it pulls only its slice of the key's result (so holds no sum to seed a failover)
@@ -128,6 +131,9 @@ class Work:
         if seed is not None:
             seed.round = self.round
             source = seed.data.view(self.out.dtype)
+        if self.expand is not None:  # a compressed block: decoded into the output, averaged there
+            self.expand(source.view(np.uint8), self.average)
+            return
         if self.average > 1:
             # integers: the quotient truncated toward zero, as Horovod's average of an integer tensor
             np.divide(source, self.average, out=self.out, casting="unsafe")

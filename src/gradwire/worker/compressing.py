@@ -1,0 +1,141 @@
+"""A worker's side of compressed sums (docs/compression.md): each partition of a compressed tensor is encoded before
+its push, with this worker's error feedback (and momentum, where asked), and the block the server answers is decoded
+into the caller's output as it arrives (`Expand`, on the link's receiver thread).
+
+Error feedback: what encoding dropped of a partition (its residual) is added to the same partition's next gradient,
+so nothing is lost, only late (EF-SGD). Momentum (BytePS's, Nesterov's form): v = mu v + g, and g + mu v is what is
+compressed; the optimizer then runs without momentum of its own. A change of the learning rate rescales every
+residual by old/new (`rescale`), as BytePS does, so that what is carried over keeps its effect on the parameters.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gradwire.protocol import compression
+from gradwire.worker.handle import Handle
+from gradwire.worker.state import WorkerState
+from gradwire.worker.tensors import Tensor
+from gradwire.worker.work import Transfer, Work
+
+
+class KeyCodec:
+    """One key's buffers, allocated on its first push: the block pushed, the block pulled, the residual and the
+    momentum (None where not asked)."""
+
+    __slots__ = ("codec", "pull", "push", "residual", "velocity")
+
+    def __init__(self, codec: compression.Codec, n: int, feedback: bool, momentum: bool) -> None:
+        self.codec = codec
+        wire = codec.wire_bytes(n)
+        self.push = np.zeros(wire // 4, np.float32)  # float32 words: the key's dtype on the wire
+        self.pull = np.zeros(wire // 4, np.float32)
+        self.residual = np.zeros(n, np.float32) if feedback and codec is not compression.RAW else None
+        self.velocity = np.zeros(n, np.float32) if momentum else None
+
+
+class Compressing:
+    """Every compressed key's buffers on this worker. Thread-safe."""
+
+    def __init__(self, state: WorkerState) -> None:
+        self.state = state  # its rank seeds dithering's generator
+        self.keys: dict[int, KeyCodec] = {}
+        self._lock = threading.Lock()
+        self._local = threading.local()  # a scratch per thread: partitions are encoded where calls are submitted
+        self.encoded = 0  # bytes of gradient encoded, and of blocks pushed (for the metrics)
+        self.pushed = 0
+
+    def entry(self, key: int, n: int, codec: compression.Codec, args: dict) -> KeyCodec:
+        """Key `key`'s buffers, for a partition of n elements compressed by `codec` as `args` say."""
+        entry = self.keys.get(key)
+        if entry is None:
+            codec = compression.for_partition(codec, n)
+            entry = KeyCodec(codec, n, bool(args["ef"]), float(args["momentum"]) > 0)
+            with self._lock:
+                self.keys[key] = entry
+        return entry
+
+    def encode(self, entry: KeyCodec, x: np.ndarray, key: int, rnd: int, momentum: float) -> None:
+        """Encode partition `x` (with momentum and error feedback, as `entry` keeps them) into `entry.push`."""
+        block = entry.push.view(np.uint8)
+        source = x
+        if entry.velocity is not None:  # v = mu v + g; g + mu v is compressed
+            v = entry.velocity
+            v *= momentum
+            v += x
+            source = self.scratch(len(x))
+            np.multiply(v, momentum, out=source)
+            source += x
+        if entry.residual is None:
+            entry.codec.encode(source, block, key, rnd, self.state.rank)
+        else:  # e' = (g + e) - C(g + e)
+            total = entry.residual
+            total += source
+            entry.codec.encode(total, block, key, rnd, self.state.rank)
+            decoded = self.scratch(len(x))
+            entry.codec.decode(block, decoded, key, rnd, add=False)
+            total -= decoded
+        self.encoded += 4 * len(x)
+        self.pushed += len(block)
+
+    def scratch(self, n: int) -> np.ndarray:
+        """A float32 scratch of n elements, this thread's."""
+        scratch = getattr(self._local, "scratch", None)
+        if scratch is None or len(scratch) < n:
+            scratch = self._local.scratch = np.empty(n, np.float32)
+        return scratch[:n]
+
+    def rescale(self, factor: float) -> None:
+        """Multiply every residual by `factor` (old learning rate / new)."""
+        with self._lock:
+            entries = list(self.keys.values())
+        for entry in entries:
+            if entry.residual is not None:
+                entry.residual *= np.float32(factor)
+
+    def reset(self) -> None:
+        """Forget every residual and momentum (an elastic reset: the keys start afresh)."""
+        with self._lock:
+            self.keys = {}
+
+
+class Expand:
+    """Decodes a key's answered block into its part of the caller's output, averaged (Work.deliver)."""
+
+    __slots__ = ("codec", "key", "round", "target")
+
+    def __init__(self, codec: compression.Codec, target: np.ndarray, key: int, rnd: int) -> None:
+        self.codec, self.target, self.key, self.round = codec, target, key, rnd
+
+    def __call__(self, block: np.ndarray, average: int) -> None:
+        self.codec.decode(block, self.target, self.key, self.round, add=False)
+        if average > 1:
+            self.target /= np.float32(average)
+
+
+@dataclass
+class CompressedTransfer(Transfer):
+    """A push_pull of a compressed tensor: `send` and `pull` are the caller's float32 input and output; each partition
+    is encoded as it is cut (`works`), on the calling thread."""
+
+    args: dict = field(default_factory=dict)
+    store: Compressing | None = None
+
+    def works(self, tensor: Tensor, rnd: int, handle: Handle) -> Iterator[Work]:
+        assert self.store is not None
+        store, args, momentum = self.store, self.args, float(self.args["momentum"])
+        codec = compression.codec(args)
+        code = tensor.dtype.code
+        replicated = tensor.replicated or [False] * len(tensor.keys)
+        for part, key, kept in zip(tensor.parts, tensor.keys, replicated, strict=True):
+            lo, hi = part.start, part.start + part.count
+            entry = store.entry(key, part.count, codec, args)
+            store.encode(entry, self.send[lo:hi], key, rnd, momentum)
+            work = Work(tensor.name, key, rnd, code, entry.push, entry.pull, self.average, handle, part.index)
+            work.partial = kept
+            work.expand = Expand(entry.codec, self.pull[lo:hi], key, rnd)
+            yield work

@@ -1,0 +1,118 @@
+"""The servers' compressors through the torch API (docs/compression.md): DistributedOptimizer with Compression.onebit,
+topk, randomk and dithering keeps every worker's parameters bit-identical after every step and trains; BytePS's
+compression_params spelling takes the optimizer's momentum; push_pull and allreduce take a compressor; error feedback
+follows the learning rate."""
+
+import pytest
+
+import gradwire.torch as gwt
+import torch
+from tests.torch.inprocess import N, run
+
+COMPRESSORS = {
+    "onebit": gwt.Compression.onebit(),
+    "topk": gwt.Compression.topk(0.05),
+    "randomk": gwt.Compression.randomk(0.1),
+    "dithering": gwt.Compression.dithering(),
+}
+
+
+def _model():
+    torch.manual_seed(0)
+    # layers of mixed sizes: the large ones are compressed, the small ones travel as they are (under 64 KiB)
+    return torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 4))
+
+
+def _data(steps, batch=16):
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 4, generator=g)
+    xs = [torch.randn(batch * N, 64, generator=g) for _ in range(steps)]
+    return [(x, (x @ w).argmax(1)) for x in xs]
+
+
+def _train(cluster, make_optimizer, steps=30):
+    data = _data(steps)
+    models = [_model() for _ in range(N)]
+
+    def worker(rank):
+        model = models[rank]
+        opt = make_optimizer(model)
+        losses, params = [], []
+        for x, y in data:
+            opt.zero_grad()
+            sl = slice(rank * 16, (rank + 1) * 16)
+            loss = torch.nn.functional.cross_entropy(model(x[sl]), y[sl])
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+            params.append([p.detach().clone() for p in model.parameters()])
+        return losses, params
+
+    return run(cluster, worker)
+
+
+@pytest.mark.parametrize("method", COMPRESSORS)
+def test_distributed_optimizer_trains_with_every_worker_identical(cluster, method):
+    def make(model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        return gwt.DistributedOptimizer(opt, model.named_parameters(), compression=COMPRESSORS[method])
+
+    (losses, params0), (_, params1) = _train(cluster, make)
+    for a, b in zip(params0, params1, strict=True):  # after every step
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < 0.8 * first, losses
+
+
+def test_bytesps_compression_params_take_the_optimizers_momentum(cluster):
+    made = []
+
+    def make(model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        params = {"compressor": "onebit", "ef": "vanilla", "momentum": "nesterov", "scaling": True}
+        wrapped = gwt.DistributedOptimizer(opt, model.named_parameters(), compression_params=params)
+        made.append(wrapped)
+        return wrapped
+
+    (losses, params0), (_, params1) = _train(cluster, make)
+    assert all(g["momentum"] == 0.0 for o in made for g in o.param_groups)  # the workers' momentum replaces it
+    assert made[0]._sync.compression.args["momentum"] == 0.9
+    assert all(torch.equal(x, y) for x, y in zip(params0[-1], params1[-1], strict=True))
+    assert sum(losses[-5:]) < 0.8 * sum(losses[:5])
+
+
+def test_push_pull_and_allreduce_take_a_compressor(cluster):
+    torch.manual_seed(1)
+    inputs = [torch.randn(40_000) for _ in range(N)]
+
+    def worker(rank):
+        a = gwt.push_pull(inputs[rank].clone(), average=True, name="pp", compression=COMPRESSORS["topk"])
+        b = gwt.allreduce(inputs[rank].clone(), name="ar", compression=gwt.Compression.onebit(scaling=False))
+        return a, b
+
+    (a0, b0), (a1, b1) = run(cluster, worker)
+    assert torch.equal(a0, a1) and torch.equal(b0, b1)
+    assert (a0 != 0).sum() <= 0.05 * 40_000 + 1  # the server's top 5% of the sum
+    assert b0.abs().unique().tolist() == [1.0 / N]  # unscaled signs: the server's +-1, averaged
+
+
+def test_error_feedback_follows_the_learning_rate(cluster):
+    def worker(rank):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt = gwt.DistributedOptimizer(opt, model.named_parameters(prefix="lr"), compression=COMPRESSORS["topk"])
+        x, y = _data(1)[0]
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        store = opt._sync.worker.calls.compressing
+        before = {k: e.residual.copy() for k, e in store.keys.items() if e.residual is not None}
+        for group in opt.param_groups:
+            group["lr"] = 0.05
+        opt.zero_grad()
+        opt._follow_lr()
+        return {k: (before[k], store.keys[k].residual) for k in before}
+
+    for pairs in run(cluster, worker):
+        assert pairs
+        for old, new in pairs.values():
+            assert (new == old * 2).all()
