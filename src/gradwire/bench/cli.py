@@ -66,6 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--steps", type=int, default=8, help="with --train: timed steps per way")
     parser.add_argument(
+        "--compression",
+        action="store_true",
+        help="with --train: DistributedOptimizer with onebit and top-k 1%% (error feedback) beside uncompressed, "
+        "against DDP over gloo plain and with torch's PowerSGD hook (rank 2)",
+    )
+    parser.add_argument(
         "--drift",
         default=None,
         metavar="FROM:TO",

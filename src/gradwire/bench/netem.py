@@ -237,6 +237,9 @@ TRAIN_WAYS = ("optimizer", "hook", "ddp")  # gradwire's DistributedOptimizer, DD
 # --drift: links that change rate mid-job, with gradwire following them (the default), with GRADWIRE_ADAPT=0, and a
 # job on the new links from the start (`-rendezvous`: what the settings derived at the rendezvous for them reach)
 DRIFT_WAYS = ("optimizer", "optimizer-fixed", "optimizer-rendezvous", "ddp")
+# `--compression`: DistributedOptimizer uncompressed and with the servers' compressors, against DDP over gloo plain and
+# with torch's own PowerSGD hook (rank 2)
+COMPRESSION_WAYS = ("optimizer", "optimizer-onebit", "optimizer-topk", "ddp-powersgd", "ddp")
 
 
 def run_train_config(
@@ -247,6 +250,7 @@ def run_train_config(
     timeout: float = 1800,
     drift: tuple[str, str] | None = None,
     settle: int = 0,
+    ways: tuple[str, ...] = TRAIN_WAYS,
 ) -> list[dict]:
     """End-to-end training (bench/train.py) the three ways, one after the other in one emulated cluster: per way the
     median step time and samples per second. `drift` (from, to): the DRIFT_WAYS instead; a job starts on links of the
@@ -254,10 +258,11 @@ def run_train_config(
     not timed (every way alike), so the figures are of the new links after gradwire had time to follow them."""
     results = []
     with EmulatedCluster(topo) as cluster:
-        for way in DRIFT_WAYS if drift else TRAIN_WAYS:
+        for way in DRIFT_WAYS if drift else ways:
             timed_from = warmup + settle
-            argv = [sys.executable, "-m", "gradwire.bench.train", way.split("-")[0], str(steps), str(timed_from)]
-            if way == "ddp":
+            trained = way if way in COMPRESSION_WAYS else way.split("-")[0]  # (the drift ways differ by settings)
+            argv = [sys.executable, "-m", "gradwire.bench.train", trained, str(steps), str(timed_from)]
+            if way.startswith("ddp"):
                 start = start_gloo
                 job_env = os.environ | env
             else:
@@ -286,6 +291,9 @@ def run_train_config(
                     os.unlink(progress.name)
             results.append(_train_row(topo, way, rate, drift, rows[0], cpu))
     ddp = next(r for r in results if r["way"] == "ddp")
+    powersgd = next((r for r in results if r["way"] == "ddp-powersgd"), None)
+    for r in results if powersgd else ():
+        r["x_powersgd_samples_per_s"] = r["samples_per_s"] / powersgd["samples_per_s"]
     for r in results:
         r["x_ddp_samples_per_s"] = r["samples_per_s"] / ddp["samples_per_s"]
     return results
@@ -357,11 +365,20 @@ def train_table(results: list[dict]) -> str:
         "| n | k | rate | way | parameters | partitions | step s (median) | samples/s | x DDP (gloo) | CPU use |",
         "|---:|---:|---|---|---:|---|---:|---:|---:|---:|",
     ]
+    powersgd = any("x_powersgd_samples_per_s" in r for r in results)
+    if powersgd:
+        lines[0] += " x DDP+PowerSGD |"
+        lines[1] += "---:|"
     for r in results:
         lines.append(
             f"| {_layout(r)} | {_servers(r)} | {_rates(r)} | {r['way']} "
             f"| {r['parameters'] / 1e6:.1f}M | {_partitions(r.get('partition_bytes'))} "
             f"| {r['step_seconds_median']:.2f} | {r['samples_per_s']:.1f} "
             f"| {r['x_ddp_samples_per_s']:.2f}x | {r['cpu_utilization']:.0%} |"
+            + (
+                f" {r['x_powersgd_samples_per_s']:.2f}x |"
+                if "x_powersgd_samples_per_s" in r
+                else (" |" if powersgd else "")
+            )
         )
     return "\n".join(lines)

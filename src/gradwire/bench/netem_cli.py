@@ -10,7 +10,9 @@ import shlex
 import sys
 
 from gradwire.bench.netem import (
+    COMPRESSION_WAYS,
     DEFAULT_CONFIGS,
+    TRAIN_WAYS,
     Record,
     plot,
     run_config,
@@ -84,7 +86,8 @@ def run_train(args: argparse.Namespace, env: dict[str, str]) -> int:
         drift = tuple(args.drift.split(":", 1)) if args.drift else None
         settle = args.settle if drift else 0
         chosen = (topo.tuning() if args.hand_tuned else {}) | env
-        results = run_train_config(topo, args.steps, args.warmup, chosen, drift=drift, settle=settle)  # type: ignore[arg-type]
+        ways = COMPRESSION_WAYS if args.compression else TRAIN_WAYS
+        results = run_train_config(topo, args.steps, args.warmup, chosen, drift=drift, settle=settle, ways=ways)  # type: ignore[arg-type]
         every += results
         for r in results:
             if args.json:

@@ -5,7 +5,10 @@ A microbenchmark is not the workload: here a model with layers of mixed sizes (a
 (each computes on its own random batch, on shared cores). The three ways:
 - `optimizer`: gradwire's DistributedOptimizer (Horovod's shape);
 - `hook`: torch's DistributedDataParallel with gradwire's comm hook (DDP's buckets through the summation servers);
-- `ddp`: torch's DistributedDataParallel over gloo, the peer.
+- `ddp`: torch's DistributedDataParallel over gloo, the peer;
+- `optimizer-onebit`, `optimizer-topk`: DistributedOptimizer with the servers' compressors (onebit, top-k 1%, error
+  feedback: docs/compression.md); `ddp-powersgd`: DDP over gloo with torch's PowerSGD hook (rank 2), the peer's own
+  compression.
 Rank 0 prints one JSON line: every timed step's seconds, the samples per step, the parameter count, and gradwire's
 partition size at the start and at the end. With GRADWIRE_BENCH_PROGRESS set, rank 0 also writes its last finished
 step there (`gradwire bench --netem --train --drift` changes the links' rate once the warmup steps are done).
@@ -63,7 +66,7 @@ def _gloo(rank: int, world: int) -> None:
 
 def _data_path(way: str) -> dict:
     """gradwire's settings now (they change where the links drift: scheduler/adapt.py)."""
-    if way == "ddp":
+    if way.startswith("ddp"):
         return {}
     import gradwire
 
@@ -102,7 +105,7 @@ def main(way: str, steps: int, warmup: int) -> None:
         row |= {"partition_bytes": partitions, "derived_again": data_path.get("derived_again"), "recut_steps": recuts}
         print(json.dumps(row))
         sys.stdout.flush()
-    if way != "ddp":
+    if not way.startswith("ddp"):
         import gradwire.torch as gw
 
         gw.shutdown()
@@ -114,16 +117,35 @@ def _distributed(way: str) -> tuple:
 
     net = model()
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-    if way == "ddp":
+    if way.startswith("ddp"):
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         _gloo(rank, world)
-        return torch.nn.parallel.DistributedDataParallel(net), opt, rank, world
+        if way == "ddp-powersgd":
+            # one bucket: over gloo, PowerSGD's chained collectives of several buckets go out in a different order on
+            # different ranks (a collective mismatch at n = 4 here; pytorch/pytorch#58467 lists gloo's failures)
+            import torch.distributed as dist
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+            dist._DEFAULT_FIRST_BUCKET_BYTES = 1 << 30
+            ddp = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=1024)
+            state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2)
+            ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+        else:
+            ddp = torch.nn.parallel.DistributedDataParallel(net)
+        return ddp, opt, rank, world
     import gradwire.torch as gw
 
     gw.init()
     rank, world = gw.rank(), gw.size()
-    if way == "optimizer":
-        return net, gw.DistributedOptimizer(opt, named_parameters=net.named_parameters()), rank, world
+    if way.startswith("optimizer"):
+        compression = {"optimizer-onebit": gw.Compression.onebit(), "optimizer-topk": gw.Compression.topk(0.01)}
+        named = net.named_parameters()
+        return (
+            net,
+            gw.DistributedOptimizer(opt, named, compression=compression.get(way, gw.Compression.none)),
+            rank,
+            world,
+        )
     _gloo(rank, world)
     ddp = torch.nn.parallel.DistributedDataParallel(net)
     ddp.register_comm_hook(gw.PushPullHookState(ddp), gw.push_pull_hook)

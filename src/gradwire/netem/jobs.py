@@ -27,7 +27,8 @@ class Job:
     workers: list[subprocess.Popen]
 
     def wait(self, timeout: float) -> list[str]:
-        """Wait for every worker; returns their outputs in rank order. Raises naming the first that failed."""
+        """Wait for every worker; returns their outputs in rank order. Raises naming every worker that failed, with
+        the end of its output (the first to fail is often not the first rank: the others then fail on its loss)."""
         deadline = time.monotonic() + timeout
         outputs = []
         for rank, proc in enumerate(self.workers):
@@ -37,8 +38,7 @@ class Job:
                 self.kill()
                 raise GradwireError(f"worker {rank} did not finish within {timeout}s") from None
             if proc.returncode != 0:
-                self.kill()
-                raise GradwireError(f"worker {rank} exited with {proc.returncode}:\n{(out or '')[-3000:]}")
+                raise GradwireError(self._failures(rank, out or ""))
             outputs.append(out or "")
         for proc in self.services:
             try:
@@ -46,6 +46,21 @@ class Job:
             except subprocess.TimeoutExpired:
                 proc.kill()
         return outputs
+
+    def _failures(self, rank: int, out: str) -> str:
+        """What every failed worker said, once the others had a few seconds to end (then they are killed)."""
+        said = [f"worker {rank} exited with {self.workers[rank].returncode}:\n{out[-3000:]}"]
+        for other, proc in enumerate(self.workers):
+            if other == rank:
+                continue
+            try:
+                rest, _ = proc.communicate(timeout=5)
+            except (subprocess.TimeoutExpired, ValueError):
+                continue  # still running, or its output was read already
+            if proc.returncode:
+                said.append(f"worker {other} exited with {proc.returncode}:\n{(rest or '')[-3000:]}")
+        self.kill()
+        return "\n".join(said)
 
     def kill(self) -> None:
         for proc in self.services + self.workers:
