@@ -116,3 +116,34 @@ def test_error_feedback_follows_the_learning_rate(cluster):
         assert pairs
         for old, new in pairs.values():
             assert (new == old * 2).all()
+
+
+def test_powersgd_trains_with_every_worker_identical(cluster):
+    compressor = gwt.Compression.powersgd(rank=2, start_iter=2)
+
+    def make(model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        return gwt.DistributedOptimizer(opt, model.named_parameters(prefix="psgd"), compression=compressor)
+
+    (losses, params0), (_, params1) = _train(cluster, make)
+    for a, b in zip(params0, params1, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    assert sum(losses[-5:]) < 0.8 * sum(losses[:5])
+    states = [s for (_, name), s in compressor._tensors.items() if name.endswith("0.weight")]
+    assert states and all(s.steps == 30 and s.error.abs().sum() > 0 for s in states)  # compressed, with feedback
+
+
+def test_powersgd_sums_p_and_q_on_the_servers_and_rebuilds_the_average(cluster):
+    """Gradients of rank 2 spanning the same columns on every worker: rank-2 PowerSGD rebuilds their average (P spans
+    the sum's columns, and P P^T projects the average onto them)."""
+    a, c = torch.linspace(-1, 1, 300), torch.cos(torch.linspace(0, 6, 300))
+    b, d = torch.linspace(0.5, 2, 200), torch.sin(torch.linspace(0, 3, 200))
+    inputs = [torch.outer(a * (r + 1), b) + torch.outer(c, d * (2 - r)) for r in range(N)]
+    compressor = gwt.Compression.powersgd(rank=2, start_iter=0)
+
+    def worker(rank):
+        return gwt.push_pull(inputs[rank].clone(), average=True, name="psgd.rank2", compression=compressor)
+
+    results = run(cluster, worker)
+    assert torch.equal(results[0], results[1])
+    torch.testing.assert_close(results[0], sum(inputs) / N, rtol=1e-4, atol=1e-4)

@@ -68,8 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compression",
         action="store_true",
-        help="with --train: DistributedOptimizer with onebit and top-k 1%% (error feedback) beside uncompressed, "
-        "against DDP over gloo plain and with torch's PowerSGD hook (rank 2)",
+        help="with --train: DistributedOptimizer with onebit, top-k 1%% (error feedback) and PowerSGD rank 2 beside "
+        "uncompressed, against DDP over gloo plain and with torch's PowerSGD hook (rank 2)",
     )
     parser.add_argument(
         "--drift",

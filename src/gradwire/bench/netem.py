@@ -16,6 +16,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 
+from gradwire.errors import GradwireError
 from gradwire.netem import EmulatedCluster, Topology, links, parse_rate
 from gradwire.netem.jobs import start_gloo, start_gradwire
 from gradwire.netem.links import LinkSampler
@@ -237,9 +238,9 @@ TRAIN_WAYS = ("optimizer", "hook", "ddp")  # gradwire's DistributedOptimizer, DD
 # --drift: links that change rate mid-job, with gradwire following them (the default), with GRADWIRE_ADAPT=0, and a
 # job on the new links from the start (`-rendezvous`: what the settings derived at the rendezvous for them reach)
 DRIFT_WAYS = ("optimizer", "optimizer-fixed", "optimizer-rendezvous", "ddp")
-# `--compression`: DistributedOptimizer uncompressed and with the servers' compressors, against DDP over gloo plain and
-# with torch's own PowerSGD hook (rank 2)
-COMPRESSION_WAYS = ("optimizer", "optimizer-onebit", "optimizer-topk", "ddp-powersgd", "ddp")
+# `--compression`: DistributedOptimizer uncompressed, with the servers' compressors and with PowerSGD (rank 2) through
+# the servers, against DDP over gloo plain and with torch's own PowerSGD hook (rank 2)
+COMPRESSION_WAYS = ("optimizer", "optimizer-onebit", "optimizer-topk", "optimizer-powersgd", "ddp-powersgd", "ddp")
 
 
 def run_train_config(
@@ -286,6 +287,8 @@ def run_train_config(
                 rows, cpu = _timed(
                     lambda start=start, argv=argv, job_env=job_env: start(cluster, argv, job_env), timeout
                 )
+            except GradwireError as e:
+                raise GradwireError(f"the {way!r} way failed: {e}") from None
             finally:
                 if progress is not None:
                     os.unlink(progress.name)

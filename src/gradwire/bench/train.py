@@ -6,9 +6,9 @@ A microbenchmark is not the workload: here a model with layers of mixed sizes (a
 - `optimizer`: gradwire's DistributedOptimizer (Horovod's shape);
 - `hook`: torch's DistributedDataParallel with gradwire's comm hook (DDP's buckets through the summation servers);
 - `ddp`: torch's DistributedDataParallel over gloo, the peer;
-- `optimizer-onebit`, `optimizer-topk`: DistributedOptimizer with the servers' compressors (onebit, top-k 1%, error
-  feedback: docs/compression.md); `ddp-powersgd`: DDP over gloo with torch's PowerSGD hook (rank 2), the peer's own
-  compression.
+- `optimizer-onebit`, `optimizer-topk`, `optimizer-powersgd`: DistributedOptimizer with the servers' compressors
+  (onebit, top-k 1%, error feedback) and PowerSGD rank 2 through the servers (docs/compression.md); `ddp-powersgd`: DDP
+  over gloo with torch's PowerSGD hook (rank 2), the peer's own compression.
 Rank 0 prints one JSON line: every timed step's seconds, the samples per step, the parameter count, and gradwire's
 partition size at the start and at the end. With GRADWIRE_BENCH_PROGRESS set, rank 0 also writes its last finished
 step there (`gradwire bench --netem --train --drift` changes the links' rate once the warmup steps are done).
@@ -138,7 +138,11 @@ def _distributed(way: str) -> tuple:
     gw.init()
     rank, world = gw.rank(), gw.size()
     if way.startswith("optimizer"):
-        compression = {"optimizer-onebit": gw.Compression.onebit(), "optimizer-topk": gw.Compression.topk(0.01)}
+        compression = {
+            "optimizer-onebit": gw.Compression.onebit(),
+            "optimizer-topk": gw.Compression.topk(0.01),
+            "optimizer-powersgd": gw.Compression.powersgd(rank=2, start_iter=2),  # as the ddp-powersgd way
+        }
         named = net.named_parameters()
         return (
             net,

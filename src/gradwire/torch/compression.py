@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from gradwire import compression as _servers
 
+from .powersgd import PowerSGD
+
 
 class Compressor:
     """The identity: the tensor travels as it is."""
@@ -55,3 +57,4 @@ class Compression:
     topk = staticmethod(_servers.topk)
     randomk = staticmethod(_servers.randomk)
     dithering = staticmethod(_servers.dithering)
+    powersgd = PowerSGD

@@ -18,6 +18,7 @@ from gradwire import compression as _servers
 from gradwire.worker import Handle, Worker
 
 from .compression import Compression, Compressor
+from .powersgd import PowerSGD
 
 _SUPPORTED = {
     torch.float16,
@@ -121,6 +122,13 @@ def push_pull_async(
     """
     worker = worker or gradwire.current_worker()
     source = tensor.detach()
+    if isinstance(compression, PowerSGD):
+        if compression.applies(source, op, members) and name is not None:
+            output = tensor if inplace else torch.empty_like(tensor, memory_format=torch.contiguous_format)
+            call = compression.push_pull_async(source, output, average, name, priority, worker)
+            if call is not None:
+                return call  # type: ignore[return-value]
+        compression = Compression.none  # vectors, small matrices, and the first steps: a plain sum
     servers = _servers.args_of(compression)  # a compressor the servers run: the worker encodes each partition
     if servers is None and isinstance(compression, dict):  # BytePS's spelling, naming no compressor
         compression = Compression.none
