@@ -2,9 +2,11 @@
 
 Three ways: the state built on the inner module (each bucket pushed whole), on the DDP module (gradients pushed as
 backward produces them, once DDP's layout is steady), and the DDP module with `find_unused_parameters` and a branch
-some ranks skip. Steps 6 and 7 accumulate under `no_sync()`."""
+some ranks skip. Steps 6 and 7 accumulate under `no_sync()`. Then the hook with a compressor the servers run (onebit):
+every rank's parameters identical, and moved."""
 
 import copy
+import os
 import sys
 
 import torch.distributed as dist
@@ -15,6 +17,7 @@ import gradwire.torch as gwt
 import torch
 
 torch.set_num_threads(1)
+os.environ["GRADWIRE_COMPRESSION_MIN_BYTES"] = "0"  # this model's buckets are small: compress them all the same
 gwt.init()
 dist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}", rank=gwt.rank(), world_size=gwt.size())
 
@@ -38,8 +41,9 @@ base = Net()
 def train(kind: str, state_on: str, unused: bool) -> torch.nn.Module:
     model = DDP(copy.deepcopy(base), bucket_cap_mb=0.001, find_unused_parameters=unused)  # several buckets
     state = None
-    if kind == "gradwire":
-        state = gwt.PushPullHookState(model if state_on == "ddp" else model.module)
+    if kind.startswith("gradwire"):
+        compression = gwt.Compression.onebit() if kind == "gradwire-onebit" else gwt.Compression.none
+        state = gwt.PushPullHookState(model if state_on == "ddp" else model.module, compression=compression)
         model.register_comm_hook(state, gwt.push_pull_hook)
     else:
         model.register_comm_hook(dist.group.WORLD, default_hooks.allreduce_hook)
@@ -66,5 +70,11 @@ for state_on, unused in (("module", False), ("ddp", False), ("ddp", True)):
     for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, s=state_on, u=unused: f"{s} {u}: {m}")
 print("DDP-HOOK-MATCH", flush=True)
+packed = torch.cat([p.detach().reshape(-1) for p in train("gradwire-onebit", "ddp", False).parameters()])
+every = [torch.empty_like(packed) for _ in range(gwt.size())]
+dist.all_gather(every, packed)
+assert all(torch.equal(every[0], other) for other in every), "compressed: ranks differ"
+assert not torch.equal(packed, torch.cat([p.detach().reshape(-1) for p in base.parameters()]))
+print("DDP-HOOK-COMPRESSED-IDENTICAL", flush=True)
 dist.destroy_process_group()
 gwt.shutdown()

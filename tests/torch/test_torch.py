@@ -173,6 +173,7 @@ def test_ddp_hook_matches_allreduce_hook(tmp_path):
     result = launch(2, 1, str(ROOT / "tests" / "torch" / "ddp_job.py"), str(tmp_path / "store"), timeout=120)
     assert result.code == 0, result.output
     assert len(result.lines("[worker 0] DDP-HOOK-MATCH")) == 1, result.output
+    assert len(result.lines("[worker 1] DDP-HOOK-COMPRESSED-IDENTICAL")) == 1, result.output
 
 
 def test_small_gradients_are_fused_and_results_unchanged(cluster):

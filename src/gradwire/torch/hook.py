@@ -31,6 +31,7 @@ from .compression import Compression, Compressor
 from .fusion import FusionGroup
 from .gradients import GradientSync
 from .ops import TorchHandle, push_pull_async
+from .powersgd import PowerSGD
 
 
 class PushPullHookState:
@@ -46,6 +47,11 @@ class PushPullHookState:
         worker: "Worker | None" = None,
         overlap: bool = True,
     ) -> None:
+        if isinstance(compression, PowerSGD):
+            raise ValueError(
+                "PowerSGD needs each gradient's matrix, which DDP's flat buckets do not keep: use gradwire's "
+                "DistributedOptimizer with Compression.powersgd(), or torch's own powerSGD_hook in place of this hook"
+            )
         named = list(model.named_parameters())
         self.names = {id(p): n for n, p in named}
         self.params = [p for _, p in named]
