@@ -86,6 +86,9 @@ def test_blocks_no_encoder_makes_are_refused():
     topk[:4].view(np.int32)[0] = 100  # index past the partition
     with pytest.raises(TensorError, match="outside"):
         compression.TopK(10).decode(topk, out, 1, 1, add=False)
+    repeated = np.zeros(80, np.uint8)  # index 0 ten times: a forged block would add one element many times
+    with pytest.raises(TensorError, match="unsorted"):
+        compression.TopK(10).decode(repeated, out, 1, 1, add=False)
     onebit = np.zeros(compression.OneBit(True).wire_bytes(100), np.uint8)
     onebit[:4].view(np.float32)[0] = np.nan
     with pytest.raises(TensorError, match="scale"):
@@ -161,3 +164,19 @@ def test_byteps_spelling():
     assert user.from_byteps(dither).args == user.dithering(15, "natural", "l2").args
     with pytest.raises(ValueError, match="gradwire runs"):
         user.from_byteps({"compressor": "dgc"})
+
+
+@pytest.mark.parametrize("kind", ["normal", "mostly-zero", "constant", "few-nonzero"])
+def test_topk_selects_the_largest_whatever_ties(kind):
+    n, k = 200_000, 2000
+    x = _x(n)
+    if kind == "mostly-zero":
+        x[x < 2.5] = 0  # about 0.6% nonzero: fewer than k
+    elif kind == "constant":
+        x[:] = 1.0
+    elif kind == "few-nonzero":
+        x[:] = 0
+        x[::1000] = 3.0
+    index = compression._largest(np.abs(x), k)
+    assert len(index) == k and np.all(index[1:] > index[:-1])
+    assert np.sort(np.abs(x)[index])[0] >= np.sort(np.abs(x))[-k]  # no value left out is larger than one kept

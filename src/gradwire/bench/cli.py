@@ -103,12 +103,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a 1.2 GB tensor and a 0.35B-parameter transformer: first and steady calls, peak RSS per worker, against "
         "gloo and DDP",
     )
+    parser.add_argument(
+        "--accuracy",
+        action="store_true",
+        help="the digits CNN to the same epochs, uncompressed and with onebit, top-k 1%% and PowerSGD rank 2: test "
+        "accuracy per way (docs/compression.md)",
+    )
+    parser.add_argument("--accuracy-runs", type=int, default=4, help="with --accuracy: runs (seeds) per way")
     parser.add_argument("--large-elements", type=int, default=300_000_000, help="with --large: the tensor's elements")
     parser.add_argument("--calls", type=int, default=3, help="with --large: calls on the tensor")
     parser.add_argument(
         "--collective",
         default="allreduce",
-        choices=["allreduce", "allgather", "broadcast", "reducescatter"],
+        choices=[
+            "allreduce",
+            "allgather",
+            "broadcast",
+            "reducescatter",
+            *(f"allreduce-{m}" for m in ("onebit", "topk", "randomk", "dithering")),
+        ],
         help="what to time, against gloo's same collective (each rank ends with SIZE bytes; see bench/workers.py)",
     )
 
@@ -127,6 +140,10 @@ def run(args: argparse.Namespace) -> int:
         from gradwire.bench.large import run_large
 
         return run_large(args)
+    if args.accuracy:
+        from gradwire.bench.accuracy import run_accuracy
+
+        return run_accuracy(args)
     if args.ps:
         from gradwire.bench.ps import run_ps
 

@@ -19,7 +19,7 @@ import sys
 MiB = 1 << 20
 
 
-def _launch(n: int, k: int, task: list[str], env: dict[str, str] | None = None) -> tuple[dict, list[dict]]:
+def launch_task(n: int, k: int, task: list[str], env: dict[str, str] | None = None) -> tuple[dict, list[dict]]:
     cmd = [sys.executable, "-m", "gradwire", "launch", "-n", str(n), "-s", str(k), "--"]
     cmd += [sys.executable, "-m", "gradwire.bench.ps_worker", *task]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=os.environ | (env or {}))
@@ -37,7 +37,7 @@ def run_ps(args: argparse.Namespace) -> int:
     print("worker memory, a 25M-parameter MLP with Adam (peak RSS, the largest over the workers):")
     peaks = {}
     for mode in ("local", "server"):
-        summary, rss = _launch(n, k, ["memory", "--mode", mode])
+        summary, rss = launch_task(n, k, ["memory", "--mode", mode])
         peaks[mode] = max(r["peak_rss"] for r in rss)
         print(
             f"  {mode:6s}  peak RSS {peaks[mode] / MiB:7.0f} MiB   optimizer state on the worker "
@@ -58,7 +58,7 @@ def run_ps(args: argparse.Namespace) -> int:
     ]
     for name, mode, staleness, slow, env, runs in ways:
         task = ["digits", "--mode", mode, "--staleness", str(staleness), "--slow-ms", str(slow)]
-        found = [_launch(n, k, [*task, "--epochs", str(args.epochs)], env)[0] for _ in range(runs)]
+        found = [launch_task(n, k, [*task, "--epochs", str(args.epochs)], env)[0] for _ in range(runs)]
         accuracy = [r["test_accuracy"] for r in found]
         seconds = statistics.median(r["seconds"] for r in found)
         spread = f" (runs: {', '.join(f'{a:.3f}' for a in accuracy)})" if runs > 1 else ""

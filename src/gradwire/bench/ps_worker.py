@@ -2,6 +2,7 @@
 
     python -m gradwire.bench.ps_worker memory --mode server     # a 25M-parameter MLP with Adam; prints peak RSS
     python -m gradwire.bench.ps_worker digits --mode server --staleness 2 --slow-ms 20
+    python -m gradwire.bench.ps_worker digits --mode local --compression onebit --seed 3   # gradwire bench --accuracy
 
 Rank 0 prints one line `PS {json}`; every rank prints `RSS {json}` in the memory task.
 """
@@ -16,13 +17,24 @@ import time
 import gradwire.torch as gw
 import torch
 
+# `--compression`: DistributedOptimizer's compressor (docs/compression.md), as `gradwire bench --accuracy` compares them
+COMPRESSORS = {
+    "none": lambda: gw.Compression.none,
+    "onebit": gw.Compression.onebit,
+    "topk": lambda: gw.Compression.topk(0.01),
+    "powersgd": lambda: gw.Compression.powersgd(rank=2),
+}
 
-def _optimizer(model: torch.nn.Module, mode: str, name: str, staleness: int, **hyper: float) -> torch.optim.Optimizer:
+
+def _optimizer(
+    model: torch.nn.Module, mode: str, name: str, staleness: int, compression: str = "none", **hyper: float
+) -> torch.optim.Optimizer:
     if mode == "server":
         return gw.ServerOptimizer(model, name, staleness=staleness, **hyper)
     cls = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}[name]
     gw.broadcast_parameters(model.state_dict(), root_rank=0)
-    return gw.DistributedOptimizer(cls(model.parameters(), **hyper), named_parameters=model.named_parameters())
+    named, compressor = model.named_parameters(), COMPRESSORS[compression]()
+    return gw.DistributedOptimizer(cls(model.parameters(), **hyper), named_parameters=named, compression=compressor)
 
 
 def memory(args: argparse.Namespace) -> None:
@@ -60,16 +72,16 @@ def digits(args: argparse.Namespace) -> None:
     x = torch.tensor(digits_data.images, dtype=torch.float32).unsqueeze(1) / 16.0
     y = torch.tensor(digits_data.target)
     x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     model = torch.nn.Sequential(
         torch.nn.Conv2d(1, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(32, 64, 3, padding=1), torch.nn.ReLU(),
         torch.nn.MaxPool2d(2), torch.nn.Flatten(), torch.nn.Linear(64 * 4 * 4, 128), torch.nn.ReLU(),
         torch.nn.Linear(128, 10),
     )  # fmt: skip
     rank, size = gw.rank(), gw.size()
-    optimizer = _optimizer(model, args.mode, "sgd", args.staleness, lr=0.05, momentum=args.momentum)
+    optimizer = _optimizer(model, args.mode, "sgd", args.staleness, args.compression, lr=0.05, momentum=args.momentum)
     xs, ys = x_train[rank::size], y_train[rank::size]
-    g = torch.Generator().manual_seed(rank)
+    g = torch.Generator().manual_seed(rank + 1000 * args.seed)
     steps = len(xs) // 32
     start = time.perf_counter()
     for _ in range(args.epochs):
@@ -93,6 +105,8 @@ def digits(args: argparse.Namespace) -> None:
             "staleness": args.staleness,
             "slow_ms": args.slow_ms,
             "momentum": args.momentum,
+            "compression": args.compression,
+            "seed": args.seed,
             "test_accuracy": accuracy,
             "seconds": seconds,
             "steps_per_s": steps * args.epochs / seconds,
@@ -109,6 +123,8 @@ def main() -> None:
     p.add_argument("--staleness", type=int, default=0)
     p.add_argument("--slow-ms", type=float, default=0.0)
     p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--compression", choices=sorted(COMPRESSORS), default="none")
+    p.add_argument("--seed", type=int, default=0, help="the model's initialisation and the data's order")
     args = p.parse_args()
     torch.set_num_threads(1)
     gw.init()

@@ -105,6 +105,10 @@ def main(way: str, steps: int, warmup: int) -> None:
         row |= {"partition_bytes": partitions, "derived_again": data_path.get("derived_again"), "recut_steps": recuts}
         print(json.dumps(row))
         sys.stdout.flush()
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # (a gloo group left to the interpreter's exit may abort the process on its threads)
+        dist.destroy_process_group()
     if not way.startswith("ddp"):
         import gradwire.torch as gw
 

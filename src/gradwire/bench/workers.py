@@ -20,6 +20,7 @@ import time
 import numpy as np
 
 COLLECTIVE = os.environ.get("GRADWIRE_BENCH_COLLECTIVE", "allreduce")
+COMPRESSED = COLLECTIVE.split("-", 1)[1] if COLLECTIVE.startswith("allreduce-") else None
 
 
 def run_gradwire(sizes: list[int], repeats: int, warmup: int) -> None:
@@ -28,6 +29,7 @@ def run_gradwire(sizes: list[int], repeats: int, warmup: int) -> None:
 
     gw.init()
     worker, n = gw.current_worker(), gw.size()
+    compressor = getattr(gw.compression, COMPRESSED)() if COMPRESSED else None
     for nbytes in sizes:
         count = nbytes // 4 // n * n  # divisible by n: every rank's share is equal
         buf = np.empty(count, np.float32)
@@ -45,6 +47,9 @@ def run_gradwire(sizes: list[int], repeats: int, warmup: int) -> None:
             if COLLECTIVE == "allreduce":
                 gw.push_pull_inplace(buf, name)
                 check = buf[-1] == n
+            elif compressor is not None:
+                gw.push_pull_inplace(buf, name, compression=compressor)
+                check = bool(np.isfinite(buf).all()) and buf.max() > 0
             elif COLLECTIVE == "allgather":
                 out = worker.synchronize(collectives.allgather_async(worker, part, name))
                 check = out.size == count
@@ -88,7 +93,7 @@ def run_gloo(sizes: list[int], repeats: int, warmup: int) -> None:
                 span[0] = time.time()
             c0 = time.process_time()
             t0 = time.perf_counter()
-            if COLLECTIVE == "allreduce":
+            if COLLECTIVE.startswith("allreduce"):
                 dist.all_reduce(buf)
             elif COLLECTIVE == "allgather":
                 dist.all_gather(parts, parts[rank].clone())

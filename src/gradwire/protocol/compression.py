@@ -178,23 +178,43 @@ class TopK(Codec):
 
     def encode(self, x: np.ndarray, out: np.ndarray, key: int, rnd: int, who: int) -> None:
         n, k = len(x), _count(self.k, len(x))
-        if k < n:
-            index = np.argpartition(np.abs(x), n - k)[n - k :]
-            index.sort()
-        else:
-            index = np.arange(n)
+        index = _largest(np.abs(x), k) if k < n else np.arange(n)
         out[: 4 * k].view(np.int32)[:] = index
         out[4 * k :].view(np.float32)[:] = x[index]
 
     def decode(self, blob: np.ndarray, out: np.ndarray, key: int, rnd: int, add: bool) -> None:
         k = len(blob) // 8
         index = blob[: 4 * k].view(np.int32)
-        if k and (int(index.min()) < 0 or int(index.max()) >= len(out)):
-            raise TensorError(f"topk block of key {key:016x} has indices outside its {len(out)} elements")
+        # the encoder sends the indices sorted: strictly increasing and inside the partition, or the block is forged
+        if k and (int(index[0]) < 0 or int(index[-1]) >= len(out) or not bool(np.all(index[1:] > index[:-1]))):
+            raise TensorError(f"topk block of key {key:016x} has indices unsorted or outside its {len(out)} elements")
         if not add:
             out[:] = 0
-        # indices may repeat only in a forged block: np.add.at adds each, never drops one silently
-        np.add.at(out, index, blob[4 * k :].view(np.float32))
+        out[index] += blob[4 * k :].view(np.float32)
+
+
+def _largest(magnitude: np.ndarray, k: int) -> np.ndarray:
+    """The indices of the k largest values, sorted (ties at the boundary: the lowest indices). A threshold from a
+    strided sample (at twice k's share of it) splits the partition: the values above it, if k or more, hold the k
+    largest and are selected among; if fewer, the k largest are all of them and the first values equal to it. So a
+    selection runs over a few candidates, never over the partition, which is slow where many values tie (zeros of
+    unused embedding rows, dead units)."""
+    n = len(magnitude)
+    stride = max(1, n // 8192)
+    sample = magnitude[::stride]
+    above = min(len(sample), 2 * -(-k * len(sample) // n) + 1)
+    threshold = np.partition(sample, len(sample) - above)[len(sample) - above]
+    over = np.flatnonzero(magnitude > threshold)
+    if len(over) >= k:
+        index = over[np.argpartition(magnitude[over], len(over) - k)[len(over) - k :]]
+    else:
+        equal = np.flatnonzero(magnitude == threshold)[: k - len(over)]
+        if len(over) + len(equal) == k:
+            index = np.concatenate([over, equal])
+        else:  # fewer than k at or above the sample's threshold: select over everything
+            index = np.argpartition(magnitude, n - k)[n - k :]
+    index.sort()
+    return index
 
 
 @functools.lru_cache(maxsize=256)
@@ -237,6 +257,19 @@ class Dithering(Codec):
     def __init__(self, s: int, partition: str, norm: str, seed: int) -> None:
         self.s, self.natural, self.l2, self.seed = s, partition == "natural", norm == "l2", seed
         self.nibbles = s < 8  # a sign bit and 3 bits of code per element, two per byte
+        # decoding by table: each byte's value(s) as a fraction of the norm, and whether an encoder makes that byte
+        levels = self._levels()
+        codes = np.arange(256)
+        if self.nibbles:
+            halves = np.stack([codes & 0xF, codes >> 4], axis=1)  # low nibble first
+            magnitude, negative = halves & 7, halves >> 3
+            self._valid = (magnitude <= s).all(axis=1)
+        else:
+            signed = codes.astype(np.uint8).view(np.int8).astype(np.int64)
+            magnitude, negative = np.abs(signed), signed < 0
+            self._valid = magnitude <= s
+        fraction = levels[np.minimum(magnitude, s)]
+        self._table = np.where(negative, -fraction, fraction).astype(np.float32)
 
     def wire_bytes(self, n: int) -> int:
         return 4 + _pad4(-(-n // 2) if self.nibbles else n)
@@ -287,23 +320,14 @@ class Dithering(Codec):
         norm = blob[:4].view(np.float32)[0]
         if not np.isfinite(norm) or norm < 0:
             raise TensorError(f"dithering block of key {key:016x} has norm {norm}")
-        if self.nibbles:
-            packed = blob[4 : 4 + -(-n // 2)]
-            nibble = np.empty(2 * len(packed), np.uint8)
-            nibble[0::2], nibble[1::2] = packed & 0xF, packed >> 4
-            nibble = nibble[:n]
-            code, negative = nibble & 7, nibble >> 3
-        else:
-            signed = blob[4 : 4 + n].view(np.int8)
-            code, negative = np.abs(signed.astype(np.int16)), signed < 0
-        if n and int(code.max()) > self.s:
+        data = blob[4 : 4 + (-(-n // 2) if self.nibbles else n)]
+        if n and not bool(self._valid[data].all()):
             raise TensorError(f"dithering block of key {key:016x} has a code above its {self.s} levels")
-        values = self._levels()[code] * norm
-        np.negative(values, out=values, where=negative.astype(bool))
+        values = self._table[data].reshape(-1)[:n]  # nibbles: both halves of each byte, low first
         if add:
-            out += values
+            out += values * norm
         else:
-            out[:] = values
+            np.multiply(values, norm, out=out)
 
 
 def codec(args: dict) -> Codec:

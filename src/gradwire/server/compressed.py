@@ -14,8 +14,7 @@ import numpy as np
 
 from gradwire.errors import TensorError
 from gradwire.protocol import compression, dtypes
-from gradwire.server.ops import Reduce
-from gradwire.server.rounds import KeyState, Round
+from gradwire.server.rounds import KeyOp, KeyState, Round
 
 
 class _Held:
@@ -29,13 +28,13 @@ class _Held:
         self.scratch = np.empty(n, np.float32) if feedback else None
 
 
-class Compressed(Reduce):
-    """A sum of compressed contributions (a Reduce: a joined worker's zeros, an all-zero block, stand in for it)."""
+class Compressed(KeyOp):
+    """A sum of compressed contributions (a reduction: a joined worker's zeros, an all-zero block, stand in for it)."""
 
-    name = "compressed"  # type: ignore[assignment]
+    name = "compressed"
+    reduction = True
 
     def __init__(self, args: dict) -> None:
-        super().__init__("compressed", np.add)
         self.args = args
         self.codec = compression.codec(args)
 

@@ -284,7 +284,7 @@ class Engine:
         """The first contribution of round `r`: no rank stands in yet; joined workers (hvd.join) stand in only for a
         reduction."""
         r.virtual = 0
-        if self.joined & state.everyone and not isinstance(state.op, ops.Reduce):
+        if self.joined & state.everyone and not state.op.reduction:
             raise TensorMismatch(
                 f"{state.name!r}: worker(s) {_ranks(self.joined & state.everyone)} have joined (hvd.join): only "
                 "allreduce goes on without them (their contributions count as zeros)"
@@ -333,7 +333,7 @@ class Engine:
         if not mask:
             return
         for key, state in list(self.keys.items()):
-            if not isinstance(state.op, ops.Reduce):
+            if not state.op.reduction:
                 continue
             for r in state.rounds:
                 if state.unfinished(r) and not r.seeded:
@@ -371,7 +371,7 @@ class Engine:
     def _join_in(self, state: KeyState, r: Round) -> None:
         """Zeros for every joined member that has not pushed round `r`."""
         missing = self.joined & state.everyone & ~r.pushed
-        if not missing or not isinstance(state.op, ops.Reduce):
+        if not missing or not state.op.reduction:
             return
         zeros = self._zeros.get((state.dtype.code, state.length))
         if zeros is None:  # one per dtype and size, never written

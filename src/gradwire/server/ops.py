@@ -28,6 +28,8 @@ from gradwire.server.rounds import KeyOp, KeyState, Round
 class Reduce(KeyOp):
     """An elementwise reduction by a numpy ufunc."""
 
+    reduction = True
+
     def __init__(self, name: str, ufunc: np.ufunc) -> None:
         self.name = name  # type: ignore[misc]
         self.ufunc = ufunc

@@ -62,6 +62,7 @@ class KeyOp:
     trailer: ClassVar[int] = 0  # bytes each push carries after its data (per-push arguments; part of the key's length)
     intercepts: ClassVar[bool] = False  # `intercept` sees each push first
     asynchronous: bool = False  # pushes are not gathered into rounds (no staging: they go through the ring)
+    reduction: ClassVar[bool] = False  # elementwise: a joined worker's zeros may stand in for its contribution
 
     def lengths(self, nbytes: int, itemsize: int) -> tuple[int, int]:
         """For a key of `nbytes` bytes of data: the bytes each push carries, and the accumulator's elements (a

@@ -12,7 +12,6 @@ from typing import Protocol
 
 import numpy as np
 
-from gradwire import compression as _user
 from gradwire.errors import GradwireError, GradwireTimeout, JobAborted, TensorError
 from gradwire.protocol import compression as codecs
 from gradwire.protocol import messages, update
@@ -129,7 +128,7 @@ class Calls:
         compressor's arguments, which every worker must pass alike. Not through local aggregation: the blocks are
         what travels, and a host's workers would each encode anyway."""
         try:
-            args = codecs.check_args(_user.args_of(compression) or compression)
+            args = codecs.check_args(getattr(compression, "args", compression))  # a Compressor, or its arguments
         except ValueError as e:
             raise TensorError(f"worker {self.rank}: push_pull of {name!r}: {e}", tensor=name, rank=self.rank) from None
         tensor = self.declaring.declare(
