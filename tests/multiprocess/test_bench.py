@@ -9,35 +9,23 @@ from tests.multiprocess.harness import ROOT
 pytestmark = pytest.mark.multiprocess
 
 
-def test_bench_json_has_both_systems_and_the_documented_fields():
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gradwire",
-            "bench",
-            "-n",
-            "2",
-            "-s",
-            "1",
-            "--sizes",
-            "0.25",
-            "--rounds",
-            "1",
-            "--repeats",
-            "2",
-            "--warmup",
-            "1",
-            "--json",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+def _bench(*extra: str) -> list[dict]:
+    argv = [sys.executable, "-m", "gradwire", "bench", "-n", "2", "-s", "1", "--sizes", "0.25", "--rounds", "1"]
+    argv += ["--repeats", "2", "--warmup", "1", "--json", *extra]
+    out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr
-    records = [json.loads(line) for line in out.stdout.splitlines()]
+    return [json.loads(line) for line in out.stdout.splitlines()]
+
+
+def test_bench_json_has_both_systems_and_the_documented_fields():
+    records = _bench()
     assert {r["system"] for r in records} == {"gradwire", "gradwire-tcp", "gloo"}
     for r in records:
         assert {"system", "workers", "servers", "bytes", "seconds_median"} <= r.keys()
         assert r["workers"] == 2 and r["bytes"] == 1 << 18 and r["seconds_median"] > 0
+
+
+def test_bench_times_a_compressed_allreduce_against_gloos_plain_one():
+    records = _bench("--collective", "allreduce-onebit")
+    assert {r["system"] for r in records} == {"gradwire", "gradwire-tcp", "gloo"}
+    assert all(r["seconds_median"] > 0 for r in records)

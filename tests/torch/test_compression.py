@@ -147,3 +147,38 @@ def test_powersgd_sums_p_and_q_on_the_servers_and_rebuilds_the_average(cluster):
     results = run(cluster, worker)
     assert torch.equal(results[0], results[1])
     torch.testing.assert_close(results[0], sum(inputs) / N, rtol=1e-4, atol=1e-4)
+
+
+def test_byteps_ddp_and_cross_barrier_take_a_compressor(cluster):
+    """BytePS's module wrapper with compression=, and CrossBarrier over a compressed DistributedOptimizer: every
+    rank's parameters identical after every step, and moved."""
+    data = _data(6)
+    models = {way: [_model() for _ in range(N)] for way in ("ddp", "cross")}
+
+    def worker(rank, way):
+        model = models[way][rank]
+        if way == "ddp":
+            wrapped = gwt.parallel.DistributedDataParallel(model, compression=COMPRESSORS["onebit"])
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        else:
+            wrapped = model
+            opt = gwt.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), compression=COMPRESSORS["topk"]
+            )
+            opt = gwt.cross_barrier.CrossBarrier(model, opt, num_steps=len(data))
+        after = []
+        for x, y in data:
+            opt.zero_grad()
+            sl = slice(rank * 16, (rank + 1) * 16)
+            torch.nn.functional.cross_entropy(wrapped(x[sl]), y[sl]).backward()
+            opt.step()
+            if way == "cross":
+                opt.synchronize()
+            after.append(torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()]))
+        return after
+
+    start = torch.cat([p.detach().reshape(-1) for p in _model().parameters()])
+    for way in ("ddp", "cross"):
+        steps0, steps1 = run(cluster, lambda rank, way=way: worker(rank, way))
+        assert all(torch.equal(a, b) for a, b in zip(steps0, steps1, strict=True)), way
+        assert not torch.equal(steps0[-1], start), way

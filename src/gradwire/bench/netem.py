@@ -321,6 +321,7 @@ def _train_row(topo: Topology, way: str, rate: str, drift: tuple[str, str] | Non
         "step_seconds_all": row["times"],
         "samples_per_s": row["samples_per_step"] / median,
         "cpu_utilization": cpu,
+        "pushed_bytes_per_step": row.get("pushed_bytes_per_step"),  # rank 0's, gradwire's ways
     }
 
 
@@ -362,6 +363,10 @@ def _partitions(sizes: list | None) -> str:
     return kib[0] if kib[0] == kib[-1] else " -> ".join(kib)
 
 
+def _megabytes(nbytes: float | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / 1e6:.3f}"
+
+
 def train_table(results: list[dict]) -> str:
     """Markdown: per configuration and way, the step time, samples/s and the ratio to DDP over gloo."""
     lines = [
@@ -370,8 +375,8 @@ def train_table(results: list[dict]) -> str:
     ]
     powersgd = any("x_powersgd_samples_per_s" in r for r in results)
     if powersgd:
-        lines[0] += " x DDP+PowerSGD |"
-        lines[1] += "---:|"
+        lines[0] += " x DDP+PowerSGD | MB pushed per step (rank 0) |"
+        lines[1] += "---:|---:|"
     for r in results:
         lines.append(
             f"| {_layout(r)} | {_servers(r)} | {_rates(r)} | {r['way']} "

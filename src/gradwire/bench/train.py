@@ -73,6 +73,15 @@ def _data_path(way: str) -> dict:
     return gradwire.current_worker().status()["data_path"]
 
 
+def _pushed(way: str) -> int:
+    """The bytes this worker has pushed so far (gradwire's metrics; 0 for DDP)."""
+    if way.startswith("ddp"):
+        return 0
+    import gradwire
+
+    return gradwire.current_worker().state.metrics.bytes_pushed
+
+
 def main(way: str, steps: int, warmup: int) -> None:
     import torch.nn.functional as F
 
@@ -84,7 +93,10 @@ def main(way: str, steps: int, warmup: int) -> None:
     times = []
     partitions = [_data_path(way).get("partition_bytes")]
     starts = []  # each step's wall-clock start: the step a re-cut came in
+    pushed = 0  # bytes this worker pushed in the timed steps (gradwire's ways)
     for step in range(warmup + steps):
+        if step == warmup:
+            pushed = -_pushed(way)
         x, y = torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
         t0 = time.perf_counter()
         starts.append(time.time())
@@ -96,6 +108,7 @@ def main(way: str, steps: int, warmup: int) -> None:
         if rank == 0 and os.environ.get("GRADWIRE_BENCH_PROGRESS"):
             with open(os.environ["GRADWIRE_BENCH_PROGRESS"], "w") as f:
                 f.write(str(step + 1))
+    pushed += _pushed(way)
     params = sum(p.numel() for p in net.parameters())
     data_path = _data_path(way)
     partitions.append(data_path.get("partition_bytes"))
@@ -103,6 +116,8 @@ def main(way: str, steps: int, warmup: int) -> None:
         row = {"way": way, "times": times, "samples_per_step": BATCH * world, "parameters": params}
         recuts = [bisect.bisect(starts, r["at"]) - 1 for r in data_path.get("recuts") or []]
         row |= {"partition_bytes": partitions, "derived_again": data_path.get("derived_again"), "recut_steps": recuts}
+        if not way.startswith("ddp"):
+            row["pushed_bytes_per_step"] = pushed / max(1, steps)
         print(json.dumps(row))
         sys.stdout.flush()
     import torch.distributed as dist
