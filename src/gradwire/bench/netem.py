@@ -384,9 +384,9 @@ def train_table(results: list[dict]) -> str:
             f"| {r['step_seconds_median']:.2f} | {r['samples_per_s']:.1f} "
             f"| {r['x_ddp_samples_per_s']:.2f}x | {r['cpu_utilization']:.0%} |"
             + (
-                f" {r['x_powersgd_samples_per_s']:.2f}x |"
-                if "x_powersgd_samples_per_s" in r
-                else (" |" if powersgd else "")
+                f" {r['x_powersgd_samples_per_s']:.2f}x | {_megabytes(r.get('pushed_bytes_per_step'))} |"
+                if powersgd
+                else ""
             )
         )
     return "\n".join(lines)

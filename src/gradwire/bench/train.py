@@ -122,12 +122,16 @@ def main(way: str, steps: int, warmup: int) -> None:
         sys.stdout.flush()
     import torch.distributed as dist
 
-    if dist.is_initialized():  # (a gloo group left to the interpreter's exit may abort the process on its threads)
-        dist.destroy_process_group()
     if not way.startswith("ddp"):
         import gradwire.torch as gw
 
         gw.shutdown()
+    if dist.is_initialized():
+        # gloo's threads (PowerSGD's hook chains its callbacks on them) abort the process when the group is destroyed,
+        # or left to the interpreter's exit, while one of them is still winding down: the job is done, so end at once
+        dist.barrier()
+        sys.stdout.flush()
+        os._exit(0)
 
 
 def _distributed(way: str) -> tuple:
