@@ -67,6 +67,9 @@ class Config:
     failover_copy_bytes: int = 256 * MiB
     # tensors smaller than this travel uncompressed whatever compressor is asked for (BytePS's threshold)
     compression_min_bytes: int = 64 * KiB
+    # the compressor DistributedOptimizer and the DDP wrappers use where none is passed ("": none), and its k
+    compressor: str = ""
+    compressor_k: float = 0.01
     num_standby: int = 0
     standby: bool = False
     min_workers: int = 0
@@ -165,6 +168,11 @@ class Config:
             )
         if ":" not in self.scheduler:
             raise ConfigError(f"GRADWIRE_SCHEDULER must be host:port, got {self.scheduler!r}")
+        if self.compressor not in ("", "none", "onebit", "topk", "randomk", "dithering", "powersgd"):
+            raise ConfigError(
+                "GRADWIRE_COMPRESSOR must be onebit, topk, randomk, dithering, powersgd or empty, "
+                f"got {self.compressor!r}"
+            )
         if self.compression_min_bytes < 0:
             raise ConfigError(f"GRADWIRE_COMPRESSION_MIN_BYTES must be >= 0, got {self.compression_min_bytes}")
         if self.failover_copy_bytes < 0:

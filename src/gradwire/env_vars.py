@@ -210,6 +210,21 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "dead server aborts the job, no copies)",
     ),
     EnvVar(
+        "GRADWIRE_COMPRESSOR",
+        "compressor",
+        ("BYTEPS_COMPRESSOR",),
+        "the compressor of DistributedOptimizer and the DDP wrappers where the code passes none: onebit, topk, "
+        "randomk, dithering or powersgd, with their defaults and GRADWIRE_COMPRESSOR_K (docs/compression.md); "
+        "empty: none",
+    ),
+    EnvVar(
+        "GRADWIRE_COMPRESSOR_K",
+        "compressor_k",
+        ("BYTEPS_COMPRESSOR_K",),
+        "with GRADWIRE_COMPRESSOR: topk's and randomk's k (a fraction, or a count per partition), dithering's levels, "
+        "powersgd's rank",
+    ),
+    EnvVar(
         "GRADWIRE_COMPRESSION_MIN_BYTES",
         "compression_min_bytes",
         ("BYTEPS_MIN_COMPRESS_BYTES",),

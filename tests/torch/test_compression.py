@@ -5,6 +5,7 @@ follows the learning rate."""
 
 import pytest
 
+import gradwire
 import gradwire.torch as gwt
 import torch
 from tests.torch.inprocess import N, run
@@ -182,3 +183,29 @@ def test_byteps_ddp_and_cross_barrier_take_a_compressor(cluster):
         steps0, steps1 = run(cluster, lambda rank, way=way: worker(rank, way))
         assert all(torch.equal(a, b) for a, b in zip(steps0, steps1, strict=True)), way
         assert not torch.equal(steps0[-1], start), way
+
+
+@pytest.mark.parametrize("name,k,expect", [("topk", 0.05, "compressed"), ("powersgd", 2, "sum"), ("", 0.01, "sum")])
+def test_gradwire_compressor_names_the_default_compressor(name, k, expect):
+    """GRADWIRE_COMPRESSOR (BytePS's BYTEPS_COMPRESSOR) and _K: DistributedOptimizer's compressor where the code
+    names none (PowerSGD's sums of P and Q are plain sums, as no compressor's are)."""
+    from gradwire.testing import LocalCluster
+
+    with LocalCluster(num_workers=N, num_servers=1, compressor=name, compressor_k=k) as c:
+        models = [_model() for _ in range(N)]
+
+        def worker(rank):
+            model = models[rank]
+            opt = gwt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+            for x, y in _data(3):
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(x[:16]), y[:16]).backward()
+                opt.step()
+            return {t.user_name: t.signature.key_op for t in gradwire.current_worker().table.tensors.values()}
+
+        ops = run(c, worker)[0]
+    assert ops["grad.0.weight"] == expect  # the 64 x 512 layer (128 KiB): compressed unless PowerSGD or none
+    if name == "powersgd":  # its first steps are plain sums: what counts them is the one PowerSGD of that setting
+        from gradwire.torch.compression import _named
+
+        assert any(s.steps == 3 for s in _named("powersgd", k)._tensors.values())

@@ -9,6 +9,9 @@ partitions are encoded on their way to the servers, which decode, sum and encode
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import torch
 from gradwire import compression as _servers
 
@@ -45,6 +48,32 @@ class BF16Compressor(Compressor):
     """Float tensors travel as bfloat16 (half the bytes, float32's range, 8 bits of mantissa)."""
 
     wire_dtype = torch.bfloat16
+
+
+class DefaultCompressor(NoneCompressor):
+    """What DistributedOptimizer and the DDP wrappers get where the code names no compressor: GRADWIRE_COMPRESSOR's
+    (BytePS's BYTEPS_COMPRESSOR), once the worker's settings are known (`configured`), else none."""
+
+
+def configured(compression: object, config: Any) -> object:
+    """`compression`, or for the default the compressor GRADWIRE_COMPRESSOR and GRADWIRE_COMPRESSOR_K name."""
+    if compression is not DefaultCompressor:
+        return compression
+    return _named(config.compressor, config.compressor_k)
+
+
+@functools.lru_cache(maxsize=16)
+def _named(name: str, k: float) -> object:
+    """One compressor per setting (PowerSGD keeps its tensors' state in it, by worker and tensor)."""
+    if name in ("", "none"):
+        return NoneCompressor
+    if name == "powersgd":
+        return PowerSGD(rank=int(k) if k >= 1 else 2)
+    if name in ("topk", "randomk"):
+        return getattr(_servers, name)(int(k) if k >= 1 else k)
+    if name == "dithering":
+        return _servers.dithering(s=int(k) if k >= 1 else 7)
+    return _servers.onebit()
 
 
 class Compression:

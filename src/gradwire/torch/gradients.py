@@ -19,7 +19,7 @@ from gradwire.worker import Worker
 
 from . import fusion
 from .collectives import Average, Sum
-from .compression import Compressor
+from .compression import Compressor, configured
 from .exchange import sparse_allreduce_async
 from .ops import TorchHandle, push_pull_async
 
@@ -133,7 +133,7 @@ class GradientSync:
             self.average,
             f"{self.prefix}{name}",
             priority,
-            self.compression,
+            configured(self.compression, self.worker.state.config),
             worker=self.worker,
             members=self.members,
         )

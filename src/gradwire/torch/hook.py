@@ -27,7 +27,7 @@ import torch
 from gradwire.errors import TensorError
 from gradwire.worker import Worker
 
-from .compression import Compression, Compressor
+from .compression import Compressor, DefaultCompressor, configured
 from .fusion import FusionGroup
 from .gradients import GradientSync
 from .ops import TorchHandle, push_pull_async
@@ -43,7 +43,7 @@ class PushPullHookState:
     def __init__(
         self,
         model: torch.nn.Module,
-        compression: type[Compressor] = Compression.none,
+        compression: type[Compressor] = DefaultCompressor,
         worker: "Worker | None" = None,
         overlap: bool = True,
     ) -> None:
@@ -118,7 +118,11 @@ def push_pull_hook(state: PushPullHookState, bucket: dist.GradBucket) -> torch.f
     buffer = bucket.buffer()
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     handle = push_pull_async(
-        buffer, average=True, name=f"ddp.{digest}", compression=state.compression, worker=state.worker
+        buffer,
+        average=True,
+        name=f"ddp.{digest}",
+        compression=configured(state.compression, state.worker.state.config),
+        worker=state.worker,
     )
 
     def complete(_: object) -> None:

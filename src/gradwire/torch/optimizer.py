@@ -17,7 +17,7 @@ from gradwire import compression as _servers
 from gradwire.errors import TensorError
 
 from .collectives import Average, Sum
-from .compression import Compression, Compressor
+from .compression import Compressor, DefaultCompressor, configured
 from .gradients import GradientSync
 
 STEP_AFTER_SYNCHRONIZE = (
@@ -66,7 +66,7 @@ class _DistributedOptimizer:
         )
         self._synchronized = False
         self._skip = False
-        self._feedback = bool(getattr(compression, "args", {}).get("ef"))  # residuals to rescale as the lr changes
+        self._feedback: bool | None = None  # residuals to rescale as the lr changes (known once the worker is)
         self._lr: float | None = None
 
     def _follow_lr(self) -> None:
@@ -108,6 +108,9 @@ class _DistributedOptimizer:
         elif not self._synchronized:
             raise TensorError("step() inside skip_synchronize() without a synchronize() call first")
         self._synchronized = False
+        if self._feedback is None:
+            compressor = configured(self._sync.compression, self._sync.worker.state.config)
+            self._feedback = bool(getattr(compressor, "args", {}).get("ef"))
         if self._feedback:
             self._follow_lr()
         return super().step(closure)  # type: ignore[misc]
@@ -156,7 +159,7 @@ class _SkipSynchronize:
 def DistributedOptimizer(  # noqa: N802 - Horovod's name
     optimizer: torch.optim.Optimizer,
     named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
-    compression: type[Compressor] = Compression.none,
+    compression: type[Compressor] = DefaultCompressor,
     backward_passes_per_step: int = 1,
     op: str = Average,
     gradient_predivide_factor: float = 1.0,

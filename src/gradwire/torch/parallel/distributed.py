@@ -24,7 +24,7 @@ import gradwire
 import torch
 
 from ..broadcast import broadcast_parameters
-from ..compression import Compression, Compressor
+from ..compression import Compressor, DefaultCompressor
 from ..gradients import GradientSync
 
 
@@ -37,7 +37,7 @@ class DistributedDataParallel(torch.nn.Module):
         module: torch.nn.Module,
         device_ids: list[Any] | None = None,
         broadcast_buffers: bool = True,
-        compression: type[Compressor] = Compression.none,
+        compression: type[Compressor] = DefaultCompressor,
     ) -> None:
         super().__init__()
         if device_ids is not None and len(device_ids) != 1:
