@@ -13,11 +13,24 @@ from typing import Any
 from gradwire.protocol import compression
 
 
-class Compressor:
-    """A compressor the servers understand: its checked arguments (`args`). As a torch compressor it leaves the
-    tensor as it is (`compress`, `decompress`): the partitions are encoded on their way to the servers."""
+class Passthrough:
+    """A compressor that leaves the tensor as it is in Horovod's shape (`compress`, `decompress`): what it does
+    happens on the way to the servers (these) or in sums of its own (PowerSGD)."""
 
     wire_dtype = None
+
+    @staticmethod
+    def compress(tensor: Any) -> tuple[Any, Any]:
+        return tensor, getattr(tensor, "dtype", None)
+
+    @staticmethod
+    def decompress(tensor: Any, ctx: Any) -> Any:
+        return tensor
+
+
+class Compressor(Passthrough):
+    """A compressor the servers understand: its checked arguments (`args`); the partitions are encoded on their way
+    to the servers."""
 
     def __init__(self, **args: Any) -> None:
         try:
@@ -34,14 +47,6 @@ class Compressor:
 
     def __hash__(self) -> int:
         return hash(compression.encode_args(self.args))
-
-    @staticmethod
-    def compress(tensor: Any) -> tuple[Any, Any]:
-        return tensor, getattr(tensor, "dtype", None)
-
-    @staticmethod
-    def decompress(tensor: Any, ctx: Any) -> Any:
-        return tensor
 
 
 def onebit(scaling: bool = True, ef: bool = True, momentum: float = 0.0) -> Compressor:

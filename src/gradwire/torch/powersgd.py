@@ -20,15 +20,14 @@ import zlib
 from typing import Any
 
 import torch
+from gradwire.compression import Passthrough
 from gradwire.errors import GradwireError, GradwireTimeout
 from gradwire.worker import Handle, Worker
 
 
-class PowerSGD:
+class PowerSGD(Passthrough):
     """`Compression.powersgd(rank=2, start_iter=10, warm_start=True, min_compression_rate=2)`: the compressor (and its
     per-tensor state: Q, the residual and the step count, by worker and tensor name)."""
-
-    wire_dtype = None
 
     def __init__(
         self, rank: int = 2, start_iter: int = 10, warm_start: bool = True, min_compression_rate: float = 2.0
@@ -45,14 +44,6 @@ class PowerSGD:
 
     def __repr__(self) -> str:
         return f"powersgd(rank={self.rank}, start_iter={self.start_iter}, warm_start={self.warm_start})"
-
-    @staticmethod
-    def compress(tensor: Any) -> tuple[Any, Any]:
-        return tensor, getattr(tensor, "dtype", None)
-
-    @staticmethod
-    def decompress(tensor: Any, ctx: Any) -> Any:
-        return tensor
 
     def applies(self, tensor: torch.Tensor, op: str, members: list[int] | None) -> bool:
         """A float32 matrix (or more dimensions) of a sum that rank r shrinks enough; else a plain sum."""

@@ -13,7 +13,6 @@ from typing import Protocol
 import numpy as np
 
 from gradwire.errors import GradwireError, GradwireTimeout, JobAborted, TensorError
-from gradwire.protocol import compression as codecs
 from gradwire.protocol import messages, update
 from gradwire.worker.compressing import CompressedTransfer, Compressing
 from gradwire.worker.control import Control
@@ -100,7 +99,7 @@ class Calls:
                 tensor=name,
                 rank=self.rank,
             )
-        if compression is not None and self._compressible(src, op, dtype):
+        if compression is not None and self.compressing.applies(src, op, dtype):
             return self._push_pull_compressed(src, name, average, priority, out, members, compression)
         if self.aggregation is not None and self.aggregation.applies(src, op, members):
             return self.aggregation.push_pull_async(src, name, average, priority, out, dtype, op)
@@ -108,11 +107,6 @@ class Calls:
         return self.launch(
             tensor, out, Transfer(src.reshape(-1), 0, out.reshape(-1), 0, self._divisor(average, members), priority)
         )
-
-    def _compressible(self, src: np.ndarray, op: str, dtype: object) -> bool:
-        """A compressor applies: a float32 sum large enough to gain (GRADWIRE_COMPRESSION_MIN_BYTES)."""
-        wire = np.dtype(dtype) if dtype is not None and dtype != "bfloat16" else src.dtype
-        return op == "sum" and wire == np.float32 and src.nbytes >= self.state.config.compression_min_bytes
 
     def _push_pull_compressed(
         self,
@@ -127,33 +121,15 @@ class Calls:
         """A sum of compressed partitions (worker/compressing.py): declared as the `compressed` operation with the
         compressor's arguments, which every worker must pass alike. Not through local aggregation: the blocks are
         what travels, and a host's workers would each encode anyway."""
-        try:
-            args = codecs.check_args(getattr(compression, "args", compression))  # a Compressor, or its arguments
-        except ValueError as e:
-            raise TensorError(f"worker {self.rank}: push_pull of {name!r}: {e}", tensor=name, rank=self.rank) from None
+        args = self.compressing.arguments(compression, name)
+        cut = self.compressing.partition_bytes(args)
         tensor = self.declaring.declare(
-            name,
-            src.shape,
-            np.float32,
-            "compressed",
-            wait=False,
-            members=members,
-            op_args=args,
-            partition_bytes=self._compressed_partition_bytes(args),
+            name, src.shape, np.float32, "compressed", wait=False, members=members, op_args=args, partition_bytes=cut
         )
         divisor = self._divisor(average, members)
         flat, result = src.reshape(-1), out.reshape(-1)
         transfer = CompressedTransfer(flat, 0, result, 0, divisor, priority, args=args, store=self.compressing)
         return self.launch(tensor, out, transfer)
-
-    def _compressed_partition_bytes(self, args: dict) -> int:
-        """A compressed tensor's partitions: as many times the job's as the compressor shrinks them (up to the
-        servers' slots), so that what travels per partition is what the job's partition size was derived for (the
-        links' bandwidth and delay), not 32 times less of it at 32 times the cost per byte."""
-        state = self.state
-        n = state.partition_bytes // 4
-        ratio = 4 * n / max(4, codecs.for_partition(codecs.codec(args), n).wire_bytes(n))
-        return max(state.partition_bytes, min(state.slot_limit, int(state.partition_bytes * ratio) // 4 * 4))
 
     def launch(self, tensor: Tensor, out: np.ndarray, transfer: Transfer) -> Handle:
         """Push every partition of `tensor`'s next round as `transfer` says; the handle completes into `out`."""

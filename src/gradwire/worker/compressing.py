@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gradwire.errors import TensorError
 from gradwire.protocol import compression
 from gradwire.worker.handle import Handle
 from gradwire.worker.state import WorkerState
@@ -48,6 +49,28 @@ class Compressing:
         self._local = threading.local()  # a scratch per thread: partitions are encoded where calls are submitted
         self.encoded = 0  # bytes of gradient encoded, and of blocks pushed (for the metrics)
         self.pushed = 0
+
+    def applies(self, src: np.ndarray, op: str, dtype: object) -> bool:
+        """A compressor applies: a float32 sum large enough to gain (GRADWIRE_COMPRESSION_MIN_BYTES)."""
+        wire = np.dtype(dtype) if dtype is not None and dtype != "bfloat16" else src.dtype
+        return op == "sum" and wire == np.float32 and src.nbytes >= self.state.config.compression_min_bytes
+
+    def arguments(self, compressor: object, name: str) -> dict:
+        """The checked arguments of `compressor` (a Compressor, or its arguments); TensorError saying what is wrong."""
+        try:
+            return compression.check_args(getattr(compressor, "args", compressor))
+        except ValueError as e:
+            rank = self.state.rank
+            raise TensorError(f"worker {rank}: push_pull of {name!r}: {e}", tensor=name, rank=rank) from None
+
+    def partition_bytes(self, args: dict) -> int:
+        """A compressed tensor's partitions: as many times the job's as the compressor shrinks them (up to the
+        servers' slots), so that what travels per partition is what the job's partition size was derived for (the
+        links' bandwidth and delay), not 32 times less of it at 32 times the cost per byte."""
+        state = self.state
+        n = state.partition_bytes // 4
+        ratio = 4 * n / max(4, compression.for_partition(compression.codec(args), n).wire_bytes(n))
+        return max(state.partition_bytes, min(state.slot_limit, int(state.partition_bytes * ratio) // 4 * 4))
 
     def entry(self, key: int, n: int, codec: compression.Codec, args: dict) -> KeyCodec:
         """Key `key`'s buffers, for a partition of n elements compressed by `codec` as `args` say."""
