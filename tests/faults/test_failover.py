@@ -95,6 +95,27 @@ def test_a_server_killed_mid_training_changes_no_bit_of_any_sum(standby):
                 assert all(1 not in t.servers for t in worker.table.tensors.values())
 
 
+def test_a_hung_replica_is_reported_and_failed_over_not_waited_for():
+    """Every key replicated; server 1 (server 0's replica) takes forwarded rounds but never acknowledges them: once
+    GRADWIRE_HEARTBEAT_TIMEOUT passes, server 0 reports it lost, the scheduler fails it over as a dead server, and
+    every sum is still the rank-order sum, long before the workers' GRADWIRE_TIMEOUT."""
+    config = dict(partition_bytes=4096, failover_copy_bytes=0, heartbeat_interval=0.2, heartbeat_timeout=2.0)
+    with LocalCluster(num_workers=3, num_servers=3, **config) as c:  # the workers wait 30 s at most
+        hung = c.servers[1]
+        for engine in hung.engines:  # takes the seed, never acknowledges it
+            engine._seed = lambda state, r, slot, dtype, engine=engine: engine._take_seed(state, r, slot, dtype)
+        started = time.monotonic()
+        results = c.run(_train)
+        took = time.monotonic() - started
+        expected = _expected(3)
+        for rank, sums in enumerate(results):
+            wrong = [k for k in expected if sums[k] != expected[k]]
+            assert not wrong, f"worker {rank}: sums differ from the rank-order sum for {wrong[:5]}"
+        assert [f["server"] for f in c.scheduler.failovers] == [1]
+        assert "acknowledged no forwarded round" in c.scheduler.failovers[0]["why"]
+        assert took < 20, f"{took:.1f}s: the workers waited on the hung replica"
+
+
 def _answer_one_then_die(cluster: LocalCluster, killed: threading.Event, after: int, sliced: bool = False) -> None:
     """The trap: server 0 answers its `after`-th round (of a key each rank pulls only a slice of, with `sliced`) to
     worker 0 only, then dies (`killed` is set once it is dead); the other workers wait for that round."""

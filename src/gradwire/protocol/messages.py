@@ -88,7 +88,8 @@ class Heartbeat(Message):
 
 @dataclass
 class ServerLost(Message):
-    """Worker -> scheduler: my connection to this server died."""
+    """Worker -> scheduler: my connection to this server died. Server -> scheduler: my replica server (this one)
+    acknowledges no forwarded round (server/replica.py)."""
 
     op = "server_lost"
     always = ("server",)

@@ -205,7 +205,7 @@ class Scheduler:
             messages.Barrier: (None, lambda node, m: self.synchronisation.enter_barrier(node, m.id)),
             messages.Join: ("worker", self._join),
             messages.Rejoin: ("worker", self._rejoin),
-            messages.ServerLost: ("worker", self._server_lost),
+            messages.ServerLost: (None, self._server_lost),
             messages.Bye: (None, self.departures.said_bye),
         }
 
@@ -263,6 +263,9 @@ class Scheduler:
             self.membership.rejoin(node, m.id)
 
     def _server_lost(self, node: Node, m: messages.ServerLost) -> None:
+        """A worker lost its link to a server, or a server its replica (a replica that acknowledges nothing)."""
         servers, server = self.roster.servers, m.server
+        if node.role == "server" and node.rank == server:
+            raise GradwireError(f"server {server} reported itself lost")
         if 0 <= server < len(servers) and m.epoch >= servers[server].since_epoch:
-            self.failover.server_lost(servers[server], f"worker {node.rank} lost it: {m.error}")
+            self.failover.server_lost(servers[server], f"{node.role} {node.rank} lost it: {m.error}")

@@ -6,6 +6,11 @@ the key's replica (the next live server) before any worker gets it; the replica 
 is answered from there, and the workers keep no copy. Costs: the replica's two round buffers per key, one more send
 of each result (1/n of what the key's server sends the workers), and one server-to-server round trip per answer.
 
+A replica that acknowledges nothing for `deadline` seconds (GRADWIRE_HEARTBEAT_TIMEOUT) while forwards wait for it is
+hung: the primary reports it lost to the scheduler (`on_lost`), which fails it over as a dead server (the workers then
+keep copies of every sum), and answers what waited for it, so that no worker waits on a hung replica until its
+GRADWIRE_TIMEOUT.
+
 Parameter-server mode (docs/ps-mode.md): each key of a synchronous server-side optimizer has a replica on another server
 (the next live one). When its primary finishes a round, it forwards what it applied (the averaged gradient and the
 round's hyper-parameters, or installed parameters, or a write) to the replica, which applies the same update to its own
@@ -24,9 +29,10 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 
-from gradwire.errors import GradwireError
+from gradwire.errors import GradwireError, GradwireTimeout
 from gradwire.protocol import frames
 from gradwire.protocol.frames import REPLICA, FrameType
 from gradwire.transport import tcp
@@ -42,6 +48,7 @@ class _Link:
         self.conn, self.rank = conn, rank
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.pending: dict[int, Callable[[], None]] = {}
+        self.since: dict[int, float] = {}  # when each pending forward was queued (time.monotonic)
         self.lock = threading.Lock()
         self.dead = False
 
@@ -53,7 +60,7 @@ class _Link:
             if not self.dead and answer:
                 log.warning("replica server %d lost (%s): its keys go on without a replica", self.rank, why)
             self.dead = True
-            waiting, self.pending = list(self.pending.values()), {}
+            waiting, self.pending, self.since = list(self.pending.values()), {}, {}
         for done in waiting if answer else ():
             done()
         self.conn.close()
@@ -71,6 +78,8 @@ class Replicas:
         host_id: str = "",
         buffer_bytes: int = 0,
         transport: str = "auto",
+        deadline: float = 0.0,
+        on_lost: Callable[[int, str], None] | None = None,
     ) -> None:
         self.rank, self._secret, self._max_payload, self._timeout = rank, secret, max_payload, timeout
         # a replica on this host and namespace is reached by Unix socket, as workers reach servers (tcp.connect_node)
@@ -80,6 +89,8 @@ class Replicas:
         self._ids = itertools.count(1)
         self.forwarded = 0
         self._closed = False  # this server is stopping: nothing more is forwarded, or answered
+        self._deadline, self._on_lost = deadline, on_lost  # a replica silent that long is reported (0: never)
+        self._watching = False
 
     def ensure(self, rank: int, address: dict) -> bool:
         """Connect to replica server `rank` (once); False if it cannot be reached (its keys then go unreplicated)."""
@@ -107,7 +118,28 @@ class Replicas:
             link = self._links[rank] = _Link(conn, rank)
         threading.Thread(target=self._send_loop, args=(link,), name=f"gw-replica-send-{rank}", daemon=True).start()
         threading.Thread(target=self._recv_loop, args=(link,), name=f"gw-replica-recv-{rank}", daemon=True).start()
+        with self._lock:
+            watch, self._watching = self._deadline > 0 and not self._watching, True
+        if watch:
+            threading.Thread(target=self._watch, name="gw-replica-watch", daemon=True).start()
         return True
+
+    def _watch(self) -> None:
+        """Every quarter of the deadline: a replica whose oldest waiting forward is older than it is hung."""
+        while not self._closed:
+            time.sleep(self._deadline / 4)
+            now = time.monotonic()
+            with self._lock:
+                links = list(self._links.values())
+            for link in links:
+                with link.lock:
+                    oldest = min(link.since.values(), default=now)
+                if not link.dead and now - oldest > self._deadline:
+                    why = f"replica server {link.rank} acknowledged no forwarded round for {now - oldest:.0f}s"
+                    log.warning("server %d: %s: reported lost", self.rank, why)
+                    if self._on_lost is not None:
+                        self._on_lost(link.rank, why)
+                    link.flush(GradwireTimeout(why))
 
     def forward(self, rank: int, key: int, rnd: int, code: int, parts: list, done: Callable[[], None]) -> None:
         """Send an applied update of `key` to replica server `rank`; `done()` once it is in there (or at once, if
@@ -124,6 +156,7 @@ class Replicas:
                 seq = -1
             else:
                 link.pending[seq] = done
+                link.since[seq] = time.monotonic()
         if seq < 0:
             done()
             return
@@ -153,6 +186,7 @@ class Replicas:
                     raise GradwireError(f"unexpected {header.type.name} frame from replica server {link.rank}")
                 with link.lock:
                     done = link.pending.pop(header.status, None)
+                    link.since.pop(header.status, None)
                 if done is not None:
                     done()
         except GradwireError as e:

@@ -18,6 +18,7 @@ from gradwire.admin.node import NodeAdmin
 from gradwire.admin.stalls import watch_stalls
 from gradwire.config import Config
 from gradwire.errors import GradwireError, RemoteProtocolError
+from gradwire.protocol import messages
 from gradwire.protocol.frames import FrameType
 from gradwire.ring import Ring, RingClosed, Slot
 from gradwire.scheduler.client import join
@@ -97,6 +98,8 @@ class Server:
             tcp.host_identity(config.host_id),
             config.socket_buffer_bytes,
             config.transport,
+            deadline=config.heartbeat_timeout,
+            on_lost=self._replica_lost,
         )
         for i in range(config.engines):
             state.engines.append(self._engine(i))
@@ -340,6 +343,15 @@ class Server:
                     f"worker(s) {missing}; pushed by {pushed}"
                 )
         return lines
+
+    def _replica_lost(self, rank: int, why: str) -> None:
+        """Tell the scheduler that replica server `rank` is hung (server/replica.py): it fails it over."""
+        scheduler = self.state.scheduler
+        if scheduler is not None:
+            try:
+                scheduler.send_message(messages.ServerLost(server=rank, epoch=self.state.epoch, error=why))
+            except GradwireError:
+                pass  # the scheduler is gone: this server stops anyway
 
     def _control_loop(self) -> None:
         self.control.loop()
