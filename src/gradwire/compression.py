@@ -46,7 +46,7 @@ class Compressor(Passthrough):
         return isinstance(other, Compressor) and other.args == self.args
 
     def __hash__(self) -> int:
-        return hash(compression.encode_args(self.args))
+        return hash(tuple(sorted(self.args.items())))
 
 
 def onebit(scaling: bool = True, ef: bool = True, momentum: float = 0.0) -> Compressor:

@@ -6,7 +6,7 @@ import pytest
 
 from gradwire import compression as user
 from gradwire.errors import TensorError
-from gradwire.protocol import compression
+from gradwire.protocol import compression, operations
 from gradwire.worker.compressing import Compressing
 
 
@@ -119,7 +119,8 @@ def test_arguments_are_checked_and_canonical():
     ):
         with pytest.raises(ValueError):
             compression.check_args(bad)
-    assert compression.encode_args({"method": "onebit"}) == compression.encode_args(user.onebit().args)
+    canonical = operations.encode_args("compressed", {"method": "onebit"})
+    assert canonical == operations.encode_args("compressed", user.onebit().args)
 
 
 class _State:

@@ -22,7 +22,6 @@ gain (the block would not be smaller than the float32 partition) travel as they 
 from __future__ import annotations
 
 import functools
-import json
 import math
 from typing import ClassVar
 
@@ -81,11 +80,6 @@ def check_args(args: object) -> dict:
     if not 0.0 <= float(out["momentum"]) < 1.0:  # type: ignore[arg-type]
         raise ValueError(f"{method}: momentum must be in [0, 1), got {out['momentum']!r}")
     return out
-
-
-def encode_args(args: dict) -> str:
-    """The canonical text of a compressor's arguments (what workers must agree on)."""
-    return json.dumps(check_args(args), sort_keys=True, separators=(",", ":"))
 
 
 def _pad4(nbytes: int) -> int:
@@ -258,7 +252,7 @@ class Dithering(Codec):
         self.s, self.natural, self.l2, self.seed = s, partition == "natural", norm == "l2", seed
         self.nibbles = s < 8  # a sign bit and 3 bits of code per element, two per byte
         # decoding by table: each byte's value(s) as a fraction of the norm, and whether an encoder makes that byte
-        levels = self._levels()
+        self.levels = levels = self._levels()
         codes = np.arange(256)
         if self.nibbles:
             halves = np.stack([codes & 0xF, codes >> 4], axis=1)  # low nibble first
@@ -291,7 +285,7 @@ class Dithering(Codec):
         if self.natural:
             low_code = np.floor(np.log2(np.maximum(y, 2.0**-40))) + self.s
             low_code = np.clip(low_code, 0, self.s).astype(np.int64)
-            levels = self._levels()
+            levels = self.levels
             low = levels[low_code]
             high = levels[np.minimum(low_code + 1, self.s)]
             width = np.where(high > low, high - low, 1.0)

@@ -17,8 +17,6 @@ are declared once with the tensor (`op_args`) and checked across workers like it
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 
 TRAILER_BYTES = 64
@@ -82,11 +80,6 @@ def check_args(args: object) -> dict:
     if unknown:
         raise ValueError(f"unknown arguments for {algorithm}: {', '.join(sorted(unknown))}")
     return out
-
-
-def encode_args(args: dict) -> str:
-    """The canonical text of the declared arguments (what workers must agree on)."""
-    return json.dumps(check_args(args), sort_keys=True, separators=(",", ":"))
 
 
 def hyper_values(algorithm: str, hyper: dict) -> list[float]:

@@ -313,8 +313,9 @@ class Declarations:
         would put the host's traffic on the network, and they are small."""
         if self.address_of is None or not self.config.server_failover or among:
             return False
-        if op_args is not None and json.loads(op_args).get("algorithm"):  # a server-side optimizer
-            return json.loads(op_args).get("staleness") == 0
+        args = json.loads(op_args) if op_args is not None else {}
+        if args.get("algorithm"):  # a server-side optimizer
+            return args.get("staleness") == 0
         if self.copied_bytes + nbytes <= self.config.failover_copy_bytes:
             self.copied_bytes += nbytes
             return False

@@ -136,9 +136,7 @@ class Engine:
         is atomic, so the engine sees either no state or a complete one. Redeclaring the same key is a no-op.
         """
         if key not in self.keys:
-            state = KeyState(dtype, length, self.num_workers, name, op, slices, members)
-            state.key = key
-            self.keys[key] = state
+            self.keys[key] = KeyState(dtype, length, self.num_workers, name, op, slices, members, key=key)
 
     def answer_one(self, slot: Slot, payload: memoryview) -> None:
         """Answer one push alone (a key's operation handled it outside the rounds)."""
@@ -165,9 +163,9 @@ class Engine:
         for key, state in list(self.keys.items()):
             slices = state.slices if same else None
             members = state.members if same else None
-            fresh = KeyState(state.dtype, state.nbytes, num_workers, state.name, state.op, slices, members, state)
-            fresh.key = key
-            self.keys[key] = fresh
+            self.keys[key] = KeyState(
+                state.dtype, state.nbytes, num_workers, state.name, state.op, slices, members, state, key
+            )
 
     def landing(self, key: int, rnd: int, sender: int) -> np.ndarray | None:
         """Where a reader may receive `sender`'s contribution to `key`'s round `rnd` directly (deterministic sums

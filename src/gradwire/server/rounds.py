@@ -206,6 +206,7 @@ class KeyState:
         slices: list[tuple[int, int]] | None = None,
         members: list[int] | None = None,
         previous: KeyState | None = None,
+        key: int = 0,
     ) -> None:
         self.name = name  # the tensor's, for stall reports
         # the ranks that contribute to its rounds (a process set), in the order their contributions go in
@@ -219,7 +220,7 @@ class KeyState:
         self.op = op
         self.slices = slices  # (start byte, bytes) of the result each rank pulls; None: all of it
         self.dtype = dtype
-        self.key = 0  # set by the engine that owns it
+        self.key = key
         self.nbytes = length  # the key's data, as declared
         self.length, n = op.lengths(length, dtype.itemsize)  # what each push carries; the accumulator's elements
         wire = self.length // dtype.itemsize

@@ -47,8 +47,6 @@ class Compressing:
         self.keys: dict[int, KeyCodec] = {}
         self._lock = threading.Lock()
         self._local = threading.local()  # a scratch per thread: partitions are encoded where calls are submitted
-        self.encoded = 0  # bytes of gradient encoded, and of blocks pushed (for the metrics)
-        self.pushed = 0
 
     def applies(self, src: np.ndarray, op: str, dtype: object) -> bool:
         """A compressor applies: a float32 sum large enough to gain (GRADWIRE_COMPRESSION_MIN_BYTES)."""
@@ -102,8 +100,6 @@ class Compressing:
             decoded = self.scratch(len(x))
             entry.codec.decode(block, decoded, key, rnd, add=False)
             total -= decoded
-        self.encoded += 4 * len(x)
-        self.pushed += len(block)
 
     def scratch(self, n: int) -> np.ndarray:
         """A float32 scratch of n elements, this thread's."""
@@ -119,11 +115,6 @@ class Compressing:
         for entry in entries:
             if entry.residual is not None:
                 entry.residual *= np.float32(factor)
-
-    def reset(self) -> None:
-        """Forget every residual and momentum (an elastic reset: the keys start afresh)."""
-        with self._lock:
-            self.keys = {}
 
 
 class Expand:
@@ -158,7 +149,7 @@ class CompressedTransfer(Transfer):
             lo, hi = part.start, part.start + part.count
             entry = store.entry(key, part.count, codec, args)
             store.encode(entry, self.send[lo:hi], key, rnd, momentum)
-            work = Work(tensor.name, key, rnd, code, entry.push, entry.pull, self.average, handle, part.index)
-            work.partial = kept
+            fields = (tensor.name, key, rnd, code, entry.push, entry.pull, self.average, handle, part.index)
+            work = Work(*fields, partial=kept)
             work.expand = Expand(entry.codec, self.pull[lo:hi], key, rnd)
             yield work
