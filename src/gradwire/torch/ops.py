@@ -123,15 +123,11 @@ def push_pull_async(
     worker = worker or gradwire.current_worker()
     source = tensor.detach()
     if isinstance(compression, PowerSGD):
-        if compression.applies(source, op, members) and name is not None:
-            output = tensor if inplace else torch.empty_like(tensor, memory_format=torch.contiguous_format)
-            call = compression.push_pull_async(source, output, average, name, priority, worker)
-            if call is not None:
-                return call  # type: ignore[return-value]
+        call = compression.push_pull_async(tensor, average, name, priority, worker, inplace, op, members)
+        if call is not None:
+            return call  # type: ignore[return-value]
         compression = Compression.none  # vectors, small matrices, and the first steps: a plain sum
-    servers = _servers.args_of(compression)  # a compressor the servers run: the worker encodes each partition
-    if servers is None and isinstance(compression, dict):  # BytePS's spelling, naming no compressor
-        compression = Compression.none
+    compression, servers = _sorted_out(compression)
     wire, ctx = compression.compress(source) if servers is None else (source, source.dtype)
     _check_push_pull(worker, name, wire, average)
     staged = None
@@ -155,6 +151,15 @@ def push_pull_async(
     divide_by = (worker.size if members is None else len(members)) if average and not worker_average else 1
     unwrap = compression if servers is None else Compression.none
     return TorchHandle(handle, output, wire, ctx, unwrap, staged, divide_by)
+
+
+def _sorted_out(compression: Any) -> tuple[Any, dict | None]:
+    """Horovod's kind of compressor and None, or the arguments of one the servers run (the worker encodes each
+    partition; the tensor travels as it is); BytePS's spelling naming no compressor is none."""
+    servers = _servers.args_of(compression)
+    if servers is None and isinstance(compression, dict):
+        return Compression.none, None
+    return compression, servers
 
 
 def _check_push_pull(worker: Worker, name: str | None, wire: torch.Tensor, average: bool) -> None:

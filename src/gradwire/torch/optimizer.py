@@ -185,11 +185,8 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     - `process_set`: the gradients are averaged among its ranks only (each set trains its own replica).
       `staleness` (BytePS): only 0, synchronous training.
       `pipesize` (BytePS): accepted; gradwire pipelines every tensor by partitions already.
-    - `compression`: Horovod's `Compression.fp16`/`.bf16`, or a compressor the servers run (`Compression.onebit()`,
-      `.topk(0.01)`, `.randomk(...)`, `.dithering(...)`: docs/compression.md); or BytePS's `compression_params`
-      dict ({"compressor": "onebit", "ef": "vanilla", "momentum": "nesterov", "scaling": True, ...}), whose momentum
-      takes the optimizer's (then set to 0 in the optimizer, as BytePS does). Error feedback follows the learning
-      rate: when it changes, every residual is rescaled by old/new.
+    - `compression` (Horovod's `Compression.fp16`, or one the servers run) or BytePS's `compression_params` dict:
+      docs/compression.md (with it, error feedback follows the learning rate, and BytePS's momentum the optimizer's).
     Arguments are checked before anything else, so a wrong call fails the same way before or after `init()`.
     """
     _check_keywords(backward_passes_per_step, gradient_predivide_factor, staleness, process_set)

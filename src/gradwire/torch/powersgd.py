@@ -63,21 +63,27 @@ class PowerSGD(Passthrough):
     def push_pull_async(
         self,
         tensor: torch.Tensor,
-        output: torch.Tensor,
         average: bool,
-        name: str,
+        name: str | None,
         priority: int,
         worker: Worker,
+        inplace: bool,
+        op: str,
+        members: list[int] | None,
     ) -> Any:
-        """Start `tensor`'s PowerSGD sum into `output` (a plain sum for its first `start_iter` steps): a handle with
-        `done()` and `result(worker)`, as TorchHandle."""
-        n = tensor.shape[0]
-        m = tensor.numel() // n
-        state = self.state(worker, name, n, m)
+        """Start `tensor`'s PowerSGD sum (into `tensor` itself, `inplace`): a handle with `done()` and
+        `result(worker)`, as TorchHandle; None where the caller sums it plainly (`applies` says no, or its first
+        `start_iter` steps)."""
+        source = tensor.detach()
+        if name is None or not self.applies(source, op, members):
+            return None
+        n = source.shape[0]
+        state = self.state(worker, name, n, source.numel() // n)
         state.steps += 1
         if state.steps <= self.start_iter:
-            return None  # the caller sums it plainly
-        return _PowerSGDCall(self, state, tensor, output, average, name, priority, worker)
+            return None
+        output = tensor if inplace else torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        return _PowerSGDCall(self, state, source, output, average, name, priority, worker)
 
 
 class _TensorState:
