@@ -60,6 +60,9 @@ class Config:
     timeline_steps: int = 20
     stall_seconds: float = 60.0
     reinit_seconds: float = 60.0
+    # how long nodes go on without a scheduler, waiting for one to start into the job (scheduler/recovery.py); 0: the
+    # scheduler's loss ends the job at once
+    scheduler_timeout: float = 60.0
     servers_per_node: int = 1
     deterministic: bool = True
     server_failover: bool = True
@@ -173,10 +176,9 @@ class Config:
                 "GRADWIRE_COMPRESSOR must be onebit, topk, randomk, dithering, powersgd or empty, "
                 f"got {self.compressor!r}"
             )
-        if self.compression_min_bytes < 0:
-            raise ConfigError(f"GRADWIRE_COMPRESSION_MIN_BYTES must be >= 0, got {self.compression_min_bytes}")
-        if self.failover_copy_bytes < 0:
-            raise ConfigError(f"GRADWIRE_FAILOVER_COPY_BYTES must be >= 0, got {self.failover_copy_bytes}")
+        for name in ("compression_min_bytes", "failover_copy_bytes", "scheduler_timeout"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"GRADWIRE_{name.upper()} must be >= 0, got {getattr(self, name)}")
         if self.transport not in ("auto", "unix", "tcp"):
             raise ConfigError(f"GRADWIRE_TRANSPORT must be auto, unix or tcp, got {self.transport!r}")
         if self.min_workers < 0 or self.min_workers > self.num_workers:

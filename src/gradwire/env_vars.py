@@ -190,6 +190,14 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "ends sooner once every worker process has exited; 0: it ends at the last shutdown()",
     ),
     EnvVar(
+        "GRADWIRE_SCHEDULER_TIMEOUT",
+        "scheduler_timeout",
+        (),
+        "when the scheduler dies, how long workers and servers go on without it (the data path does not need it) "
+        "waiting for a scheduler to start into the job at GRADWIRE_SCHEDULER and rebuild it from their reports "
+        "(`gradwire launch` restarts it); past it the job ends naming the scheduler; 0: its loss ends the job at once",
+    ),
+    EnvVar(
         "GRADWIRE_STALL_SECONDS",
         "stall_seconds",
         (),

@@ -98,6 +98,18 @@ class LocalCluster:
         server.stop()
         return server
 
+    def kill_scheduler(self) -> str:
+        """Stop the scheduler abruptly (its connections close as if its process died); returns its address."""
+        self.scheduler.stop()
+        return self.scheduler.address
+
+    def restart_scheduler(self) -> Scheduler:
+        """Start a scheduler at the stopped one's address, as a restarted process would: the nodes report to it and
+        it resumes the job (scheduler/recovery.py)."""
+        config = dataclasses.replace(self.config, role="scheduler", scheduler=self.scheduler.address)
+        self.scheduler = Scheduler(config).start()
+        return self.scheduler
+
     def kill_worker(self, rank: int) -> Worker:
         """Cut worker `rank` off abruptly (its connections close without a bye, as if its process died)."""
         worker = next(w for w in self.workers if w.rank == rank)

@@ -78,8 +78,8 @@ def test_a_stalled_round_is_reported_with_the_missing_ranks_and_the_tensor():
         assert server.stall_report(time.monotonic() + 61) == []
 
 
-def test_losing_the_scheduler_fails_every_blocked_call_with_a_clear_error():
-    c = LocalCluster(num_workers=2, num_servers=1)
+def test_losing_the_scheduler_with_resuming_off_fails_every_blocked_call_with_a_clear_error():
+    c = LocalCluster(num_workers=2, num_servers=1, scheduler_timeout=0)
     try:
         h = c.workers[0].push_pull_async(np.ones(10, np.float32), "g")
         c.scheduler.stop()

@@ -142,12 +142,28 @@ def test_a_sigkilled_server_in_parameter_server_mode_loses_nothing(reference, st
     assert run["digests"] == {f"worker {r}": reference for r in range(WORKERS)}, out
 
 
-def test_a_sigkilled_scheduler_stops_every_node_with_an_error_naming_it():
-    run = _run("scheduler", kill_at=5)
+@pytest.mark.parametrize(
+    ("kill_at", "optimizer"), [("5", ""), ("4,14", ""), ("6", "server")], ids=["once", "twice", "parameter-server"]
+)
+def test_a_sigkilled_scheduler_is_restarted_and_the_parameters_stay_bit_identical(reference, kill_at, optimizer):
+    """`gradwire launch` starts a SIGKILLed scheduler again at its address; the nodes train on without it meanwhile,
+    report to the new one, and the job ends with the failure-free run's parameters (scheduler/recovery.py)."""
+    run = _run("scheduler", kill_at=kill_at, extra_env={"OPTIMIZER": optimizer} if optimizer else None)
+    out = run["output"]
+    assert run["code"] == 0, out
+    kills = kill_at.count(",") + 1
+    assert out.count("scheduler was killed by SIGKILL") == kills and out.count("restarting it at") == kills, out
+    terms = re.findall(r"recovered the job in [\d.]+ s \(term (\d+)", out)
+    assert terms == [str(t) for t in range(2, 2 + kills)], out
+    assert run["digests"] == {f"worker {r}": reference for r in range(WORKERS)}, out
+
+
+def test_a_sigkilled_scheduler_not_restarted_stops_every_node_with_an_error_naming_it():
+    run = _run("scheduler", kill_at=5, options=("--max-restarts", "0"), extra_env={"GRADWIRE_SCHEDULER_TIMEOUT": "2"})
     out = run["output"]
     assert run["code"] != 0, out
     assert "scheduler was killed by SIGKILL" in out
-    assert re.search(r"\[worker \d\] .*lost the scheduler", out), out
+    assert re.search(r"\[worker \d\] .*lost the scheduler.*no scheduler resumed the job", out), out
 
 
 def test_elastic_training_goes_on_without_a_killed_worker_and_a_replacement_joins_with_the_state():

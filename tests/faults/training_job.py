@@ -2,9 +2,10 @@
 synthetic data (OPTIMIZER=server: ServerOptimizer, the same SGD on the servers); prints the digest of the final
 parameters and the failovers this worker went through.
 
-KILL_AT=k: worker 0 prints `KILL <role>` at step k (the test then SIGKILLs that process). KILL_WAIT=1: worker 0
-then waits until it has seen the failover before it pushes again (so the others are mid-round when it happens);
-without it the kill lands wherever the job happens to be.
+KILL_AT=k (or k1,k2,...): worker 0 prints `KILL <role>` at step k (the test then SIGKILLs that process). KILL_WAIT=1:
+worker 0 then waits until it has seen the failover before it pushes again (so the others are mid-round when it
+happens); without it the kill lands wherever the job happens to be. Every 5 steps the workers meet at a barrier and
+average the loss under a new name (a declaration): what needs the scheduler, after it is killed too.
 """
 
 import os
@@ -31,10 +32,10 @@ else:
         torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), named_parameters=model.named_parameters()
     )
 data = torch.Generator().manual_seed(100 + gw.rank())
-kill_at = int(os.environ.get("KILL_AT", "-1"))
+kill_at = {int(k) for k in os.environ.get("KILL_AT", "-1").split(",")}
 worker = gradwire.current_worker()
 for step in range(STEPS):
-    if step == kill_at and gw.rank() == 0:
+    if step in kill_at and gw.rank() == 0:
         print(f"KILL {os.environ['KILL_ROLE']}", flush=True)
         if os.environ.get("KILL_WAIT") == "1":
             deadline = time.monotonic() + 30
@@ -43,8 +44,12 @@ for step in range(STEPS):
     x = torch.randn(64, 32, generator=data)
     y = (x[:, :10] * 3).argmax(dim=1)
     opt.zero_grad()
-    torch.nn.functional.cross_entropy(model(x), y).backward()
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
     opt.step()
+    if step % 5 == 4:
+        gradwire.barrier()
+        gw.allreduce(loss.detach().reshape(1), name=f"loss.{step}")
 print(f"DIGEST {parameter_digest(model)}", flush=True)
 print(f"FAILOVERS {[(f['server'], f['standby'], f['resent'], f['seeds']) for f in worker.failovers]}", flush=True)
 gw.shutdown()

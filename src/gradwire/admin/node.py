@@ -38,16 +38,19 @@ class NodeAdmin:
         """The admin port, or -1 when the endpoint is off."""
         return self.http.port if self.http else -1
 
-    def start_heartbeat(self, conn: tcp.Connection) -> None:
-        """Send {op: heartbeat, stats} to the scheduler every interval until `stop`."""
-        threading.Thread(target=self._beat, args=(conn,), name="gw-heartbeat", daemon=True).start()
+    def start_heartbeat(self, scheduler: Callable[[], tcp.Connection | None]) -> None:
+        """Send {op: heartbeat, stats} to the scheduler (`scheduler()`: its connection now, which changes when a
+        scheduler resumes the job) every interval until `stop`."""
+        threading.Thread(target=self._beat, args=(scheduler,), name="gw-heartbeat", daemon=True).start()
 
-    def _beat(self, conn: tcp.Connection) -> None:
+    def _beat(self, scheduler: Callable[[], tcp.Connection | None]) -> None:
         while not self._stop.wait(self.config.heartbeat_interval):
+            conn = scheduler()
             try:
-                conn.send_message(messages.Heartbeat(self.metrics.snapshot()))
+                if conn is not None:
+                    conn.send_message(messages.Heartbeat(self.metrics.snapshot()))
             except GradwireError:
-                return
+                continue  # lost: the control loop finds out, and may reach a scheduler that resumes the job
 
     def stop(self) -> None:
         """Stop the heartbeat and the endpoint. Idempotent."""

@@ -46,6 +46,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="with --elastic: the moments' random seed")
     parser.add_argument("--timeout", type=float, default=180, help="with --elastic: a run's deadline (then: a hang)")
     parser.add_argument("--failover-mib", type=float, default=2.0, help="with --failover: MiB per tensor (8 tensors)")
+    parser.add_argument(
+        "--kill",
+        choices=("server", "worker", "scheduler"),
+        default=None,
+        help="with --failover: only this process's trials (default: server and worker; scheduler: SIGKILLed and "
+        "restarted, the job resuming with it)",
+    )
     parser.add_argument("--window", type=int, default=None, help="GRADWIRE_WINDOW for the gradwire jobs")
     parser.add_argument(
         "--placement", choices=("model", "auto", "equal"), default=None, help="GRADWIRE_PLACEMENT for the gradwire jobs"

@@ -23,7 +23,9 @@ TRIALS = {
     "server, keys onto the survivors": ("server 1", 0),
     "server, keys to a standby": ("server 1", 1),
     "worker (default: the job stops)": ("worker", 0),
+    "scheduler, restarted by the launcher": ("scheduler", 0),
 }
+MEET_AFTER = 5  # steps after a scheduler's kill, the workers meet at a barrier and declare a tensor
 
 
 def run_trial(kill: str, standby: int, workers: int, servers: int, env: dict[str, str], timeout: float = 300) -> dict:
@@ -36,7 +38,7 @@ def run_trial(kill: str, standby: int, workers: int, servers: int, env: dict[str
     results: list[dict] = []
     killed: list[float] = []
     tail: list[str] = []
-    victim = "server 1" if kill.startswith("server") else f"worker {workers - 1}"
+    victim = kill if kill in ("server 1", "scheduler") else f"worker {workers - 1}"
 
     def read() -> None:
         assert proc.stdout is not None
@@ -75,6 +77,8 @@ def summarize(name: str, trial: dict) -> dict:
     ms = lambda xs: [round((x - t0) * 1e3, 1) for x in xs if x is not None]  # noqa: E731
     results = trial["results"]
     out: dict = {"trial": name, "launcher_exit": trial["code"], "sums_exact": all(r["correct"] for r in results)}
+    if any("barrier_at" in r for r in results):
+        return out | _resumed(trial, ms)
     if any(r["lost"] for r in results):
         out["detected_ms"] = ms([r["lost"]["at"] for r in results if r["lost"]])
         return out
@@ -92,6 +96,24 @@ def summarize(name: str, trial: dict) -> dict:
     return out
 
 
+def _resumed(trial: dict, ms) -> dict:  # noqa: ANN001
+    """A scheduler's kill: the steps during the outage (the data path's, from the kill to the barrier that waits for
+    the restarted scheduler) against the steps before, and from the kill to the barrier passed and to a new tensor's
+    declaration answered on each worker."""
+    results, kill_at = trial["results"], int(trial["kill_at"])
+    before = statistics.median(d for r in results for d in r["steps"][5:kill_at])
+    outage = statistics.median(d for r in results for d in r["steps"][kill_at : kill_at + MEET_AFTER])
+    return {
+        "workers_resumed": f"{sum(bool(r['resumes']) for r in results)}/{len(results)}",
+        "resumed_ms": [round(r["resumes"][0]["seconds"] * 1e3, 1) for r in results if r["resumes"]],
+        "barrier_passed_ms": ms([r["barrier_at"] for r in results]),
+        "declaration_answered_ms": ms([r["declared_at"] for r in results]),
+        "median_step_ms": round(before * 1e3, 1),
+        "outage_step_ms": round(outage * 1e3, 1),
+        "outage_step_over_median": round(outage / before, 2),
+    }
+
+
 def run_failover(args) -> int:  # noqa: ANN001 - argparse namespace
     env = {
         "BENCH_TENSORS": "8",
@@ -101,9 +123,13 @@ def run_failover(args) -> int:  # noqa: ANN001 - argparse namespace
         "GRADWIRE_PARTITION_BYTES": str(args.partition_bytes or 1 << 20),
     }
     rows = []
-    for name, (kill, standby) in TRIALS.items():
+    kinds = (args.kill,) if args.kill else ("server", "worker")
+    trials = {name: t for name, t in TRIALS.items() if t[0].split()[0] in kinds}
+    for name, (kill, standby) in trials.items():
+        meet = {"BENCH_MEET_AFTER": str(MEET_AFTER)} if kill == "scheduler" else {}
         for _ in range(args.rounds):
-            rows.append(summarize(name, run_trial(kill, standby, args.num_workers, args.num_servers, env)))
+            trial = run_trial(kill, standby, args.num_workers, args.num_servers, env | meet) | {"kill_at": 30}
+            rows.append(summarize(name, trial))
             print(json.dumps(rows[-1]) if args.json else _line(rows[-1]), flush=True)
     return 0 if all(r["sums_exact"] for r in rows) else 1
 

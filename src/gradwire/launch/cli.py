@@ -41,7 +41,12 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="elastic: a dead worker is replaced by a new one that joins, keeping the job at most this size",
     )
-    launch.add_argument("--max-restarts", type=int, default=3, help="elastic: replacements started at most")
+    launch.add_argument(
+        "--max-restarts",
+        type=int,
+        default=3,
+        help="processes started again at most: a dead scheduler (always), dead workers (elastic)",
+    )
     launch.add_argument("--host", default="127.0.0.1", help="address every node binds and advertises")
     launch.add_argument("--timeout", type=float, default=None, help="seconds any blocking call may wait")
     launch.add_argument("command", nargs=argparse.REMAINDER, help="the worker command, after --")

@@ -70,6 +70,7 @@ class Launcher:
         self.num_standby = standby
         self.colocate = colocate
         self.min_workers, self.max_workers, self.restarts_left = min_workers, max_workers or num_workers, max_restarts
+        self.scheduler_restarts = max_restarts  # a scheduler that dies while the job runs is started again
         self._next_worker = num_workers  # the label of the next replacement
         self.base_env = dict(os.environ if env is None else env)
         self.base_env |= env_for(
@@ -173,6 +174,9 @@ class Launcher:
                 self._stop_unneeded_replacements()
                 continue
             code = child.proc.returncode
+            if child.role == "scheduler" and code != 0 and self._done_by is None and self.scheduler_restarts > 0:
+                self._restart_scheduler(child)
+                continue
             if child.role != "worker":
                 if code != 0:
                     self._say(f"{child.label} {how(code)} (pid {child.proc.pid}){consequence(child.role)}")
@@ -195,6 +199,21 @@ class Launcher:
             return code
         self._drain_services()
         return 0
+
+    def _restart_scheduler(self, dead: Child) -> None:
+        """The scheduler died while the job runs: start it again at the same address (and admin port); the nodes,
+        which go on training without it, report to it and it resumes the job (scheduler/recovery.py)."""
+        self.scheduler_restarts -= 1
+        address = self.base_env["GRADWIRE_SCHEDULER"]
+        self._say(
+            f"scheduler {how(dead.proc.returncode)} (pid {dead.proc.pid}); restarting it at {address}: the job's "
+            "nodes go on training and report to it"
+        )
+        self.children.remove(dead)
+        admin = self.admin_url.rsplit(":", 1)[1] if self.admin_url else "-1"
+        extra = env_for(role="scheduler", scheduler=address) | {"GRADWIRE_ADMIN_PORT": admin}
+        self._spawn("scheduler", 0, [sys.executable, "-m", "gradwire", "scheduler"], extra)
+        self.children.insert(0, self.children.pop())  # the scheduler stays first (`_ended_cleanly`)
 
     def _ended_cleanly(self) -> bool:
         """The scheduler ended the job without an error, or does within a moment: a replacement that registered as

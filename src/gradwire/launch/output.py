@@ -88,7 +88,7 @@ def how(code: int) -> str:
 def consequence(role: str) -> str:
     """What a node's failed exit means for the job, said after it."""
     if role == "scheduler":
-        return "; the workers stop with an error naming it"
+        return "; the workers stop with an error naming it, unless a scheduler resumes the job in time"
     if role.endswith("server") and Config.from_env().server_failover:
         return "; its keys move to a standby or the other servers, and the workers resend what it lost"
     return ""

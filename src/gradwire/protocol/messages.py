@@ -47,6 +47,22 @@ class Register(Message):
 
 
 @dataclass
+class Resume(Message):
+    """The first message of a node to a scheduler that started into a running job (a restart, scheduler/recovery.py):
+    who it is (`registration`: its REGISTER's fields), the scheduler term and epoch it knows, and what it knows of the
+    job (`report`: a worker's tensors, barriers, lost servers and address book; a server's kept and replicated keys)."""
+
+    op = "resume"
+    always = ("role", "rank", "term", "epoch")
+    role: str = ""
+    rank: int = 0
+    term: int = 0
+    epoch: int = 0
+    registration: dict = field(default_factory=dict)
+    report: dict = field(default_factory=dict)
+
+
+@dataclass
 class Declare(Request):
     """Declare a tensor (its signature); the reply places its partitions on servers."""
 
@@ -65,7 +81,11 @@ class Declare(Request):
 
 @dataclass
 class Barrier(Request):
+    """`number`: the worker's count of barriers entered, this one included; a barrier the job has passed already
+    (its answer lost with a scheduler that died, scheduler/recovery.py) is answered at once. 0: not counted."""
+
     op = "barrier"
+    number: int = 0
 
 
 @dataclass
@@ -173,6 +193,19 @@ class AddressBook(Message):
     placement: dict | None = None
     tuning: dict | None = None
     wall_time: float = 0.0
+    term: int = 1  # the scheduler's term: a node follows no scheduler of an older one (scheduler/recovery.py)
+    barriers: int = 0  # the barriers the job has passed: a worker numbers its next one after them
+
+
+@dataclass
+class Resumed(Message):
+    """A recovering scheduler has every node's report: its term (higher than any before; nodes refuse an older
+    term's scheduler from now on) and the epoch. Nodes then send again what they were waiting on."""
+
+    op = "resumed"
+    always = ("term", "epoch")
+    term: int = 0
+    epoch: int = 0
 
 
 @dataclass
@@ -339,6 +372,7 @@ MESSAGES: dict[str, type[Message]] = {
     m.op: m
     for m in (
         Register,
+        Resume,
         Declare,
         Barrier,
         Bye,
@@ -351,6 +385,7 @@ MESSAGES: dict[str, type[Message]] = {
         RecutRounds,
         ProbeResult,
         AddressBook,
+        Resumed,
         Reply,
         Abort,
         Shutdown,

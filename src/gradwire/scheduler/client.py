@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 
 from gradwire.config import Config
-from gradwire.errors import GradwireTimeout, JobAborted, RemoteProtocolError
+from gradwire.errors import GradwireError, GradwireTimeout, JobAborted, RemoteProtocolError
 from gradwire.protocol import messages
 from gradwire.protocol.frames import MAX_CONTROL_BYTES, FrameType, decode_json, encode_header
 from gradwire.scheduler import probe
@@ -125,3 +125,66 @@ def _await_book(conn: tcp.Connection) -> messages.Message:
             frame, payload = encode_header(FrameType.PROBE, size), bytes(size)
             for _ in range(min(message.send, 64)):
                 conn.send([frame, payload])
+
+
+def resume(
+    config: Config,
+    report: Callable[[], messages.Resume],
+    term: int,
+    stopped: Callable[[], bool] = lambda: False,
+    clock: Callable[[], float] = time.monotonic,
+) -> tuple[tcp.Connection, messages.Resumed]:
+    """After the scheduler connection dropped: reach a scheduler that starts into this running job (restarted at
+    GRADWIRE_SCHEDULER), report (`report()`: RESUME), and wait until it has every node's report and answers RESUMED
+    (scheduler/recovery.py). Tried again with backoff for GRADWIRE_SCHEDULER_TIMEOUT; a scheduler that fails the job's
+    secret, or answers with an older term than `term`, is not followed. Raises JobAborted if the job was aborted,
+    GradwireTimeout naming the address when no scheduler resumed it in time, GradwireError once `stopped()` (the node
+    was stopped meanwhile)."""
+    deadline = clock() + config.scheduler_timeout
+    delay, last, tries = FIRST_RETRY_SECONDS, "", 0
+    while clock() < deadline:
+        if stopped():
+            raise GradwireError("stopped while waiting for a scheduler to resume the job")
+        tries += 1
+        message = report()
+        try:
+            conn = tcp.connect(
+                config.scheduler_address,
+                secret=config.secret_bytes(),
+                role=message.role,
+                rank=max(0, message.rank),
+                max_payload=0,
+                timeout=max(0.1, min(deadline - clock(), config.handshake_timeout)),
+            )
+        except (OSError, GradwireError) as e:  # not listening yet, or not the job's (its secret)
+            last = str(e)
+            time.sleep(max(0.0, min(delay, deadline - clock())))
+            delay = min(MAX_RETRY_SECONDS, delay * 2)
+            continue
+        try:
+            conn.send_message(message)
+            conn.sock.settimeout(max(0.1, deadline - clock()))
+            _, body = conn.recv_json(FrameType.CONTROL)
+            answer = messages.parse(body)
+            conn.sock.settimeout(None)
+        except (OSError, GradwireError) as e:  # it died again, or its recovery gave up on us
+            conn.close()
+            last = str(e)
+            continue
+        if isinstance(answer, messages.Abort):
+            conn.close()
+            raise JobAborted(f"the job was aborted while its scheduler recovered it: {answer.message}")
+        if not isinstance(answer, messages.Resumed) or answer.term <= term:
+            conn.close()
+            last = f"it answered {answer.op} of term {getattr(answer, 'term', '?')} (this node knows term {term})"
+            log.error("%s %d: refused the scheduler at %s: %s", message.role, message.rank, config.scheduler, last)
+            time.sleep(max(0.0, min(delay, deadline - clock())))
+            continue
+        if stopped():
+            conn.close()
+            continue
+        return conn, answer
+    raise GradwireTimeout(
+        f"no scheduler resumed the job at {config.scheduler} within GRADWIRE_SCHEDULER_TIMEOUT="
+        f"{config.scheduler_timeout:g}s ({tries} tries; last: {last or 'nothing listened'})"
+    )

@@ -135,6 +135,34 @@ class Declarations:
                 raise _Refused(f"bad slices {slices} of {num} elements")
         return Signature(key_op, dtype, shape, slices, meta, members, op_args)
 
+    def restore(self, rank: int, body: messages.Declare, pbytes: int, servers: list[int], kept: dict[int, int]) -> None:
+        """A tensor as worker `rank` reports it to a recovering scheduler (scheduler/recovery.py): placed already, its
+        keys on their servers, and on `kept`'s replicas (key -> the server that keeps its answered rounds)."""
+        try:
+            signature = self._signature(rank, body.name, body)
+        except _Refused as e:
+            log.error("recovery: worker %d reported tensor %r as %s; not recovered", rank, body.name, e)
+            return
+        key_op, dtype, shape, slices, meta, members, op_args = signature
+        num, itemsize = int(np.prod(shape, dtype=np.int64)), dtypes.BY_NAME[dtype].itemsize
+        sizes = [p.count * itemsize for p in partition.split(num, itemsize, pbytes)]
+        keys = [partition.key_of(body.name, j) for j in range(len(sizes))]
+        local = members is not None and self.local_servers is not None and bool(self.local_servers(members))
+        with self._lock:
+            if body.name in self.tensors:
+                return
+            for key, server, size in zip(keys, servers, sizes, strict=True):
+                self._keys[key] = body.name
+                (self.placement.local_loads if local else self.placement.loads)[server] += size
+            self.declared_bytes += num * itemsize
+            decl = Declaration(shape, dtype, rank, servers, pbytes, keys, sizes, key_op, slices, meta, members, op_args)
+            if any(k in kept for k in keys):
+                decl.replicas = [kept.get(k) for k in keys]
+            elif key_op != "optimizer" and not local:
+                self.copied_bytes += num * itemsize
+            decl.ready.set()
+            self.tensors[body.name] = decl
+
     def _complete(self, name: str, calls: list[Call]) -> None:
         """Every worker has declared `name`: if they agree, place it, register its keys and answer all; else tell
         every one of them how they differ."""

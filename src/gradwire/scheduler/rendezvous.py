@@ -12,7 +12,6 @@ from dataclasses import replace
 
 from gradwire.errors import GradwireError
 from gradwire.protocol import messages
-from gradwire.protocol.frames import FrameType
 from gradwire.scheduler import adapt, probe
 from gradwire.scheduler.declarations import Declarations
 from gradwire.scheduler.node import Node
@@ -23,12 +22,8 @@ from gradwire.transport import tcp
 log = logging.getLogger("gradwire.scheduler")
 
 
-def registered(conn: tcp.Connection, clock_now: float) -> Node:
-    """The node that `conn`'s first message (REGISTER) describes."""
-    _, body = conn.recv_json(FrameType.CONTROL)
-    m = messages.parse(body)
-    if not isinstance(m, messages.Register):
-        raise GradwireError(f"first message from {conn.peer} must be register, got {m.op}")
+def node_of(conn: tcp.Connection, m: messages.Register, clock_now: float) -> Node:
+    """The node that registers with `m` on `conn`."""
     node = Node(
         conn,
         m.role,
@@ -112,15 +107,7 @@ class Rendezvous:
         roster.tuning = adapt.derive(roster, roster.placement_info)
         if roster.tuning:
             log.info("data path tuning: %s", roster.tuning.reason)
-        roster.declarations = Declarations(
-            config,
-            [s.slot_bytes for s in roster.servers],
-            lambda rank, message: roster.servers[rank].conn.send_message(message),
-            weights,
-            num_workers=len(roster.workers),
-            address_of=lambda rank: server_entry(roster.servers[rank]),
-            local_servers=roster.local_servers,
-        )
+        roster.declarations = declarations_for(roster, weights)
         book = roster.address_book()
         for node in roster.nodes if to is None else to:
             node.conn.send_message(replace(book, rank=node.rank, standby=node.standby))
@@ -141,6 +128,19 @@ class Rendezvous:
                         f"workers and {have['server']}/{config.num_servers} servers registered"
                     )
                     return
+
+
+def declarations_for(roster: Roster, weights: list[float]) -> Declarations:
+    """The job's declarations, placing by `weights`, talking to the roster's servers."""
+    return Declarations(
+        roster.config,
+        [s.slot_bytes for s in roster.servers],
+        lambda rank, message: roster.servers[rank].conn.send_message(message),
+        weights,
+        num_workers=len(roster.workers),
+        address_of=lambda rank: server_entry(roster.servers[rank]),
+        local_servers=roster.local_servers,
+    )
 
 
 def _role(node: Node) -> str:

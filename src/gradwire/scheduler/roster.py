@@ -31,6 +31,8 @@ class Roster:
         self.clock = clock  # injected: tests drive failure detection with a fake clock, not sleeps
         self.lock = threading.Lock()
         self.epoch = 1  # goes up with every failover, elastic reset and new generation
+        self.term = 1  # this scheduler's: one past the last one's where it recovered a running job (recovery.py)
+        self.barriers_passed = 0  # the highest barrier number every worker has passed (Barrier.number)
         self.nodes: list[Node] = []  # every registered node, in order of arrival
         self.workers: list[Node] = []  # the members, by rank (lost and departed ones too, until a reset)
         self.servers: list[Node] = []  # by rank; a lost one stays in its place (its keys moved to the others)
@@ -130,6 +132,8 @@ class Roster:
             # derived from the links (gradwire/tuning.py); None when their rates are unknown
             tuning=self.tuning and self.tuning.as_dict(),
             wall_time=time.time(),  # the job's clock: workers align their timelines to it
+            term=self.term,
+            barriers=self.barriers_passed,
         )
 
 

@@ -34,6 +34,7 @@ from gradwire.scheduler.failover import Failover
 from gradwire.scheduler.generations import Generations
 from gradwire.scheduler.liveness import Liveness
 from gradwire.scheduler.node import Node
+from gradwire.scheduler.recovery import Recovery
 from gradwire.scheduler.roster import Roster
 from gradwire.scheduler.status import cluster_status, node_families
 from gradwire.scheduler.synchronisation import Synchronisation
@@ -63,6 +64,7 @@ class Scheduler:
         self.synchronisation = Synchronisation(roster)
         self.departures = Departures(roster, self.synchronisation, self.generations, self.failover, self.membership)
         self.liveness = Liveness(roster, self.failover, self.membership)
+        self.recovery = Recovery(roster)
         self._handlers = self._dispatch_table()
         self._secret = config.secret_bytes()
         self._gate = HandshakeGate(config.max_pending_handshakes, log)
@@ -92,6 +94,7 @@ class Scheduler:
             self.metrics.collector(lambda: node_families(self.roster))
         self._thread(tcp.accept_forever, "accept", self._listener, self.roster.done, self._serve, "gw-sched-conn")
         self._thread(self.rendezvous.watch_deadline, "deadline")
+        self._thread(self._watch_recovery, "recovery")
         if self.config.heartbeat_timeout > 0:
             self._thread(self.liveness.watch, "monitor")
         if self.config.stall_seconds > 0:
@@ -105,9 +108,27 @@ class Scheduler:
         threading.Thread(target=target, args=args, name=f"gw-sched-{name}", daemon=True).start()
 
     def status(self) -> dict:
-        """/status: the whole job (scheduler/status.py)."""
+        """/status: the whole job (scheduler/status.py), and what this scheduler recovered (if it started into a
+        running job: scheduler/recovery.py)."""
         refused = self.refusals.count
-        return cluster_status(self.roster, self.adaptation, self.membership, self.failover.records, refused)
+        status = cluster_status(self.roster, self.adaptation, self.membership, self.failover.records, refused)
+        return status | {"term": self.roster.term, "recovered": self.recovery.record or None}
+
+    def _watch_recovery(self) -> None:
+        """Until a recovery completes (or the job ends): its deadline, then the failover of the servers it lost."""
+        recovery = self.recovery
+        while not self.roster.done.wait(0.2):
+            recovery.check_deadline(self.clock())
+            if recovery.done.is_set():
+                self._fail_over_unreported()
+                return
+
+    def _fail_over_unreported(self) -> None:
+        """The servers that died while no scheduler ran (they did not report to this one) are failed over."""
+        with self.roster.lock:
+            lost, self.recovery.lost = self.recovery.lost, []
+        for node, why in lost:
+            self.failover.server_lost(node, why)
 
     def check_heartbeats(self, now: float | None = None) -> list[Node]:
         """Declare lost every node silent past GRADWIRE_HEARTBEAT_TIMEOUT (liveness.py); returns them."""
@@ -177,8 +198,24 @@ class Scheduler:
                 self.departures.disconnected(node, e)
 
     def _register(self, conn: tcp.Connection) -> Node:
-        node = rendezvous.registered(conn, self.clock())
+        _, body = conn.recv_json(FrameType.CONTROL)
+        first = messages.parse(body)
         roster = self.roster
+        if isinstance(first, messages.Resume):  # a node of a running job: this scheduler recovers it (recovery.py)
+            with roster.lock:
+                if roster.nodes and not self.recovery.active:
+                    raise GradwireError(
+                        f"{first.role} {first.rank} resumes a job, but this scheduler started a new one"
+                    )
+            node = self.recovery.report(conn, first, self.clock())
+            if self.recovery.done.is_set():
+                self._fail_over_unreported()
+            return node
+        if not isinstance(first, messages.Register):
+            raise GradwireError(f"first message from {conn.peer} must be register, got {first.op}")
+        if self.recovery.active and not self.recovery.done.is_set():
+            raise GradwireError("the scheduler is recovering a running job: only its nodes may report now")
+        node = rendezvous.node_of(conn, first, self.clock())
         with roster.lock:
             if self.generations.admit_locked(node):
                 return node
@@ -202,7 +239,7 @@ class Scheduler:
             messages.Heartbeat: (None, lambda node, m: self.liveness.heartbeat(node, m.stats)),
             messages.RecutRounds: ("worker", self._recut_rounds),
             messages.Reply: ("server", self._server_reply),
-            messages.Barrier: (None, lambda node, m: self.synchronisation.enter_barrier(node, m.id)),
+            messages.Barrier: (None, lambda node, m: self.synchronisation.enter_barrier(node, m.id, m.number)),
             messages.Join: ("worker", self._join),
             messages.Rejoin: ("worker", self._rejoin),
             messages.ServerLost: (None, self._server_lost),

@@ -23,14 +23,24 @@ class Synchronisation:
         self.roster = roster
         self._join_lock = threading.Lock()  # one join at a time (see `join`)
 
-    def enter_barrier(self, node: Node, request_id: int) -> None:
+    def enter_barrier(self, node: Node, request_id: int, number: int = 0) -> None:
+        """Worker `node` enters its `number`th barrier (0: not counted). One the job has passed already (its answer
+        went down with a scheduler that died: recovery.py) is answered at once."""
         roster = self.roster
         with roster.lock:
-            roster.barrier.append((node, request_id))
-            gone = [w for w in roster.workers if w.said_bye and not w.lost]
-            complete = gone or len(roster.barrier) >= sum(not w.lost for w in roster.workers)
-            if complete:
-                waiting, roster.barrier = roster.barrier, []
+            if 0 < number <= roster.barriers_passed:
+                passed = True
+            else:
+                passed = False
+                roster.barrier = [(n, r) for n, r in roster.barrier if n is not node] + [(node, request_id)]
+                gone = [w for w in roster.workers if w.said_bye and not w.lost]
+                complete = gone or len(roster.barrier) >= sum(not w.lost for w in roster.workers)
+                if complete:
+                    waiting, roster.barrier = roster.barrier, []
+                    roster.barriers_passed = max(roster.barriers_passed, number)
+        if passed:
+            node.conn.send_message(messages.Reply(request_id, {}))
+            return
         if not complete:
             self.break_barrier_deadlocks()
             return

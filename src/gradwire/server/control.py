@@ -13,6 +13,7 @@ from typing import Any
 from gradwire.errors import GradwireError, RemoteProtocolError, TensorError
 from gradwire.protocol import dtypes, messages
 from gradwire.protocol.frames import DEPARTED_EVENT, JOIN_EVENT, FrameType
+from gradwire.scheduler import client
 from gradwire.server import ops
 from gradwire.server.reader import claim
 from gradwire.server.state import ServerState
@@ -32,25 +33,68 @@ class ServerControl:
         }
 
     def loop(self) -> None:
-        """Serve the scheduler's messages until SHUTDOWN or ABORT (or a lost connection: the job's end)."""
+        """Serve the scheduler's messages until SHUTDOWN or ABORT; a lost connection ends the job for this server
+        unless a scheduler resumes the job within GRADWIRE_SCHEDULER_TIMEOUT (the workers' links go on meanwhile)."""
+        state = self.state
+        while True:
+            try:
+                self._serve()
+                return
+            except GradwireError as e:
+                if state.done.is_set() or not self._resume(e):
+                    return
+
+    def _serve(self) -> None:
         state = self.state
         assert state.scheduler is not None
+        while True:
+            _, body = state.scheduler.recv_json(FrameType.CONTROL)
+            message = messages.parse(body)
+            if isinstance(message, messages.Shutdown):
+                return
+            if isinstance(message, messages.Abort):
+                state.error = message.message
+                self._tell_workers(message)
+                return
+            handler = self._handlers.get(type(message))
+            if handler is not None:
+                handler(message)
+
+    def _resume(self, error: GradwireError) -> bool:
+        """Wait for a scheduler to resume the job (scheduler/client.py `resume`); False: the job ends here."""
+        state = self.state
+        if state.config.scheduler_timeout <= 0:
+            state.error = f"lost the scheduler: {error}"
+            return False
+        log.warning(
+            "server %d lost the scheduler (%s); summing goes on, waiting up to %gs for a scheduler to resume the job",
+            *(state.rank, error, state.config.scheduler_timeout),
+        )
+        if state.scheduler is not None:
+            state.scheduler.close()
         try:
-            while True:
-                _, body = state.scheduler.recv_json(FrameType.CONTROL)
-                message = messages.parse(body)
-                if isinstance(message, messages.Shutdown):
-                    break
-                if isinstance(message, messages.Abort):
-                    state.error = message.message
-                    self._tell_workers(message)
-                    break
-                handler = self._handlers.get(type(message))
-                if handler is not None:
-                    handler(message)
+            state.scheduler, resumed = client.resume(state.config, self._report, state.term, state.done.is_set)
         except GradwireError as e:
-            if not state.done.is_set():
-                state.error = f"lost the scheduler: {e}"
+            state.error = f"lost the scheduler ({error}), and {e}"
+            return False
+        state.term = resumed.term
+        log.warning("server %d: the job resumed with the scheduler of term %d", state.rank, resumed.term)
+        return True
+
+    def _report(self) -> messages.Resume:
+        """What this server tells a scheduler that resumes the job: who it is, and the keys it keeps for another
+        server (a replica's: scheduler/recovery.py)."""
+        state = self.state
+        kept = [k for engine in state.engines for k, key in list(engine.keys.items()) if key.kept]
+        registration = messages.Register(role="server", rank=state.rank, host=state.config.host, **state.registration)
+        return messages.Resume(
+            role="server",
+            rank=state.rank,
+            term=state.term,
+            epoch=state.epoch,
+            registration=registration.fields() | {"standby": state.standby},
+            report={"kept": kept},
+        )
 
     def _reply(self, request_id: int) -> None:
         assert self.state.scheduler is not None

@@ -74,9 +74,7 @@ class Server:
         """Rendezvous with the scheduler, then serve in background threads."""
         state, config = self.state, self.config
         self.admin = NodeAdmin(config, state.metrics, self.status)
-        state.scheduler, book = join(
-            config,
-            "server",
+        state.registration = dict(
             admin=self.admin.port,
             admin_host=self.admin.advertised_host,
             port=self.port,
@@ -87,7 +85,8 @@ class Server:
             colocated=config.colocated,
             link_rate=config.link_rate_bytes(),
         )
-        state.rank, state.epoch = book.rank, book.epoch
+        state.scheduler, book = join(config, "server", **state.registration)
+        state.rank, state.epoch, state.term = book.rank, book.epoch, book.term
         state.set_workers(book.num_workers)
         state.standby = book.standby
         state.replicas = Replicas(
@@ -108,7 +107,7 @@ class Server:
         for listener in (self._listener, self._unix_listener):
             self._thread(tcp.accept_forever, "accept", listener, self.state.done, self._serve, "gw-server-conn")
         self._thread(self._control_loop, "control")
-        self.admin.start_heartbeat(state.scheduler)
+        self.admin.start_heartbeat(lambda: state.scheduler)
         if config.stall_seconds > 0:
             self._thread(watch_stalls, "stalls", self.state.done, self.config.stall_seconds, self.stall_report, log)
         self._gauges()

@@ -22,6 +22,8 @@ class ServerState:
         self.rank = -1
         self.standby = False
         self.epoch = 0  # frames of another epoch are refused
+        self.term = 0  # the scheduler's term: none of an older one is followed (scheduler/recovery.py)
+        self.registration: dict = {}  # what it registered with (its report to a resuming scheduler repeats it)
         self.num_workers = 0
         self.everyone = 0  # the bitmask of every worker's rank
         self.engines: list[Engine] = []

@@ -34,21 +34,21 @@ class LinkHooks:
 class Connecting:
     def __init__(self, state: WorkerState) -> None:
         self.state = state
+        self.registration: dict = {}  # what this worker registered with (its report to a resuming scheduler repeats it)
 
     def rendezvous(self, admin_port: int, admin_host: str) -> tuple[tcp.Connection, dict]:
         """Join the job: the scheduler connection and the address book. Also the skew of this host's wall clock
         against the scheduler's, from the book's stamp (late by its one-way trip: well under a millisecond on a LAN),
         for the timeline's time base."""
         config = self.state.config
-        conn, book = join(
-            config,
-            "worker",
-            port=0,
-            admin=admin_port,
-            admin_host=admin_host,
-            host_id=tcp.host_identity(self.state.config.host_id),
-            link_rate=config.link_rate_bytes(),
-        )
+        self.registration = {
+            "port": 0,
+            "admin": admin_port,
+            "admin_host": admin_host,
+            "host_id": tcp.host_identity(self.state.config.host_id),
+            "link_rate": config.link_rate_bytes(),
+        }
+        conn, book = join(config, "worker", **self.registration)
         self.state.clock_skew = (book.wall_time or time.time()) - time.time()
         return conn, book
 

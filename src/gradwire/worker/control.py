@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 from gradwire.errors import GradwireError, GradwireTimeout, JobAborted, WorkerLost, abort_error
 from gradwire.protocol import messages
 from gradwire.protocol.frames import FrameType
+from gradwire.scheduler import client
 from gradwire.transport import tcp
 from gradwire.worker.state import SHUTDOWN_JOIN_SECONDS, WorkerState
 
@@ -22,14 +24,18 @@ log = logging.getLogger("gradwire.worker")
 
 class Request:
     """One request in flight. `reply` is the scheduler's answer (the REPLY's result fields) once `done` is set, or
-    None if it was cancelled; `callback(reply)` (or `callback(None)`) runs on the thread that answers or cancels it."""
+    None if it was cancelled; `callback(reply)` (or `callback(None)`) runs on the thread that answers or cancels it.
+    `message`: what was sent (sent again to a scheduler that resumes the job)."""
 
-    __slots__ = ("callback", "done", "reply")
+    __slots__ = ("callback", "done", "message", "reply")
 
-    def __init__(self, callback: Callable[[dict | None], None] | None = None) -> None:
+    def __init__(
+        self, callback: Callable[[dict | None], None] | None = None, message: messages.Request | None = None
+    ) -> None:
         self.done = threading.Event()
         self.reply: dict | None = None
         self.callback = callback
+        self.message = message
 
     def answer(self, body: dict) -> None:
         self.reply = body
@@ -59,6 +65,9 @@ class Control:
         self._ids = itertools.count(1)
         self._rejoin_id = -1  # an elastic reset's request: its reply is the new membership
         self._thread: threading.Thread | None = None
+        self._sending = threading.Lock()  # a request is sent on the connection in use, or sent again on the next one
+        self.report: Callable[[], messages.Resume] | None = None  # what this worker reports to a resuming scheduler
+        self.resumes: list[dict] = []  # each time a scheduler resumed the job: when the old one was lost, how long
 
     def start(self, handlers: dict[type, Callable[[Any], None]]) -> None:
         """Serve the scheduler's messages on a thread of their own: each op to its handler, REPLY to its request,
@@ -71,11 +80,13 @@ class Control:
             self._thread.join(SHUTDOWN_JOIN_SECONDS)
 
     def send(self, message: messages.Message) -> None:
-        """A message that expects no reply; where the scheduler cannot be reached, the control loop reports it."""
-        if self.conn is None:
+        """A message that expects no reply; where the scheduler cannot be reached, the control loop reports it (and
+        what it told is in this worker's report to the next scheduler)."""
+        conn = self.conn
+        if conn is None:
             return
         try:
-            self.conn.send_message(message)
+            conn.send_message(message)
         except GradwireError:
             pass
 
@@ -84,14 +95,24 @@ class Control:
     ) -> Request:
         """Send a request without waiting. With a `callback`, `callback(reply)` runs on the control thread when the
         reply comes, or `callback(None)` if an abort or a membership change cancels it first."""
-        rid, request = next(self._ids), Request(callback)
+        rid = next(self._ids)
+        request = Request(callback, replace(body, id=rid))
         with self.state.lock:
             self._requests[rid] = request
             if rejoin:
                 self._rejoin_id = rid
-        assert self.conn is not None
-        self.conn.send_message(replace(body, id=rid))
+        assert self.conn is not None and request.message is not None
+        with self._sending:
+            try:
+                self.conn.send_message(request.message)
+            except GradwireError:
+                if not self._resumable():
+                    raise
+                # the scheduler is gone: the request goes to the one that resumes the job (`_resume`)
         return request
+
+    def _resumable(self) -> bool:
+        return self.state.config.scheduler_timeout > 0 and self.report is not None
 
     def request(self, body: messages.Request, check: bool = True, rejoin: bool = False) -> dict:
         """Send a request and wait for its reply (at most GRADWIRE_TIMEOUT)."""
@@ -109,7 +130,11 @@ class Control:
     def barrier(self) -> None:
         """Block until every worker has entered the barrier. Raises WorkerLost at once if a worker has left the
         job (shut down) and so can never enter it."""
-        reply = self.request(messages.Barrier())
+        state = self.state
+        state.barriers += 1
+        number = state.barriers
+        reply = self.request(messages.Barrier(number=number))
+        state.barriers_passed = max(state.barriers_passed, number)
         if "error" in reply:
             raise WorkerLost(f"worker {self.state.rank}: barrier failed: {reply['error']}", int(reply["lost_rank"]))
 
@@ -134,22 +159,67 @@ class Control:
             link.close(error)
 
     def _loop(self, handlers: dict[type, Callable[[Any], None]]) -> None:
-        assert self.conn is not None
-        try:
-            while True:
-                _, body = self.conn.recv_json(FrameType.CONTROL)
-                message = messages.parse(body)
-                if isinstance(message, messages.Abort):
-                    self.fail_all(abort_error(message.encode(), rank=self.state.rank))
+        while True:
+            try:
+                self._serve(handlers)
+                return
+            except GradwireError as e:
+                if self.state.closed or not self._resume(e):
                     return
-                if isinstance(message, messages.Reply):
-                    self._answered(message)
-                elif type(message) in handlers:
-                    handlers[type(message)](message)
+
+    def _serve(self, handlers: dict[type, Callable[[Any], None]]) -> None:
+        """The scheduler's messages, until an ABORT (returns) or the connection's loss (raises)."""
+        assert self.conn is not None
+        while True:
+            _, body = self.conn.recv_json(FrameType.CONTROL)
+            message = messages.parse(body)
+            if isinstance(message, messages.Abort):
+                self.fail_all(abort_error(message.encode(), rank=self.state.rank))
+                return
+            if isinstance(message, messages.Reply):
+                self._answered(message)
+            elif type(message) in handlers:
+                handlers[type(message)](message)
+
+    def _resume(self, error: GradwireError) -> bool:
+        """The scheduler connection dropped: wait for a scheduler to resume the job (the data path goes on
+        meanwhile), then send it again every request still unanswered. False (every call failed) when none did in
+        GRADWIRE_SCHEDULER_TIMEOUT, or resuming is off."""
+        state, rank = self.state, self.state.rank
+        if not self._resumable():
+            self.fail_all(JobAborted(f"worker {rank} lost the scheduler: {error}", rank=rank))
+            return False
+        assert self.report is not None
+        lost_at = time.monotonic()
+        log.warning(
+            "worker %d lost the scheduler (%s); training goes on, waiting up to %gs for a scheduler to resume the job",
+            *(rank, error, state.config.scheduler_timeout),
+        )
+        try:
+            conn, resumed = client.resume(state.config, self.report, state.term, lambda: state.closed)
+        except JobAborted as e:
+            self.fail_all(JobAborted(f"worker {rank}: {e}", rank=rank))
+            return False
         except GradwireError as e:
-            if not self.state.closed:
-                rank = self.state.rank
-                self.fail_all(JobAborted(f"worker {rank} lost the scheduler: {e}", rank=rank))
+            self.fail_all(JobAborted(f"worker {rank} lost the scheduler ({error}), and {e}", rank=rank))
+            return False
+        with self._sending:
+            if self.conn is not None:
+                self.conn.close()
+            self.conn, state.term = conn, resumed.term
+            with state.lock:
+                pending = [r.message for r in self._requests.values() if r.message is not None]
+            try:
+                for message in pending:
+                    conn.send_message(message)
+            except GradwireError:
+                pass  # it died again: the next recv finds out, and the next scheduler gets them
+        self.resumes.append({"term": resumed.term, "seconds": time.monotonic() - lost_at, "resent": len(pending)})
+        log.warning(
+            "worker %d: the job resumed with the scheduler of term %d after %.1f s; %d requests sent again",
+            *(rank, resumed.term, time.monotonic() - lost_at, len(pending)),
+        )
+        return True
 
     def _answered(self, reply: messages.Reply) -> None:
         """A REPLY: the request with its id is answered."""

@@ -87,11 +87,23 @@ class Declaring:
 
     def send(self, tensor: Tensor) -> None:
         """Ask the scheduler to declare `tensor` as its signature says; `completed` runs with the answer."""
+        body = self.body(tensor)
+        if body.key_op == "optimizer":
+            tensor.stateful = True
+        try:
+            self.state.check_usable()
+            self.control.request_async(body, lambda reply: self.completed(tensor, reply))
+        except GradwireError as e:
+            self.completed(tensor, None, e)
+
+    def body(self, tensor: Tensor) -> messages.Declare:
+        """The declaration of `tensor` as its signature says (also what this worker reports of it to a resuming
+        scheduler: worker/report.py)."""
         assert tensor.signature is not None
         key_op, _, _, slices, meta, members, args = tensor.signature
         # a server-side update's pushes carry a trailer after each partition's data: partitions leave room for it
         trailer = update.TRAILER_BYTES if key_op == "optimizer" else 0
-        body = messages.Declare(
+        return messages.Declare(
             name=tensor.name,
             shape=list(tensor.shape),
             dtype=tensor.dtype.name,
@@ -102,13 +114,6 @@ class Declaring:
             meta=meta,
             members=None if members is None else list(members),
         )
-        if key_op == "optimizer":
-            tensor.stateful = True
-        try:
-            self.state.check_usable()
-            self.control.request_async(body, lambda reply: self.completed(tensor, reply))
-        except GradwireError as e:
-            self.completed(tensor, None, e)
 
     def completed(self, tensor: Tensor, reply: dict | None, error: GradwireError | None = None) -> None:
         """The scheduler answered a declaration (on the control thread; `reply` None: cancelled by `error`, or by

@@ -41,7 +41,8 @@ class Failover:
         self.hooks = LinkHooks(seeds, on_lost, self.resubmit)  # every link's (connecting.py)
         self.records: list[dict] = []  # what happened at each failover, for status and tests
         self._lock = threading.Lock()  # one failover at a time
-        self._lost_at: dict[int, float] = {}  # when a link to each server died (wall clock), for the record
+        # when the link to each server died (wall clock), until it is failed over: for the record, and the report
+        self.lost_at: dict[int, float] = {}
 
     @property
     def seeds(self) -> dict[int, Seed]:
@@ -51,7 +52,7 @@ class Failover:
         """A server's connection died (a link thread calls this once): tell the scheduler, keep the work."""
         if self.state.closed:  # shutting down: servers close connections after our bye
             return
-        self._lost_at[link.server] = time.time()
+        self.lost_at[link.server] = time.time()
         log.warning(
             "worker %d lost server %d (%s): %s; its unanswered partitions wait for the scheduler to move its keys",
             self.state.rank,
@@ -80,6 +81,9 @@ class Failover:
             if standby and not self._replace_link(dead, standby):
                 return
             moved = {str(name): [int(s) for s in servers] for name, servers in body.moved.items()}
+            if state.book is not None:  # as a scheduler that resumes the job must learn it (worker/report.py)
+                state.book.servers[dead] = dict(standby) if standby else state.book.servers[dead] | {"lost": True}
+                state.book.epoch = state.epoch
             with state.lock:
                 moved_keys = self.table.move(moved, dead)
                 self.table.unreplicate()
@@ -97,7 +101,7 @@ class Failover:
             "resent": len(orphans),
             "seeds": seeded,  # parameters resent for a server-side optimizer; plus on_seed's, if any
             "seconds": time.monotonic() - started,
-            "lost_at": self._lost_at.pop(dead, None),  # wall clock: when this worker saw the connection die
+            "lost_at": self.lost_at.pop(dead, None),  # wall clock: when this worker saw the connection die
             "told_at": told_at,  # when the scheduler's REPLACE arrived
         }
         self.records.append(record)

@@ -6,6 +6,7 @@ connecting) share one `WorkerState` and never reach into each other's fields; th
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 from gradwire.admin.metrics import Metrics
 from gradwire.admin.timeline import Timeline
@@ -29,6 +30,9 @@ class WorkerState:
         self.local_rank = 0
         self.local_size = 1
         self.epoch = 0
+        self.term = 0  # the scheduler's term: none of an older one is followed (scheduler/recovery.py)
+        self.book: AddressBook | None = None  # the last address book, its servers as failovers changed them
+        self.barriers = self.barriers_passed = 0  # the job's barriers this worker entered (Barrier.number), and passed
         self.hosts: list[str] = []  # each worker's host, by rank (cross_rank, is_homogeneous)
         self.placement: dict = {}  # the scheduler's weights and the rates it used
         self.tuning: Tuning | None = None  # the scheduler's derived data-path settings (gradwire/tuning.py)
@@ -59,6 +63,8 @@ class WorkerState:
     def apply_book(self, book: AddressBook) -> None:
         """The address book (at the rendezvous, or an elastic reset): place, hosts, placement and settings."""
         self.rank, self.size, self.epoch = book.rank, book.num_workers, book.epoch
+        self.term, self.book = max(self.term, book.term), replace(book, servers=[dict(s) for s in book.servers])
+        self.barriers = self.barriers_passed = book.barriers  # numbered as the job's, for joiners too
         self.tuning = Tuning.from_dict(book.tuning)
         self.config = self.config.tuned(self.tuning)  # derived from the links, where not set explicitly
         self.placement = book.placement or {}

@@ -42,6 +42,7 @@ class Tensor:
     partition_bytes: int = 0  # the partition size it is declared with (0: the worker's; local aggregation's own)
     # per key, whether a replica server keeps its last answered round (then this worker keeps no copy for failover)
     replicated: list[bool] = field(default_factory=list)
+    cut_bytes: int = 0  # the partition size the job cut it with (the declaration's answer)
 
     def current(self, next_round: bool = False) -> Tensor:
         """The tensor whose keys carry this one's rounds now (`next_round`: its next round), following re-cuts."""
@@ -110,6 +111,7 @@ class TensorTable:
         its keys' servers (a failover may have moved it since the scheduler answered) and which have a replica (none
         once a server has died: `unreplicate`)."""
         num = int(np.prod(tensor.shape, dtype=np.int64))
+        tensor.cut_bytes = partition_bytes
         tensor.parts = partition.split(num, tensor.dtype.itemsize, partition_bytes)
         tensor.keys = [partition.key_of(tensor.name, p.index) for p in tensor.parts]
         tensor.servers = list(self._moves.get(tensor.name, servers))

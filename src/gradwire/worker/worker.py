@@ -25,6 +25,7 @@ from gradwire.worker.declaring import Declaring
 from gradwire.worker.elastic import Elastic
 from gradwire.worker.failover import Failover
 from gradwire.worker.recut import Retuning
+from gradwire.worker.report import Report
 from gradwire.worker.state import SHUTDOWN_JOIN_SECONDS, WorkerState
 from gradwire.worker.tensors import TensorTable
 
@@ -49,6 +50,7 @@ class Worker:
         self.failover = Failover(state, self.table, self.control, self.retuning, self.connecting)
         self.elastic = Elastic(state, self.table, self.control, self.connecting, self.failover, self.retuning)
         self.elastic.reformed = self.aggregate
+        self.control.report = Report(state, self.table, self.control, self.declaring, self.failover.lost_at)
         self.calls = Calls(state, self.table, self.control, self.declaring, self.retuning.recut)
         self.admin: NodeAdmin | None = None
         # the API (gradwire/__init__.py and the adapters call these)
@@ -87,6 +89,7 @@ class Worker:
             sys.setswitchinterval(state.config.switch_interval)
         self.admin = NodeAdmin(state.config, state.metrics, self.status)
         self.control.conn, book = self.connecting.rendezvous(self.admin.port, self.admin.advertised_host)
+        self.control.report.registration = self.connecting.registration
         state.apply_book(book)
         state.credit = state.new_credit()
         if state.config.timeline:
@@ -110,7 +113,7 @@ class Worker:
                 messages.Retune: self.retuning.on_retune,
             }
         )
-        self.admin.start_heartbeat(self.control.conn)
+        self.admin.start_heartbeat(lambda: self.control.conn)
         self.barrier()
         log.info("worker %d/%d ready with %d servers", state.rank, state.size, len(state.links))
         return self

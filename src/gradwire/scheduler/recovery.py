@@ -1,0 +1,216 @@
+"""Recovery: a scheduler that starts into a running job (its process restarted at the same address) rebuilds the job
+from the nodes' reports, and the job goes on (docs/faults.md, "The scheduler").
+
+While no scheduler runs, workers and servers keep their links and the data path goes on; a node whose scheduler
+connection drops tries to reach one again for GRADWIRE_SCHEDULER_TIMEOUT, and opens with RESUME instead of REGISTER:
+its role, rank, the term and epoch it knows, and its report. Where the scheduler's state comes back from:
+
+- ranks, roles, addresses: each node's RESUME (what its REGISTER said, and the rank it holds);
+- the epoch: the highest reported; the term: one past the highest reported (every node refuses an older term's
+  scheduler from then on: `Resumed`);
+- the address book (servers' addresses and which are lost, placement weights, the data path's settings): the
+  workers' books, which every worker holds alike;
+- declarations and placements: the workers' tensor tables (each tensor's signature, partition size and servers); a
+  tensor some worker had its answer for is taken as placed, and the others' requests for it are answered as any late
+  declaration; one no worker had its answer for is declared again by their requests;
+- replicas: the servers' (which keys each forwards to which server);
+- barriers passed: the workers' counts (a barrier answered to some workers only is answered to the rest at once);
+- servers lost: a server no longer reporting, which a worker reports it lost its link to, is failed over once the job
+  is rebuilt (the scheduler and a server dying together).
+
+Nothing is kept outside the nodes: whatever the scheduler held that they do not is either derived again from what
+they report (the placement's loads, the bytes the workers copy for a failover) or history (/status's records).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from gradwire.errors import GradwireError
+from gradwire.protocol import messages
+from gradwire.protocol.message import decode
+from gradwire.scheduler import rendezvous
+from gradwire.scheduler.node import Node
+from gradwire.scheduler.roster import Roster
+from gradwire.transport import tcp
+from gradwire.tuning import Tuning
+
+log = logging.getLogger("gradwire.scheduler")
+
+
+class Absent:
+    """The connection of a node that did not report (a server that died with the scheduler): nothing reaches it."""
+
+    peer = "absent"
+
+    def send_message(self, message: messages.Message) -> None:
+        raise GradwireError("this node did not report to the recovering scheduler")
+
+    def close(self) -> None:
+        pass
+
+
+class Recovery:
+    """The reports of a job being recovered; complete once every worker and every live server has reported, or
+    GRADWIRE_HEARTBEAT_TIMEOUT after the first report (then a missing worker ends the job, a missing server is failed
+    over). `lost`: the servers to fail over once the job is rebuilt (recovered() returns them)."""
+
+    def __init__(self, roster: Roster) -> None:
+        self.roster = roster
+        self.active = False  # a RESUME came first: this scheduler recovers a running job
+        self.done = threading.Event()
+        self.started = 0.0
+        self.seconds = 0.0
+        self.record: dict = {}  # what was recovered, and from whom (/status)
+        self._reports: dict[tuple[str, int], tuple[Node, messages.Resume]] = {}
+        self._standby: list[tuple[Node, messages.Resume]] = []
+        self.lost: list[tuple[Node, str]] = []
+
+    def report(self, conn: tcp.Connection, resume: messages.Resume, now: float) -> Node:
+        """A node's RESUME: its node; the rebuild runs when this report completes the job's (then `done` is set)."""
+        registration = decode(messages.Register, resume.registration | {"op": messages.Register.op})
+        assert isinstance(registration, messages.Register)
+        node = rendezvous.node_of(conn, registration, now)
+        node.rank, conn.peer_rank = resume.rank, resume.rank
+        roster = self.roster
+        with roster.lock:
+            if self.done.is_set():
+                return self._late_locked(node, resume)
+            if not self.active:
+                self.active, self.started = True, now
+                log.warning("a running job: recovering it from its nodes' reports")
+            if node.standby:
+                self._standby.append((node, resume))
+            else:
+                self._reports[(resume.role, resume.rank)] = (node, resume)
+            if self._missing_locked():
+                return node
+            self._rebuild_locked(now)
+        return node
+
+    def check_deadline(self, now: float) -> None:
+        """Past GRADWIRE_HEARTBEAT_TIMEOUT from the first report, go on with the nodes that reported."""
+        roster = self.roster
+        timeout = roster.config.heartbeat_timeout or roster.config.timeout
+        with roster.lock:
+            if not self.active or self.done.is_set() or now - self.started < timeout:
+                return
+            missing = self._missing_locked()
+            workers = [r for role, r in missing if role == "worker"]
+            if workers:
+                roster.nodes = [n for n, _ in [*self._reports.values(), *self._standby]]  # those told why
+                roster.abort_locked(
+                    f"recovering the job after the scheduler's restart: worker(s) {workers} did not report within "
+                    f"{timeout:g}s",
+                    lost=("worker", workers[0]),
+                )
+                return
+            self._rebuild_locked(now)
+
+    def _late_locked(self, node: Node, resume: messages.Resume) -> Node:
+        """A report after the job was rebuilt: a standby joins the standby servers; anyone else was taken as lost."""
+        if not node.standby:
+            raise GradwireError(f"{resume.role} {resume.rank} reported after the job was recovered without it")
+        self.roster.standby.append(node)
+        self.roster.nodes.append(node)
+        node.conn.send_message(messages.Resumed(self.roster.term, self.roster.epoch))
+        return node
+
+    def _book(self) -> dict:
+        """The address book of the worker that knows the latest epoch."""
+        workers = [r for (role, _), (_, r) in self._reports.items() if role == "worker"]
+        if not workers:
+            return {}
+        return max(workers, key=lambda r: r.epoch).report.get("book") or {}
+
+    def _missing_locked(self) -> list[tuple[str, int]]:
+        """The workers and live servers that have not reported yet (as far as the reports so far tell)."""
+        book = self._book()
+        if not book:
+            return [("worker", 0)]
+        servers = book.get("servers") or []
+        said_lost = {int(s) for _, r in self._reports.values() if r.role == "worker" for s in r.report.get("lost", [])}
+        expected = [("worker", r) for r in range(int(book["num_workers"]))]
+        expected += [("server", s) for s, e in enumerate(servers) if not e.get("lost") and s not in said_lost]
+        return [k for k in expected if k not in self._reports]
+
+    def _rebuild_locked(self, now: float) -> None:
+        """Every report is in (or the deadline passed): the roster, the declarations, the term."""
+        roster, reports, book = self.roster, self._reports, self._book()
+        roster.epoch = max(r.epoch for _, r in [*reports.values(), *self._standby])
+        roster.term = max(r.term for _, r in [*reports.values(), *self._standby]) + 1
+        roster.workers = [reports[("worker", r)][0] for r in range(int(book["num_workers"]))]
+        roster.servers = [self._server(s, entry) for s, entry in enumerate(book["servers"])]
+        roster.standby = [n for n, _ in self._standby]
+        roster.nodes = [n for n, _ in reports.values()] + roster.standby
+        roster.placement_info = book.get("placement") or {}
+        roster.tuning = Tuning.from_dict(book.get("tuning"))
+        weights = roster.placement_info.get("weights") or [1.0] * len(roster.servers)
+        declarations = roster.declarations = rendezvous.declarations_for(roster, weights)
+        for s, server in enumerate(roster.servers):
+            if server.lost:
+                declarations.placement.remove(s)
+                declarations.abandon(s)
+        replicas = self._replicas()
+        tensors = self._tensors()
+        for rank, declare, pbytes, servers in tensors.values():
+            declarations.restore(rank, declare, pbytes, servers, replicas)
+        roster.barriers_passed = max(
+            int(r.report.get("barriers", 0)) for _, r in reports.values() if r.role == "worker"
+        )
+        self.seconds = now - self.started
+        self.record = {
+            "term": roster.term,
+            "epoch": roster.epoch,
+            "seconds": round(self.seconds, 3),
+            "reported": sorted(f"{role} {rank}" for role, rank in reports)
+            + [f"standby {n.host}" for n in roster.standby],
+            "tensors": len(tensors),
+            "barriers_passed": roster.barriers_passed,
+            "servers_lost": [n.rank for n, _ in self.lost],
+        }
+        log.warning(
+            "recovered the job in %.1f s (term %d, epoch %d) from %s: %d workers, %d servers, %d tensors, %d barriers "
+            "passed; servers to fail over: %s",
+            *(self.seconds, roster.term, roster.epoch, ", ".join(self.record["reported"]), len(roster.workers)),
+            *(len(roster.servers), len(tensors), roster.barriers_passed, self.record["servers_lost"] or "none"),
+        )
+        roster.tell(roster.nodes, messages.Resumed(roster.term, roster.epoch))
+        self.done.set()
+
+    def _server(self, rank: int, entry: dict) -> Node:
+        """Server `rank` of the rebuilt roster: its report's node, or (it did not report) a node nothing reaches,
+        lost already or to be failed over."""
+        reported = self._reports.get(("server", rank))
+        if reported is not None:
+            return reported[0]
+        node = Node(Absent(), "server", rank, entry["host"], int(entry["port"]), rank=rank)  # type: ignore[arg-type]
+        node.colocated, node.host_id = bool(entry.get("colocated")), str(entry.get("host_id", ""))
+        node.slot_bytes, node.unix = int(entry.get("slot_bytes", 0)), str(entry.get("unix", ""))
+        if entry.get("lost"):
+            node.lost = True
+        else:
+            self.lost.append((node, "it died while the scheduler was away (it did not report to the new one)"))
+        return node
+
+    def _replicas(self) -> dict[int, int]:
+        """key -> the server that keeps its last answered round, as the servers report it."""
+        out: dict[int, int] = {}
+        for (role, rank), (_, resume) in self._reports.items():
+            if role == "server":
+                for key in resume.report.get("kept", []):
+                    out[int(key)] = rank
+        return out
+
+    def _tensors(self) -> dict[str, tuple[int, messages.Declare, int, list[int]]]:
+        """Every tensor some worker has its declaration's answer for: (the rank that reported it first, its
+        declaration, its partition size, its servers). Workers agree on each (a failover's moves reach all alike)."""
+        out: dict[str, tuple[int, messages.Declare, int, list[int]]] = {}
+        for (role, rank), (_, resume) in sorted(self._reports.items()):
+            for t in resume.report.get("tensors", []) if role == "worker" else []:
+                declare = decode(messages.Declare, t["declare"] | {"op": messages.Declare.op, "id": 0})
+                assert isinstance(declare, messages.Declare)
+                if declare.name not in out:
+                    out[declare.name] = (rank, declare, int(t["partition_bytes"]), [int(s) for s in t["servers"]])
+        return out

@@ -1,0 +1,55 @@
+"""What a worker tells a scheduler that resumes the job (RESUME; scheduler/recovery.py rebuilds the job from it): who it
+is, and what it knows of the job: its tensors as declared and placed, the barriers it has passed, the servers it has
+lost its link to (not failed over yet), and its address book as failovers changed it.
+"""
+
+from __future__ import annotations
+
+from gradwire.protocol import messages
+from gradwire.worker.control import Control
+from gradwire.worker.declaring import Declaring
+from gradwire.worker.state import WorkerState
+from gradwire.worker.tensors import TensorTable
+
+
+class Report:
+    """`report()` makes this worker's RESUME now; `registration` (what it registered with) is set at the rendezvous."""
+
+    def __init__(
+        self, state: WorkerState, table: TensorTable, control: Control, declaring: Declaring, lost: dict[int, float]
+    ) -> None:
+        self.state = state
+        self.table = table
+        self.control = control
+        self.declaring = declaring
+        self.lost = lost  # the servers whose links died, not failed over yet (worker/failover.py)
+        self.registration: dict = {}
+
+    def __call__(self) -> messages.Resume:
+        state = self.state
+        with state.lock:
+            placed = [t for t in self.table.tensors.values() if t.ready.is_set() and t.error is None and t.keys]
+            tensors = [
+                {
+                    "declare": {k: v for k, v in self.declaring.body(t).fields().items() if k != "id"},
+                    "partition_bytes": t.cut_bytes,
+                    "servers": list(t.servers),
+                }
+                for t in placed
+            ]
+        book = state.book
+        assert book is not None
+        registration = messages.Register(role="worker", rank=state.rank, host=state.config.host, **self.registration)
+        return messages.Resume(
+            role="worker",
+            rank=state.rank,
+            term=state.term,
+            epoch=state.epoch,
+            registration=registration.fields(),
+            report={
+                "tensors": tensors,
+                "barriers": state.barriers_passed,
+                "lost": sorted(self.lost),
+                "book": {k: v for k, v in book.fields().items() if k not in ("rank", "standby", "wall_time")},
+            },
+        )

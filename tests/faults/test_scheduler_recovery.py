@@ -1,0 +1,195 @@
+"""The scheduler's death does not end the job (scheduler/recovery.py, docs/faults.md): the data path goes on without it,
+a scheduler started at its address rebuilds the job from the nodes' reports, and the results are bit-identical to a
+run without the failure. In-process clusters; tests/faults/test_killed_processes.py SIGKILLs a real one."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from gradwire.config import Config
+from gradwire.errors import GradwireTimeout, JobAborted
+from gradwire.protocol import messages
+from gradwire.scheduler import client
+from gradwire.testing import LocalCluster
+from gradwire.transport import tcp
+
+SIZES = {"embedding": 70_000, "layer.weight": 20_000, "layer.bias": 300, "head": 9}  # floats: several partitions
+SETTINGS = {"partition_bytes": 64 * 1024, "heartbeat_interval": 0.2, "scheduler_timeout": 20.0}
+
+
+def gradients(rank: int, step: int, name: str) -> np.ndarray:
+    """A worker's gradient of `name` at `step`: float32 values whose sum depends on the order it is taken in."""
+    rng = np.random.default_rng([rank, step, len(name)])
+    return (rng.standard_normal(SIZES.get(name, 1000)) * 10.0 ** rng.integers(-3, 4)).astype(np.float32)
+
+
+def step(worker, n: int, names=tuple(SIZES)) -> dict[str, np.ndarray]:
+    """One training step's push_pulls, in backward order (the last layer first)."""
+    handles = {name: worker.push_pull_async(gradients(worker.rank, n, name), name) for name in reversed(names)}
+    return {name: worker.synchronize(h) for name, h in handles.items()}
+
+
+def reference(steps: int, extra: tuple[str, ...] = ()) -> list[list[dict[str, np.ndarray]]]:
+    """The sums of a run without any failure: per step, per rank."""
+    with LocalCluster(num_workers=2, num_servers=2, **SETTINGS) as c:
+        return [c.run(lambda w, n=n: step(w, n, tuple(SIZES) + (extra if n >= 3 else ()))) for n in range(steps)]
+
+
+def same(got, want) -> None:
+    for n, (g, w) in enumerate(zip(got, want, strict=True)):
+        for rank, (gr, wr) in enumerate(zip(g, w, strict=True)):
+            for name in wr:
+                assert gr[name].tobytes() == wr[name].tobytes(), f"step {n}, worker {rank}, {name!r} differs"
+
+
+def test_training_goes_on_without_the_scheduler_and_a_restarted_one_resumes_the_job_bit_identical():
+    want = reference(6, extra=("late",))
+    got = []
+    with LocalCluster(num_workers=2, num_servers=2, **SETTINGS) as c:
+        got += [c.run(lambda w, n=n: step(w, n)) for n in range(2)]
+        c.kill_scheduler()
+        got.append(c.run(lambda w: step(w, 2)))  # no scheduler: the data path needs none
+        scheduler = c.restart_scheduler()
+        names = (*SIZES, "late")  # a tensor declared after the restart: the new scheduler places it
+        got += [c.run(lambda w, n=n: step(w, n, names)) for n in range(3, 6)]
+        c.run(lambda w: w.barrier())
+        recovered = scheduler.status()["recovered"]
+        assert recovered["term"] == 2 and recovered["tensors"] == len(SIZES)
+        assert recovered["reported"] == ["server 0", "server 1", "worker 0", "worker 1"]
+        assert all(w.state.term == 2 for w in c.workers) and all(s.state.term == 2 for s in c.servers)
+    same(got, want)
+
+
+def test_a_declaration_made_while_no_scheduler_runs_is_answered_by_the_next_and_twice_in_one_job():
+    want = reference(6, extra=("late",))
+    got = []
+    with LocalCluster(num_workers=2, num_servers=2, **SETTINGS) as c:
+        got += [c.run(lambda w, n=n: step(w, n)) for n in range(3)]
+        c.kill_scheduler()
+        names = (*SIZES, "late")
+        results: list = []
+        steps = threading.Thread(target=lambda: results.append(c.run(lambda w: step(w, 3, names))))
+        steps.start()  # "late" waits for a scheduler to declare it; the other tensors go on
+        time.sleep(0.5)
+        assert steps.is_alive()
+        c.restart_scheduler()
+        steps.join(30)
+        got += results
+        c.kill_scheduler()  # and again
+        got.append(c.run(lambda w: step(w, 4, names)))
+        scheduler = c.restart_scheduler()
+        got.append(c.run(lambda w: step(w, 5, names)))
+        c.run(lambda w: w.barrier())
+        assert scheduler.status()["recovered"]["term"] == 3
+        assert [len(w.control.resumes) for w in c.workers] == [2, 2]
+    same(got, want)
+
+
+def test_a_barrier_answered_to_some_workers_only_when_the_scheduler_died_is_passed_by_the_rest():
+    with LocalCluster(num_workers=2, num_servers=1, **SETTINGS) as c:
+        scheduler = c.scheduler
+        node = scheduler.roster.workers[1]
+        send = node.conn.send_message
+
+        def lose_the_answer(message):  # worker 1's answer goes down with the scheduler; worker 0 has its own
+            if isinstance(message, messages.Reply):
+                threading.Timer(0.3, scheduler.stop).start()
+                return
+            send(message)
+
+        node.conn.send_message = lose_the_answer
+        passed = []
+        waiter = threading.Thread(target=lambda: (c.workers[1].barrier(), passed.append(1)))
+        waiter.start()
+        c.workers[0].barrier()
+        time.sleep(0.6)
+        assert not passed and scheduler.roster.done.is_set()
+        c.restart_scheduler()
+        waiter.join(20)
+        assert passed, "worker 1 never passed the barrier worker 0 had passed"
+        c.run(lambda w: w.barrier())  # the next one is a new barrier for both
+        assert c.scheduler.roster.barriers_passed == 3
+
+
+def test_a_server_that_dies_with_the_scheduler_is_failed_over_by_the_next_one_bit_identical():
+    want = reference(5)
+    got = []
+    with LocalCluster(num_workers=2, num_servers=3, **SETTINGS) as c:
+        got += [c.run(lambda w, n=n: step(w, n)) for n in range(2)]
+        c.kill_scheduler()
+        c.kill_server(1)
+        results: list = []
+        steps = threading.Thread(target=lambda: results.append(c.run(lambda w: step(w, 2))))
+        steps.start()  # server 1's partitions wait: nobody can fail it over yet
+        time.sleep(0.5)
+        scheduler = c.restart_scheduler()
+        steps.join(30)
+        got += results
+        got += [c.run(lambda w, n=n: step(w, n)) for n in range(3, 5)]
+        assert scheduler.status()["recovered"]["servers_lost"] == [1]
+        assert [f["server"] for f in scheduler.failovers] == [1]
+    same(got, want)
+
+
+def test_with_no_scheduler_back_in_time_every_call_fails_naming_it():
+    with LocalCluster(num_workers=2, num_servers=1, **(SETTINGS | {"scheduler_timeout": 1.0})) as c:
+        c.run(lambda w: step(w, 0))
+        address = c.kill_scheduler()
+        started = time.monotonic()
+        with pytest.raises(JobAborted, match=f"no scheduler resumed the job at {address}.*SCHEDULER_TIMEOUT=1s"):
+            c.run(lambda w: (time.sleep(2), w.barrier()))
+        assert time.monotonic() - started < 10
+        assert "no scheduler resumed the job" in c.servers[0].wait(10)
+
+
+def test_a_node_follows_no_scheduler_of_an_older_term_nor_one_without_the_secret():
+    """Fencing: a scheduler answering with a term no newer than the node's own is refused, as is one that fails the
+    job secret's handshake; the node gives up at GRADWIRE_SCHEDULER_TIMEOUT."""
+    listener = tcp.listen("127.0.0.1", 0)
+    port = listener.getsockname()[1]
+    secret = "s" * 64
+    stale = {"term": 2}
+
+    def old_scheduler() -> None:
+        while True:
+            try:
+                sock, _ = listener.accept()
+            except OSError:
+                return
+            conn = tcp.Connection(sock, max_payload=0)
+            try:
+                conn.handshake(secret.encode() if stale["term"] else b"other", "scheduler", 0, initiator=False)
+                conn.recv_json()
+                conn.send_message(messages.Resumed(stale["term"], 1))
+            except Exception:
+                pass
+            finally:
+                conn.close()
+
+    threading.Thread(target=old_scheduler, daemon=True).start()
+    config = Config(role="worker", scheduler=f"127.0.0.1:{port}", secret=secret, scheduler_timeout=1.0)
+    report = lambda: messages.Resume(role="worker", rank=0, term=2, epoch=1)  # noqa: E731
+    try:
+        with pytest.raises(GradwireTimeout, match="term 2 .*knows term 2"):
+            client.resume(config, report, term=2)
+        stale["term"] = 0  # now: the wrong secret
+        with pytest.raises(GradwireTimeout, match="no scheduler resumed"):
+            client.resume(config, report, term=2)
+    finally:
+        listener.close()
+
+
+def test_a_worker_that_died_with_the_scheduler_is_named_when_the_next_one_gives_up_waiting_for_its_report():
+    with LocalCluster(num_workers=3, num_servers=1, **(SETTINGS | {"heartbeat_timeout": 1.5})) as c:
+        c.run(lambda w: step(w, 0))
+        c.kill_scheduler()
+        c.kill_worker(2)
+        c.restart_scheduler()
+        started = time.monotonic()
+        with pytest.raises(JobAborted, match=r"worker\(s\) \[2\] did not report within 1.5s"):
+            c.run(lambda w: w.barrier())
+        assert time.monotonic() - started < 10
