@@ -19,6 +19,9 @@ log = logging.getLogger("gradwire.rendezvous")
 FIRST_RETRY_SECONDS = 0.05  # the wait before the second try to reach the scheduler; doubled each time ...
 MAX_RETRY_SECONDS = 2.0  # ... up to this
 LOG_EVERY_SECONDS = 5.0  # how often a waiting node says what it waits for
+# a node waiting for a scheduler to resume the job tries at most this far apart: the job's calls that need the
+# scheduler wait for it, and a connection refused on a LAN costs nothing
+MAX_RESUME_RETRY_SECONDS = 0.25
 
 
 def join(
@@ -159,7 +162,7 @@ def resume(
         except (OSError, GradwireError) as e:  # not listening yet, or not the job's (its secret)
             last = str(e)
             time.sleep(max(0.0, min(delay, deadline - clock())))
-            delay = min(MAX_RETRY_SECONDS, delay * 2)
+            delay = min(MAX_RESUME_RETRY_SECONDS, delay * 2)
             continue
         try:
             conn.send_message(message)
