@@ -16,6 +16,7 @@ from gradwire.protocol import messages
 from gradwire.scheduler import client
 from gradwire.testing import LocalCluster
 from gradwire.transport import tcp
+from tests.faults.test_elastic import _sum_until_reset
 
 SIZES = {"embedding": 70_000, "layer.weight": 20_000, "layer.bias": 300, "head": 9}  # floats: several partitions
 SETTINGS = {"partition_bytes": 64 * 1024, "heartbeat_interval": 0.2, "scheduler_timeout": 20.0}
@@ -193,3 +194,16 @@ def test_a_worker_that_died_with_the_scheduler_is_named_when_the_next_one_gives_
         with pytest.raises(JobAborted, match=r"worker\(s\) \[2\] did not report within 1.5s"):
             c.run(lambda w: w.barrier())
         assert time.monotonic() - started < 10
+
+
+def test_an_elastic_job_resumed_by_a_restarted_scheduler_still_reforms_without_a_lost_worker():
+    settings = SETTINGS | {"min_workers": 2, "max_workers": 3, "partition_bytes": 4096}
+    with LocalCluster(num_workers=3, num_servers=2, **settings) as c:
+        assert c.run(lambda w: w.push_pull(np.full(5000, w.rank + 1.0, np.float32), "g")[0]) == [6.0] * 3
+        c.kill_scheduler()
+        c.restart_scheduler()
+        c.run(lambda w: w.barrier())  # resumed
+        c.kill_worker(1)
+        out = c.run(lambda w: _sum_until_reset(w, {0: 1.0, 2: 3.0}[w.rank if w.size == 3 else 2 * w.rank]))
+        assert [a[0] for a in out] == [4.0, 4.0] and [w.size for w in c.workers] == [2, 2]
+        assert c.scheduler.status()["recovered"]["term"] == 2

@@ -61,6 +61,13 @@ class Resume(Message):
     registration: dict = field(default_factory=dict)
     report: dict = field(default_factory=dict)
 
+    @classmethod
+    def of(cls, role: str, rank: int, host: str, state: tuple[int, int], registration: dict, report: dict) -> Resume:
+        """A node's RESUME: what its REGISTER says (`role`, `rank`, `host`, `registration`), the (term, epoch) it
+        knows, and its `report`."""
+        register = Register(role=role, rank=rank, host=host, **registration)
+        return cls(role, rank, *state, register.fields(), report)
+
 
 @dataclass
 class Declare(Request):

@@ -86,15 +86,9 @@ class ServerControl:
         server (a replica's: scheduler/recovery.py)."""
         state = self.state
         kept = [k for engine in state.engines for k, key in list(engine.keys.items()) if key.kept]
-        registration = messages.Register(role="server", rank=state.rank, host=state.config.host, **state.registration)
-        return messages.Resume(
-            role="server",
-            rank=state.rank,
-            term=state.term,
-            epoch=state.epoch,
-            registration=registration.fields() | {"standby": state.standby},
-            report={"kept": kept},
-        )
+        registration = state.registration | {"standby": state.standby}
+        where = ("server", state.rank, state.config.host)
+        return messages.Resume.of(*where, (state.term, state.epoch), registration, {"kept": kept})
 
     def _reply(self, request_id: int) -> None:
         assert self.state.scheduler is not None

@@ -39,17 +39,11 @@ class Report:
             ]
         book = state.book
         assert book is not None
-        registration = messages.Register(role="worker", rank=state.rank, host=state.config.host, **self.registration)
-        return messages.Resume(
-            role="worker",
-            rank=state.rank,
-            term=state.term,
-            epoch=state.epoch,
-            registration=registration.fields(),
-            report={
-                "tensors": tensors,
-                "barriers": state.barriers_passed,
-                "lost": sorted(self.lost),
-                "book": {k: v for k, v in book.fields().items() if k not in ("rank", "standby", "wall_time")},
-            },
-        )
+        report = {
+            "tensors": tensors,
+            "barriers": state.barriers_passed,
+            "lost": sorted(self.lost),
+            "book": {k: v for k, v in book.fields().items() if k not in ("rank", "standby", "wall_time")},
+        }
+        where = ("worker", state.rank, state.config.host)
+        return messages.Resume.of(*where, (state.term, state.epoch), self.registration, report)
