@@ -62,6 +62,8 @@ def test_training_goes_on_without_the_scheduler_and_a_restarted_one_resumes_the_
         assert recovered["term"] == 2 and recovered["tensors"] == len(SIZES)
         assert recovered["reported"] == ["server 0", "server 1", "worker 0", "worker 1"]
         assert all(w.state.term == 2 for w in c.workers) and all(s.state.term == 2 for s in c.servers)
+        status = c.workers[0].status()
+        assert status["term"] == 2 and [r["term"] for r in status["scheduler_resumes"]] == [2]
     same(got, want)
 
 

@@ -179,6 +179,8 @@ class Worker:
             "rank": state.rank,
             "size": state.size,
             "epoch": state.epoch,
+            "term": state.term,  # the scheduler's; and each time one resumed the job (scheduler/recovery.py)
+            "scheduler_resumes": self.control.resumes[-5:],
             "tensors": len(self.table.tensors),
             "push_pulls_in_flight": state.active,
             "credit_in_flight_bytes": state.credit.used if state.credit else 0,
