@@ -144,9 +144,7 @@ class Declarations:
             log.error("recovery: worker %d reported tensor %r as %s; not recovered", rank, body.name, e)
             return
         key_op, dtype, shape, slices, meta, members, op_args = signature
-        num, itemsize = int(np.prod(shape, dtype=np.int64)), dtypes.BY_NAME[dtype].itemsize
-        sizes = [p.count * itemsize for p in partition.split(num, itemsize, pbytes)]
-        keys = [partition.key_of(body.name, j) for j in range(len(sizes))]
+        sizes, keys, total = _cut(body.name, shape, dtype, pbytes)
         local = members is not None and self.local_servers is not None and bool(self.local_servers(members))
         with self._lock:
             if body.name in self.tensors:
@@ -154,12 +152,12 @@ class Declarations:
             for key, server, size in zip(keys, servers, sizes, strict=True):
                 self._keys[key] = body.name
                 (self.placement.local_loads if local else self.placement.loads)[server] += size
-            self.declared_bytes += num * itemsize
+            self.declared_bytes += total
             decl = Declaration(shape, dtype, rank, servers, pbytes, keys, sizes, key_op, slices, meta, members, op_args)
             if any(k in kept for k in keys):
                 decl.replicas = [kept.get(k) for k in keys]
             elif key_op != "optimizer" and not local:
-                self.copied_bytes += num * itemsize
+                self.copied_bytes += total
             decl.ready.set()
             self.tensors[body.name] = decl
 
@@ -394,18 +392,12 @@ class Declarations:
             raise TensorError(
                 f"tensor {name!r}: partitions of {pbytes} bytes do not fit the servers' {self.slot_bytes}-byte slots"
             )
-        num = 1
-        for d in shape:
-            num *= d
-        total = num * itemsize
+        sizes, keys, total = _cut(name, shape, dtype, pbytes)
         if self.declared_bytes + total > self.config.max_declared_bytes:
             raise TensorError(
                 f"tensor {name!r} of {total} bytes would take the job past GRADWIRE_MAX_DECLARED_BYTES="
                 f"{self.config.max_declared_bytes} ({self.declared_bytes} declared so far)"
             )
-        parts = partition.split(num, itemsize, pbytes)
-        sizes = [p.count * itemsize for p in parts]
-        keys = [partition.key_of(name, p.index) for p in parts]
         for key in keys:
             if key in self._keys:
                 raise TensorError(f"key collision between {name!r} and {self._keys[key]!r}; rename one")
@@ -415,6 +407,16 @@ class Declarations:
         self.declared_bytes += total
         decl = self.tensors[name] = Declaration(shape, dtype, rank, servers, pbytes, keys, sizes)
         return decl
+
+
+def _cut(name: str, shape: list[int], dtype: str, pbytes: int) -> tuple[list[int], list[int], int]:
+    """A tensor cut into partitions of `pbytes`: each partition's bytes, each one's key, and the tensor's bytes."""
+    itemsize = dtypes.BY_NAME[dtype].itemsize  # our own table, not the peer's word
+    num = 1
+    for d in shape:
+        num *= d
+    parts = partition.split(num, itemsize, pbytes)
+    return [p.count * itemsize for p in parts], [partition.key_of(name, p.index) for p in parts], num * itemsize
 
 
 class _Refused(Exception):

@@ -54,14 +54,13 @@ class Absent:
 class Recovery:
     """The reports of a job being recovered; complete once every worker and every live server has reported, or
     GRADWIRE_HEARTBEAT_TIMEOUT after the first report (then a missing worker ends the job, a missing server is failed
-    over). `lost`: the servers to fail over once the job is rebuilt (recovered() returns them)."""
+    over). `lost`: the servers the scheduler is to fail over once the job is rebuilt, and why."""
 
     def __init__(self, roster: Roster) -> None:
         self.roster = roster
         self.active = False  # a RESUME came first: this scheduler recovers a running job
         self.done = threading.Event()
         self.started = 0.0
-        self.seconds = 0.0
         self.record: dict = {}  # what was recovered, and from whom (/status)
         self._reports: dict[tuple[str, int], tuple[Node, messages.Resume]] = {}
         self._standby: list[tuple[Node, messages.Resume]] = []
@@ -159,11 +158,11 @@ class Recovery:
         roster.barriers_passed = max(
             int(r.report.get("barriers", 0)) for _, r in reports.values() if r.role == "worker"
         )
-        self.seconds = now - self.started
+        seconds = now - self.started
         self.record = {
             "term": roster.term,
             "epoch": roster.epoch,
-            "seconds": round(self.seconds, 3),
+            "seconds": round(seconds, 3),
             "reported": sorted(f"{role} {rank}" for role, rank in reports)
             + [f"standby {n.host}" for n in roster.standby],
             "tensors": len(tensors),
@@ -173,7 +172,7 @@ class Recovery:
         log.warning(
             "recovered the job in %.1f s (term %d, epoch %d) from %s: %d workers, %d servers, %d tensors, %d barriers "
             "passed; servers to fail over: %s",
-            *(self.seconds, roster.term, roster.epoch, ", ".join(self.record["reported"]), len(roster.workers)),
+            *(seconds, roster.term, roster.epoch, ", ".join(self.record["reported"]), len(roster.workers)),
             *(len(roster.servers), len(tensors), roster.barriers_passed, self.record["servers_lost"] or "none"),
         )
         roster.tell(roster.nodes, messages.Resumed(roster.term, roster.epoch))

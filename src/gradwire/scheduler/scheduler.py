@@ -115,9 +115,12 @@ class Scheduler:
         return status | {"term": self.roster.term, "recovered": self.recovery.record or None}
 
     def _watch_recovery(self) -> None:
-        """Until a recovery completes (or the job ends): its deadline, then the failover of the servers it lost."""
-        recovery = self.recovery
-        while not self.roster.done.wait(0.2):
+        """Until a recovery completes (or the job ends, or starts afresh: then none can come): its deadline, then the
+        failover of the servers it lost."""
+        recovery, roster = self.recovery, self.roster
+        while not roster.done.wait(0.2):
+            if not recovery.active and roster.declarations is not None:
+                return
             recovery.check_deadline(self.clock())
             if recovery.done.is_set():
                 self._fail_over_unreported()

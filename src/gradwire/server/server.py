@@ -350,7 +350,7 @@ class Server:
             try:
                 scheduler.send_message(messages.ServerLost(server=rank, epoch=self.state.epoch, error=why))
             except GradwireError:
-                pass  # the scheduler is gone: this server stops anyway
+                pass  # no scheduler now: what waited on the replica is answered anyway (server/replica.py)
 
     def _control_loop(self) -> None:
         self.control.loop()

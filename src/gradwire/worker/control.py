@@ -29,9 +29,7 @@ class Request:
 
     __slots__ = ("callback", "done", "message", "reply")
 
-    def __init__(
-        self, callback: Callable[[dict | None], None] | None = None, message: messages.Request | None = None
-    ) -> None:
+    def __init__(self, message: messages.Request, callback: Callable[[dict | None], None] | None = None) -> None:
         self.done = threading.Event()
         self.reply: dict | None = None
         self.callback = callback
@@ -80,8 +78,8 @@ class Control:
             self._thread.join(SHUTDOWN_JOIN_SECONDS)
 
     def send(self, message: messages.Message) -> None:
-        """A message that expects no reply; where the scheduler cannot be reached, the control loop reports it (and
-        what it told is in this worker's report to the next scheduler)."""
+        """A message that expects no reply; where the scheduler cannot be reached, it is dropped and the control loop
+        reports the loss (of these, only the servers lost reach the next scheduler: in this worker's report)."""
         conn = self.conn
         if conn is None:
             return
@@ -96,12 +94,12 @@ class Control:
         """Send a request without waiting. With a `callback`, `callback(reply)` runs on the control thread when the
         reply comes, or `callback(None)` if an abort or a membership change cancels it first."""
         rid = next(self._ids)
-        request = Request(callback, replace(body, id=rid))
+        request = Request(replace(body, id=rid), callback)
         with self.state.lock:
             self._requests[rid] = request
             if rejoin:
                 self._rejoin_id = rid
-        assert self.conn is not None and request.message is not None
+        assert self.conn is not None
         with self._sending:
             try:
                 self.conn.send_message(request.message)
@@ -208,7 +206,7 @@ class Control:
                 self.conn.close()
             self.conn, state.term = conn, resumed.term
             with state.lock:
-                pending = [r.message for r in self._requests.values() if r.message is not None]
+                pending = [r.message for r in self._requests.values()]
             try:
                 for message in pending:
                     conn.send_message(message)
