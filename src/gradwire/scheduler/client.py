@@ -151,27 +151,15 @@ def resume(
         tries += 1
         message = report()
         try:
-            conn = tcp.connect(
-                config.scheduler_address,
-                secret=config.secret_bytes(),
-                role=message.role,
-                rank=max(0, message.rank),
-                max_payload=0,
-                timeout=max(0.1, min(deadline - clock(), config.handshake_timeout)),
-            )
+            conn = _connect(config, message, min(deadline - clock(), config.handshake_timeout))
         except (OSError, GradwireError) as e:  # not listening yet, or not the job's (its secret)
             last = str(e)
             time.sleep(max(0.0, min(delay, deadline - clock())))
             delay = min(MAX_RESUME_RETRY_SECONDS, delay * 2)
             continue
         try:
-            conn.send_message(message)
-            conn.sock.settimeout(max(0.1, deadline - clock()))
-            _, body = conn.recv_json(FrameType.CONTROL)
-            answer = messages.parse(body)
-            conn.sock.settimeout(None)
+            answer = _exchange(conn, message, deadline - clock())
         except (OSError, GradwireError) as e:  # it died again, or its recovery gave up on us
-            conn.close()
             last = str(e)
             continue
         if isinstance(answer, messages.Abort):
@@ -191,3 +179,30 @@ def resume(
         f"no scheduler resumed the job at {config.scheduler} within GRADWIRE_SCHEDULER_TIMEOUT="
         f"{config.scheduler_timeout:g}s ({tries} tries; last: {last or 'nothing listened'})"
     )
+
+
+def _connect(config: Config, message: messages.Resume, timeout: float) -> tcp.Connection:
+    """A connection to the scheduler at GRADWIRE_SCHEDULER, authenticated as `message`'s node."""
+    role, rank = message.role, max(0, message.rank)
+    return tcp.connect(
+        config.scheduler_address,
+        secret=config.secret_bytes(),
+        role=role,
+        rank=rank,
+        max_payload=0,
+        timeout=max(0.1, timeout),
+    )
+
+
+def _exchange(conn: tcp.Connection, message: messages.Resume, timeout: float) -> messages.Message:
+    """Send RESUME and wait (at most `timeout`) for the scheduler's answer; the connection is closed on failure."""
+    try:
+        conn.send_message(message)
+        conn.sock.settimeout(max(0.1, timeout))
+        _, body = conn.recv_json(FrameType.CONTROL)
+        answer = messages.parse(body)
+        conn.sock.settimeout(None)
+    except BaseException:
+        conn.close()
+        raise
+    return answer
