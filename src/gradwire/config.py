@@ -63,6 +63,9 @@ class Config:
     # how long nodes go on without a scheduler, waiting for one to start into the job (scheduler/recovery.py); 0: the
     # scheduler's loss ends the job at once
     scheduler_timeout: float = 60.0
+    # standby schedulers' addresses, host:port[,host:port...]: nodes try them after GRADWIRE_SCHEDULER when their
+    # scheduler is lost, and a scheduler acts only while it holds a majority's lease (scheduler/lease.py)
+    scheduler_standby: str = ""
     servers_per_node: int = 1
     deterministic: bool = True
     server_failover: bool = True
@@ -131,8 +134,18 @@ class Config:
     @property
     def scheduler_address(self) -> tuple[str, int]:
         """The scheduler's (host, port)."""
-        host, _, port = self.scheduler.rpartition(":")
-        return host.strip("[]"), int(port)
+        return _address(self.scheduler)
+
+    @property
+    def scheduler_addresses(self) -> list[str]:
+        """Where a scheduler of this job may run: GRADWIRE_SCHEDULER, then the standbys (GRADWIRE_SCHEDULER_STANDBY)."""
+        return [self.scheduler] + [a.strip() for a in self.scheduler_standby.split(",") if a.strip()]
+
+    @property
+    def leased(self) -> bool:
+        """The job has standby schedulers (this node knows their addresses, or is one): a scheduler acts for it only
+        while it holds its lease, and one that loses it steps down (scheduler/lease.py)."""
+        return bool(self.scheduler_standby) or (self.role == "scheduler" and self.standby)
 
     def secret_bytes(self) -> bytes:
         """The job secret: GRADWIRE_SECRET, else the contents of GRADWIRE_SECRET_FILE, else empty."""
@@ -169,14 +182,13 @@ class Config:
                 f"GRADWIRE_CREDIT_BYTES={self.credit_bytes} must be at least one partition "
                 f"(GRADWIRE_PARTITION_BYTES={self.partition_bytes})"
             )
-        if ":" not in self.scheduler:
-            raise ConfigError(f"GRADWIRE_SCHEDULER must be host:port, got {self.scheduler!r}")
+        self._check_scheduler()
         if self.compressor not in ("", "none", "onebit", "topk", "randomk", "dithering", "powersgd"):
             raise ConfigError(
                 "GRADWIRE_COMPRESSOR must be onebit, topk, randomk, dithering, powersgd or empty, "
                 f"got {self.compressor!r}"
             )
-        for name in ("compression_min_bytes", "failover_copy_bytes", "scheduler_timeout"):
+        for name in ("compression_min_bytes", "failover_copy_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"GRADWIRE_{name.upper()} must be >= 0, got {getattr(self, name)}")
         if self.transport not in ("auto", "unix", "tcp"):
@@ -202,6 +214,21 @@ class Config:
             raise ConfigError(f"GRADWIRE_NUM_STANDBY must be at least 0, got {self.num_standby}")
         if self.timeout <= 0:
             raise ConfigError(f"GRADWIRE_TIMEOUT must be positive, got {self.timeout}")
+
+    def _check_scheduler(self) -> None:
+        for address in self.scheduler_addresses:
+            host, _, port = address.rpartition(":")
+            if not host or not port.isdigit():
+                raise ConfigError(f"GRADWIRE_SCHEDULER and GRADWIRE_SCHEDULER_STANDBY take host:port, got {address!r}")
+        if self.scheduler_timeout < 0:
+            raise ConfigError(f"GRADWIRE_SCHEDULER_TIMEOUT must be >= 0, got {self.scheduler_timeout}")
+        if self.leased and self.heartbeat_timeout <= 0:
+            raise ConfigError("standby schedulers need GRADWIRE_HEARTBEAT_TIMEOUT > 0 (the lease is half of it)")
+
+
+def _address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
 
 
 def _lookup(env: Mapping[str, str], var: EnvVar) -> str | None:

@@ -198,6 +198,14 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "(`gradwire launch` restarts it); past it the job ends naming the scheduler; 0: its loss ends the job at once",
     ),
     EnvVar(
+        "GRADWIRE_SCHEDULER_STANDBY",
+        "scheduler_standby",
+        (),
+        "standby schedulers' addresses, `host:port[,host:port...]`: a node whose scheduler is lost reports to the next "
+        "one, which takes the job over once a majority of the job's nodes have (`gradwire launch "
+        "--standby-schedulers`); a scheduler of such a job steps down when it loses its majority (docs/faults.md)",
+    ),
+    EnvVar(
         "GRADWIRE_STALL_SECONDS",
         "stall_seconds",
         (),
@@ -253,7 +261,13 @@ ENV_VARS: tuple[EnvVar, ...] = (
         (),
         "standby servers (scheduler): they take over a dead server's keys whole; `gradwire launch --standby-servers`",
     ),
-    EnvVar("GRADWIRE_STANDBY", "standby", (), "this server is a standby (idle until a server dies)"),
+    EnvVar(
+        "GRADWIRE_STANDBY",
+        "standby",
+        (),
+        "this server is a standby (idle until a server dies); this scheduler is a standby (it only takes a running "
+        "job over)",
+    ),
     EnvVar(
         "GRADWIRE_COLOCATED",
         "colocated",

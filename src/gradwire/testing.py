@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -44,12 +45,14 @@ class LocalCluster:
         clock: Callable[[], float] | None = None,
         colocated: int = 0,
         hosts: int = 0,
+        standby_schedulers: int = 0,
         **config: object,
     ) -> None:
         """`colocated` of the `num_servers` servers say they run on a worker host (GRADWIRE_COLOCATED); here every
         node shares this process's host, unless `hosts` > 0: then the workers act as if on that many hosts (ranks in
         contiguous blocks), colocated server c on host c % hosts, each dedicated server on a host of its own
-        (GRADWIRE_HOST_ID: between hosts, sockets instead of shared memory)."""
+        (GRADWIRE_HOST_ID: between hosts, sockets instead of shared memory). `standby_schedulers`: standby schedulers
+        (`standby_schedulers` in this object), their addresses in every node's GRADWIRE_SCHEDULER_STANDBY."""
         base = Config(
             num_workers=num_workers,
             num_servers=num_servers,
@@ -58,6 +61,10 @@ class LocalCluster:
             explicit=frozenset(config),
             **config,  # type: ignore[arg-type]
         )
+        standby = dataclasses.replace(base, role="scheduler", standby=True)
+        self.standby_schedulers = [Scheduler(standby).start() for _ in range(standby_schedulers)]
+        if self.standby_schedulers:
+            base = dataclasses.replace(base, scheduler_standby=",".join(s.address for s in self.standby_schedulers))
         scheduler_config = dataclasses.replace(base, role="scheduler")
         self.scheduler = (Scheduler(scheduler_config, clock) if clock else Scheduler(scheduler_config)).start()
         base = dataclasses.replace(base, scheduler=self.scheduler.address)
@@ -110,6 +117,26 @@ class LocalCluster:
         self.scheduler = Scheduler(config).start()
         return self.scheduler
 
+    def start_standby_scheduler(self, address: str) -> Scheduler:
+        """A new standby scheduler at `address` (a dead one's, as `gradwire launch` starts one)."""
+        config = dataclasses.replace(self.config, role="scheduler", scheduler=address, standby=True)
+        standby = Scheduler(config).start()
+        self.standby_schedulers.append(standby)
+        return standby
+
+    def await_takeover(self, timeout: float = 30.0) -> Scheduler:
+        """The standby scheduler that has taken the job over (it becomes `scheduler`); TimeoutError if none has in
+        `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for standby in self.standby_schedulers:
+                if standby.recovery.done.is_set():
+                    self.standby_schedulers.remove(standby)
+                    self.scheduler = standby
+                    return standby
+            time.sleep(0.01)
+        raise TimeoutError(f"no standby scheduler took the job over in {timeout:g}s")
+
     def kill_worker(self, rank: int) -> Worker:
         """Cut worker `rank` off abruptly (its connections close without a bye, as if its process died)."""
         worker = next(w for w in self.workers if w.rank == rank)
@@ -147,6 +174,8 @@ class LocalCluster:
         for server in self.servers + self.standby:
             server.stop()
         self.scheduler.stop()
+        for standby in self.standby_schedulers:
+            standby.stop()
 
     def __enter__(self) -> LocalCluster:
         return self

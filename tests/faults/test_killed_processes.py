@@ -30,8 +30,11 @@ def _run(
     script: str = SCRIPT,
     options: tuple[str, ...] = (),
     extra_env: dict[str, str] | None = None,
+    freeze: bool = False,
 ) -> dict:
-    """Launch the job; when worker 0 prints KILL, SIGKILL the named process (`server 1`, `scheduler`)."""
+    """Launch the job; when worker 0 prints KILL, SIGKILL the named process (`server 1`, `scheduler`: the one in
+    charge). `freeze`: SIGSTOP it instead (alive, its connections open, silent: as if cut off from the network), and
+    SIGCONT it once another scheduler has resumed the job."""
     cmd = [sys.executable, "-m", "gradwire", "launch", "-n", str(WORKERS), "-s", str(SERVERS), *options]
     cmd += ["--standby-servers", str(standby), "--timeout", "30", "--", sys.executable, script]
     env = (
@@ -56,12 +59,18 @@ def _run(
         assert proc.stdout is not None
         for line in proc.stdout:
             lines.append(line)
-            found = re.search(r"^\[(\w+(?: \d+)?)\] (?:gradwire .*\(pid (\d+)\)|PID (\d+))", line)
+            found = re.search(r"^\[(\w+(?: \w+)*?(?: \d+)?)\] (?:gradwire .*\(pid (\d+)\)|PID (\d+))", line)
             if found:
                 pids[found.group(1)] = int(found.group(2) or found.group(3))
+            if found and "gradwire scheduler resumed the job" in line:  # the one in charge now
+                pids["scheduler"] = int(found.group(2))
+                if "frozen" in killed:
+                    os.kill(int(killed.pop("frozen")), signal.SIGCONT)
             if line.startswith("[worker 0] KILL "):
-                os.kill(pids[kill], signal.SIGKILL)
+                os.kill(pids[kill], signal.SIGSTOP if freeze else signal.SIGKILL)
                 killed[kill] = time.monotonic()
+                if freeze:
+                    killed["frozen"] = pids[kill]
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
@@ -155,6 +164,39 @@ def test_a_sigkilled_scheduler_is_restarted_and_the_parameters_stay_bit_identica
     assert out.count("scheduler was killed by SIGKILL") == kills and out.count("restarting it at") == kills, out
     terms = re.findall(r"recovered the job in [\d.]+ s \(term (\d+)", out)
     assert terms == [str(t) for t in range(2, 2 + kills)], out
+    assert run["digests"] == {f"worker {r}": reference for r in range(WORKERS)}, out
+
+
+@pytest.mark.parametrize("kill_at", ["5", "4,14"], ids=["once", "twice"])
+def test_a_sigkilled_scheduler_s_standby_takes_the_job_over_and_the_parameters_stay_bit_identical(reference, kill_at):
+    """--standby-schedulers 1: the nodes report to the standby, which takes the job over once a majority of them have
+    (their connections closed under them: the old one can no longer act); a new standby starts at the dead one's
+    address, which takes over from the next (scheduler/lease.py)."""
+    run = _run("scheduler", kill_at=kill_at, options=("--standby-schedulers", "1"))
+    out = run["output"]
+    assert run["code"] == 0, out
+    kills = kill_at.count(",") + 1
+    assert out.count("was killed by SIGKILL") == kills, out
+    assert out.count("starting a new standby scheduler at") == kills, out
+    assert out.count("taking the job over") == kills, out
+    terms = re.findall(r"gradwire scheduler resumed the job in term (\d+)", out)
+    assert terms == [str(t) for t in range(2, 2 + kills)], out
+    assert run["digests"] == {f"worker {r}": reference for r in range(WORKERS)}, out
+
+
+def test_a_scheduler_cut_off_alive_steps_down_and_only_its_standby_acts_for_the_job(reference):
+    """The scheduler SIGSTOPped (alive, its connections open, silent), then woken once the standby has taken over: the
+    nodes take it as lost after GRADWIRE_HEARTBEAT_TIMEOUT, the standby waits out their promises, and the old one,
+    woken with their requests still queued on its sockets, finds its lease lost and steps down without answering any:
+    one scheduler acts for the job at a time (scheduler/lease.py)."""
+    beats = {"GRADWIRE_HEARTBEAT_TIMEOUT": "2", "GRADWIRE_HEARTBEAT_INTERVAL": "0.5"}
+    run = _run("scheduler", kill_at=5, options=("--standby-schedulers", "1"), extra_env=beats, freeze=True)
+    out = run["output"]
+    assert run["code"] == 0, out
+    assert re.search(r"\[scheduler\] .*scheduler of term 1 steps down: only \d of the job's 5 nodes", out), out
+    assert "[gradwire launch] scheduler exited with code 3" in out, out
+    assert re.findall(r"gradwire scheduler resumed the job in term (\d+)", out) == ["2"], out
+    assert re.search(r"\[worker \d\] .*lost the scheduler \(timed out", out), out  # silence, not a closed socket
     assert run["digests"] == {f"worker {r}": reference for r in range(WORKERS)}, out
 
 

@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("server", "worker", "scheduler"),
         default=None,
         help="with --failover: only this process's trials (default: server and worker; scheduler: SIGKILLed and "
-        "restarted, the job resuming with it)",
+        "restarted, or its standby taking the job over)",
     )
     parser.add_argument("--window", type=int, default=None, help="GRADWIRE_WINDOW for the gradwire jobs")
     parser.add_argument(

@@ -24,13 +24,15 @@ TRIALS = {
     "server, keys to a standby": ("server 1", 1),
     "worker (default: the job stops)": ("worker", 0),
     "scheduler, restarted by the launcher": ("scheduler", 0),
+    "scheduler, its standby takes over": ("scheduler", 1),  # a standby scheduler (standby servers: the others)
 }
 MEET_AFTER = 5  # steps after a scheduler's kill, the workers meet at a barrier and declare a tensor
 
 
 def run_trial(kill: str, standby: int, workers: int, servers: int, env: dict[str, str], timeout: float = 300) -> dict:
     cmd = [sys.executable, "-m", "gradwire", "launch", "-n", str(workers), "-s", str(servers)]
-    cmd += ["--standby-servers", str(standby), "--", sys.executable, "-m", "gradwire.bench.failover_worker"]
+    cmd += ["--standby-schedulers" if kill == "scheduler" else "--standby-servers", str(standby)]
+    cmd += ["--", sys.executable, "-m", "gradwire.bench.failover_worker"]
     proc = subprocess.Popen(
         cmd, env=os.environ | env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )

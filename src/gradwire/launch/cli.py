@@ -25,6 +25,12 @@ def main(argv: list[str] | None = None) -> int:
         help="idle servers that take a dead server's keys whole (without one they move onto the survivors)",
     )
     launch.add_argument(
+        "--standby-schedulers",
+        type=int,
+        default=0,
+        help="schedulers that take the job over when the scheduler is lost (without one, a dead one is restarted)",
+    )
+    launch.add_argument(
         "--colocate",
         action="store_true",
         help="also run a server beside each worker (BytePS's colocated servers); -s counts the dedicated ones (0 ok)",
@@ -94,18 +100,39 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_scheduler(config: Config) -> int:
-    """Run the scheduler until the job ends; the first line printed is its address (the launcher reads it)."""
+    """Run the scheduler until the job ends; the first line printed is its address (the launcher reads it). Exits 0
+    when the job ended cleanly, STEPPED_DOWN when it stopped acting for the job (scheduler/lease.py), else 1."""
+    import threading
+
     from gradwire.scheduler import Scheduler
 
     scheduler = Scheduler(config).start()
-    print(f"gradwire scheduler listening on {scheduler.address} (pid {os.getpid()})", flush=True)
+    what = "standby scheduler" if config.standby else "scheduler"
+    print(f"gradwire {what} listening on {scheduler.address} (pid {os.getpid()})", flush=True)
     if scheduler.admin_url:
         print(f"gradwire scheduler admin on {scheduler.admin_url} (/status, /metrics)", flush=True)
+    threading.Thread(target=_say_resumed, args=(scheduler,), name="gw-sched-resumed", daemon=True).start()
     reason = scheduler.wait()
     scheduler.stop()
+    if scheduler.stepped_down:
+        print(f"gradwire scheduler: stepped down: {scheduler.stepped_down}", file=sys.stderr, flush=True)
+        return STEPPED_DOWN
     if reason:
         print(f"gradwire scheduler: job aborted: {reason}", file=sys.stderr, flush=True)
     return 1 if reason else 0
+
+
+STEPPED_DOWN = 3  # a scheduler's exit code when it stopped acting for the job: another one may act for it
+
+
+def _say_resumed(scheduler) -> None:
+    """One line once this scheduler has resumed a running job (the launcher and tests read which process is in
+    charge from it)."""
+    recovery = scheduler.recovery
+    while not recovery.done.wait(0.5):
+        if scheduler.roster.done.is_set():
+            return
+    print(f"gradwire scheduler resumed the job in term {scheduler.roster.term} (pid {os.getpid()})", flush=True)
 
 
 def run_server(config: Config) -> int:
@@ -136,6 +163,8 @@ def launch_from_args(args: argparse.Namespace) -> int:
     if command and command[0] == "--":
         command = command[1:]
     # fail early on bad settings
+    if args.standby_schedulers < 0:
+        raise SystemExit("gradwire launch: --standby-schedulers must be at least 0")
     if args.num_servers < (0 if args.colocate else 1):
         raise SystemExit("gradwire launch: -s must be at least 1 (0 only with --colocate)")
     Config.from_env(
@@ -158,4 +187,5 @@ def launch_from_args(args: argparse.Namespace) -> int:
         max_workers=args.max_workers,
         max_restarts=args.max_restarts,
         colocate=args.colocate,
+        standby_schedulers=args.standby_schedulers,
     ).run()

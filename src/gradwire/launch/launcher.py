@@ -19,32 +19,17 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from http.client import HTTPException
 
 from gradwire.config import env_for
+from gradwire.launch.child import Child
 from gradwire.launch.output import consequence, how, make_output, progress_line
+from gradwire.launch.schedulers import REPLACEMENT_GRACE_SECONDS, Schedulers, is_scheduler
 
 GRACE_SECONDS = 5.0
 DRAIN_SECONDS = 1.0  # after the last worker exits, how long the services get to end by themselves
 SURVIVOR_SECONDS = 3.0  # after a worker fails, how long the others get to report it themselves (WorkerLost)
-# after the scheduler ended the job cleanly, how long a replacement still starting gets before it is stopped (one that
-# had registered is told at once that the job ended; one still connecting would wait for GRADWIRE_TIMEOUT)
-REPLACEMENT_GRACE_SECONDS = 2.0
 PROGRESS_SECONDS = 2.0
-
-
-@dataclass
-class Child:
-    """One process of the job."""
-
-    role: str
-    rank: int
-    proc: subprocess.Popen
-    lines: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
-
-    @property
-    def label(self) -> str:
-        return f"{self.role} {self.rank}" if self.role != "scheduler" else "scheduler"
 
 
 class Launcher:
@@ -63,6 +48,7 @@ class Launcher:
         max_workers: int = 0,
         max_restarts: int = 3,
         colocate: bool = False,
+        standby_schedulers: int = 0,
     ) -> None:
         if not command:
             raise SystemExit("gradwire launch: give the worker command after --, e.g. -- python train.py")
@@ -70,7 +56,8 @@ class Launcher:
         self.num_standby = standby
         self.colocate = colocate
         self.min_workers, self.max_workers, self.restarts_left = min_workers, max_workers or num_workers, max_restarts
-        self.scheduler_restarts = max_restarts  # a scheduler that dies while the job runs is started again
+        # a scheduler that dies while the job runs is started again, or a standby takes over (launch/schedulers.py)
+        self.schedulers = Schedulers(self._spawn, self._say, host, standby_schedulers, max_restarts)
         self._next_worker = num_workers  # the label of the next replacement
         self.base_env = dict(os.environ if env is None else env)
         self.base_env |= env_for(
@@ -137,19 +124,16 @@ class Launcher:
             )
 
     def _run(self) -> int:
-        scheduler = self._spawn(
-            "scheduler",
-            0,
-            [sys.executable, "-m", "gradwire", "scheduler"],
-            env_for(role="scheduler", scheduler=f"{self.host}:0"),
-        )
-        address = self._await_address(scheduler)
+        address, scheduler = self.schedulers.start()
         if address is None:
             return self._report(scheduler, "did not start")
-        self.base_env |= env_for(scheduler=address)
+        self.admin_url = self.schedulers.admin_url
+        self.base_env |= env_for(scheduler=address) | self.schedulers.standby_env()
         standby = f" (+{self.num_standby} standby)" if self.num_standby else ""
+        standbys = ", ".join(self.schedulers.standby_addresses)
         self._say(
-            f"scheduler at {address}; starting {self.num_servers} servers{standby}"
+            f"scheduler at {address}{f' (standby schedulers at {standbys})' if standbys else ''}; "
+            f"starting {self.num_servers} servers{standby}"
             f"{f' + {self.num_workers} colocated' if self.colocate else ''} and {self.num_workers} workers"
         )
         if self.admin_url:
@@ -174,13 +158,12 @@ class Launcher:
                 self._stop_unneeded_replacements()
                 continue
             code = child.proc.returncode
-            if child.role == "scheduler" and code != 0 and self._done_by is None and self.scheduler_restarts > 0:
-                self._restart_scheduler(child)
+            if is_scheduler(child) and self.schedulers.replace(child, self._done_by is not None):
                 continue
             if child.role != "worker":
                 if code != 0:
                     self._say(f"{child.label} {how(code)} (pid {child.proc.pid}){consequence(child.role)}")
-                elif child.role == "scheduler":
+                elif is_scheduler(child):
                     self._ended_at = time.monotonic()
                     self._done_by = self._done_by or "the scheduler ended the job"
                 continue
@@ -200,32 +183,13 @@ class Launcher:
         self._drain_services()
         return 0
 
-    def _restart_scheduler(self, dead: Child) -> None:
-        """The scheduler died while the job runs: start it again at the same address (and admin port); the nodes,
-        which go on training without it, report to it and it resumes the job (scheduler/recovery.py)."""
-        self.scheduler_restarts -= 1
-        address = self.base_env["GRADWIRE_SCHEDULER"]
-        self._say(
-            f"scheduler {how(dead.proc.returncode)} (pid {dead.proc.pid}); restarting it at {address}: the job's "
-            "nodes go on training and report to it"
-        )
-        self.children.remove(dead)
-        admin = self.admin_url.rsplit(":", 1)[1] if self.admin_url else "-1"
-        extra = env_for(role="scheduler", scheduler=address) | {"GRADWIRE_ADMIN_PORT": admin}
-        self._spawn("scheduler", 0, [sys.executable, "-m", "gradwire", "scheduler"], extra)
-        self.children.insert(0, self.children.pop())  # the scheduler stays first (`_ended_cleanly`)
-
     def _ended_cleanly(self) -> bool:
         """The scheduler ended the job without an error, or does within a moment: a replacement that registered as
         the job ended is told so, and may exit before the scheduler does."""
-        scheduler = self.children[0]
-        try:
-            code = scheduler.proc.wait(REPLACEMENT_GRACE_SECONDS)
-        except subprocess.TimeoutExpired:
-            return False
-        if code == 0 and self._ended_at is None:
+        clean = self.schedulers.ended_cleanly()
+        if clean and self._ended_at is None:
             self._ended_at = time.monotonic()
-        return code == 0
+        return clean
 
     def _stop_unneeded_replacements(self) -> None:
         """The job ended cleanly while replacements were still waiting to join it: they never will."""
@@ -276,7 +240,7 @@ class Launcher:
         wait, then `_stop_all` ends whatever is left."""
         deadline = time.monotonic() + DRAIN_SECONDS
         for child in self.children:
-            if child.role != "worker":
+            if child.role != "worker" and not self.schedulers.idle(child):
                 try:
                     child.proc.wait(max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
@@ -287,26 +251,6 @@ class Launcher:
         exit_code = 128 - code if code < 0 else code or 1
         self._say(f"{child.label} {what}: it {how(code)} (pid {child.proc.pid}); the job stops")
         return exit_code
-
-    def _await_address(self, scheduler: Child) -> str | None:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                line = scheduler.lines.get(timeout=0.1)
-            except queue.Empty:
-                if scheduler.proc.poll() is not None:
-                    return None
-                continue
-            if line.startswith("gradwire scheduler listening on "):
-                address = line.split(" listening on ", 1)[1].split()[0]
-                try:  # the admin URL follows on the next line, unless the endpoint is off
-                    admin = scheduler.lines.get(timeout=2)
-                except queue.Empty:
-                    admin = ""
-                if admin.startswith("gradwire scheduler admin on "):
-                    self.admin_url = admin.split(" on ", 1)[1].split()[0]
-                return address
-        return None
 
     def _spawn(
         self, role: str, rank: int, argv: list[str], extra: dict[str, str], unset: tuple[str, ...] = ()
@@ -335,7 +279,8 @@ class Launcher:
         assert child.proc.stdout is not None
         for raw in iter(child.proc.stdout.readline, b""):
             text = raw.decode(errors="replace")
-            if child.role == "scheduler":
+            if is_scheduler(child):
+                self.schedulers.heard(child, text)
                 child.lines.put(text)
             self.out.line(prefix + text)
 
@@ -344,9 +289,9 @@ class Launcher:
         from gradwire.admin.top import fetch
 
         while not self._finished.wait(PROGRESS_SECONDS):
-            try:
-                status = fetch(self.admin_url or "", timeout=2)
-            except OSError:
+            try:  # the scheduler in charge's (a standby's, once it has taken over)
+                status = fetch(self.schedulers.admin_url or "", timeout=2)
+            except (OSError, HTTPException, ValueError):  # it died mid-answer, or is not up yet
                 continue
             self.out.progress(f"[gradwire launch] {progress_line(status)}")
 

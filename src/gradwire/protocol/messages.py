@@ -216,6 +216,17 @@ class Resumed(Message):
 
 
 @dataclass
+class Beat(Message):
+    """Scheduler -> node, every beat interval of a job with standby schedulers; the node answers with the same beat at
+    once. A majority's answers to beats sent in the last half of GRADWIRE_HEARTBEAT_TIMEOUT are the scheduler's lease
+    to act for the job (scheduler/lease.py)."""
+
+    op = "beat"
+    always = ("seq",)
+    seq: int = 0
+
+
+@dataclass
 class Reply(Message):
     """The answer to a request `id`: the result's fields (`result`, sent flat beside the id), or `error`."""
 
@@ -384,6 +395,7 @@ MESSAGES: dict[str, type[Message]] = {
         Barrier,
         Bye,
         Heartbeat,
+        Beat,
         ServerLost,
         Rejoin,
         Blocked,

@@ -135,32 +135,41 @@ def resume(
     report: Callable[[], messages.Resume],
     term: int,
     stopped: Callable[[], bool] = lambda: False,
+    lost: int = 0,
     clock: Callable[[], float] = time.monotonic,
-) -> tuple[tcp.Connection, messages.Resumed]:
-    """After the scheduler connection dropped: reach a scheduler that starts into this running job (restarted at
-    GRADWIRE_SCHEDULER), report (`report()`: RESUME), and wait until it has every node's report and answers RESUMED
-    (scheduler/recovery.py). Tried again with backoff for GRADWIRE_SCHEDULER_TIMEOUT; a scheduler that fails the job's
-    secret, or answers with an older term than `term`, is not followed. Raises JobAborted if the job was aborted,
-    GradwireTimeout naming the address when no scheduler resumed it in time, GradwireError once `stopped()` (the node
+) -> tuple[tcp.Connection, messages.Resumed, int]:
+    """After the scheduler connection dropped: reach a scheduler that starts into this running job, report
+    (`report()`: RESUME), and wait until it has every node's report and answers RESUMED (scheduler/recovery.py).
+
+    Where: the scheduler at GRADWIRE_SCHEDULER restarted, or a standby (GRADWIRE_SCHEDULER_STANDBY). The addresses are
+    tried in turn from the one after `lost` (the index of the scheduler lost), so every node of the job goes to the
+    same next one first; the lost one's comes last. Tried again with backoff for GRADWIRE_SCHEDULER_TIMEOUT; a
+    scheduler that fails the job's secret, or answers with an older term than `term`, is not followed. Returns the
+    connection, the answer and the index of the address answered. Raises JobAborted if the job was aborted,
+    GradwireTimeout naming the addresses when no scheduler resumed it in time, GradwireError once `stopped()` (the node
     was stopped meanwhile)."""
+    addresses = config.scheduler_addresses
+    order = [(lost + 1 + i) % len(addresses) for i in range(len(addresses))]
     deadline = clock() + config.scheduler_timeout
     delay, last, tries = FIRST_RETRY_SECONDS, "", 0
     while clock() < deadline:
         if stopped():
             raise GradwireError("stopped while waiting for a scheduler to resume the job")
+        at = order[tries % len(order)]
         tries += 1
         message = report()
         try:
-            conn = _connect(config, message, min(deadline - clock(), config.handshake_timeout))
+            conn = _connect(addresses[at], config, message, min(deadline - clock(), config.handshake_timeout))
         except (OSError, GradwireError) as e:  # not listening yet, or not the job's (its secret)
-            last = str(e)
-            time.sleep(max(0.0, min(delay, deadline - clock())))
-            delay = min(MAX_RESUME_RETRY_SECONDS, delay * 2)
+            last = f"{addresses[at]}: {e}"
+            if tries % len(order) == 0:  # each address tried once: wait before the next round
+                time.sleep(max(0.0, min(delay, deadline - clock())))
+                delay = min(MAX_RESUME_RETRY_SECONDS, delay * 2)
             continue
         try:
             answer = _exchange(conn, message, deadline - clock())
         except (OSError, GradwireError) as e:  # it died again, or its recovery gave up on us
-            last = str(e)
+            last = f"{addresses[at]}: {e}"
             continue
         if isinstance(answer, messages.Abort):
             conn.close()
@@ -168,24 +177,25 @@ def resume(
         if not isinstance(answer, messages.Resumed) or answer.term <= term:
             conn.close()
             last = f"it answered {answer.op} of term {getattr(answer, 'term', '?')} (this node knows term {term})"
-            log.error("%s %d: refused the scheduler at %s: %s", message.role, message.rank, config.scheduler, last)
+            log.error("%s %d: refused the scheduler at %s: %s", message.role, message.rank, addresses[at], last)
             time.sleep(max(0.0, min(delay, deadline - clock())))
             continue
         if stopped():
             conn.close()
             continue
-        return conn, answer
+        return conn, answer, at
     raise GradwireTimeout(
-        f"no scheduler resumed the job at {config.scheduler} within GRADWIRE_SCHEDULER_TIMEOUT="
+        f"no scheduler resumed the job at {', '.join(addresses)} within GRADWIRE_SCHEDULER_TIMEOUT="
         f"{config.scheduler_timeout:g}s ({tries} tries; last: {last or 'nothing listened'})"
     )
 
 
-def _connect(config: Config, message: messages.Resume, timeout: float) -> tcp.Connection:
-    """A connection to the scheduler at GRADWIRE_SCHEDULER, authenticated as `message`'s node."""
+def _connect(address: str, config: Config, message: messages.Resume, timeout: float) -> tcp.Connection:
+    """A connection to the scheduler at `address`, authenticated as `message`'s node."""
+    host, _, port = address.rpartition(":")
     role, rank = message.role, max(0, message.rank)
     return tcp.connect(
-        config.scheduler_address,
+        (host.strip("[]"), int(port)),
         secret=config.secret_bytes(),
         role=role,
         rank=rank,
@@ -206,3 +216,36 @@ def _exchange(conn: tcp.Connection, message: messages.Resume, timeout: float) ->
         conn.close()
         raise
     return answer
+
+
+class Promise:
+    """A node's side of a scheduler's lease (scheduler/lease.py), in a job with standby schedulers: when it last
+    answered its scheduler's beat (or joined it), and whether the scheduler's end closed the connection; what it
+    reports to a standby (`report`), whose proof it is part of."""
+
+    def __init__(self, config: Config, clock: Callable[[], float] = time.monotonic) -> None:
+        self.on = config.leased
+        self.silence = config.heartbeat_timeout if self.on else None  # past it without a word, the scheduler is lost
+        self.clock = clock
+        self.answered_at = clock()
+        self.dropped = False
+
+    def renew(self) -> None:
+        """A scheduler took this node in (its address book, or RESUMED): it counts the node from then on."""
+        self.answered_at, self.dropped = self.clock(), False
+
+    def answer(self, conn: tcp.Connection, beat: messages.Beat) -> None:
+        self.answered_at = self.clock()
+        conn.send_message(beat)
+
+    def watch(self, conn: tcp.Connection) -> None:
+        """Receive on `conn` for at most the silence allowed: a silent scheduler is then taken as lost."""
+        if self.silence is not None:
+            conn.sock.settimeout(self.silence)
+
+    def lost(self, conn: tcp.Connection | None, error: Exception) -> None:
+        """The connection to the scheduler ended with `error`: closed from the scheduler's end, or not."""
+        self.dropped = isinstance(error, tcp.PeerClosed) and conn is not None and not conn.closed
+
+    def report(self) -> dict:
+        return {"dropped": self.dropped, "since_beat": round(self.clock() - self.answered_at, 3)}

@@ -6,6 +6,8 @@ worker of an elastic job re-forms it, any other silent node aborts the job namin
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from gradwire.errors import GradwireError
 from gradwire.scheduler.elastic import Membership
 from gradwire.scheduler.failover import Failover
@@ -14,10 +16,13 @@ from gradwire.scheduler.roster import Roster
 
 
 class Liveness:
-    def __init__(self, roster: Roster, failover: Failover, membership: Membership | None) -> None:
+    def __init__(
+        self, roster: Roster, failover: Failover, membership: Membership | None, acting: Callable[[], bool]
+    ) -> None:
         self.roster = roster
         self.failover = failover
         self.membership = membership
+        self.acting = acting  # whether this scheduler may act for the job (scheduler/lease.py)
 
     def heartbeat(self, node: Node, stats: dict) -> None:
         now = self.roster.clock()
@@ -45,7 +50,7 @@ class Liveness:
         now = roster.clock() if now is None else now
         timeout = roster.config.heartbeat_timeout
         with roster.lock:
-            if not (roster.workers or roster.servers) or roster.over():
+            if not (roster.workers or roster.servers) or roster.over() or not self.acting():
                 return []
             joiners = roster.joiners + (roster.between or [])
             silent = [

@@ -60,6 +60,7 @@ class Node:
     admin_host: str = ""
     last_seen: float = field(default_factory=time.monotonic)  # of its last heartbeat (the scheduler's clock)
     heard: float = field(default_factory=time.monotonic)  # of its last message of any kind
+    answered: float = field(default_factory=time.monotonic)  # when the latest beat it answered was sent (lease.py)
     stats: dict = field(default_factory=dict)  # the counters of its last heartbeat
     colocated: bool = False  # a server on a worker host (GRADWIRE_COLOCATED)
     link_rate: float = 0.0  # bytes/s: configured (GRADWIRE_LINK_RATE) or measured (GRADWIRE_PLACEMENT=auto)
@@ -68,3 +69,7 @@ class Node:
     probe_buffer: bytearray = field(default_factory=bytearray, repr=False)
     rate: float = 0.0  # bytes per second pushed and pulled, between its last two heartbeats
     round_rate: float = 0.0  # rounds per second, likewise
+
+    def conn_closed(self) -> bool:
+        """This scheduler has closed the node's connection (or never had one: a node that did not report)."""
+        return bool(getattr(self.conn, "closed", True))

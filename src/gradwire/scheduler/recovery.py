@@ -31,6 +31,7 @@ from gradwire.errors import GradwireError
 from gradwire.protocol import messages
 from gradwire.protocol.message import decode
 from gradwire.scheduler import rendezvous
+from gradwire.scheduler.lease import Proof
 from gradwire.scheduler.node import Node
 from gradwire.scheduler.roster import Roster
 from gradwire.transport import tcp
@@ -54,13 +55,18 @@ class Absent:
 class Recovery:
     """The reports of a job being recovered; complete once every worker and every live server has reported, or
     GRADWIRE_HEARTBEAT_TIMEOUT after the first report (then a missing worker ends the job, a missing server is failed
-    over). `lost`: the servers the scheduler is to fail over once the job is rebuilt, and why."""
+    over). `lost`: the servers the scheduler is to fail over once the job is rebuilt, and why.
+
+    A standby scheduler (GRADWIRE_STANDBY) first waits for its proof that the scheduler it replaces can no longer act:
+    a majority of the job's nodes free of their promise to it (scheduler/lease.py); its deadline runs from then."""
 
     def __init__(self, roster: Roster) -> None:
         self.roster = roster
         self.active = False  # a RESUME came first: this scheduler recovers a running job
         self.done = threading.Event()
         self.started = 0.0
+        self.proof = Proof(roster.config) if roster.config.standby else None
+        self.taken_over = self.proof is None  # a standby: once its proof holds
         self.record: dict = {}  # what was recovered, and from whom (/status)
         self._reports: dict[tuple[str, int], tuple[Node, messages.Resume]] = {}
         self._standby: list[tuple[Node, messages.Resume]] = []
@@ -83,17 +89,58 @@ class Recovery:
                 self._standby.append((node, resume))
             else:
                 self._reports[(resume.role, resume.rank)] = (node, resume)
-            if self._missing_locked():
-                return node
-            self._rebuild_locked(now)
+                if self.proof is not None:
+                    self.proof.report((resume.role, resume.rank), resume.report, now)
+            if self._ready_locked(now):
+                self._rebuild_locked(now)
         return node
+
+    def withdraw(self, node: Node) -> bool:
+        """`node` went away before the job was rebuilt: its report no longer counts. False if it is not reporting."""
+        with self.roster.lock:
+            if not self.active or self.done.is_set():
+                return False
+            self._standby = [(n, r) for n, r in self._standby if n is not node]
+            for key, (reported, _) in list(self._reports.items()):
+                if reported is node:
+                    del self._reports[key]
+                    if self.proof is not None:
+                        self.proof.withdraw(key)
+            return True
+
+    def _ready_locked(self, now: float) -> bool:
+        """Every report is in, and (a standby) the scheduler it replaces can no longer act."""
+        if not self.taken_over:
+            assert self.proof is not None
+            voters = self._voters()
+            if not self.proof.holds(voters, now):
+                return False
+            self.taken_over, self.started = True, now
+            log.warning(
+                "standby: %d of the job's %d nodes are free of the scheduler they lost: taking the job over",
+                *(self.proof.count(voters, now), len(voters)),
+            )
+        return not self._missing_locked()
+
+    def _voters(self) -> list[tuple[str, int]]:
+        """The job's workers and live servers, as the latest address book tells (lease.py's majority is of these)."""
+        book = self._book()
+        if not book:
+            return []
+        voters = [("worker", r) for r in range(int(book["num_workers"]))]
+        return voters + [("server", s) for s, e in enumerate(book.get("servers") or []) if not e.get("lost")]
 
     def check_deadline(self, now: float) -> None:
         """Past GRADWIRE_HEARTBEAT_TIMEOUT from the first report, go on with the nodes that reported."""
         roster = self.roster
         timeout = roster.config.heartbeat_timeout or roster.config.timeout
         with roster.lock:
-            if not self.active or self.done.is_set() or now - self.started < timeout:
+            if not self.active or self.done.is_set():
+                return
+            if self._ready_locked(now):
+                self._rebuild_locked(now)
+                return
+            if not self.taken_over or now - self.started < timeout:
                 return
             missing = self._missing_locked()
             workers = [r for role, r in missing if role == "worker"]
@@ -175,6 +222,8 @@ class Recovery:
             *(seconds, roster.term, roster.epoch, ", ".join(self.record["reported"]), len(roster.workers)),
             *(len(roster.servers), len(tensors), roster.barriers_passed, self.record["servers_lost"] or "none"),
         )
+        for node in roster.nodes:
+            node.answered = now  # its promise to this scheduler starts with RESUMED (lease.py)
         roster.tell(roster.nodes, messages.Resumed(roster.term, roster.epoch))
         self.done.set()
 

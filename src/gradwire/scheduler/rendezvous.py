@@ -39,7 +39,7 @@ def node_of(conn: tcp.Connection, m: messages.Register, clock_now: float) -> Nod
         colocated=m.colocated,
         link_rate=m.link_rate,
     )
-    node.heard = node.last_seen = clock_now
+    node.heard = node.last_seen = node.answered = clock_now  # its lease starts with its registration
     return node
 
 
@@ -108,8 +108,9 @@ class Rendezvous:
         if roster.tuning:
             log.info("data path tuning: %s", roster.tuning.reason)
         roster.declarations = declarations_for(roster, weights)
-        book = roster.address_book()
+        book, now = roster.address_book(), roster.clock()
         for node in roster.nodes if to is None else to:
+            node.answered = now  # a node's promise starts with its address book (scheduler/lease.py)
             node.conn.send_message(replace(book, rank=node.rank, standby=node.standby))
         log.info("rendezvous complete: %d workers, %d servers", len(roster.workers), len(roster.servers))
 

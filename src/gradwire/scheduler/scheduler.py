@@ -32,6 +32,7 @@ from gradwire.scheduler.departures import Departures
 from gradwire.scheduler.elastic import Membership
 from gradwire.scheduler.failover import Failover
 from gradwire.scheduler.generations import Generations
+from gradwire.scheduler.lease import Lease, beat_seconds
 from gradwire.scheduler.liveness import Liveness
 from gradwire.scheduler.node import Node
 from gradwire.scheduler.recovery import Recovery
@@ -63,8 +64,10 @@ class Scheduler:
         self.failover = Failover(roster, self.adaptation)
         self.synchronisation = Synchronisation(roster)
         self.departures = Departures(roster, self.synchronisation, self.generations, self.failover, self.membership)
-        self.liveness = Liveness(roster, self.failover, self.membership)
+        self.lease = Lease(roster)
+        self.liveness = Liveness(roster, self.failover, self.membership, self.lease.held)
         self.recovery = Recovery(roster)
+        self.stepped_down: str | None = None  # why this scheduler stopped acting for the job (lease.py)
         self._handlers = self._dispatch_table()
         self._secret = config.secret_bytes()
         self._gate = HandshakeGate(config.max_pending_handshakes, log)
@@ -101,6 +104,8 @@ class Scheduler:
             self._thread(watch_stalls, "stalls", self.roster.done, self.config.stall_seconds, self.stall_report, log)
         if self.config.adapt and self.config.heartbeat_interval > 0:
             self._thread(self._adapt_loop, "adapt")
+        if self.lease.on:
+            self._thread(self._beat_loop, "beat")
         return self
 
     @staticmethod
@@ -133,6 +138,28 @@ class Scheduler:
         for node, why in lost:
             self.failover.server_lost(node, why)
 
+    def _beat_loop(self) -> None:
+        """A job with standby schedulers: beat every node, and step down the moment the lease is lost (lease.py)."""
+        while not self.roster.done.wait(beat_seconds(self.config)):
+            if self.recovery.active and not self.recovery.done.is_set():
+                continue  # a standby (or a restart) still collecting reports: nothing to beat yet
+            self.lease.beat()
+            if not self.lease.held():
+                self.step_down()
+
+    def step_down(self) -> None:
+        """Stop acting for the job for good, without a word to its nodes (another scheduler may act for it now): they
+        find the connections closed, and report to the next scheduler."""
+        roster = self.roster
+        with roster.lock:
+            if roster.done.is_set():
+                return
+            self.stepped_down = why = self.lease.why_lost()
+            roster.abort_reason = f"stepped down (term {roster.term}): {why}"
+            roster.done.set()
+        log.error("scheduler of term %d steps down: %s", roster.term, why)
+        self.stop()
+
     def check_heartbeats(self, now: float | None = None) -> list[Node]:
         """Declare lost every node silent past GRADWIRE_HEARTBEAT_TIMEOUT (liveness.py); returns them."""
         return self.liveness.check(now)
@@ -141,7 +168,8 @@ class Scheduler:
         """Every heartbeat interval, the drift check over the workers' counters (scheduler/adapt.py)."""
         while not self.roster.done.wait(self.config.heartbeat_interval):
             with self.roster.lock:
-                self.adaptation.tick(self.clock())
+                if self.lease.held():
+                    self.adaptation.tick(self.clock())
 
     def stall_report(self, now: float | None = None) -> list[str]:
         """One line per tensor whose declaration has waited past GRADWIRE_STALL_SECONDS for some workers' (a
@@ -197,6 +225,10 @@ class Scheduler:
             conn.close()
             if node is None:
                 self._gate.refuse(conn, f"dropped before registration: {e}")
+            elif self.recovery.withdraw(node):
+                return  # it reported and went away before the job was rebuilt: it is reported no longer
+            elif not self.lease.held():
+                self.step_down()  # not this scheduler's to act on
             else:
                 self.departures.disconnected(node, e)
 
@@ -216,6 +248,10 @@ class Scheduler:
             return node
         if not isinstance(first, messages.Register):
             raise GradwireError(f"first message from {conn.peer} must be register, got {first.op}")
+        if self.config.standby:
+            why = f"{first.role} {first.rank} registered with a standby scheduler: it only takes a running job over"
+            conn.send_message(messages.Abort(f"{why} (register with GRADWIRE_SCHEDULER)"))
+            raise GradwireError(why)
         if self.recovery.active and not self.recovery.done.is_set():
             raise GradwireError("the scheduler is recovering a running job: only its nodes may report now")
         node = rendezvous.node_of(conn, first, self.clock())
@@ -240,6 +276,7 @@ class Scheduler:
             messages.FailoverState: ("worker", self.failover.reported),
             messages.ProbeResult: (None, self._probe_result),
             messages.Heartbeat: (None, lambda node, m: self.liveness.heartbeat(node, m.stats)),
+            messages.Beat: (None, self.lease.answered),
             messages.RecutRounds: ("worker", self._recut_rounds),
             messages.Reply: ("server", self._server_reply),
             messages.Barrier: (None, lambda node, m: self.synchronisation.enter_barrier(node, m.id, m.number)),
@@ -256,6 +293,9 @@ class Scheduler:
         role, handler = self._handlers.get(type(message), (None, None))
         if handler is None or role not in (None, node.role):
             raise GradwireError(f"{node.role} {node.rank} sent unexpected op {message.op!r}")
+        if not isinstance(message, (messages.Beat, messages.Heartbeat)) and not self.lease.held():
+            self.step_down()  # it may no longer act for the job: another scheduler may
+            raise GradwireError(f"stepped down: {node.role} {node.rank}'s {message.op} is not answered here")
         return bool(handler(node, message))
 
     def _declare(self, node: Node, m: messages.Declare) -> None:

@@ -31,26 +31,33 @@ class ServerControl:
             messages.Departed: lambda m: self._set_joined([int(r) for r in m.ranks], DEPARTED_EVENT),
             messages.Promote: self._promote,
         }
+        self.promise = client.Promise(state.config)  # to the scheduler in charge (scheduler/lease.py)
+        self.at = 0  # which of GRADWIRE_SCHEDULER's and the standbys' addresses it is at
 
     def loop(self) -> None:
         """Serve the scheduler's messages until SHUTDOWN or ABORT; a lost connection ends the job for this server
         unless a scheduler resumes the job within GRADWIRE_SCHEDULER_TIMEOUT (the workers' links go on meanwhile)."""
         state = self.state
+        self.promise.renew()
         while True:
             try:
                 self._serve()
                 return
             except GradwireError as e:
+                self.promise.lost(state.scheduler, e)
                 if state.done.is_set() or not self._resume(e):
                     return
 
     def _serve(self) -> None:
         state = self.state
         assert state.scheduler is not None
+        self.promise.watch(state.scheduler)
         while True:
             _, body = state.scheduler.recv_json(FrameType.CONTROL)
             message = messages.parse(body)
-            if isinstance(message, messages.Shutdown):
+            if isinstance(message, messages.Beat):
+                self.promise.answer(state.scheduler, message)
+            elif isinstance(message, messages.Shutdown):
                 return
             if isinstance(message, messages.Abort):
                 state.error = message.message
@@ -73,11 +80,14 @@ class ServerControl:
         if state.scheduler is not None:
             state.scheduler.close()
         try:
-            state.scheduler, resumed = client.resume(state.config, self._report, state.term, state.done.is_set)
+            state.scheduler, resumed, self.at = client.resume(
+                state.config, self._report, state.term, state.done.is_set, self.at
+            )
         except GradwireError as e:
             state.error = f"lost the scheduler ({error}), and {e}"
             return False
         state.term = resumed.term
+        self.promise.renew()
         log.warning("server %d: the job resumed with the scheduler of term %d", state.rank, resumed.term)
         return True
 
@@ -88,7 +98,8 @@ class ServerControl:
         kept = [k for engine in state.engines for k, key in list(engine.keys.items()) if key.kept]
         registration = state.registration | {"standby": state.standby}
         where = ("server", state.rank, state.config.host)
-        return messages.Resume.of(*where, (state.term, state.epoch), registration, {"kept": kept})
+        report = {"kept": kept, "scheduler": self.promise.report()}
+        return messages.Resume.of(*where, (state.term, state.epoch), registration, report)
 
     def _reply(self, request_id: int) -> None:
         assert self.state.scheduler is not None

@@ -28,6 +28,11 @@ class ConnectionClosed(RemoteProtocolError):
     """The peer closed the connection (cleanly or not)."""
 
 
+class PeerClosed(ConnectionClosed):
+    """The peer's end closed: an end of stream, or a reset (its process closed the socket, or died), as against a
+    connection that broke or went silent on the way."""
+
+
 class Connection:
     """One framed TCP connection.
 
@@ -42,6 +47,7 @@ class Connection:
         self.peer = peer
         self.peer_role = "?"
         self.peer_rank = -1
+        self.closed = False  # set before the socket closes: the peer may see the end only after this is set
         self._send_lock = threading.Lock()
         self._header_buf = bytearray(frames.HEADER_SIZE)
         self._header_view = memoryview(self._header_buf)
@@ -93,10 +99,14 @@ class Connection:
                 got = self.sock.recv_into(view)
             except (TimeoutError, BlockingIOError):  # BlockingIOError: the kernel's timeout (`set_frame_timeout`)
                 continue
+            except ConnectionResetError as e:
+                raise PeerClosed(
+                    f"{self.peer_role} {self.peer_rank} at {self.peer} reset the connection ({e})"
+                ) from None
             except OSError as e:
                 raise ConnectionClosed(f"connection to {self.peer_role} {self.peer_rank} broke: {e}") from None
             if got == 0:
-                raise ConnectionClosed(f"{self.peer_role} {self.peer_rank} at {self.peer} closed the connection")
+                raise PeerClosed(f"{self.peer_role} {self.peer_rank} at {self.peer} closed the connection")
         if got < len(view):
             self.recv_into(view[got:])
         return frames.decode_header(view, self.max_payload)
@@ -110,10 +120,14 @@ class Connection:
                 n = self.sock.recv_into(view[got:], total - got)
             except (TimeoutError, BlockingIOError):
                 raise GradwireTimeout(f"timed out reading from {self.peer_role} {self.peer_rank}") from None
+            except ConnectionResetError as e:
+                raise PeerClosed(
+                    f"{self.peer_role} {self.peer_rank} at {self.peer} reset the connection ({e})"
+                ) from None
             except OSError as e:
                 raise ConnectionClosed(f"connection to {self.peer_role} {self.peer_rank} broke: {e}") from None
             if n == 0:
-                raise ConnectionClosed(f"{self.peer_role} {self.peer_rank} at {self.peer} closed the connection")
+                raise PeerClosed(f"{self.peer_role} {self.peer_rank} at {self.peer} closed the connection")
             got += n
 
     def recv_body(self, header: Header) -> bytes:
@@ -146,6 +160,7 @@ class Connection:
 
     def close(self) -> None:
         """Close the socket; a thread blocked in recv on it wakes with ConnectionClosed."""
+        self.closed = True
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:

@@ -66,6 +66,8 @@ class Control:
         self._sending = threading.Lock()  # a request is sent on the connection in use, or sent again on the next one
         self.report: Callable[[], messages.Resume] | None = None  # what this worker reports to a resuming scheduler
         self.resumes: list[dict] = []  # each time a scheduler resumed the job: when the old one was lost, how long
+        self.promise = client.Promise(state.config)  # to the scheduler in charge (scheduler/lease.py)
+        self.at = 0  # which of GRADWIRE_SCHEDULER's and the standbys' addresses it is at
 
     def start(self, handlers: dict[type, Callable[[Any], None]]) -> None:
         """Serve the scheduler's messages on a thread of their own: each op to its handler, REPLY to its request,
@@ -157,21 +159,26 @@ class Control:
             link.close(error)
 
     def _loop(self, handlers: dict[type, Callable[[Any], None]]) -> None:
+        self.promise.renew()
         while True:
             try:
                 self._serve(handlers)
                 return
             except GradwireError as e:
+                self.promise.lost(self.conn, e)
                 if self.state.closed or not self._resume(e):
                     return
 
     def _serve(self, handlers: dict[type, Callable[[Any], None]]) -> None:
         """The scheduler's messages, until an ABORT (returns) or the connection's loss (raises)."""
         assert self.conn is not None
+        self.promise.watch(self.conn)
         while True:
             _, body = self.conn.recv_json(FrameType.CONTROL)
             message = messages.parse(body)
-            if isinstance(message, messages.Abort):
+            if isinstance(message, messages.Beat):
+                self.promise.answer(self.conn, message)
+            elif isinstance(message, messages.Abort):
                 self.fail_all(abort_error(message.encode(), rank=self.state.rank))
                 return
             if isinstance(message, messages.Reply):
@@ -194,7 +201,7 @@ class Control:
             *(rank, error, state.config.scheduler_timeout),
         )
         try:
-            conn, resumed = client.resume(state.config, self.report, state.term, lambda: state.closed)
+            conn, resumed, self.at = client.resume(state.config, self.report, state.term, lambda: state.closed, self.at)
         except JobAborted as e:
             self.fail_all(JobAborted(f"worker {rank}: {e}", rank=rank))
             return False
@@ -205,6 +212,7 @@ class Control:
             if self.conn is not None:
                 self.conn.close()
             self.conn, state.term = conn, resumed.term
+            self.promise.renew()
             with state.lock:
                 pending = [r.message for r in self._requests.values()]
             try:

@@ -44,6 +44,7 @@ class Report:
             "barriers": state.barriers_passed,
             "lost": sorted(self.lost),
             "book": {k: v for k, v in book.fields().items() if k not in ("rank", "standby", "wall_time")},
+            "scheduler": self.control.promise.report(),  # for a standby's proof (scheduler/lease.py)
         }
         where = ("worker", state.rank, state.config.host)
         return messages.Resume.of(*where, (state.term, state.epoch), self.registration, report)
