@@ -5,7 +5,9 @@ parameters and the failovers this worker went through.
 KILL_AT=k (or k1,k2,...): worker 0 prints `KILL <role>` at step k (the test then SIGKILLs that process). KILL_WAIT=1:
 worker 0 then waits until it has seen the failover before it pushes again (so the others are mid-round when it
 happens); without it the kill lands wherever the job happens to be. Every 5 steps the workers meet at a barrier and
-average the loss under a new name (a declaration): what needs the scheduler, after it is killed too.
+average the loss under a new name (a declaration): what needs the scheduler, after it is killed too. KILL_FILE: worker
+0 also creates this file then (for a test that cannot read its output as it runs). STEP_SLEEP: seconds each step
+sleeps, to stretch the run.
 """
 
 import os
@@ -36,11 +38,14 @@ kill_at = {int(k) for k in os.environ.get("KILL_AT", "-1").split(",")}
 worker = gradwire.current_worker()
 for step in range(STEPS):
     if step in kill_at and gw.rank() == 0:
-        print(f"KILL {os.environ['KILL_ROLE']}", flush=True)
+        print(f"KILL {os.environ.get('KILL_ROLE', '')}", flush=True)
+        if os.environ.get("KILL_FILE"):
+            open(os.environ["KILL_FILE"], "w").close()
         if os.environ.get("KILL_WAIT") == "1":
             deadline = time.monotonic() + 30
             while not worker.failovers and time.monotonic() < deadline:
                 time.sleep(0.005)
+    time.sleep(float(os.environ.get("STEP_SLEEP", "0")))
     x = torch.randn(64, 32, generator=data)
     y = (x[:, :10] * 3).argmax(dim=1)
     opt.zero_grad()

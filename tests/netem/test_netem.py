@@ -215,3 +215,44 @@ def test_workers_sharing_a_host_link_get_settings_for_their_share_and_no_re_cut(
     assert chosen[0]["derived_again"] is None and not chosen[0]["recuts"], chosen[0]
     assert "shared by 4 workers" in chosen[0]["why"], chosen[0]
     assert chosen[0]["partition_bytes"] == 16 << 10, chosen[0]  # a quarter of 100 Mbit/s
+
+
+def test_a_scheduler_cut_off_from_the_network_steps_down_and_its_standby_alone_takes_over(tmp_path):
+    """The scheduler's host cut off (both ways) for twice GRADWIRE_HEARTBEAT_TIMEOUT while the scheduler lives, with
+    a standby scheduler on a server's host: the cut-off scheduler steps down when its lease lapses (exit code 3), the
+    nodes take it as lost by its silence and go to the standby, which alone resumes the job (term 2); mended, the old
+    one is gone. Training goes on through it, and the parameters equal a failure-free run's (on loopback)."""
+    script = str(ROOT / "tests" / "faults" / "training_job.py")
+    env = os.environ | {"GRADWIRE_PARTITION_BYTES": "16384", "STEPS": "40"}
+    reference = subprocess.run(
+        [sys.executable, "-m", "gradwire", "launch", "-n", "2", "-s", "2", "--", sys.executable, script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    (want,) = {line.split()[-1] for line in reference.stdout.splitlines() if " DIGEST " in line}
+    marker, log = tmp_path / "cut", tmp_path / "schedulers.log"
+    env |= {"GRADWIRE_HEARTBEAT_TIMEOUT": "2", "GRADWIRE_HEARTBEAT_INTERVAL": "0.5", "KILL_AT": "5"}
+    env |= {"KILL_FILE": str(marker), "STEP_SLEEP": "0.1"}
+    topo = Topology(workers=2, servers=2, worker_rate="1gbit", server_rate="1gbit")
+    with EmulatedCluster(topo) as c, open(log, "w") as out:
+        job = start_gradwire(c, [sys.executable, script], env, standby_scheduler=True, scheduler_output=out)
+        deadline = time.monotonic() + 60
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert marker.exists(), "worker 0 never reached the step of the cut"
+        sched = topo.of("scheduler")[0]
+        c.cut(sched)
+        time.sleep(4.0)
+        c.cut(sched, off=False)
+        outputs = job.wait(timeout=120)
+        old, standby = job.services[0], job.services[1]
+    said = log.read_text()
+    assert old.returncode == 3, said
+    assert "scheduler of term 1 steps down: only 0 of the job's 4 nodes" in said, said
+    assert said.count("gradwire scheduler resumed the job in term ") == 1, said
+    assert "gradwire scheduler resumed the job in term 2" in said and standby.returncode == 0, said
+    assert any("lost the scheduler (timed out" in out for out in outputs), outputs
+    digests = [line.split()[-1] for out in outputs for line in out.splitlines() if line.startswith("DIGEST")]
+    assert digests == [want, want], outputs

@@ -101,6 +101,12 @@ class EmulatedCluster:
             for ns, dev in ((self.namespace(host), "eth0"), (self.bridge_namespace, f"v{self.run_id}{i}")):
                 _run(["tc", "-n", ns, "qdisc", "change", "dev", dev, "root", *_tbf(rate)])
 
+    def cut(self, host: Host, off: bool = True) -> None:
+        """Cut `host` off from every other host, both ways, while its processes live on (its port on the bridge down:
+        nothing passes, and nothing tells either side); `off=False` mends it."""
+        port = f"v{self.run_id}{self.topology.hosts.index(host)}"
+        _ip("-n", self.bridge_namespace, "link", "set", port, "down" if off else "up")
+
     def _add_namespace(self, name: str) -> None:
         _ip("netns", "add", name)
         self._namespaces.append(name)

@@ -68,16 +68,29 @@ class Job:
                 proc.kill()
 
 
-def start_gradwire(cluster: EmulatedCluster, argv: Sequence[str], env: Mapping[str, str] | None = None) -> Job:
+def start_gradwire(
+    cluster: EmulatedCluster,
+    argv: Sequence[str],
+    env: Mapping[str, str] | None = None,
+    standby_scheduler: bool = False,
+    scheduler_output: IO[str] | None = None,
+) -> Job:
     """Scheduler, servers and workers (running `argv`) each on their own emulated host; with the topology's
     `colocate`, a server beside each worker too. As a user would run it: the scheduler measures the links (the
-    default GRADWIRE_PLACEMENT=auto); with GRADWIRE_PLACEMENT=model each node is told its link's rate instead."""
+    default GRADWIRE_PLACEMENT=auto); with GRADWIRE_PLACEMENT=model each node is told its link's rate instead.
+    `standby_scheduler`: a standby scheduler on the first server's host (the job's services then begin with the
+    scheduler and the standby). `scheduler_output`: where the schedulers' lines go (default: dropped)."""
     topo = cluster.topology
     sched = topo.of("scheduler")[0]
     servers = topo.servers + (topo.worker_hosts if topo.colocate else 0)
     base = dict(env or os.environ) | {"PYTHONUNBUFFERED": "1"}
     base |= env_for(num_workers=topo.workers, num_servers=servers, secret=secrets.token_hex(32))
-    scheduler, address = _start_scheduler(cluster, sched, base)
+    standby: list[subprocess.Popen] = []
+    if standby_scheduler:
+        host = topo.of("server")[0]
+        proc, where = _start_scheduler(cluster, host, base | env_for(standby=True), scheduler_output)
+        standby, base = [proc], base | env_for(scheduler_standby=where)
+    scheduler, address = _start_scheduler(cluster, sched, base, scheduler_output)
     base |= env_for(scheduler=address)
     given = base.get("GRADWIRE_PLACEMENT") == "model"  # else (the default, auto) the scheduler measures the links
 
@@ -85,7 +98,7 @@ def start_gradwire(cluster: EmulatedCluster, argv: Sequence[str], env: Mapping[s
         rate = env_for(link_rate=h.up) if given else {}
         return base | rate | env_for(host=h.address, rank=rank)
 
-    services = [scheduler] + [
+    services = [scheduler, *standby] + [
         cluster.spawn(h, [sys.executable, "-m", "gradwire", "server"], node_env(h, h.index), stdout=subprocess.DEVNULL)
         for h in topo.of("server")
     ]
@@ -113,8 +126,11 @@ def start_gradwire(cluster: EmulatedCluster, argv: Sequence[str], env: Mapping[s
     return Job(services, workers)
 
 
-def _start_scheduler(cluster: EmulatedCluster, sched: Host, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
-    """The scheduler on its emulated host, and the address it listens on (its first line)."""
+def _start_scheduler(
+    cluster: EmulatedCluster, sched: Host, env: dict[str, str], output: IO[str] | None = None
+) -> tuple[subprocess.Popen, str]:
+    """A scheduler on an emulated host, and the address it listens on (its first line); its other lines go to
+    `output`."""
     scheduler = cluster.spawn(
         sched,
         [sys.executable, "-m", "gradwire", "scheduler"],
@@ -125,18 +141,20 @@ def _start_scheduler(cluster: EmulatedCluster, sched: Host, env: dict[str, str])
     )
     assert scheduler.stdout is not None
     first = scheduler.stdout.readline()
-    if not first.startswith("gradwire scheduler listening on "):
+    if not (first.startswith("gradwire ") and " listening on " in first):
         scheduler.kill()
         raise GradwireError(f"the scheduler did not start: {first!r}")
     # keep reading, or a chatty scheduler would block on a full pipe
-    threading.Thread(target=_drain, args=(scheduler.stdout,), daemon=True).start()
+    threading.Thread(target=_drain, args=(scheduler.stdout, output), daemon=True).start()
     return scheduler, first.split(" listening on ", 1)[1].split()[0]
 
 
-def _drain(stream: IO[str]) -> None:
+def _drain(stream: IO[str], output: IO[str] | None = None) -> None:
     with stream:
-        for _ in stream:
-            pass
+        for line in stream:
+            if output is not None:
+                output.write(line)
+                output.flush()
 
 
 def start_gloo(cluster: EmulatedCluster, argv: Sequence[str], env: Mapping[str, str] | None = None) -> Job:
