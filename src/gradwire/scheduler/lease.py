@@ -86,22 +86,24 @@ class Lease:
         roster = self.roster
         if not self.on or roster.declarations is None or roster.over():
             return True
-        now = roster.clock() if now is None else now
-        voters = self.voters()
-        horizon = now - lease_seconds(roster.config)
-        fresh = sum(1 for n in voters if n.answered > horizon and not n.conn_closed())
-        return fresh >= majority(len(voters)) if voters else True
+        fresh, voters = self._fresh(now)
+        return len(fresh) >= majority(len(voters)) if voters else True
 
     def why_lost(self, now: float | None = None) -> str:
-        roster = self.roster
-        now = roster.clock() if now is None else now
-        voters = self.voters()
-        horizon = now - lease_seconds(roster.config)
-        fresh = [f"{n.role} {n.rank}" for n in voters if n.answered > horizon and not n.conn_closed()]
+        fresh, voters = self._fresh(now)
         return (
             f"only {len(fresh)} of the job's {len(voters)} nodes answered its beats in the last "
-            f"{lease_seconds(roster.config):g}s ({', '.join(fresh) or 'none'}): a standby may take the job over"
+            f"{lease_seconds(self.roster.config):g}s ({', '.join(f'{n.role} {n.rank}' for n in fresh) or 'none'}): "
+            "a standby may take the job over"
         )
+
+    def _fresh(self, now: float | None) -> tuple[list[Node], list[Node]]:
+        """The voters that answered a beat sent within the lease, on a connection still open; and all the voters."""
+        roster = self.roster
+        now = roster.clock() if now is None else now
+        horizon = now - lease_seconds(roster.config)
+        voters = self.voters()
+        return [n for n in voters if n.answered > horizon and not n.conn_closed()], voters
 
 
 class Proof:
