@@ -16,7 +16,8 @@ CPUs, and `server_resources`, a custom resource such as {"server_node": 1} that 
 servers advertise); workers are actors (RayExecutor) or Ray Train's workers. Each actor advertises its node's
 address, so the job spans the cluster's nodes. The job has a fresh secret, handed to every actor. A server actor
 that dies is a server failure (failover: its keys move on, docs/faults.md); a worker that dies ends the run with the
-other workers' WorkerLost naming it, not a hang.
+other workers' WorkerLost naming it, not a hang; the scheduler's actor, pinned to the driver's node, is restarted there
+by Ray at its port and resumes the job.
 
 Ray is an optional dependency (`pip install gradwire[ray]`): nothing else in gradwire imports this module.
 """
@@ -25,9 +26,12 @@ from __future__ import annotations
 
 import os
 import secrets
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 import ray
 from gradwire.config import Config, env_for
@@ -38,20 +42,42 @@ def _node_address() -> str:
     return ray.util.get_node_ip_address()
 
 
-@ray.remote(num_cpus=0)
-class _SchedulerActor:
-    """The job's scheduler, in this actor's process, listening on every address of its node."""
+SCHEDULER_RESTARTS = 3  # a scheduler actor whose process dies is started again (on its node, at its port) this often
 
-    def start(self, env: dict[str, str]) -> str:
+
+@ray.remote(num_cpus=0, max_restarts=SCHEDULER_RESTARTS)
+class _SchedulerActor:
+    """The job's scheduler, in this actor's process, listening on every address of its node. Pinned to one node: when
+    its process dies, Ray starts the actor again there, and it listens on the port it had (kept in `port_file`, on the
+    node), so the job's nodes, training on meanwhile, find it and it resumes the job (scheduler/recovery.py)."""
+
+    def __init__(self, env: dict[str, str], port_file: str) -> None:
         from gradwire.scheduler import Scheduler
 
-        config = Config.from_env(env | {"GRADWIRE_SCHEDULER": "0.0.0.0:0", "GRADWIRE_ROLE": "scheduler"})
+        self.port_file = port_file
+        try:
+            with open(port_file) as f:
+                port = int(f.read())  # a restart: the port the job's nodes know
+        except (OSError, ValueError):
+            port = 0
+        config = Config.from_env(env | {"GRADWIRE_SCHEDULER": f"0.0.0.0:{port}", "GRADWIRE_ROLE": "scheduler"})
         self.scheduler = Scheduler(config).start()
-        port = int(self.scheduler.address.rsplit(":", 1)[1])
-        return f"{_node_address()}:{port}"
+        with open(port_file, "w") as f:
+            f.write(self.scheduler.address.rsplit(":", 1)[1])
+
+    def address(self) -> str:
+        return f"{_node_address()}:{self.scheduler.address.rsplit(':', 1)[1]}"
+
+    def term(self) -> int:
+        """The scheduler's term: 1, or one more for each time it resumed the job after a restart."""
+        return self.scheduler.roster.term
 
     def stop(self) -> None:
         self.scheduler.stop()
+        try:
+            os.remove(self.port_file)
+        except OSError:
+            pass
 
 
 class _ServerActor:
@@ -105,8 +131,11 @@ class Cluster:
         self.env = dict(env or {}) | env_for(
             num_workers=num_workers, num_servers=num_servers, secret=secrets.token_hex(32), timeout=int(timeout_s)
         )
-        self.scheduler = _SchedulerActor.remote()
-        self.env |= env_for(scheduler=ray.get(self.scheduler.start.remote(self.env), timeout=timeout_s))
+        here = ray.get_runtime_context().get_node_id()  # the driver's node: it outlives the job
+        port_file = os.path.join(tempfile.gettempdir(), f"gradwire-scheduler-{secrets.token_hex(8)}.port")
+        pinned = NodeAffinitySchedulingStrategy(node_id=here, soft=False)
+        self.scheduler = _SchedulerActor.options(scheduling_strategy=pinned).remote(self.env, port_file)
+        self.env |= env_for(scheduler=ray.get(self.scheduler.address.remote(), timeout=timeout_s))
         server_cls = ray.remote(num_cpus=cpus_per_server, resources=server_resources or {})(_ServerActor)
         self.servers = [server_cls.remote() for _ in range(num_servers)]
         self.serving = [s.serve.remote(self.env) for s in self.servers]  # each returns when the job ends
@@ -115,6 +144,10 @@ class Cluster:
         return self.env | env_for(rank=rank)
 
     def stop(self) -> None:
+        try:
+            ray.get(self.scheduler.stop.remote(), timeout=10)  # frees its port and removes its port file
+        except Exception:  # noqa: BLE001 - dead or restarting: killed below all the same
+            pass
         for actor in [*self.servers, self.scheduler]:
             ray.kill(actor, no_restart=True)
 

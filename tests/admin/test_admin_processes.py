@@ -68,7 +68,8 @@ def test_top_renders_a_running_job():
     for node in ("worker 0", "worker 1", "server 0"):
         assert node in out.stdout
     # the settings derived from the links measured at the start, and why: on loopback, partitions of megabytes (how
-    # many depends on the rate this loaded machine measured, 9-20 Gbit/s: 2 or 4 MiB)
+    # many depends on the rate this loaded machine measured, 9-20 Gbit/s: 2 or 4 MiB; under another job's load the
+    # probe has read a few Gbit/s: 512 KiB)
     chosen = re.search(r"data path: (\d+) KiB partitions, window (\d+): (\d+) Mbit/s", out.stdout)
     assert chosen is not None, out.stdout
-    assert int(chosen[1]) >= 1024 and int(chosen[2]) >= 4 and int(chosen[3]) > 1000
+    assert int(chosen[1]) >= 256 and int(chosen[2]) >= 4 and int(chosen[3]) > 1000

@@ -209,3 +209,39 @@ def test_an_elastic_job_resumed_by_a_restarted_scheduler_still_reforms_without_a
         out = c.run(lambda w: _sum_until_reset(w, {0: 1.0, 2: 3.0}[w.rank if w.size == 3 else 2 * w.rank]))
         assert [a[0] for a in out] == [4.0, 4.0] and [w.size for w in c.workers] == [2, 2]
         assert c.scheduler.status()["recovered"]["term"] == 2
+
+
+def _join_with(kill: bool) -> tuple:
+    """Worker 0 joins (hvd.join) and waits; worker 1 trains two more steps (zeros in worker 0's place), then joins
+    too; with `kill`, the scheduler dies once it has worker 0's join and is restarted before worker 1's."""
+    with LocalCluster(num_workers=2, num_servers=2, **SETTINGS) as c:
+        w0, w1 = sorted(c.workers, key=lambda w: w.rank)
+        c.run(lambda w: step(w, 0))
+        joined: dict[int, int] = {}
+        waiter = threading.Thread(target=lambda: joined.setdefault(0, w0.join()), daemon=True)
+        waiter.start()
+        deadline = time.monotonic() + 10
+        while 0 not in c.scheduler.roster.joins and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert 0 in c.scheduler.roster.joins
+        if kill:
+            c.kill_scheduler()
+        alone = [step(w1, n) for n in (1, 2)]  # the data path: the servers know worker 0 joined
+        if kill:
+            c.restart_scheduler()
+        last = w1.join()
+        waiter.join(30)
+        after = c.run(lambda w: step(w, 3))
+        return alone, last, joined.get(0), after
+
+
+def test_a_join_under_way_when_the_scheduler_dies_completes_with_the_next_bit_identical():
+    """hvd.join: worker 0 has joined when the scheduler dies; its JOIN is sent again to the restarted scheduler, worker
+    1's averages go on with zeros in its place meanwhile, and once worker 1 joins both return the same last rank; the
+    sums before, during and after equal a run without the failure. (Which rank is last is the order the restarted
+    scheduler got the joins in: both were waiting for it, and no scheduler saw worker 1's come second.)"""
+    want_alone, want_last, _, want_after = _join_with(kill=False)
+    alone, last, last0, after = _join_with(kill=True)
+    same([alone], [want_alone])
+    same([after], [want_after])
+    assert want_last == 1 and last == last0 in (0, 1)

@@ -47,8 +47,13 @@ def cluster():
 @pytest.fixture(scope="module")
 def launched() -> str:
     """The digest `gradwire launch -n 2 -s 2` gives for the same job."""
+    return _launched(20)
+
+
+def _launched(steps: int) -> str:
     cmd = [sys.executable, "-m", "gradwire", "launch", "-n", "2", "-s", "2", "--", sys.executable, ray_job.__file__]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120).stdout
+    env = os.environ | {"STEPS": str(steps)}
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120).stdout
     digests = set(re.findall(r"DIGEST \d (\w+)", out))
     assert len(digests) == 1, out
     return digests.pop()
@@ -98,6 +103,38 @@ def test_a_killed_server_actor_fails_over_and_the_job_completes(cluster, launche
         executor.shutdown()
     assert [r for r, _ in results] == [0, 1]
     assert len({d for _, d in results}) == 1  # the same parameters on both workers (bit-identical failover)
+
+
+def test_a_killed_scheduler_actor_is_restarted_at_its_address_and_the_job_goes_on(cluster):
+    """Ray restarts the scheduler's actor on its node; it listens on its old port, the workers and servers (training on
+    meanwhile) report to it, and it resumes the job: the parameters are `gradwire launch`'s."""
+    executor = gray.RayExecutor(num_workers=2, num_servers=2)
+    executor.start()
+    try:
+        refs = executor.run_remote(ray_job.train, kwargs={"steps": 300, "pause": 0.05})  # 15 s at least
+        time.sleep(3)  # mid-training
+        ray.kill(executor.cluster.scheduler, no_restart=False)
+        term = _term_once_restarted(executor.cluster.scheduler)
+        results = [ray.get(r, timeout=120) for r in refs]
+    finally:
+        executor.shutdown()
+    assert term == 2
+    assert [r for r, _ in results] == [0, 1]
+    assert {d for _, d in results} == {_launched(300)}
+
+
+def _term_once_restarted(scheduler, timeout: float = 60) -> int:
+    """The restarted scheduler actor's term once it has resumed the job (Ray says "unavailable" as it restarts)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            term = ray.get(scheduler.term.remote(), timeout=10)
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+            term = 0
+        if term > 1:
+            return term
+        time.sleep(0.2)
+    raise AssertionError(f"the scheduler actor did not resume the job in {timeout:g}s")
 
 
 def test_a_killed_worker_actor_ends_the_run_with_worker_lost_naming_it(cluster):
