@@ -66,6 +66,8 @@ class Config:
     # standby schedulers' addresses, host:port[,host:port...]: nodes try them after GRADWIRE_SCHEDULER when their
     # scheduler is lost, and a scheduler acts only while it holds a majority's lease (scheduler/lease.py)
     scheduler_standby: str = ""
+    # under torchrun: standby schedulers, one on each of the nodes after the first (launch/torchrun.py)
+    standby_schedulers: int = 0
     servers_per_node: int = 1
     deterministic: bool = True
     server_failover: bool = True
@@ -210,6 +212,8 @@ class Config:
                 self.link_rate_bytes()
             except ValueError as e:
                 raise ConfigError(f"GRADWIRE_LINK_RATE: {e}") from None
+        if self.standby_schedulers < 0:
+            raise ConfigError(f"GRADWIRE_STANDBY_SCHEDULERS must be at least 0, got {self.standby_schedulers}")
         if self.num_standby < 0:
             raise ConfigError(f"GRADWIRE_NUM_STANDBY must be at least 0, got {self.num_standby}")
         if self.timeout <= 0:

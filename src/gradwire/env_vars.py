@@ -175,6 +175,13 @@ ENV_VARS: tuple[EnvVar, ...] = (
     ),
     EnvVar("GRADWIRE_TIMELINE_STEPS", "timeline_steps", (), "steps the timeline keeps (the most recent)"),
     EnvVar(
+        "GRADWIRE_STANDBY_SCHEDULERS",
+        "standby_schedulers",
+        (),
+        "under torchrun with no GRADWIRE_SCHEDULER: standby schedulers, started by local rank 0 of the second node "
+        "(and the next ones); without one, global rank 0 restarts a scheduler that dies (docs/faults.md)",
+    ),
+    EnvVar(
         "GRADWIRE_SERVERS_PER_NODE",
         "servers_per_node",
         (),

@@ -189,7 +189,8 @@ def test_a_scheduler_cut_off_alive_steps_down_and_only_its_standby_acts_for_the_
     nodes take it as lost after GRADWIRE_HEARTBEAT_TIMEOUT, the standby waits out their promises, and the old one,
     woken with their requests still queued on its sockets, finds its lease lost and steps down without answering any:
     one scheduler acts for the job at a time (scheduler/lease.py)."""
-    beats = {"GRADWIRE_HEARTBEAT_TIMEOUT": "2", "GRADWIRE_HEARTBEAT_INTERVAL": "0.5"}
+    # 4 s: a loaded machine can hold a node silent for 2 s (then it would leave a scheduler that is not cut off)
+    beats = {"GRADWIRE_HEARTBEAT_TIMEOUT": "4", "GRADWIRE_HEARTBEAT_INTERVAL": "0.5"}
     run = _run("scheduler", kill_at=5, options=("--standby-schedulers", "1"), extra_env=beats, freeze=True)
     out = run["output"]
     assert run["code"] == 0, out

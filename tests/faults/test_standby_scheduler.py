@@ -23,7 +23,7 @@ from gradwire.testing import LocalCluster
 from gradwire.transport import tcp
 from tests.faults.test_scheduler_recovery import SIZES, reference, same, step
 
-SETTINGS = {"partition_bytes": 64 * 1024, "heartbeat_interval": 0.2, "heartbeat_timeout": 2.0}
+SETTINGS = {"partition_bytes": 64 * 1024, "heartbeat_interval": 0.2, "heartbeat_timeout": 5.0}
 SETTINGS |= {"scheduler_timeout": 20.0}
 
 

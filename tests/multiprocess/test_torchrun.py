@@ -43,7 +43,8 @@ def _run(cmds, timeout=120, env=None):
 
 
 def _children_gone(output, timeout=10.0):
-    pids = [int(p) for line in output.splitlines() if "CHILDREN" in line for p in line.split() if p.isdigit()]
+    # each process prints its children twice (after the first allreduce, and at its end): each pid once
+    pids = sorted({int(p) for line in output.splitlines() if "CHILDREN" in line for p in line.split() if p.isdigit()})
     deadline = time.monotonic() + timeout
     alive = pids
     while alive and time.monotonic() < deadline:
@@ -109,3 +110,32 @@ def test_torchrun_elastic_node_range_with_c10d_rendezvous():
         assert f"DONE rank {rank} of 2 with 2 servers {marker}" in output, output
     pids, alive = _children_gone(output)
     assert len(pids) == 3 and not alive, (pids, alive, output)
+
+
+def test_torchrun_restarts_a_killed_scheduler_and_the_job_goes_on():
+    """Rank 0 SIGKILLs the scheduler it started: the process that started it starts it again at its port, the job
+    resumes (term 2) and ends cleanly; nothing is left running."""
+    marker = uuid.uuid4().hex
+    output = _run([TORCHRUN + ["--standalone", "--nproc-per-node", "2", JOB, marker]], env={"KILL_SCHEDULER": "1"})
+    for rank in range(2):
+        assert f"DONE rank {rank} of 2 with 1 servers {marker}" in output, output
+        assert f"TERM rank {rank} 2" in output, output
+    pids, alive = _children_gone(output)
+    assert len(set(pids)) == 3 and not alive, (pids, alive, output)  # two schedulers (one killed) and the server
+
+
+def test_torchrun_two_nodes_with_a_standby_scheduler_on_the_second():
+    """GRADWIRE_STANDBY_SCHEDULERS=1: the second node starts a standby scheduler; rank 0 SIGKILLs the scheduler, the
+    standby takes the job over (term 2), and a new standby starts in the dead one's place; nothing is left running."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    marker = uuid.uuid4().hex
+    node = TORCHRUN + ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d"]
+    node += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", marker, JOB, marker]
+    output = _run([node, node], env={"KILL_SCHEDULER": "1", "GRADWIRE_STANDBY_SCHEDULERS": "1"})
+    for rank in range(2):
+        assert f"DONE rank {rank} of 2 with 2 servers {marker}" in output, output
+        assert f"TERM rank {rank} 2" in output, output
+    pids, alive = _children_gone(output)
+    assert len(set(pids)) == 5 and not alive, (pids, alive, output)  # 2 servers, 2 schedulers, the new standby

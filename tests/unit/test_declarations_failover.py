@@ -4,6 +4,7 @@ import threading
 
 from gradwire.config import Config
 from gradwire.protocol import messages
+from gradwire.scheduler import moves
 from gradwire.scheduler.declarations import Declarations
 from gradwire.transport.tcp import ConnectionClosed
 
@@ -51,7 +52,7 @@ def test_a_server_that_dies_while_its_keys_are_registered_neither_stalls_nor_fai
     servers.got_keys.wait(5)
     d.abandon(1)  # the scheduler sees it die: the wait for its confirmation ends at once, with no error
     with d.moving:
-        moved = d.evict(1)
+        moved = moves.evict(d, 1)
     for t in threads:
         t.join(5)
         assert not t.is_alive(), "the declaration still waits for the dead server"
@@ -86,7 +87,7 @@ def test_every_worker_gets_the_same_answer_when_a_failover_moves_the_keys_meanwh
     servers.got_keys.wait(5)
     assert not answers
     d.abandon(1)
-    moved = d.evict(1)
+    moved = moves.evict(d, 1)
     moving.release()
     for t in threads:
         t.join(5)

@@ -7,7 +7,11 @@ With torchrun's variables present (TORCHELASTIC_RUN_ID and friends) and no GRADW
   kernel picks, on MASTER_ADDR's side) and makes a fresh job secret;
 - local rank 0 of every node starts GRADWIRE_SERVERS_PER_NODE (default 1) colocated servers beside its workers;
 - every worker then joins with the scheduler's address, the secret, WORLD_SIZE workers and GROUP_WORLD_SIZE x
-  GRADWIRE_SERVERS_PER_NODE servers.
+  GRADWIRE_SERVERS_PER_NODE servers;
+- with GRADWIRE_STANDBY_SCHEDULERS=k, local rank 0 of nodes 1..k each starts a standby scheduler first (the job
+  then survives its scheduler's host: docs/faults.md); a scheduler child that dies while the job runs is started
+  again at its port by the process that started it, as a standby where the job has them (at most SCHEDULER_RESTARTS
+  times).
 The address and the secret travel through torchrun's own store (the TCPStore at MASTER_ADDR:MASTER_PORT, the one
 `init_process_group("env://")` uses), under keys of this run and restart, so a restarted worker group starts a new
 job. The children live and die with the job: they end with it (the servers when the scheduler ends it or is gone,
@@ -34,6 +38,9 @@ from gradwire.errors import ConfigError
 
 log = logging.getLogger("gradwire.torchrun")
 CHILDREN: list[subprocess.Popen] = []  # started by this process: stopped at its exit
+SCHEDULER_RESTARTS = 3
+_stopping = threading.Event()  # this process is stopping its children: none is started again
+_IDLE: set[int] = set()  # the standby schedulers started here that have not taken the job over: they never end alone
 
 
 def detected(env: Mapping[str, str]) -> bool:
@@ -64,15 +71,24 @@ def bootstrap(env: Mapping[str, str], timeout: float = 300.0) -> dict[str, str]:
         rank=rank,
         timeout=env.get("GRADWIRE_TIMEOUT", int(timeout)),
     )
+    standbys = [prefix + f"standby{n}" for n in range(1, min(Config.from_env(env).standby_schedulers, nodes - 1) + 1)]
+    wait = timedelta(seconds=timeout)
     if rank == 0:
-        secret = env.get("GRADWIRE_SECRET") or secrets.token_hex(32)
-        port = _start_scheduler(env | job | env_for(secret=secret))
-        store.set(prefix + "secret", secret)
+        store.set(prefix + "secret", env.get("GRADWIRE_SECRET") or secrets.token_hex(32))
+    store.wait([prefix + "secret"], wait)
+    job |= env_for(secret=store.get(prefix + "secret").decode())
+    group_rank = int(env.get("GROUP_RANK", "0"))
+    if local_rank == 0 and 1 <= group_rank <= len(standbys):  # this node's standby scheduler
+        port = _start_scheduler(env | job | env_for(standby=True))
+        store.set(prefix + f"standby{group_rank}", f"{host}:{port}")
+    if standbys:
+        store.wait(standbys, wait)
+        job |= env_for(scheduler_standby=",".join(store.get(key).decode() for key in standbys))
+    if rank == 0:
+        port = _start_scheduler(env | job)
         store.set(prefix + "scheduler", f"{host}:{port}")
-    store.wait([prefix + "scheduler", prefix + "secret"], timedelta(seconds=timeout))
-    job |= env_for(
-        scheduler=store.get(prefix + "scheduler").decode(), secret=store.get(prefix + "secret").decode(), host=host
-    )
+    store.wait([prefix + "scheduler"], wait)
+    job |= env_for(scheduler=store.get(prefix + "scheduler").decode(), host=host)
     if local_rank == 0:
         for _ in range(per_node):
             _spawn([sys.executable, "-m", "gradwire", "server"], env | job | {"GRADWIRE_COLOCATED": "1"}, "server")
@@ -89,11 +105,13 @@ def _store(master: str, port: int, rank: int, env: Mapping[str, str], timeout: f
     return TCPStore(master, port, is_master=rank == 0 and not agent, timeout=timedelta(seconds=timeout))
 
 
-def _start_scheduler(env: Mapping[str, str]) -> int:
-    """The job's scheduler, listening on every address; returns its port (read from its first line)."""
+def _start_scheduler(env: Mapping[str, str], port: int = 0, restarts: int = SCHEDULER_RESTARTS) -> int:
+    """A scheduler of the job (a standby, with GRADWIRE_STANDBY), listening on every address at `port` (0: one the
+    kernel picks); returns its port (read from its first line). Started again at that port if it dies while the job
+    runs: as a standby where the job has them (`_keep`)."""
     child = _spawn(
         [sys.executable, "-m", "gradwire", "scheduler"],
-        dict(env) | {"GRADWIRE_SCHEDULER": "0.0.0.0:0"},
+        dict(env) | {"GRADWIRE_SCHEDULER": f"0.0.0.0:{port}"},
         "scheduler",
         stdout=subprocess.PIPE,
     )
@@ -102,8 +120,26 @@ def _start_scheduler(env: Mapping[str, str]) -> int:
     if " listening on " not in first:
         child.kill()
         raise ConfigError(f"the gradwire scheduler did not start under torchrun: {first.strip()!r}")
-    threading.Thread(target=_drain, args=(child.stdout,), daemon=True).start()
-    return int(first.split(" listening on ", 1)[1].split()[0].rsplit(":", 1)[1])
+    if first.startswith("gradwire standby scheduler"):
+        _IDLE.add(child.pid)
+    threading.Thread(target=_drain, args=(child.stdout, child.pid), daemon=True).start()
+    port = int(first.split(" listening on ", 1)[1].split()[0].rsplit(":", 1)[1])
+    threading.Thread(target=_keep, args=(child, env, port, restarts), name="gw-keep-scheduler", daemon=True).start()
+    return port
+
+
+def _keep(child: subprocess.Popen, env: Mapping[str, str], port: int, restarts: int) -> None:
+    """A scheduler child that ends with an error while this process lives (killed, or stepped down) is started again
+    at its port; the job's nodes, training on, report to it (scheduler/recovery.py)."""
+    code = child.wait()
+    if code == 0 or restarts <= 0 or _stopping.is_set():
+        return
+    again = dict(env) | (env_for(standby=True) if env.get("GRADWIRE_SCHEDULER_STANDBY") else {})
+    log.warning("the job's scheduler (pid %d) ended with %s: starting it again at port %d", child.pid, code, port)
+    try:
+        _start_scheduler(again, port, restarts - 1)
+    except (ConfigError, OSError) as e:
+        log.error("could not start the job's scheduler again at port %d: %s", port, e)
 
 
 def _spawn(argv: list[str], env: Mapping[str, str], what: str, stdout: int | None = None) -> subprocess.Popen:
@@ -119,7 +155,10 @@ def _spawn(argv: list[str], env: Mapping[str, str], what: str, stdout: int | Non
 
 def stop_children(grace: float = 5.0) -> None:
     """Wait a moment for the children to end with the job, then stop those still running."""
+    _stopping.set()
     for child in CHILDREN:
+        if child.pid in _IDLE:
+            child.terminate()  # a standby that never took the job over: the job has ended without it
         try:
             child.wait(grace)
         except subprocess.TimeoutExpired:
@@ -162,7 +201,10 @@ def _interface_address(name: str) -> str | None:
     return socket.inet_ntoa(packed[20:24])
 
 
-def _drain(stream) -> None:
+def _drain(stream, pid: int = 0) -> None:
+    """Read a child's output to its end (a full pipe would block it); a standby scheduler that says it resumed the job
+    is idle no longer."""
     with stream:
-        for _ in stream:
-            pass
+        for line in stream:
+            if line.startswith("gradwire scheduler resumed the job"):
+                _IDLE.discard(pid)

@@ -15,6 +15,7 @@ from typing import Any
 
 from gradwire.errors import RemoteProtocolError
 from gradwire.protocol.message import Message, Request, decode, typed
+from gradwire.protocol.server_messages import Departed, Joined, Keys, Promote  # scheduler -> server
 
 # a re-cut's first round of a tensor: the latest any worker reported plus this; a worker holds calls that far ahead
 # until the RETUNE says where the new partitions begin (scheduler/adapt.py)
@@ -336,54 +337,6 @@ class Retune(Message):
     tuning: dict | None = None
     switch: dict = field(default_factory=dict)
     recut: int = 0
-
-
-# -- scheduler -> server --------------------------------------------------------------------------
-
-
-@dataclass
-class Keys(Request):
-    """The keys a server owns, with dtype and bytes (and how they are summed); it replies once they are ready."""
-
-    op = "keys"
-    always = ("keys",)
-    keys: list = field(default_factory=list)
-    name: str = "?"
-    key_op: str = "sum"
-    op_args: dict | None = None
-    slices: dict | None = None
-    replicas: dict | None = None
-    addresses: dict | None = None
-    members: list | None = None
-    kept: bool = False  # keys this server keeps for their own server (a replica), not owns
-
-
-@dataclass
-class Promote(Request):
-    """To a standby: you are now server `rank`, in `epoch`."""
-
-    op = "promote"
-    always = ("rank", "epoch")
-    rank: int = 0
-    epoch: int = 0
-
-
-@dataclass
-class Joined(Request):
-    """The workers that have joined now (hvd.join; empty once every worker has)."""
-
-    op = "joined"
-    always = ("ranks",)
-    ranks: list = field(default_factory=list)
-
-
-@dataclass
-class Departed(Message):
-    """Workers that left (shutdown()) while others go on: all so far."""
-
-    op = "departed"
-    always = ("ranks",)
-    ranks: list = field(default_factory=list)
 
 
 MESSAGES: dict[str, type[Message]] = {

@@ -33,8 +33,8 @@ class Declarations:
 
     `send(server_rank, body)` delivers a control message to a server; the server's reply comes back by `ack`. A server
     that dies is `abandon`ed at once: nothing waits for its replies, nor sends it keys, until a standby takes its place
-    (`revive`); its keys are moved by the failover (`evict`, `move_to_replicas`), also those of a declaration
-    that was being registered as it died.
+    (`revive`); its keys are moved by the failover (scheduler/moves.py), also those of a declaration that was being
+    registered as it died.
     """
 
     def __init__(
@@ -65,7 +65,7 @@ class Declarations:
         # held by a failover while it moves keys and registers them on their new servers: a declaration's answer is
         # taken either before (the workers then learn the move from the failover) or after (its servers have the keys)
         self.moving = threading.Lock()
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
         self._pending: dict[str, dict[int, Call]] = {}  # declarations waiting for the other workers', by rank
         self._since: dict[str, float] = {}  # when each pending declaration's first call came (time.monotonic)
         self._blocked: dict[str, set[int]] = {}  # pending declarations some worker waits for (synchronize)
@@ -95,7 +95,7 @@ class Declarations:
         if gone and name not in self.tensors:  # a worker it needs has left already: it would wait for ever
             answer({"error": f"tensor {name!r} cannot be declared: {self.departed[gone[0]]}", "abort": False})
             return
-        with self._lock:
+        with self.lock:
             known = self.tensors.get(name)
             if known is None:
                 calls = self._pending.setdefault(name, {})
@@ -146,7 +146,7 @@ class Declarations:
         key_op, dtype, shape, slices, meta, members, op_args = signature
         sizes, keys, total = _cut(body.name, shape, dtype, pbytes)
         local = members is not None and self.local_servers is not None and bool(self.local_servers(members))
-        with self._lock:
+        with self.lock:
             if body.name in self.tensors:
                 return
             for key, server, size in zip(keys, servers, sizes, strict=True):
@@ -182,7 +182,7 @@ class Declarations:
             for c in calls:
                 c.answer(refusal)
             return
-        with self._lock:
+        with self.lock:
             try:
                 among = self.local_servers(members) if members is not None and self.local_servers else []
                 decl = self._place(name, shape, dtype, first.rank, min(c.partition_bytes for c in calls), among)
@@ -198,7 +198,7 @@ class Declarations:
             for c in calls:
                 c.answer({"error": error, "abort": False})
             return
-        self._register_keys(name, decl)
+        self.register_keys(name, decl)
         with self.moving:  # one answer for all, never one taken while a failover moves the tensor's keys
             reply = decl.answer()
         for c in calls:
@@ -224,7 +224,7 @@ class Declarations:
     def stalled(self, threshold: float, now: float | None = None) -> list[str]:
         """One line per declaration that has waited more than `threshold` seconds for some workers'."""
         now = time.monotonic() if now is None else now
-        with self._lock:
+        with self.lock:
             waiting = [(n, c, now - self._since[n]) for n, c in self._pending.items()]
         lines = []
         for name, calls, waited in waiting:
@@ -268,7 +268,7 @@ class Declarations:
     def set_joined(self, ranks: set[int]) -> None:
         """The workers that have joined now: declarations that waited only for them complete (an allreduce), or
         fail on every caller (a collective that cannot go on without a rank: allgather, broadcast, ...)."""
-        with self._lock:
+        with self.lock:
             self.joined = set(ranks)
             refused = {}
             for name, calls in list(self._pending.items()):
@@ -285,14 +285,14 @@ class Declarations:
 
     def blocked(self, name: str, rank: int) -> None:
         """Worker `rank` waits (synchronize) for `name`, whose declaration is not complete."""
-        with self._lock:
+        with self.lock:
             if name in self._pending:
                 self._blocked.setdefault(name, set()).add(rank)
 
     def leave(self, rank: int, why: str) -> None:
         """Worker `rank` left the job (shutdown()): fail what waits for it, and what will (a declaration whose
         message reaches the scheduler after the departed worker's own)."""
-        with self._lock:
+        with self.lock:
             self.departed[rank] = why
         self.cancel(why, rank=rank)
 
@@ -300,7 +300,7 @@ class Declarations:
         """Fail the declarations still waiting: those waiting for worker `rank`, which will never make them (it
         shut down, or waits in a barrier: then, with `blocked_only`, only those some worker is blocked on), or all
         (the workers changed)."""
-        with self._lock:
+        with self.lock:
             dropped = {}
             for name, calls in self._pending.items():
                 waits_for_rank = rank is None or (rank not in calls and rank in self._expected(calls))
@@ -311,25 +311,6 @@ class Declarations:
         for name, calls in dropped.items():
             for c in calls.values():
                 c.answer({"error": f"tensor {name!r} cannot be declared: {why}", "abort": False})
-
-    def evict(self, dead: int) -> dict[str, list[int]]:
-        """Re-place every partition of server `dead` on the live servers and register the keys there (blocks until
-        they confirm). Returns {tensor: its servers now} for the tensors that moved."""
-        moved: dict[str, list[int]] = {}
-        with self._lock:
-            self.placement.remove(dead)
-            for name, decl in self.tensors.items():
-                lost = [j for j, s in enumerate(decl.servers) if s == dead]
-                if not lost:
-                    continue
-                servers = list(decl.servers)
-                for j, server in zip(lost, self.placement.assign([decl.sizes[j] for j in lost]), strict=True):
-                    servers[j] = server
-                decl.servers = servers
-                moved[name] = servers
-        for name, servers in moved.items():
-            self._register_keys(name, self.tensors[name], only={s for s in servers if s != dead})
-        return moved
 
     def _replicated(self, op_args: str | None, among: list[int], nbytes: int) -> bool:
         """Whether a tensor's keys have a replica on another server, when the job fails servers over: a synchronous
@@ -353,36 +334,7 @@ class Declarations:
         after = [s for s in live if s > server] + [s for s in live if s < server]
         return after[0] if after else None
 
-    def move_to_replicas(self, dead: int) -> dict[str, list[int]]:
-        """Move every replicated key of server `dead` to its replica, which holds its state (and register it there, as
-        its primary now); keys replicated on `dead` lose their replica. Returns {tensor: its servers now}."""
-        moved: dict[str, list[int]] = {}
-        with self._lock:
-            for name, decl in self.tensors.items():
-                if decl.replicas is None:
-                    continue
-                servers, replicas = list(decl.servers), list(decl.replicas)
-                for j, (primary, copy) in enumerate(zip(servers, replicas, strict=True)):
-                    if primary == dead and copy is not None and copy not in self.placement.dead and copy != dead:
-                        servers[j], replicas[j] = copy, None
-                    elif copy == dead:
-                        replicas[j] = None
-                if servers != decl.servers:
-                    moved[name] = servers
-                decl.servers, decl.replicas = servers, replicas
-        for name, servers in moved.items():
-            decl = self.tensors[name]
-            self._register_keys(name, decl, only={s for s in servers if s != dead})
-        return moved
-
-    def register_all(self, server: int) -> None:
-        """Register every key of `server` with it again (a standby that took a dead server's place)."""
-        with self._lock:
-            owning = [(name, decl) for name, decl in self.tensors.items() if server in decl.servers]
-        for name, decl in owning:
-            self._register_keys(name, decl, only={server})
-
-    def _register_keys(self, name: str, decl: Declaration, only: set[int] | None = None) -> None:
+    def register_keys(self, name: str, decl: Declaration, only: set[int] | None = None) -> None:
         """Tell each owning server (or those in `only`) its keys and wait for every answer (server_requests.py)."""
         self.requests.register_keys(name, decl, only, self.address_of)
 

@@ -13,6 +13,7 @@ import threading
 
 from gradwire.errors import GradwireError
 from gradwire.protocol import messages
+from gradwire.scheduler import moves
 from gradwire.scheduler.adapt import Adaptation
 from gradwire.scheduler.node import Node
 from gradwire.scheduler.roster import Roster, server_entry
@@ -116,16 +117,16 @@ class Failover:
         assert declarations is not None
         with declarations.moving:  # declarations answered meanwhile wait: their keys may be moving
             # keys whose optimizer state the dead server held go to their replica, which has it (server/replica.py)
-            moved = declarations.move_to_replicas(dead.rank)
+            moved = moves.move_to_replicas(declarations, dead.rank)
             if standby is None:
-                return moved | declarations.evict(dead.rank), None
+                return moved | moves.evict(declarations, dead.rank), None
             # confirmed before the workers hear of it: they connect to it at once, and a standby not yet promoted
             # refuses them (the dead server's keys may all have gone to replicas: nothing else to wait on)
             promote = messages.Promote(rank=dead.rank, epoch=epoch)
             declarations.revive(dead.rank)
             if not declarations.call(dead.rank, promote):
                 raise GradwireError(f"the standby taking server {dead.rank}'s place did not confirm its promotion")
-            declarations.register_all(dead.rank)
+            moves.register_all(declarations, dead.rank)
             return moved, server_entry(standby)
 
 
