@@ -169,7 +169,8 @@ def test_torchrun_across_two_emulated_hosts_starts_gradwire_by_itself():
         text = "\n".join(outputs)
         for rank in range(4):
             assert f"DONE rank {rank} of 4 with 2 servers {marker}" in text, text
-        pids = [int(p) for line in text.splitlines() if "CHILDREN" in line for p in line.split() if p.isdigit()]
+        # each process prints its children twice (after the first allreduce, and at its end): each pid once
+        pids = sorted({int(p) for line in text.splitlines() if "CHILDREN" in line for p in line.split() if p.isdigit()})
         assert len(pids) == 3, text  # the scheduler, and a server per node
         deadline = time.monotonic() + 10
         while any(os.path.exists(f"/proc/{p}") for p in pids) and time.monotonic() < deadline:

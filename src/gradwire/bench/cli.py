@@ -47,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=180, help="with --elastic: a run's deadline (then: a hang)")
     parser.add_argument("--failover-mib", type=float, default=2.0, help="with --failover: MiB per tensor (8 tensors)")
     parser.add_argument(
+        "--failover-rate", default="100mbit", help="with --failover --netem: every emulated link's rate (tc's spelling)"
+    )
+    parser.add_argument(
         "--kill",
         choices=("server", "worker", "scheduler"),
         default=None,

@@ -124,16 +124,39 @@ def run_failover(args) -> int:  # noqa: ANN001 - argparse namespace
         "BENCH_KILL_AT": "30",
         "GRADWIRE_PARTITION_BYTES": str(args.partition_bytes or 1 << 20),
     }
-    rows = []
+    if args.netem:
+        return _print(_netem_rows(args, env), args.json)
     kinds = (args.kill,) if args.kill else ("server", "worker")
     trials = {name: t for name, t in TRIALS.items() if t[0].split()[0] in kinds}
-    for name, (kill, standby) in trials.items():
-        meet = {"BENCH_MEET_AFTER": str(MEET_AFTER)} if kill == "scheduler" else {}
-        for _ in range(args.rounds):
-            trial = run_trial(kill, standby, args.num_workers, args.num_servers, env | meet) | {"kill_at": 30}
-            rows.append(summarize(name, trial))
-            print(json.dumps(rows[-1]) if args.json else _line(rows[-1]), flush=True)
-    return 0 if all(r["sums_exact"] for r in rows) else 1
+
+    def rows():
+        for name, (kill, standby) in trials.items():
+            meet = {"BENCH_MEET_AFTER": str(MEET_AFTER)} if kill == "scheduler" else {}
+            for _ in range(args.rounds):
+                trial = run_trial(kill, standby, args.num_workers, args.num_servers, env | meet) | {"kill_at": 30}
+                yield summarize(name, trial)
+
+    return _print(rows(), args.json)
+
+
+def _netem_rows(args, env: dict[str, str]):  # noqa: ANN001 - argparse namespace
+    """On the emulated network: the scheduler's trials only, with the partition size gradwire derives for the links
+    unless --partition-bytes is given."""
+    from gradwire.bench.failover_netem import run_failover_netem
+
+    if args.kill != "scheduler":
+        raise SystemExit("gradwire bench --failover --netem: only with --kill scheduler")
+    if not args.partition_bytes:
+        env = {k: v for k, v in env.items() if k != "GRADWIRE_PARTITION_BYTES"}
+    return run_failover_netem(args, env | {"BENCH_MEET_AFTER": str(MEET_AFTER)})
+
+
+def _print(rows, as_json: bool) -> int:  # noqa: ANN001 - an iterable of summaries
+    done = []
+    for row in rows:
+        done.append(row)
+        print(json.dumps(row) if as_json else _line(row), flush=True)
+    return 0 if all(r["sums_exact"] for r in done) else 1
 
 
 def _line(row: dict) -> str:

@@ -5,6 +5,7 @@ Every step sums TENSORS tensors of MIB MiB each (in place, all in flight at once
 worker prints one `RESULT {json}` line: its step durations, whether every sum was right, its failover records,
 and, if a worker was lost, when and how it learnt. BENCH_MEET_AFTER=m: m steps after the kill every worker meets at a
 barrier and declares a new tensor (what needs the scheduler: `--kill scheduler`), and records when each was done.
+BENCH_KILL_FILE: worker 0 also creates this file at the kill's step.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def main() -> None:
         for step in range(steps):
             if step == kill_at and rank == 0:
                 print(f"KILL {time.time():.6f}", flush=True)
+                if os.environ.get("BENCH_KILL_FILE"):  # on the emulated network the bench reads no output live
+                    open(os.environ["BENCH_KILL_FILE"], "w").close()
             if step == meet_at > kill_at:
                 gw.barrier()
                 met["barrier_at"] = time.time()

@@ -10,7 +10,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO
 
 from gradwire.config import env_for
@@ -21,10 +21,12 @@ from gradwire.netem.topology import Host
 
 @dataclass
 class Job:
-    """The processes of one job; `workers` in rank order."""
+    """The processes of one job; `workers` in rank order; `env`, the job's environment (its secret, the scheduler's
+    address: what a scheduler started again into it needs)."""
 
     services: list[subprocess.Popen]
     workers: list[subprocess.Popen]
+    env: dict[str, str] = field(default_factory=dict)
 
     def wait(self, timeout: float) -> list[str]:
         """Wait for every worker; returns their outputs in rank order. Raises naming every worker that failed, with
@@ -123,18 +125,28 @@ def start_gradwire(
         )
         for rank, h in topo.placed_workers()
     ]
-    return Job(services, workers)
+    return Job(services, workers, base)
+
+
+def restart_scheduler(cluster: EmulatedCluster, job: Job, output: IO[str] | None = None) -> subprocess.Popen:
+    """A scheduler started again on the scheduler's host at its address (after it died): the job's nodes report to
+    it and it resumes the job (scheduler/recovery.py). It joins the job's services."""
+    sched = cluster.topology.of("scheduler")[0]
+    env = {k: v for k, v in job.env.items() if k != "GRADWIRE_STANDBY"} | env_for(host=sched.address)
+    proc, _ = _start_scheduler(cluster, sched, env, output, address=job.env["GRADWIRE_SCHEDULER"])
+    job.services.append(proc)
+    return proc
 
 
 def _start_scheduler(
-    cluster: EmulatedCluster, sched: Host, env: dict[str, str], output: IO[str] | None = None
+    cluster: EmulatedCluster, sched: Host, env: dict[str, str], output: IO[str] | None = None, address: str = ""
 ) -> tuple[subprocess.Popen, str]:
-    """A scheduler on an emulated host, and the address it listens on (its first line); its other lines go to
-    `output`."""
+    """A scheduler on an emulated host (at `address`, else a port the kernel picks), and the address it listens on
+    (its first line); its other lines go to `output`."""
     scheduler = cluster.spawn(
         sched,
         [sys.executable, "-m", "gradwire", "scheduler"],
-        env | env_for(scheduler=f"{sched.address}:0", host=sched.address),
+        env | env_for(scheduler=address or f"{sched.address}:0", host=sched.address),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -1,0 +1,61 @@
+"""`gradwire bench --failover --kill scheduler --netem`: the scheduler SIGKILLed on the emulated network (its own host,
+every host on a shaped link), restarted on its host at its address, or taken over by a standby on a server's host.
+
+The same worker and summary as on loopback (bench/failover.py): per worker, from the SIGKILL to the job resumed, to the
+barrier passed and to a new tensor's declaration answered, and the steps during the outage against the median before.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import tempfile
+import time
+
+from gradwire.bench.failover import summarize
+
+TRIALS = {"scheduler, restarted on its host": False, "scheduler, a standby on a server's host takes over": True}
+
+
+def run_trial(standby: bool, workers: int, servers: int, rate: str, env: dict[str, str]) -> dict:
+    from gradwire.netem import EmulatedCluster, Topology
+    from gradwire.netem.jobs import restart_scheduler, start_gradwire
+
+    topo = Topology(workers=workers, servers=servers, worker_rate=rate, server_rate=rate)
+    with tempfile.TemporaryDirectory(prefix="gradwire-failover-") as tmp, EmulatedCluster(topo) as cluster:
+        marker = os.path.join(tmp, "kill")
+        argv = [sys.executable, "-m", "gradwire.bench.failover_worker"]
+        job = start_gradwire(cluster, argv, os.environ | env | {"BENCH_KILL_FILE": marker}, standby_scheduler=standby)
+        deadline = time.monotonic() + 300
+        while not os.path.exists(marker) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        if not os.path.exists(marker):
+            job.kill()
+            raise SystemExit("gradwire bench --failover --netem: the job never reached the kill's step")
+        job.services[0].send_signal(signal.SIGKILL)  # `ip netns exec` execs: this is the scheduler's own process
+        killed_at = time.time()
+        if not standby:
+            restart_scheduler(cluster, job)
+        outputs = job.wait(timeout=600)
+    results = [_result(out) for out in outputs]
+    return {"killed_at": killed_at, "results": sorted(results, key=lambda r: r["rank"]), "code": 0}
+
+
+def _result(output: str) -> dict:
+    import json
+
+    found = re.search(r"^RESULT (.*)$", output, re.M)
+    if found is None:
+        raise SystemExit(f"gradwire bench --failover --netem: a worker printed no result:\n{output[-2000:]}")
+    return json.loads(found.group(1))
+
+
+def run_failover_netem(args, env: dict[str, str]):  # noqa: ANN001 - argparse namespace
+    """Each trial's summary, as it ends: restarted, then a standby, `args.rounds` times each."""
+    rate = args.failover_rate
+    for name, standby in TRIALS.items():
+        for _ in range(args.rounds):
+            trial = run_trial(standby, args.num_workers, args.num_servers, rate, env) | {"kill_at": 30}
+            yield summarize(f"{name} ({rate} links)", trial)
