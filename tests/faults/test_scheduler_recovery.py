@@ -245,3 +245,44 @@ def test_a_join_under_way_when_the_scheduler_dies_completes_with_the_next_bit_id
     same([alone], [want_alone])
     same([after], [want_after])
     assert want_last == 1 and last == last0 in (0, 1)
+
+
+ELASTIC = SETTINGS | {"min_workers": 2, "max_workers": 3, "partition_bytes": 4096, "heartbeat_timeout": 1.0}
+
+
+def test_an_elastic_job_re_forms_without_a_worker_that_died_with_the_scheduler():
+    """Worker 1 and the scheduler die together: the restarted scheduler waits GRADWIRE_HEARTBEAT_TIMEOUT for worker 1's
+    report, then rebuilds the job without it and re-forms it (as for any lost worker of an elastic job)."""
+    with LocalCluster(num_workers=3, num_servers=2, **ELASTIC) as c:
+        assert c.run(lambda w: w.push_pull(np.full(5000, w.rank + 1.0, np.float32), "g")[0]) == [6.0] * 3
+        c.kill_worker(1)
+        c.kill_scheduler()
+        scheduler = c.restart_scheduler()
+        out = c.run(lambda w: _sum_until_reset(w, {0: 1.0, 2: 3.0}[w.rank if w.size == 3 else 2 * w.rank]))
+        assert [a[0] for a in out] == [4.0, 4.0] and [w.size for w in c.workers] == [2, 2]
+        assert scheduler.recovery.record["workers_lost"] == [1] and scheduler.membership.resets == 1
+
+
+def test_a_re_form_under_way_when_the_scheduler_dies_completes_with_the_next():
+    """Worker 1 dies; the scheduler tells the others to re-form and worker 0 asks to rejoin, then the scheduler dies
+    before the re-form completes: worker 0's REJOIN goes to the restarted scheduler, which takes worker 1 (missing) as
+    lost and completes the re-form with workers 0 and 2."""
+    with LocalCluster(num_workers=3, num_servers=2, **ELASTIC) as c:
+        assert c.run(lambda w: w.push_pull(np.full(5000, w.rank + 1.0, np.float32), "g")[0]) == [6.0] * 3
+        w0, w2 = (w for w in c.workers if w.rank != 1)
+        c.kill_worker(1)
+        deadline = time.monotonic() + 10
+        while not c.scheduler.membership.resetting and time.monotonic() < deadline:
+            time.sleep(0.005)
+        first = threading.Thread(target=lambda: out.setdefault(0, _sum_until_reset(w0, 1.0)), daemon=True)
+        out: dict[int, np.ndarray] = {}
+        first.start()
+        while not c.scheduler.membership.rejoined and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert c.scheduler.membership.rejoined  # worker 0 waits for the re-form; worker 2 has not asked yet
+        c.kill_scheduler()
+        scheduler = c.restart_scheduler()
+        out[2] = _sum_until_reset(w2, 3.0)
+        first.join(30)
+        assert out[0][0] == out[2][0] == 4.0 and w0.size == w2.size == 2
+        assert scheduler.roster.term == 2 and scheduler.epoch >= 2

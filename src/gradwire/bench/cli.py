@@ -162,6 +162,10 @@ def run(args: argparse.Namespace) -> int:
         from gradwire.bench.elastic import run_elastic
 
         return run_elastic(args)
+    if args.failover and args.netem:
+        from gradwire.bench.failover_netem import run_failover_netem
+
+        return run_failover_netem(args)
     if args.failover:
         from gradwire.bench.failover import run_failover
 

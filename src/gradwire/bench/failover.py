@@ -116,16 +116,19 @@ def _resumed(trial: dict, ms) -> dict:  # noqa: ANN001
     }
 
 
-def run_failover(args) -> int:  # noqa: ANN001 - argparse namespace
-    env = {
+def bench_env(args) -> dict[str, str]:  # noqa: ANN001 - argparse namespace
+    """The failover worker's settings (bench/failover_worker.py)."""
+    return {
         "BENCH_TENSORS": "8",
         "BENCH_MIB": str(args.failover_mib),
         "BENCH_STEPS": "60",
         "BENCH_KILL_AT": "30",
         "GRADWIRE_PARTITION_BYTES": str(args.partition_bytes or 1 << 20),
     }
-    if args.netem:
-        return _print(_netem_rows(args, env), args.json)
+
+
+def run_failover(args) -> int:  # noqa: ANN001 - argparse namespace
+    env = bench_env(args)
     kinds = (args.kill,) if args.kill else ("server", "worker")
     trials = {name: t for name, t in TRIALS.items() if t[0].split()[0] in kinds}
 
@@ -136,22 +139,11 @@ def run_failover(args) -> int:  # noqa: ANN001 - argparse namespace
                 trial = run_trial(kill, standby, args.num_workers, args.num_servers, env | meet) | {"kill_at": 30}
                 yield summarize(name, trial)
 
-    return _print(rows(), args.json)
+    return print_rows(rows(), args.json)
 
 
-def _netem_rows(args, env: dict[str, str]):  # noqa: ANN001 - argparse namespace
-    """On the emulated network: the scheduler's trials only, with the partition size gradwire derives for the links
-    unless --partition-bytes is given."""
-    from gradwire.bench.failover_netem import run_failover_netem
-
-    if args.kill != "scheduler":
-        raise SystemExit("gradwire bench --failover --netem: only with --kill scheduler")
-    if not args.partition_bytes:
-        env = {k: v for k, v in env.items() if k != "GRADWIRE_PARTITION_BYTES"}
-    return run_failover_netem(args, env | {"BENCH_MEET_AFTER": str(MEET_AFTER)})
-
-
-def _print(rows, as_json: bool) -> int:  # noqa: ANN001 - an iterable of summaries
+def print_rows(rows, as_json: bool) -> int:  # noqa: ANN001 - an iterable of summaries
+    """Print each trial's summary as it ends; 0 if every sum was exact."""
     done = []
     for row in rows:
         done.append(row)

@@ -14,7 +14,7 @@ import sys
 import tempfile
 import time
 
-from gradwire.bench.failover import summarize
+from gradwire.bench.failover import MEET_AFTER, bench_env, print_rows, summarize
 
 TRIALS = {"scheduler, restarted on its host": False, "scheduler, a standby on a server's host takes over": True}
 
@@ -52,10 +52,20 @@ def _result(output: str) -> dict:
     return json.loads(found.group(1))
 
 
-def run_failover_netem(args, env: dict[str, str]):  # noqa: ANN001 - argparse namespace
-    """Each trial's summary, as it ends: restarted, then a standby, `args.rounds` times each."""
+def run_failover_netem(args) -> int:  # noqa: ANN001 - argparse namespace
+    """Restarted, then a standby, `args.rounds` times each; the partition size gradwire derives for the links unless
+    --partition-bytes is given."""
+    if args.kill != "scheduler":
+        raise SystemExit("gradwire bench --failover --netem: only with --kill scheduler")
+    env = bench_env(args) | {"BENCH_MEET_AFTER": str(MEET_AFTER)}
+    if not args.partition_bytes:
+        del env["GRADWIRE_PARTITION_BYTES"]
     rate = args.failover_rate
-    for name, standby in TRIALS.items():
-        for _ in range(args.rounds):
-            trial = run_trial(standby, args.num_workers, args.num_servers, rate, env) | {"kill_at": 30}
-            yield summarize(f"{name} ({rate} links)", trial)
+
+    def rows():
+        for name, standby in TRIALS.items():
+            for _ in range(args.rounds):
+                trial = run_trial(standby, args.num_workers, args.num_servers, rate, env) | {"kill_at": 30}
+                yield summarize(f"{name} ({rate} links)", trial)
+
+    return print_rows(rows(), args.json)

@@ -55,7 +55,9 @@ class Absent:
 class Recovery:
     """The reports of a job being recovered; complete once every worker and every live server has reported, or
     GRADWIRE_HEARTBEAT_TIMEOUT after the first report (then a missing worker ends the job, a missing server is failed
-    over). `lost`: the servers the scheduler is to fail over once the job is rebuilt, and why.
+    over, and in an elastic job a missing worker is taken as lost while GRADWIRE_MIN_WORKERS remain). `lost`: the
+    servers the scheduler is to fail over once the job is rebuilt, and why; `left`: the workers it is to re-form the
+    job without (elastic).
 
     A standby scheduler (GRADWIRE_STANDBY) first waits for its proof that the scheduler it replaces can no longer act:
     a majority of the job's nodes free of their promise to it (scheduler/lease.py); its deadline runs from then."""
@@ -71,6 +73,7 @@ class Recovery:
         self._reports: dict[tuple[str, int], tuple[Node, messages.Resume]] = {}
         self._standby: list[tuple[Node, messages.Resume]] = []
         self.lost: list[tuple[Node, str]] = []
+        self.left: list[tuple[Node, str]] = []
 
     def report(self, conn: tcp.Connection, resume: messages.Resume, now: float) -> Node:
         """A node's RESUME: its node; the rebuild runs when this report completes the job's (then `done` is set)."""
@@ -144,7 +147,9 @@ class Recovery:
                 return
             missing = self._missing_locked()
             workers = [r for role, r in missing if role == "worker"]
-            if workers:
+            config, book = roster.config, self._book()
+            elastic = bool(book) and 0 < config.min_workers <= int(book["num_workers"]) - len(workers)
+            if workers and not elastic:
                 roster.nodes = [n for n, _ in [*self._reports.values(), *self._standby]]  # those told why
                 roster.abort_locked(
                     f"recovering the job after the scheduler's restart: worker(s) {workers} did not report within "
@@ -186,7 +191,7 @@ class Recovery:
         roster, reports, book = self.roster, self._reports, self._book()
         roster.epoch = max(r.epoch for _, r in [*reports.values(), *self._standby])
         roster.term = max(r.term for _, r in [*reports.values(), *self._standby]) + 1
-        roster.workers = [reports[("worker", r)][0] for r in range(int(book["num_workers"]))]
+        roster.workers = [self._worker(r, book) for r in range(int(book["num_workers"]))]
         roster.servers = [self._server(s, entry) for s, entry in enumerate(book["servers"])]
         roster.standby = [n for n, _ in self._standby]
         roster.nodes = [n for n, _ in reports.values()] + roster.standby
@@ -215,6 +220,7 @@ class Recovery:
             "tensors": len(tensors),
             "barriers_passed": roster.barriers_passed,
             "servers_lost": [n.rank for n, _ in self.lost],
+            "workers_lost": [n.rank for n, _ in self.left],
         }
         log.warning(
             "recovered the job in %.1f s (term %d, epoch %d) from %s: %d workers, %d servers, %d tensors, %d barriers "
@@ -223,9 +229,23 @@ class Recovery:
             *(len(roster.servers), len(tensors), roster.barriers_passed, self.record["servers_lost"] or "none"),
         )
         for node in roster.nodes:
-            node.answered = now  # its promise to this scheduler starts with RESUMED (lease.py)
+            # heard from now on: a node waiting for RESUMED sends nothing (it reported up to a timeout ago); its
+            # promise to this scheduler starts with RESUMED (lease.py)
+            node.heard = node.last_seen = node.answered = now
         roster.tell(roster.nodes, messages.Resumed(roster.term, roster.epoch))
         self.done.set()
+
+    def _worker(self, rank: int, book: dict) -> Node:
+        """Worker `rank` of the rebuilt roster: its report's node, or (it did not report: an elastic job goes on
+        without it) a node nothing reaches, to be taken as lost."""
+        reported = self._reports.get(("worker", rank))
+        if reported is not None:
+            return reported[0]
+        hosts = book.get("workers") or []
+        host = hosts[rank] if rank < len(hosts) else "?"
+        node = Node(Absent(), "worker", rank, host, 0, rank=rank)  # type: ignore[arg-type]
+        self.left.append((node, "it died while the scheduler was away (it did not report to the new one)"))
+        return node
 
     def _server(self, rank: int, entry: dict) -> Node:
         """Server `rank` of the rebuilt roster: its report's node, or (it did not report) a node nothing reaches,

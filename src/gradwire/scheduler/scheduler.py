@@ -132,9 +132,14 @@ class Scheduler:
                 return
 
     def _fail_over_unreported(self) -> None:
-        """The servers that died while no scheduler ran (they did not report to this one) are failed over."""
+        """The servers that died while no scheduler ran (they did not report to this one) are failed over; an elastic
+        job re-forms without the workers that did."""
         with self.roster.lock:
             lost, self.recovery.lost = self.recovery.lost, []
+            left, self.recovery.left = self.recovery.left, []
+            for node, why in left:
+                assert self.membership is not None
+                self.membership.left(node, why)
         for node, why in lost:
             self.failover.server_lost(node, why)
 
