@@ -60,6 +60,15 @@ def _status(pid):
         return "State:\tZ"
 
 
+def _c10d_node(marker: str, *flags: str) -> list[str]:
+    """One node's torchrun command (one process per node) with a c10d rendezvous on a free loopback port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    node = TORCHRUN + [*flags, "--nproc-per-node", "1", "--rdzv-backend", "c10d"]
+    return node + ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", marker, JOB, marker]
+
+
 def test_torchrun_standalone_needs_nothing_but_init():
     marker = uuid.uuid4().hex
     output = _run([TORCHRUN + ["--standalone", "--nproc-per-node", "2", JOB, marker]])
@@ -70,12 +79,8 @@ def test_torchrun_standalone_needs_nothing_but_init():
 
 
 def test_torchrun_two_nodes_with_c10d_rendezvous():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     marker = uuid.uuid4().hex
-    node = TORCHRUN + ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d"]
-    node += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", marker, JOB, marker]
+    node = _c10d_node(marker, "--nnodes", "2")
     output = _run([node, node])
     for rank in range(2):
         assert f"DONE rank {rank} of 2 with 2 servers {marker}" in output, output  # one server per node
@@ -99,12 +104,8 @@ def test_torchrun_max_restarts_starts_a_new_job_after_a_worker_dies():
 
 def test_torchrun_elastic_node_range_with_c10d_rendezvous():
     """`--nnodes 1:2`: the nodes that arrive within the rendezvous form the job (here both)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     marker = uuid.uuid4().hex
-    node = TORCHRUN + ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--max-restarts", "1"]
-    node += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", marker, JOB, marker]
+    node = _c10d_node(marker, "--nnodes", "1:2", "--max-restarts", "1")
     output = _run([node, node])
     for rank in range(2):
         assert f"DONE rank {rank} of 2 with 2 servers {marker}" in output, output
@@ -127,12 +128,8 @@ def test_torchrun_restarts_a_killed_scheduler_and_the_job_goes_on():
 def test_torchrun_two_nodes_with_a_standby_scheduler_on_the_second():
     """GRADWIRE_STANDBY_SCHEDULERS=1: the second node starts a standby scheduler; rank 0 SIGKILLs the scheduler, the
     standby takes the job over (term 2), and a new standby starts in the dead one's place; nothing is left running."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     marker = uuid.uuid4().hex
-    node = TORCHRUN + ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d"]
-    node += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", marker, JOB, marker]
+    node = _c10d_node(marker, "--nnodes", "2")
     output = _run([node, node], env={"KILL_SCHEDULER": "1", "GRADWIRE_STANDBY_SCHEDULERS": "1"})
     for rank in range(2):
         assert f"DONE rank {rank} of 2 with 2 servers {marker}" in output, output
