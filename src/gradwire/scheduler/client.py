@@ -166,6 +166,9 @@ def resume(
                 time.sleep(max(0.0, min(delay, deadline - clock())))
                 delay = min(MAX_RESUME_RETRY_SECONDS, delay * 2)
             continue
+        if stopped():  # stopped while connecting: report nothing (a node gone must not count as reported)
+            conn.close()
+            raise GradwireError("stopped while waiting for a scheduler to resume the job")
         try:
             answer = _exchange(conn, message, deadline - clock())
         except (OSError, GradwireError) as e:  # it died again, or its recovery gave up on us
