@@ -136,7 +136,7 @@ class Config:
     @property
     def scheduler_address(self) -> tuple[str, int]:
         """The scheduler's (host, port)."""
-        return _address(self.scheduler)
+        return split_address(self.scheduler)
 
     @property
     def scheduler_addresses(self) -> list[str]:
@@ -221,17 +221,18 @@ class Config:
 
     def _check_scheduler(self) -> None:
         for address in self.scheduler_addresses:
-            host, _, port = address.rpartition(":")
-            if not host or not port.isdigit():
-                raise ConfigError(f"GRADWIRE_SCHEDULER and GRADWIRE_SCHEDULER_STANDBY take host:port, got {address!r}")
+            split_address(address)
         if self.scheduler_timeout < 0:
             raise ConfigError(f"GRADWIRE_SCHEDULER_TIMEOUT must be >= 0, got {self.scheduler_timeout}")
         if self.leased and self.heartbeat_timeout <= 0:
             raise ConfigError("standby schedulers need GRADWIRE_HEARTBEAT_TIMEOUT > 0 (the lease is half of it)")
 
 
-def _address(address: str) -> tuple[str, int]:
+def split_address(address: str) -> tuple[str, int]:
+    """`host:port` (GRADWIRE_SCHEDULER's, a standby's) as (host, port); ConfigError if it is not one."""
     host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"GRADWIRE_SCHEDULER and GRADWIRE_SCHEDULER_STANDBY take host:port, got {address!r}")
     return host.strip("[]"), int(port)
 
 

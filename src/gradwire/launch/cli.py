@@ -132,7 +132,9 @@ def _say_resumed(scheduler) -> None:
     while not recovery.done.wait(0.5):
         if scheduler.roster.done.is_set():
             return
-    print(f"gradwire scheduler resumed the job in term {scheduler.roster.term} (pid {os.getpid()})", flush=True)
+    from gradwire.scheduler.recovery import RESUMED_LINE
+
+    print(f"{RESUMED_LINE}{scheduler.roster.term} (pid {os.getpid()})", flush=True)
 
 
 def run_server(config: Config) -> int:

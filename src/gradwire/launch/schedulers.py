@@ -17,11 +17,11 @@ from collections.abc import Callable
 from gradwire.config import env_for
 from gradwire.launch.child import Child
 from gradwire.launch.output import how
+from gradwire.scheduler.recovery import RESUMED_LINE
 
 ARGV = [sys.executable, "-m", "gradwire", "scheduler"]
 START_SECONDS = 30.0  # how long a scheduler process gets to print its address
-RESUMED = "gradwire scheduler resumed the job in term "
-ADMIN = "gradwire scheduler admin on "  # the line of a scheduler now in charge (launch/cli.py)
+ADMIN = "gradwire scheduler admin on "  # the line with a scheduler's admin URL (launch/cli.py)
 # after the scheduler ended the job cleanly, how long a replacement still starting gets before it is stopped (one that
 # had registered is told at once that the job ended; one still connecting would wait for GRADWIRE_TIMEOUT)
 REPLACEMENT_GRACE_SECONDS = 2.0
@@ -78,7 +78,7 @@ class Schedulers:
         on."""
         if line.startswith(ADMIN):
             self._admin[id(child)] = line.split(" on ", 1)[1].split()[0]
-        elif line.startswith(RESUMED) and child is not self.in_charge:
+        elif line.startswith(RESUMED_LINE) and child is not self.in_charge:
             self.in_charge = child
             if self.admin_url:
                 self.say(f"{child.label} is in charge now; status: {self.admin_url}/status")

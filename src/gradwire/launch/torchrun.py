@@ -35,6 +35,7 @@ from datetime import timedelta
 
 from gradwire.config import Config, env_for
 from gradwire.errors import ConfigError
+from gradwire.scheduler.recovery import RESUMED_LINE
 
 log = logging.getLogger("gradwire.torchrun")
 CHILDREN: list[subprocess.Popen] = []  # started by this process: stopped at its exit
@@ -206,5 +207,5 @@ def _drain(stream, pid: int = 0) -> None:
     is idle no longer."""
     with stream:
         for line in stream:
-            if line.startswith("gradwire scheduler resumed the job"):
+            if line.startswith(RESUMED_LINE):
                 _IDLE.discard(pid)

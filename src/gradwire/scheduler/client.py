@@ -6,7 +6,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from gradwire.config import Config
+from gradwire.config import Config, split_address
 from gradwire.errors import GradwireError, GradwireTimeout, JobAborted, RemoteProtocolError
 from gradwire.protocol import messages
 from gradwire.protocol.frames import MAX_CONTROL_BYTES, FrameType, decode_json, encode_header
@@ -195,13 +195,11 @@ def resume(
 
 def _connect(address: str, config: Config, message: messages.Resume, timeout: float) -> tcp.Connection:
     """A connection to the scheduler at `address`, authenticated as `message`'s node."""
-    host, _, port = address.rpartition(":")
-    role, rank = message.role, max(0, message.rank)
     return tcp.connect(
-        (host.strip("[]"), int(port)),
+        split_address(address),
         secret=config.secret_bytes(),
-        role=role,
-        rank=rank,
+        role=message.role,
+        rank=max(0, message.rank),
         max_payload=0,
         timeout=max(0.1, timeout),
     )
@@ -227,8 +225,8 @@ class Promise:
     reports to a standby (`report`), whose proof it is part of."""
 
     def __init__(self, config: Config, clock: Callable[[], float] = time.monotonic) -> None:
-        self.on = config.leased
-        self.silence = config.heartbeat_timeout if self.on else None  # past it without a word, the scheduler is lost
+        # past it without a word (a job with standbys), the scheduler is taken as lost
+        self.silence = config.heartbeat_timeout if config.leased else None
         self.clock = clock
         self.answered_at = clock()
         self.dropped = False

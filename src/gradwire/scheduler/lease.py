@@ -126,8 +126,8 @@ class Proof:
 
     def holds(self, voters: list[tuple[str, int]], now: float) -> bool:
         """A majority of `voters` (the job's workers and live servers) are free of their promise."""
-        free = sum(1 for key in voters if self.free_at.get(key, float("inf")) <= now)
-        return bool(voters) and free >= majority(len(voters))
+        return bool(voters) and self.count(voters, now) >= majority(len(voters))
 
     def count(self, voters: list[tuple[str, int]], now: float) -> int:
+        """How many of `voters` are free of their promise."""
         return sum(1 for key in voters if self.free_at.get(key, float("inf")) <= now)

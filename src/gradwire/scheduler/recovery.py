@@ -38,6 +38,9 @@ from gradwire.transport import tcp
 from gradwire.tuning import Tuning
 
 log = logging.getLogger("gradwire.scheduler")
+# what a scheduler process prints, then its term, once it has resumed a running job: the launchers read from it which
+# process is in charge (launch/cli.py prints it)
+RESUMED_LINE = "gradwire scheduler resumed the job in term "
 
 
 class Absent:
@@ -177,13 +180,11 @@ class Recovery:
 
     def _missing_locked(self) -> list[tuple[str, int]]:
         """The workers and live servers that have not reported yet (as far as the reports so far tell)."""
-        book = self._book()
-        if not book:
+        voters = self._voters()
+        if not voters:  # no worker's book yet
             return [("worker", 0)]
-        servers = book.get("servers") or []
         said_lost = {int(s) for _, r in self._reports.values() if r.role == "worker" for s in r.report.get("lost", [])}
-        expected = [("worker", r) for r in range(int(book["num_workers"]))]
-        expected += [("server", s) for s, e in enumerate(servers) if not e.get("lost") and s not in said_lost]
+        expected = [(role, rank) for role, rank in voters if not (role == "server" and rank in said_lost)]
         return [k for k in expected if k not in self._reports]
 
     def _rebuild_locked(self, now: float) -> None:

@@ -128,10 +128,10 @@ class Scheduler:
                 return
             recovery.check_deadline(self.clock())
             if recovery.done.is_set():
-                self._fail_over_unreported()
+                self._lose_the_unreported()
                 return
 
-    def _fail_over_unreported(self) -> None:
+    def _lose_the_unreported(self) -> None:
         """The servers that died while no scheduler ran (they did not report to this one) are failed over; an elastic
         job re-forms without the workers that did."""
         with self.roster.lock:
@@ -249,7 +249,7 @@ class Scheduler:
                     )
             node = self.recovery.report(conn, first, self.clock())
             if self.recovery.done.is_set():
-                self._fail_over_unreported()
+                self._lose_the_unreported()
             return node
         if not isinstance(first, messages.Register):
             raise GradwireError(f"first message from {conn.peer} must be register, got {first.op}")

@@ -100,13 +100,11 @@ class Connection:
             except (TimeoutError, BlockingIOError):  # BlockingIOError: the kernel's timeout (`set_frame_timeout`)
                 continue
             except ConnectionResetError as e:
-                raise PeerClosed(
-                    f"{self.peer_role} {self.peer_rank} at {self.peer} reset the connection ({e})"
-                ) from None
+                raise self._peer_closed(f"reset the connection ({e})") from None
             except OSError as e:
                 raise ConnectionClosed(f"connection to {self.peer_role} {self.peer_rank} broke: {e}") from None
             if got == 0:
-                raise PeerClosed(f"{self.peer_role} {self.peer_rank} at {self.peer} closed the connection")
+                raise self._peer_closed("closed the connection")
         if got < len(view):
             self.recv_into(view[got:])
         return frames.decode_header(view, self.max_payload)
@@ -121,14 +119,15 @@ class Connection:
             except (TimeoutError, BlockingIOError):
                 raise GradwireTimeout(f"timed out reading from {self.peer_role} {self.peer_rank}") from None
             except ConnectionResetError as e:
-                raise PeerClosed(
-                    f"{self.peer_role} {self.peer_rank} at {self.peer} reset the connection ({e})"
-                ) from None
+                raise self._peer_closed(f"reset the connection ({e})") from None
             except OSError as e:
                 raise ConnectionClosed(f"connection to {self.peer_role} {self.peer_rank} broke: {e}") from None
             if n == 0:
-                raise PeerClosed(f"{self.peer_role} {self.peer_rank} at {self.peer} closed the connection")
+                raise self._peer_closed("closed the connection")
             got += n
+
+    def _peer_closed(self, how: str) -> PeerClosed:
+        return PeerClosed(f"{self.peer_role} {self.peer_rank} at {self.peer} {how}")
 
     def recv_body(self, header: Header) -> bytes:
         """Read a control frame's body (its length was checked by `recv_header`)."""
