@@ -212,8 +212,6 @@ class Config:
                 self.link_rate_bytes()
             except ValueError as e:
                 raise ConfigError(f"GRADWIRE_LINK_RATE: {e}") from None
-        if self.standby_schedulers < 0:
-            raise ConfigError(f"GRADWIRE_STANDBY_SCHEDULERS must be at least 0, got {self.standby_schedulers}")
         if self.num_standby < 0:
             raise ConfigError(f"GRADWIRE_NUM_STANDBY must be at least 0, got {self.num_standby}")
         if self.timeout <= 0:
@@ -224,6 +222,8 @@ class Config:
             split_address(address)
         if self.scheduler_timeout < 0:
             raise ConfigError(f"GRADWIRE_SCHEDULER_TIMEOUT must be >= 0, got {self.scheduler_timeout}")
+        if self.standby_schedulers < 0:
+            raise ConfigError(f"GRADWIRE_STANDBY_SCHEDULERS must be at least 0, got {self.standby_schedulers}")
         if self.leased and self.heartbeat_timeout <= 0:
             raise ConfigError("standby schedulers need GRADWIRE_HEARTBEAT_TIMEOUT > 0 (the lease is half of it)")
 

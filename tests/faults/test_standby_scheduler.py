@@ -14,6 +14,7 @@ import pytest
 from gradwire.config import Config
 from gradwire.errors import GradwireError, JobAborted
 from gradwire.protocol import messages
+from gradwire.protocol.frames import FrameType
 from gradwire.scheduler import client
 from gradwire.scheduler.client import Promise
 from gradwire.scheduler.lease import Proof
@@ -156,3 +157,22 @@ def test_a_node_s_promise_tells_a_closed_connection_from_a_silent_one():
     promise.lost(conn, tcp.PeerClosed("closed"))  # our own close is not the scheduler's
     assert promise.report()["dropped"] is False
     tcp.close_listener(listener)
+
+
+def test_a_node_still_in_the_rendezvous_answers_beats_and_still_gets_its_book():
+    """A leased job's scheduler beats every node it knows, also one that registered and still waits for the address
+    book (a server in the rendezvous, a replacement joining a running job): the node answers and keeps waiting (it
+    gave up on the job at the first beat: CI, the emulated-network cut-off test)."""
+    import socket
+
+    ours, theirs = socket.socketpair()
+    node = tcp.Connection(ours, max_payload=0, peer="scheduler")
+    scheduler = tcp.Connection(theirs, max_payload=0, peer="server 0")
+    scheduler.send_message(messages.Beat(seq=7))
+    scheduler.send_message(messages.AddressBook(rank=0, num_workers=1, servers=[], term=2))
+    book = client._await_book(node)
+    assert isinstance(book, messages.AddressBook) and book.term == 2
+    _, body = scheduler.recv_json(FrameType.CONTROL)
+    assert messages.parse(body) == messages.Beat(seq=7)
+    node.close()
+    scheduler.close()

@@ -86,8 +86,8 @@ def test_netem_run_runs_a_job_and_cleans_up():
 def test_a_gradwire_job_across_emulated_hosts_sums_correctly():
     topo = Topology(workers=2, servers=2, worker_rate="200mbit", server_rate="200mbit")
     with EmulatedCluster(topo) as c:
-        job = start_gradwire(c, [sys.executable, str(ROOT / "tests" / "multiprocess" / "job.py"), "ok", "netem"])
-        outputs = job.wait(timeout=120)
+        with start_gradwire(c, [sys.executable, str(ROOT / "tests" / "multiprocess" / "job.py"), "ok", "netem"]) as job:
+            outputs = job.wait(timeout=120)
     for rank, out in enumerate(outputs):
         assert f"DONE rank {rank} of 2" in out, out
 
@@ -99,7 +99,8 @@ def test_auto_placement_measures_the_links_and_splits_as_the_configured_truth_wo
     topo = Topology(workers=3, servers=1, worker_rate="100mbit", server_rate="25mbit", colocate=True)
     script = [sys.executable, str(ROOT / "tests" / "netem" / "placement_job.py")]
     with EmulatedCluster(topo) as c:
-        outputs = start_gradwire(c, script, os.environ | {"GRADWIRE_PLACEMENT": "auto"}).wait(timeout=120)
+        with start_gradwire(c, script, os.environ | {"GRADWIRE_PLACEMENT": "auto"}) as job:
+            outputs = job.wait(timeout=120)
     placements = [json.loads(out.split("PLACEMENT ", 1)[1].splitlines()[0]) for out in outputs]
     assert all(p == placements[0] for p in placements)  # every worker got the same
     chosen = placements[0]
@@ -118,7 +119,8 @@ def test_the_partition_size_chosen_for_20_mbit_links_is_far_below_loopback_s():
     script = [sys.executable, str(ROOT / "tests" / "netem" / "placement_job.py")]
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRADWIRE_")}
     with EmulatedCluster(Topology(workers=2, servers=2, worker_rate="20mbit", server_rate="20mbit")) as c:
-        outputs = start_gradwire(c, script, env).wait(timeout=120)
+        with start_gradwire(c, script, env) as job:
+            outputs = job.wait(timeout=120)
     shaped = [json.loads(out.split("DATA_PATH ", 1)[1].splitlines()[0]) for out in outputs]
     loopback = subprocess.run(
         [sys.executable, "-m", "gradwire", "launch", "-n", "2", "-s", "2", "--", *script],
@@ -208,7 +210,8 @@ def test_workers_sharing_a_host_link_get_settings_for_their_share_and_no_re_cut(
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRADWIRE_")}
     env |= {"GRADWIRE_HEARTBEAT_INTERVAL": "0.5", "GRADWIRE_JOB_SECONDS": "10"}
     with EmulatedCluster(topo) as c:
-        outputs = start_gradwire(c, script, env).wait(timeout=180)
+        with start_gradwire(c, script, env) as job:
+            outputs = job.wait(timeout=180)
     for rank, out in enumerate(outputs):
         assert f"DONE rank {rank} of 8" in out and f"local rank {rank % 4} of 4" in out, out
     chosen = [json.loads(out.split("DATA_PATH ", 1)[1].splitlines()[0]) for out in outputs]
@@ -237,8 +240,11 @@ def test_a_scheduler_cut_off_from_the_network_steps_down_and_its_standby_alone_t
     env |= {"GRADWIRE_HEARTBEAT_TIMEOUT": "4", "GRADWIRE_HEARTBEAT_INTERVAL": "0.5", "KILL_AT": "5"}
     env |= {"KILL_FILE": str(marker), "STEP_SLEEP": "0.1"}
     topo = Topology(workers=2, servers=2, worker_rate="1gbit", server_rate="1gbit")
-    with EmulatedCluster(topo) as c, open(log, "w") as out:
-        job = start_gradwire(c, [sys.executable, script], env, standby_scheduler=True, scheduler_output=out)
+    with (
+        EmulatedCluster(topo) as c,
+        open(log, "w") as out,
+        start_gradwire(c, [sys.executable, script], env, standby_scheduler=True, scheduler_output=out) as job,
+    ):
         deadline = time.monotonic() + 60
         while not marker.exists() and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -13,32 +13,44 @@ import signal
 import sys
 import tempfile
 import time
+from typing import TYPE_CHECKING
 
 from gradwire.bench.failover import MEET_AFTER, bench_env, print_rows, summarize
+
+if TYPE_CHECKING:
+    from gradwire.netem import EmulatedCluster
+    from gradwire.netem.jobs import Job
 
 TRIALS = {"scheduler, restarted on its host": False, "scheduler, a standby on a server's host takes over": True}
 
 
 def run_trial(standby: bool, workers: int, servers: int, rate: str, env: dict[str, str]) -> dict:
     from gradwire.netem import EmulatedCluster, Topology
-    from gradwire.netem.jobs import restart_scheduler, start_gradwire
+    from gradwire.netem.jobs import start_gradwire
 
     topo = Topology(workers=workers, servers=servers, worker_rate=rate, server_rate=rate)
+    argv = [sys.executable, "-m", "gradwire.bench.failover_worker"]
     with tempfile.TemporaryDirectory(prefix="gradwire-failover-") as tmp, EmulatedCluster(topo) as cluster:
         marker = os.path.join(tmp, "kill")
-        argv = [sys.executable, "-m", "gradwire.bench.failover_worker"]
         job = start_gradwire(cluster, argv, os.environ | env | {"BENCH_KILL_FILE": marker}, standby_scheduler=standby)
-        deadline = time.monotonic() + 300
-        while not os.path.exists(marker) and time.monotonic() < deadline:
-            time.sleep(0.001)
-        if not os.path.exists(marker):
-            job.kill()
-            raise SystemExit("gradwire bench --failover --netem: the job never reached the kill's step")
-        job.services[0].send_signal(signal.SIGKILL)  # `ip netns exec` execs: this is the scheduler's own process
-        killed_at = time.time()
-        if not standby:
-            restart_scheduler(cluster, job)
-        outputs = job.wait(timeout=600)
+        with job:
+            return _kill_the_scheduler(cluster, job, marker, standby)
+
+
+def _kill_the_scheduler(cluster: EmulatedCluster, job: Job, marker: str, standby: bool) -> dict:
+    """Once the job's marker says it reached the step: SIGKILL its scheduler (restarted at once unless `standby`)."""
+    from gradwire.netem.jobs import restart_scheduler
+
+    deadline = time.monotonic() + 300
+    while not os.path.exists(marker) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    if not os.path.exists(marker):
+        raise SystemExit("gradwire bench --failover --netem: the job never reached the kill's step")
+    job.services[0].send_signal(signal.SIGKILL)  # `ip netns exec` execs: this is the scheduler's own process
+    killed_at = time.time()
+    if not standby:
+        restart_scheduler(cluster, job)
+    outputs = job.wait(timeout=600)
     results = [_result(out) for out in outputs]
     return {"killed_at": killed_at, "results": sorted(results, key=lambda r: r["rank"]), "code": 0}
 

@@ -16,46 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("scheduler", help="run the job's scheduler (GRADWIRE_SCHEDULER gives host:port)")
     sub.add_parser("server", help="run one summation server")
     launch = sub.add_parser("launch", help="start a whole job on this machine")
-    launch.add_argument("-n", "--num-workers", type=int, required=True)
-    launch.add_argument("-s", "--num-servers", type=int, default=1)
-    launch.add_argument(
-        "--standby-servers",
-        type=int,
-        default=0,
-        help="idle servers that take a dead server's keys whole (without one they move onto the survivors)",
-    )
-    launch.add_argument(
-        "--standby-schedulers",
-        type=int,
-        default=0,
-        help="schedulers that take the job over when the scheduler is lost (without one, a dead one is restarted)",
-    )
-    launch.add_argument(
-        "--colocate",
-        action="store_true",
-        help="also run a server beside each worker (BytePS's colocated servers); -s counts the dedicated ones (0 ok)",
-    )
-    launch.add_argument(
-        "--min-workers",
-        type=int,
-        default=0,
-        help="elastic: the job goes on while this many workers live (gradwire.torch.elastic); 0: not elastic",
-    )
-    launch.add_argument(
-        "--max-workers",
-        type=int,
-        default=0,
-        help="elastic: a dead worker is replaced by a new one that joins, keeping the job at most this size",
-    )
-    launch.add_argument(
-        "--max-restarts",
-        type=int,
-        default=3,
-        help="processes started again at most: a dead scheduler (always), dead workers (elastic)",
-    )
-    launch.add_argument("--host", default="127.0.0.1", help="address every node binds and advertises")
-    launch.add_argument("--timeout", type=float, default=None, help="seconds any blocking call may wait")
-    launch.add_argument("command", nargs=argparse.REMAINDER, help="the worker command, after --")
+    _add_launch_arguments(launch)
     netem = sub.add_parser("netem", help="an emulated cluster on this machine (root): run a job, check a link")
     from gradwire.netem.cli import add_arguments as add_netem_arguments
 
@@ -97,6 +58,50 @@ def main(argv: list[str] | None = None) -> int:
     from gradwire.bench.cli import run
 
     return run(args)
+
+
+def _add_launch_arguments(launch: argparse.ArgumentParser) -> None:
+    """`gradwire launch`'s flags: the job's shape, its spares (standby servers and schedulers), elasticity."""
+    launch.add_argument("-n", "--num-workers", type=int, required=True)
+    launch.add_argument("-s", "--num-servers", type=int, default=1)
+    launch.add_argument(
+        "--standby-servers",
+        type=int,
+        default=0,
+        help="idle servers that take a dead server's keys whole (without one they move onto the survivors)",
+    )
+    launch.add_argument(
+        "--standby-schedulers",
+        type=int,
+        default=0,
+        help="schedulers that take the job over when the scheduler is lost (without one, a dead one is restarted)",
+    )
+    launch.add_argument(
+        "--colocate",
+        action="store_true",
+        help="also run a server beside each worker (BytePS's colocated servers); -s counts the dedicated ones (0 ok)",
+    )
+    launch.add_argument(
+        "--min-workers",
+        type=int,
+        default=0,
+        help="elastic: the job goes on while this many workers live (gradwire.torch.elastic); 0: not elastic",
+    )
+    launch.add_argument(
+        "--max-workers",
+        type=int,
+        default=0,
+        help="elastic: a dead worker is replaced by a new one that joins, keeping the job at most this size",
+    )
+    launch.add_argument(
+        "--max-restarts",
+        type=int,
+        default=3,
+        help="processes started again at most: a dead scheduler (always), dead workers (elastic)",
+    )
+    launch.add_argument("--host", default="127.0.0.1", help="address every node binds and advertises")
+    launch.add_argument("--timeout", type=float, default=None, help="seconds any blocking call may wait")
+    launch.add_argument("command", nargs=argparse.REMAINDER, help="the worker command, after --")
 
 
 def run_scheduler(config: Config) -> int:

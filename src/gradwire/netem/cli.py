@@ -72,14 +72,13 @@ def main(args: argparse.Namespace) -> int:
             f"{topo.servers} servers at {topo.server_rate}",
             flush=True,
         )
-        job = start_gradwire(cluster, command)
-        pumps = [threading.Thread(target=_pump, args=(p, f"[worker {r}] ")) for r, p in enumerate(job.workers)]
-        for t in pumps:
-            t.start()
-        codes = [p.wait(args.timeout) for p in job.workers]
-        for t in pumps:
-            t.join()
-        job.kill()
+        with start_gradwire(cluster, command) as job:
+            pumps = [threading.Thread(target=_pump, args=(p, f"[worker {r}] ")) for r, p in enumerate(job.workers)]
+            for t in pumps:
+                t.start()
+            codes = [p.wait(args.timeout) for p in job.workers]
+            for t in pumps:
+                t.join()
     failed = [(r, c) for r, c in enumerate(codes) if c != 0]
     if failed:
         print(f"[gradwire netem] worker {failed[0][0]} exited with {failed[0][1]}", flush=True)

@@ -69,6 +69,17 @@ class Job:
             if proc.poll() is None:
                 proc.kill()
 
+    def __enter__(self) -> Job:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Whatever happened: every process killed if still running, reaped, and its output pipe closed."""
+        self.kill()
+        for proc in self.services + self.workers:
+            proc.wait()
+            if proc.stdout is not None and proc in self.workers:  # the schedulers' are closed by their drains
+                proc.stdout.close()
+
 
 def start_gradwire(
     cluster: EmulatedCluster,
@@ -83,16 +94,13 @@ def start_gradwire(
     `standby_scheduler`: a standby scheduler on the first server's host (the job's services then begin with the
     scheduler and the standby). `scheduler_output`: where the schedulers' lines go (default: dropped)."""
     topo = cluster.topology
-    sched = topo.of("scheduler")[0]
     servers = topo.servers + (topo.worker_hosts if topo.colocate else 0)
     base = dict(env or os.environ) | {"PYTHONUNBUFFERED": "1"}
     base |= env_for(num_workers=topo.workers, num_servers=servers, secret=secrets.token_hex(32))
-    standby: list[subprocess.Popen] = []
-    if standby_scheduler:
-        host = topo.of("server")[0]
-        proc, where = _start_scheduler(cluster, host, base | env_for(standby=True), scheduler_output)
-        standby, base = [proc], base | env_for(scheduler_standby=where)
-    scheduler, address = _start_scheduler(cluster, sched, base, scheduler_output)
+    standby = [_start_standby(cluster, base, scheduler_output)] if standby_scheduler else []
+    if standby:
+        base |= env_for(scheduler_standby=standby[0][1])
+    scheduler, address = _start_scheduler(cluster, topo.of("scheduler")[0], base, scheduler_output)
     base |= env_for(scheduler=address)
     given = base.get("GRADWIRE_PLACEMENT") == "model"  # else (the default, auto) the scheduler measures the links
 
@@ -100,7 +108,7 @@ def start_gradwire(
         rate = env_for(link_rate=h.up) if given else {}
         return base | rate | env_for(host=h.address, rank=rank)
 
-    services = [scheduler, *standby] + [
+    services = [scheduler, *(proc for proc, _ in standby)] + [
         cluster.spawn(h, [sys.executable, "-m", "gradwire", "server"], node_env(h, h.index), stdout=subprocess.DEVNULL)
         for h in topo.of("server")
     ]
@@ -126,6 +134,13 @@ def start_gradwire(
         for rank, h in topo.placed_workers()
     ]
     return Job(services, workers, base)
+
+
+def _start_standby(
+    cluster: EmulatedCluster, env: dict[str, str], output: IO[str] | None
+) -> tuple[subprocess.Popen, str]:
+    """A standby scheduler on the first server's host, and its address."""
+    return _start_scheduler(cluster, cluster.topology.of("server")[0], env | env_for(standby=True), output)
 
 
 def restart_scheduler(cluster: EmulatedCluster, job: Job, output: IO[str] | None = None) -> subprocess.Popen:

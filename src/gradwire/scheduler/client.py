@@ -104,7 +104,8 @@ def _await(
 
 
 def _await_book(conn: tcp.Connection) -> messages.Message:
-    """Wait for the address book, answering the scheduler's link probes meanwhile (scheduler/probe.py)."""
+    """Wait for the address book, answering the scheduler's link probes (scheduler/probe.py) and beats (lease.py)
+    meanwhile."""
     arrivals: list[float] = []
     scratch = bytearray(MAX_CONTROL_BYTES)
     while True:
@@ -116,6 +117,9 @@ def _await_book(conn: tcp.Connection) -> messages.Message:
         if header.type != FrameType.CONTROL:
             raise RemoteProtocolError(f"scheduler sent a {header.type.name} frame during the rendezvous")
         message = messages.parse(decode_json(conn.recv_body(header)))
+        if isinstance(message, messages.Beat):  # a leased job's scheduler beats every node it knows, joined or not
+            conn.send_message(message)
+            continue
         if not isinstance(message, messages.Probe):
             return message
         if message.ping:  # the scheduler times our round trip (probe.round_trip)
@@ -153,8 +157,7 @@ def resume(
     deadline = clock() + config.scheduler_timeout
     delay, last, tries = FIRST_RETRY_SECONDS, "", 0
     while clock() < deadline:
-        if stopped():
-            raise GradwireError("stopped while waiting for a scheduler to resume the job")
+        _halt_if(stopped)
         at = order[tries % len(order)]
         tries += 1
         message = report()
@@ -166,31 +169,47 @@ def resume(
                 time.sleep(max(0.0, min(delay, deadline - clock())))
                 delay = min(MAX_RESUME_RETRY_SECONDS, delay * 2)
             continue
-        if stopped():  # stopped while connecting: report nothing (a node gone must not count as reported)
-            conn.close()
-            raise GradwireError("stopped while waiting for a scheduler to resume the job")
+        _halt_if(stopped, conn)  # stopped while connecting: report nothing (a node gone must not count as reported)
         try:
             answer = _exchange(conn, message, deadline - clock())
         except (OSError, GradwireError) as e:  # it died again, or its recovery gave up on us
             last = f"{addresses[at]}: {e}"
             continue
-        if isinstance(answer, messages.Abort):
-            conn.close()
-            raise JobAborted(f"the job was aborted while its scheduler recovered it: {answer.message}")
-        if not isinstance(answer, messages.Resumed) or answer.term <= term:
-            conn.close()
-            last = f"it answered {answer.op} of term {getattr(answer, 'term', '?')} (this node knows term {term})"
+        if refused := _refusal(conn, answer, term):
+            last = refused
             log.error("%s %d: refused the scheduler at %s: %s", message.role, message.rank, addresses[at], last)
             time.sleep(max(0.0, min(delay, deadline - clock())))
             continue
-        if stopped():
-            conn.close()
-            continue
+        _halt_if(stopped, conn)
         return conn, answer, at
-    raise GradwireTimeout(
-        f"no scheduler resumed the job at {', '.join(addresses)} within GRADWIRE_SCHEDULER_TIMEOUT="
+    raise _gave_up(config, tries, last)
+
+
+def _gave_up(config: Config, tries: int, last: str) -> GradwireTimeout:
+    return GradwireTimeout(
+        f"no scheduler resumed the job at {', '.join(config.scheduler_addresses)} within GRADWIRE_SCHEDULER_TIMEOUT="
         f"{config.scheduler_timeout:g}s ({tries} tries; last: {last or 'nothing listened'})"
     )
+
+
+def _halt_if(stopped: Callable[[], bool], conn: tcp.Connection | None = None) -> None:
+    """GradwireError once `stopped()` (the node was stopped while it waited), closing `conn`."""
+    if stopped():
+        if conn is not None:
+            conn.close()
+        raise GradwireError("stopped while waiting for a scheduler to resume the job")
+
+
+def _refusal(conn: tcp.Connection, answer: messages.Message, term: int) -> str | None:
+    """Why this node does not follow the scheduler that answered (None: it follows it; the connection is closed
+    otherwise); JobAborted if the answer is the job's abort."""
+    if isinstance(answer, messages.Abort):
+        conn.close()
+        raise JobAborted(f"the job was aborted while its scheduler recovered it: {answer.message}")
+    if isinstance(answer, messages.Resumed) and answer.term > term:
+        return None
+    conn.close()
+    return f"it answered {answer.op} of term {getattr(answer, 'term', '?')} (this node knows term {term})"
 
 
 def _connect(address: str, config: Config, message: messages.Resume, timeout: float) -> tcp.Connection:
@@ -210,8 +229,10 @@ def _exchange(conn: tcp.Connection, message: messages.Resume, timeout: float) ->
     try:
         conn.send_message(message)
         conn.sock.settimeout(max(0.1, timeout))
-        _, body = conn.recv_json(FrameType.CONTROL)
-        answer = messages.parse(body)
+        answer = messages.parse(conn.recv_json(FrameType.CONTROL)[1])
+        while isinstance(answer, messages.Beat):  # the lease's beats may come before the answer: answer them
+            conn.send_message(answer)
+            answer = messages.parse(conn.recv_json(FrameType.CONTROL)[1])
         conn.sock.settimeout(None)
     except BaseException:
         conn.close()
