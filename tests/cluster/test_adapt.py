@@ -274,3 +274,47 @@ def test_the_settings_are_derived_for_a_worker_s_share_of_its_host_s_link():
                 assert c.scheduler.tuning.workers_per_host == (share,) * (4 // share)
                 assert c.scheduler.tuning.rate_bytes_per_s == pytest.approx(100e6 / 8 / share)
                 assert f"shared by {share} workers" in c.scheduler.tuning.reason
+
+
+@pytest.mark.parametrize("told", ["none", "worker 0"])
+def test_a_re_cut_under_way_when_the_scheduler_dies_is_ended_by_the_next_one(told):
+    """The scheduler dies in step 2 of a re-cut: its RETUNE (where each tensor is cut anew) reached no worker, or
+    worker 0 only. A restarted scheduler learns it from the reports and ends it as it ended for the workers told: a
+    cancel when none was (their held calls go on, on the old cut), else the same RETUNE to the others (every worker
+    re-cuts at one round). Training goes on with every sum right, and later re-cuts are numbered after it."""
+    config = {"link_rate": "1mbit", "transport": "tcp", "heartbeat_interval": 0.1, "scheduler_timeout": 20.0}
+    with LocalCluster(num_workers=3, num_servers=2, **config) as c:
+        _force_drift(c, 125e6)
+        interrupted, go = threading.Event(), threading.Event()
+        tell = c.scheduler.roster.tell
+
+        def partial_tell(nodes, message):
+            if isinstance(message, messages.Retune) and message.recut and not interrupted.is_set():
+                tell([n for n in nodes if n.rank == 0] if told == "worker 0" else [], message)
+                interrupted.set()
+                go.wait(30)  # the scheduler dies meanwhile
+                return
+            tell(nodes, message)
+
+        c.scheduler.roster.tell = partial_tell
+        training = _Training(c)
+        try:
+            _wait_for(lambda: interrupted.is_set() or not training.alive())
+            c.kill_scheduler()
+            go.set()
+            new = c.restart_scheduler()
+            _wait_for(lambda: new.recovery.done.is_set() or not training.alive())
+            if told == "worker 0":
+                _wait_for(lambda: all(_recut_rounds_done(w, "fc") >= 3 for w in c.workers) or not training.alive())
+            else:
+                begun = dict(training.stop.begun)
+                _wait_for(lambda: all(training.stop.begun.get(r, 0) >= n + 3 for r, n in begun.items()))
+        finally:
+            training.result()
+        assert new.status()["recovered"]["recut_under_way"] == 1
+        assert new.adaptation.recuts >= 1  # the next re-cut's successors are named ~2
+        successors = [w.table.tensors["fc"].successor for w in c.workers]
+        if told == "worker 0":
+            assert all(s is not None and s[0] == successors[0][0] for s in successors), successors
+        else:
+            assert all(s is None or s[1].name.endswith("~2") for s in successors), successors

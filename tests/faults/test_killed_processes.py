@@ -31,10 +31,11 @@ def _run(
     options: tuple[str, ...] = (),
     extra_env: dict[str, str] | None = None,
     freeze: bool = False,
+    gap: float = 0.0,
 ) -> dict:
     """Launch the job; when worker 0 prints KILL, SIGKILL the named process (`server 1`, `scheduler`: the one in
-    charge). `freeze`: SIGSTOP it instead (alive, its connections open, silent: as if cut off from the network), and
-    SIGCONT it once another scheduler has resumed the job."""
+    charge; `server 1+scheduler`: both, `gap` seconds apart). `freeze`: SIGSTOP it instead (alive, its connections
+    open, silent: as if cut off from the network), and SIGCONT it once another scheduler has resumed the job."""
     cmd = [sys.executable, "-m", "gradwire", "launch", "-n", str(WORKERS), "-s", str(SERVERS), *options]
     cmd += ["--standby-servers", str(standby), "--timeout", "30", "--", sys.executable, script]
     env = (
@@ -67,10 +68,12 @@ def _run(
                 if "frozen" in killed:
                     os.kill(int(killed.pop("frozen")), signal.SIGCONT)
             if line.startswith("[worker 0] KILL "):
-                os.kill(pids[kill], signal.SIGSTOP if freeze else signal.SIGKILL)
-                killed[kill] = time.monotonic()
-                if freeze:
-                    killed["frozen"] = pids[kill]
+                for n, name in enumerate(kill.split("+")):  # "server 1+scheduler": one, then `gap` s later the other
+                    time.sleep(gap if n else 0.0)
+                    os.kill(pids[name], signal.SIGSTOP if freeze else signal.SIGKILL)
+                    killed[name] = time.monotonic()
+                    if freeze:
+                        killed["frozen"] = pids[name]
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
@@ -165,6 +168,21 @@ def test_a_sigkilled_scheduler_is_restarted_and_the_parameters_stay_bit_identica
     terms = re.findall(r"recovered the job in [\d.]+ s \(term (\d+)", out)
     assert terms == [str(t) for t in range(2, 2 + kills)], out
     assert run["digests"] == {f"worker {r}": reference for r in range(WORKERS)}, out
+
+
+@pytest.mark.parametrize("gap", [0.0, 0.02, 0.2], ids=["together", "20ms-apart", "200ms-apart"])
+def test_a_server_and_the_scheduler_sigkilled_together_lose_nothing(reference, gap):
+    """Server 1 SIGKILLed, then the scheduler `gap` seconds later: before it noticed, while it failed the server over,
+    or after. The restarted scheduler fails the server over, or completes the failover the dead one began, and the
+    parameters equal the failure-free run's (scheduler/recovery.py)."""
+    run = _run("server 1+scheduler", kill_at=5, gap=gap)
+    out = run["output"]
+    assert run["code"] == 0, out
+    assert "server 1 was killed by SIGKILL" in out and "scheduler was killed by SIGKILL" in out, out
+    assert re.findall(r"recovered the job in [\d.]+ s \(term (\d+)", out) == ["2"], out
+    assert run["digests"] == {f"worker {r}": reference for r in range(WORKERS)}, out
+    for r in range(WORKERS):  # every worker went through the failover
+        assert run["failovers"][f"worker {r}"].startswith("[(1, False,"), out
 
 
 @pytest.mark.parametrize("kill_at", ["5", "4,14"], ids=["once", "twice"])

@@ -17,6 +17,7 @@ from gradwire.scheduler import client
 from gradwire.testing import LocalCluster
 from gradwire.transport import tcp
 from tests.faults.test_elastic import _sum_until_reset
+from tests.faults.test_failover import STEPS, _answer_one_then_die, _expected, _train
 
 SIZES = {"embedding": 70_000, "layer.weight": 20_000, "layer.bias": 300, "head": 9}  # floats: several partitions
 SETTINGS = {"partition_bytes": 64 * 1024, "heartbeat_interval": 0.2, "scheduler_timeout": 20.0}
@@ -286,3 +287,70 @@ def test_a_re_form_under_way_when_the_scheduler_dies_completes_with_the_next():
         first.join(30)
         assert out[0][0] == out[2][0] == 4.0 and w0.size == w2.size == 2
         assert scheduler.roster.term == 2 and scheduler.epoch >= 2
+
+
+def _interrupt_the_failover(cluster: LocalCluster, told: str, interrupted: threading.Event, go: threading.Event):
+    """Stop the scheduler's failover where `told` says (`interrupted` is set there; it waits for `go`, by which time
+    the scheduler is dead): "none", before any worker hears of it (its keys moved on the servers); "worker 0", its
+    REPLACE told to worker 0 only; "all", told to every worker, before any is told it is over (SEED)."""
+    scheduler = cluster.scheduler
+    tell = scheduler.roster.tell
+
+    def stop_here() -> None:
+        interrupted.set()
+        go.wait(30)
+
+    if told == "none":
+        scheduler.failover._complete = lambda body, workers, held: stop_here() or 0
+        return
+
+    def partial_tell(nodes, message):
+        if told == "worker 0" and isinstance(message, messages.Replace):
+            tell([n for n in nodes if n.rank == 0], message)
+            stop_here()
+        elif told == "all" and isinstance(message, messages.Seed):
+            stop_here()
+        else:
+            tell(nodes, message)
+
+    scheduler.roster.tell = partial_tell
+
+
+@pytest.mark.parametrize("told", ["none", "worker 0", "all"])
+@pytest.mark.parametrize("standby", [0, 1], ids=["onto-survivors", "to-a-standby"])
+def test_a_server_failover_under_way_when_the_scheduler_dies_is_completed_by_the_next_bit_identical(told, standby):
+    """A server dies after answering a round to worker 0 only (its sum must come from worker 0's copy); the scheduler
+    dies in the middle of failing it over (`told`); a restarted one completes the failover from the reports: it
+    tells the workers that were not told, and asks worker 0 for the seed. Every sum is the rank-order sum."""
+    config = {"partition_bytes": 4096, "failover_copy_bytes": 1 << 30, "scheduler_timeout": 20.0}
+    with LocalCluster(num_workers=3, num_servers=2, num_standby=standby, heartbeat_interval=0.2, **config) as c:
+        killed, interrupted, go = threading.Event(), threading.Event(), threading.Event()
+        _answer_one_then_die(c, killed, after=15)
+        _interrupt_the_failover(c, told, interrupted, go)
+
+        def restart() -> None:
+            if interrupted.wait(30):
+                c.kill_scheduler()
+                go.set()
+                c.restart_scheduler()
+
+        restarter = threading.Thread(target=restart, daemon=True)
+        restarter.start()
+        results = c.run(lambda w: _train(w, killed, kill_at=STEPS - 2))
+        restarter.join(30)
+        assert interrupted.is_set(), "the scheduler never began the failover"
+        expected = _expected(3)
+        for rank, sums in enumerate(results):
+            wrong = [k for k in expected if sums[k] != expected[k]]
+            assert not wrong, f"worker {rank}: sums differ for {wrong[:5]}"
+        (record,) = c.scheduler.failovers
+        assert record["server"] == 0 and record["to"] == ("standby" if standby else "survivors") or told == "none"
+        resumed = c.scheduler.status()["recovered"]
+        if told == "none":  # nobody knew of it: failed over anew (to the standby promoted before, if it reported)
+            assert resumed["servers_lost"] == [0] and resumed["failover_under_way"] is None
+            roster = c.scheduler.roster
+            assert len(roster.standby) + (record["to"] == "standby") == standby  # not lost to the job
+        else:
+            assert resumed["failover_under_way"] == 0 and record["why"] == "completed after the scheduler's death"
+        assert record["seeds"] >= 1  # worker 0 held the round the others waited for
+        assert all(not w.failover.latest() or w.failover.latest()["over"] for w in c.workers)

@@ -287,7 +287,8 @@ class Replace(Message):
 
 @dataclass
 class Seed(Message):
-    """Resend the sums I hold of these [key, round] (a round some worker still needs, after a failover)."""
+    """Resend the sums I hold of these [key, round] (a round some worker still needs, after a failover). Every worker
+    gets one (most with no keys) when the failover of `epoch` is over."""
 
     op = "seed"
     always = ("epoch", "keys")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from gradwire.errors import GradwireError
 from gradwire.protocol import messages
@@ -71,7 +72,7 @@ class Failover:
             entry = self._states.get(state.epoch)
             if entry is not None:
                 everyone, reported = entry
-                reported[node.rank] = {int(k): (int(v[0]), int(v[1]), bool(v[2])) for k, v in state.keys.items()}
+                reported[node.rank] = held_of(state.keys)
                 if len(reported) >= len(self.roster.live_workers()):
                     everyone.set()
 
@@ -87,28 +88,60 @@ class Failover:
         with roster.lock:
             settings = self.adaptation.retune_locked(f"server {dead.rank} lost")
         body = messages.Replace(epoch, dead.rank, moved, address, settings and settings.as_dict())
-        everyone, reported = threading.Event(), {}
         with roster.lock:
             workers = roster.live_workers()
+        seeded = self._complete(body, workers, {})
+        to = "standby" if standby is not None else "survivors"
+        seconds = roster.clock() - started
+        record = {"server": dead.rank, "epoch": epoch, "seeds": seeded, "to": to, "tensors_moved": len(moved)}
+        self.records.append(record | {"seconds": seconds, "why": why})
+        log.warning("server %d failed over to %s in %.1f ms (epoch %d)", dead.rank, to, seconds * 1e3, epoch)
+
+    def resume(self, body: messages.Replace, held: dict[int, dict], untold: list[int]) -> None:
+        """A failover the scheduler before this one had begun and not finished (scheduler/recovery.py): its keys have
+        moved; `held` (worker rank -> what it holds, as FAILOVER_STATE says) are the workers it told, `untold` the
+        workers it did not: they are told now, and the rounds the dead server answered to some workers only are
+        seeded (again: a stale seed is dropped by the server)."""
+        roster = self.roster
+        started = roster.clock()
+        with roster.lock:
+            workers = [w for w in roster.live_workers() if w.rank in untold]
+        log.warning(
+            "completing the failover of server %d (epoch %d) that the last scheduler began: told %s, telling %s",
+            *(body.server, body.epoch, sorted(held) or "none", untold or "none"),
+        )
+        seeded = self._complete(body, workers, held)
+        seconds = roster.clock() - started
+        to = "standby" if body.standby else "survivors"
+        record = {"server": body.server, "epoch": body.epoch, "seeds": seeded, "to": to, "seconds": seconds}
+        self.records.append(record | {"tensors_moved": len(body.moved), "why": "completed after the scheduler's death"})
+
+    def _complete(self, body: messages.Replace, workers: list[Node], held: dict[int, dict]) -> int:
+        """Tell `workers` the keys have moved (REPLACE); once every live worker has reported what it holds (`held`:
+        those that have already), seed what some wait for that others hold, and tell every worker the failover is
+        over (a SEED each, most empty). Returns the seeds asked for."""
+        roster, epoch = self.roster, body.epoch
+        everyone, reported = threading.Event(), dict(held)
+        with roster.lock:
             self._states[epoch] = (everyone, reported)
+            if len(reported) >= len(roster.live_workers()):
+                everyone.set()
         roster.tell(workers, body)  # a worker that cannot be told is lost, which its own connection reports
         # every worker reports, per moved key, the round of the sum it holds and the round it resends; a round that
         # one worker resends and others hold the sum (or their contributions) of was being answered when the server
         # died: seed it (or replay them)
-        if not everyone.wait(min(roster.config.timeout, 60)):
+        deadline = time.monotonic() + min(roster.config.timeout, 60)
+        while not everyone.wait(0.1) and not roster.done.is_set() and time.monotonic() < deadline:
+            pass
+        if not everyone.is_set():
             log.warning("not every worker reported its state after the failover in epoch %d", epoch)
         with roster.lock:
             self._states.pop(epoch, None)
             seeds = seeds_needed(dict(reported))
-            seeders = {rank: roster.workers[rank] for rank in seeds if rank < len(roster.workers)}
-        for rank, worker in seeders.items():
-            roster.tell([worker], messages.Seed(epoch, seeds[rank]))
-        to = "standby" if standby is not None else "survivors"
-        seconds = roster.clock() - started
-        seeded = sum(len(k) for k in seeds.values())
-        record = {"server": dead.rank, "epoch": epoch, "seeds": seeded, "to": to, "tensors_moved": len(moved)}
-        self.records.append(record | {"seconds": seconds, "why": why})
-        log.warning("server %d failed over to %s in %.1f ms (epoch %d)", dead.rank, to, seconds * 1e3, epoch)
+            live = roster.live_workers()
+        for worker in live:
+            roster.tell([worker], messages.Seed(epoch, seeds.get(worker.rank, [])))
+        return sum(len(k) for k in seeds.values())
 
     def _move_keys(self, dead: Node, standby: Node | None, epoch: int) -> tuple[dict, dict | None]:
         """Move the dead server's keys: to their replicas where they have one, the rest to the standby (promoted
@@ -145,3 +178,8 @@ def seeds_needed(reported: dict[int, dict[int, tuple[int, int, bool]]]) -> dict[
             for rank in sums[:1] or holders:
                 out.setdefault(rank, []).append([key, rnd])
     return out
+
+
+def held_of(keys: dict) -> dict[int, tuple[int, int, bool]]:
+    """A FAILOVER_STATE's keys as `seeds_needed` reads them: key -> (round held, round resent, a contribution)."""
+    return {int(k): (int(v[0]), int(v[1]), bool(v[2])) for k, v in keys.items()}

@@ -16,7 +16,12 @@ its role, rank, the term and epoch it knows, and its report. Where the scheduler
 - replicas: the servers' (which keys each forwards to which server);
 - barriers passed: the workers' counts (a barrier answered to some workers only is answered to the rest at once);
 - servers lost: a server no longer reporting, which a worker reports it lost its link to, is failed over once the job
-  is rebuilt (the scheduler and a server dying together).
+  is rebuilt (the scheduler and a server dying together);
+- a server failover under way (the scheduler died failing a server over): the latest REPLACE some worker applied, and
+  what each such worker holds of the moved keys now; the workers not told are told, and the seeding is done again (a
+  seed the server no longer needs is dropped). A standby it had promoted that no worker knows of is a standby again;
+- a re-cut under way (scheduler/adapt.py): the RETUNE some worker applied goes to the others; if none applied one, the
+  held calls are released by a cancel; re-cuts go on numbered after the latest.
 
 Nothing is kept outside the nodes: whatever the scheduler held that they do not is either derived again from what
 they report (the placement's loads, the bytes the workers copy for a failover) or history (/status's records).
@@ -30,10 +35,10 @@ import threading
 from gradwire.errors import GradwireError
 from gradwire.protocol import messages
 from gradwire.protocol.message import decode
-from gradwire.scheduler import rendezvous
+from gradwire.scheduler import rendezvous, unfinished
 from gradwire.scheduler.lease import Proof
 from gradwire.scheduler.node import Node
-from gradwire.scheduler.roster import Roster
+from gradwire.scheduler.roster import Roster, server_entry
 from gradwire.transport import tcp
 from gradwire.tuning import Tuning
 
@@ -77,6 +82,11 @@ class Recovery:
         self._standby: list[tuple[Node, messages.Resume]] = []
         self.lost: list[tuple[Node, str]] = []
         self.left: list[tuple[Node, str]] = []
+        # a server failover the last scheduler left under way: its REPLACE, what each worker it told holds, and the
+        # workers it did not tell
+        self.under_way: tuple[messages.Replace, dict[int, dict], list[int]] | None = None
+        # the latest re-cut's number, and if one was left under way: the RETUNE to send and the workers to send it to
+        self.recut: tuple[int, messages.Retune | None, list[int]] = (0, None, [])
 
     def report(self, conn: tcp.Connection, resume: messages.Resume, now: float) -> Node:
         """A node's RESUME: its node; the rebuild runs when this report completes the job's (then `done` is set)."""
@@ -163,7 +173,12 @@ class Recovery:
             self._rebuild_locked(now)
 
     def _late_locked(self, node: Node, resume: messages.Resume) -> Node:
-        """A report after the job was rebuilt: a standby joins the standby servers; anyone else was taken as lost."""
+        """A report after the job was rebuilt: a standby joins the standby servers (also one the last scheduler
+        promoted before any worker was told: `_promoted_unknown`); anyone else was taken as lost."""
+        roster = self.roster
+        if resume.role == "server" and not node.standby and resume.rank < len(roster.servers):
+            entry = server_entry(roster.servers[resume.rank])
+            node.standby = (node.host, node.port) != (entry["host"], int(entry["port"]))
         if not node.standby:
             raise GradwireError(f"{resume.role} {resume.rank} reported after the job was recovered without it")
         self.roster.standby.append(node)
@@ -183,7 +198,15 @@ class Recovery:
         voters = self._voters()
         if not voters:  # no worker's book yet
             return [("worker", 0)]
-        said_lost = {int(s) for _, r in self._reports.values() if r.role == "worker" for s in r.report.get("lost", [])}
+        # lost as the latest book's epoch knows the servers (a worker not told of a failover under way says it lost
+        # the dead server, whose place a standby may have taken since)
+        epoch = max(r.epoch for _, r in self._reports.values() if r.role == "worker")
+        said_lost = {
+            int(s)
+            for _, r in self._reports.values()
+            if r.role == "worker" and r.epoch == epoch
+            for s in r.report.get("lost", [])
+        }
         expected = [(role, rank) for role, rank in voters if not (role == "server" and rank in said_lost)]
         return [k for k in expected if k not in self._reports]
 
@@ -206,6 +229,9 @@ class Recovery:
                 declarations.abandon(s)
         replicas = self._replicas()
         tensors = self._tensors()
+        workers = [r for (role, _), (_, r) in reports.items() if role == "worker"]
+        self.under_way = unfinished.failover(workers)
+        self.recut = unfinished.recut(workers, roster.tuning)
         for rank, declare, pbytes, servers in tensors.values():
             declarations.restore(rank, declare, pbytes, servers, replicas)
         roster.barriers_passed = max(
@@ -221,13 +247,17 @@ class Recovery:
             "tensors": len(tensors),
             "barriers_passed": roster.barriers_passed,
             "servers_lost": [n.rank for n, _ in self.lost],
+            "failover_under_way": self.under_way[0].server if self.under_way else None,
+            "recut_under_way": self.recut[0] if self.recut[1] is not None else None,
             "workers_lost": [n.rank for n, _ in self.left],
         }
         log.warning(
             "recovered the job in %.1f s (term %d, epoch %d) from %s: %d workers, %d servers, %d tensors, %d barriers "
-            "passed; servers to fail over: %s",
+            "passed; servers to fail over: %s; a failover to complete: %s; a re-cut to end: %s",
             *(seconds, roster.term, roster.epoch, ", ".join(self.record["reported"]), len(roster.workers)),
             *(len(roster.servers), len(tensors), roster.barriers_passed, self.record["servers_lost"] or "none"),
+            "none" if self.under_way is None else f"server {self.under_way[0].server}",
+            self.record["recut_under_way"] or "none",
         )
         for node in roster.nodes:
             # heard from now on: a node waiting for RESUMED sends nothing (it reported up to a timeout ago); its
@@ -252,7 +282,7 @@ class Recovery:
         """Server `rank` of the rebuilt roster: its report's node, or (it did not report) a node nothing reaches,
         lost already or to be failed over."""
         reported = self._reports.get(("server", rank))
-        if reported is not None:
+        if reported is not None and not self._promoted_unknown(reported, entry):
             return reported[0]
         node = Node(Absent(), "server", rank, entry["host"], int(entry["port"]), rank=rank)  # type: ignore[arg-type]
         node.colocated, node.host_id = bool(entry.get("colocated")), str(entry.get("host_id", ""))
@@ -262,6 +292,19 @@ class Recovery:
         else:
             self.lost.append((node, "it died while the scheduler was away (it did not report to the new one)"))
         return node
+
+    def _promoted_unknown(self, reported: tuple[Node, messages.Resume], entry: dict) -> bool:
+        """Whether the server reporting rank `entry`'s is not at its address: a standby that the last scheduler
+        promoted to it before any worker was told (it died in between). It is a standby again, and the rank's server
+        is failed over anew (to it, as the first standby)."""
+        node, resume = reported
+        if (node.host, node.port) == (entry["host"], int(entry["port"])):
+            return False
+        log.warning("server %d at %s:%d: a standby promoted that no worker knows of", node.rank, node.host, node.port)
+        del self._reports[("server", node.rank)]
+        node.standby = True
+        self._standby.insert(0, (node, resume))
+        return True
 
     def _replicas(self) -> dict[int, int]:
         """key -> the server that keeps its last answered round, as the servers report it."""
@@ -274,10 +317,12 @@ class Recovery:
 
     def _tensors(self) -> dict[str, tuple[int, messages.Declare, int, list[int]]]:
         """Every tensor some worker has its declaration's answer for: (the rank that reported it first, its
-        declaration, its partition size, its servers). Workers agree on each (a failover's moves reach all alike)."""
+        declaration, its partition size, its servers). Workers agree on each, but for a failover some of them were
+        not told of (`_failover_under_way`): the placement is that of the workers that know the latest epoch."""
         out: dict[str, tuple[int, messages.Declare, int, list[int]]] = {}
-        for (role, rank), (_, resume) in sorted(self._reports.items()):
-            for t in resume.report.get("tensors", []) if role == "worker" else []:
+        workers = [(rank, r) for (role, rank), (_, r) in self._reports.items() if role == "worker"]
+        for rank, resume in sorted(workers, key=lambda w: (-w[1].epoch, w[0])):  # a failover's REPLACE first
+            for t in resume.report.get("tensors", []):
                 declare = decode(messages.Declare, t["declare"] | {"op": messages.Declare.op, "id": 0})
                 assert isinstance(declare, messages.Declare)
                 if declare.name not in out:

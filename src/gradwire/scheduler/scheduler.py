@@ -41,6 +41,7 @@ from gradwire.scheduler.status import cluster_status, node_families
 from gradwire.scheduler.synchronisation import Synchronisation
 from gradwire.throttle import HandshakeGate
 from gradwire.transport import tcp
+from gradwire.tuning import Tuning
 
 log = logging.getLogger("gradwire.scheduler")
 
@@ -128,20 +129,45 @@ class Scheduler:
                 return
             recovery.check_deadline(self.clock())
             if recovery.done.is_set():
-                self._lose_the_unreported()
+                self._after_recovery()
                 return
 
-    def _lose_the_unreported(self) -> None:
-        """The servers that died while no scheduler ran (they did not report to this one) are failed over; an elastic
-        job re-forms without the workers that did."""
-        with self.roster.lock:
+    def _after_recovery(self) -> None:
+        """Once the job is recovered: a re-cut and a server failover that the last scheduler left under way are
+        completed; then the servers that died while no scheduler ran (they did not report to this one) are failed over,
+        and an elastic job re-forms without the workers that did."""
+        roster = self.roster
+        with roster.lock:
             lost, self.recovery.lost = self.recovery.lost, []
             left, self.recovery.left = self.recovery.left, []
+            under_way, self.recovery.under_way = self.recovery.under_way, None
+            recut, self.recovery.recut = self.recovery.recut, (0, None, [])
             for node, why in left:
                 assert self.membership is not None
                 self.membership.left(node, why)
-        for node, why in lost:
-            self.failover.server_lost(node, why)
+        self._end_recut(*recut)
+
+        def fail_over() -> None:
+            if under_way is not None:
+                self.failover.resume(*under_way)  # first: a later failover's epoch is higher
+            for node, why in lost:
+                self.failover.server_lost(node, why)
+
+        if under_way is not None or lost:
+            threading.Thread(target=fail_over, name="gw-sched-failover", daemon=True).start()
+
+    def _end_recut(self, number: int, retune: messages.Retune | None, to: list[int]) -> None:
+        """After a recovery: re-cuts go on numbered after the latest the workers heard of (`number`); one the last
+        scheduler left under way ends as it ended for the workers it told (`retune` to the others, `to`), or is
+        cancelled (scheduler/recovery.py)."""
+        roster = self.roster
+        with roster.lock:
+            self.adaptation.recuts = max(self.adaptation.recuts, number)
+            if retune is not None and retune.switch:
+                roster.tuning = Tuning.from_dict(retune.tuning)
+        if retune is not None:
+            log.warning("ending re-cut %d that the last scheduler left under way: telling workers %s", number, to)
+            roster.tell([w for w in roster.workers if w.rank in to], retune)
 
     def _beat_loop(self) -> None:
         """A job with standby schedulers: beat every node, and step down the moment the lease is lost (lease.py)."""
@@ -249,7 +275,7 @@ class Scheduler:
                     )
             node = self.recovery.report(conn, first, self.clock())
             if self.recovery.done.is_set():
-                self._lose_the_unreported()
+                self._after_recovery()
             return node
         if not isinstance(first, messages.Register):
             raise GradwireError(f"first message from {conn.peer} must be register, got {first.op}")

@@ -2,7 +2,7 @@
 worker/work.py) and, when its server dies, everything unanswered. The scheduler moves the dead server's keys (to a
 standby at the same index, or onto the survivors) and says so (REPLACE); the worker re-routes, resends what was not
 answered, reports per moved key what it holds, and seeds the rounds that the dead server answered to some workers
-only, where the scheduler asks (SEED).
+only, where the scheduler asks (SEED; every worker gets one, most of them empty, when the failover is over).
 """
 
 from __future__ import annotations
@@ -43,6 +43,10 @@ class Failover:
         self._lock = threading.Lock()  # one failover at a time
         # when the link to each server died (wall clock), until it is failed over: for the record, and the report
         self.lost_at: dict[int, float] = {}
+        # the latest REPLACE, the keys it moved, and whether the scheduler's SEED of its epoch said it is over: a
+        # scheduler that resumes the job before every worker's is completes it (worker/report.py, recovery.py)
+        self._last: tuple[messages.Replace, list[int]] | None = None
+        self._over = False
 
     @property
     def seeds(self) -> dict[int, Seed]:
@@ -91,7 +95,8 @@ class Failover:
             seeded = self._seed_state(moved_keys)
             for work in orphans:
                 self.resubmit(work, 0)
-            held = self._held(moved_keys, orphans)
+            held = self._held(moved_keys, {w.key: w.round for w in orphans})
+            self._last, self._over = (body, moved_keys), False
         # even empty: the scheduler waits for every worker's report
         self.control.send(messages.FailoverState(state.epoch, held))
         record = {
@@ -123,10 +128,24 @@ class Failover:
         state.links[dead].start()
         return True
 
-    def _held(self, moved_keys: list[int], orphans: list[Work]) -> dict[str, list[int]]:
-        """Per moved key: [the round of the sum held, the round resent, whether what is held is this worker's
-        contribution] (the scheduler's FAILOVER_STATE: who seeds what, docs/faults.md)."""
-        pending = {w.key: w.round for w in orphans}
+    def latest(self) -> dict | None:
+        """The latest failover this worker was in, for a scheduler that resumes the job (worker/report.py): the
+        REPLACE it applied; per moved key, what it holds and what it waits for now (as FAILOVER_STATE says); and
+        whether the scheduler's SEED of that epoch said it is over. None if there was none."""
+        with self._lock:
+            if self._last is None:
+                return None
+            body, moved_keys = self._last
+            waiting: dict[int, int] = {}
+            for link in list(self.state.links):
+                if isinstance(link, ServerLink):
+                    waiting |= link.unanswered(moved_keys)
+            return {"replace": body.fields(), "held": self._held(moved_keys, waiting), "over": self._over}
+
+    def _held(self, moved_keys: list[int], pending: dict[int, int]) -> dict[str, list[int]]:
+        """Per moved key: [the round of the sum held, the round resent (`pending`: key -> the round waited for),
+        whether what is held is this worker's contribution] (the scheduler's FAILOVER_STATE: who seeds what,
+        docs/faults.md)."""
         seeds = self.seeds
         return {
             str(k): [
@@ -153,9 +172,13 @@ class Failover:
         seeds = self.seeds
         asked = [int(k) for k, rnd in body.keys if int(k) in seeds and seeds[int(k)].round == int(rnd)]
         sent = sum(self._seed(key, seeds[key]) for key in asked)
+        with self._lock:
+            if self._last is not None and self._last[0].epoch <= body.epoch:
+                self._over = True  # every worker gets its SEED (most an empty one) when the failover is over
         if self.records:
             self.records[-1]["seeds"] += sent
-        log.warning("worker %d: seeded %d sums the new servers' workers were waiting for", self.state.rank, sent)
+        if body.keys:
+            log.warning("worker %d: seeded %d sums the new servers' workers were waiting for", self.state.rank, sent)
 
     def _seed(self, key: int, seed: Seed) -> bool:
         """Send the sum this worker holds of `key` to the key's server, flagged SEED (its contribution to a sliced

@@ -132,6 +132,12 @@ class Flow:
         self.in_flight = 0
         return works
 
+    def rounds(self, keys: list[int]) -> dict[int, int]:
+        """key -> the round queued or unanswered here, of `keys` (seeds are not waited for)."""
+        wanted = set(keys)
+        works = [*self.pending.values(), *(w for _, _, w in self.queued)]
+        return {w.key: w.round for w in works if w.key in wanted and not w.seed}
+
     def tensors(self) -> set[str]:
         """The tensors with partitions queued or unanswered."""
         return {w.tensor for w in self.pending.values()} | {w.tensor for _, _, w in self.queued}

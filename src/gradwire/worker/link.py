@@ -130,6 +130,11 @@ class ServerLink:
                 return
         redirect(work, priority)  # this server is gone and its keys have moved
 
+    def unanswered(self, keys: list[int]) -> dict[int, int]:
+        """key -> the round of it queued or unanswered on this link, of `keys` (a failover's report)."""
+        with self._cond:
+            return self.flow.rounds(keys)
+
     def outstanding(self) -> list[str]:
         """Tensors with partitions queued or unanswered on this link (for timeout messages)."""
         with self._cond:

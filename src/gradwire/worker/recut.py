@@ -107,6 +107,7 @@ class Retuning:
         self.control = control
         self.declaring = declaring
         self.recut = Recut(state.lock)
+        self.last_retune: messages.Retune | None = None  # the RETUNE of the latest re-cut (its number > 0)
 
     def retune(self, tuning: Tuning | None) -> None:
         """New settings from the scheduler (a re-derivation, a failover): every link's window and cap from now on,
@@ -138,6 +139,8 @@ class Retuning:
         state = self.state
         self.retune(Tuning.from_dict(retune.tuning))
         number, switch = retune.recut, retune.switch
+        if number > 0:
+            self.last_retune = retune
         with state.lock:
             who = f"worker {state.rank}"
             successors = self.recut.cut(self.table.tensors, switch, number, state.partition_bytes, who)
@@ -150,3 +153,11 @@ class Retuning:
                 len(successors),
                 state.partition_bytes,
             )
+
+    def report(self) -> dict:
+        """For a scheduler that resumes the job (worker/report.py): the latest re-cut this worker heard of, whether it
+        still holds calls for it (step 1), and the latest re-cut's RETUNE it applied (step 2)."""
+        with self.state.lock:
+            number, held = self.recut.number, bool(self.recut.holds)
+        last = self.last_retune
+        return {"number": max(number, last.recut if last else 0), "held": held, "retune": last and last.fields()}

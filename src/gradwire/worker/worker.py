@@ -50,7 +50,7 @@ class Worker:
         self.failover = Failover(state, self.table, self.control, self.retuning, self.connecting)
         self.elastic = Elastic(state, self.table, self.control, self.connecting, self.failover, self.retuning)
         self.elastic.reformed = self.aggregate
-        self.control.report = Report(state, self.table, self.control, self.declaring, self.failover.lost_at)
+        self.control.report = Report(state, self.table, self.control, self.declaring, self.failover, self.retuning)
         self.calls = Calls(state, self.table, self.control, self.declaring, self.retuning.recut)
         self.admin: NodeAdmin | None = None
         # the API (gradwire/__init__.py and the adapters call these)
