@@ -76,6 +76,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--steps", type=int, default=8, help="with --train: timed steps per way")
     parser.add_argument(
+        "--scale",
+        action="store_true",
+        help="with --netem: samples/s against n (--scale-workers) with a profiled model's compute replayed, "
+        "dedicated and colocated servers against DDP over gloo, each point beside the model's prediction",
+    )
+    parser.add_argument("--scale-workers", default="1,2,4,8", help="with --scale: the numbers of workers")
+    parser.add_argument("--scale-rate", default="100mbit", help="with --scale: every link's rate (tc's spelling)")
+    parser.add_argument("--replay", default=None, help="with --scale: a profile (bench/replay.py), not the default")
+    parser.add_argument(
         "--compression",
         action="store_true",
         help="with --train: DistributedOptimizer with onebit, top-k 1%% (error feedback) and PowerSGD rank 2 beside "
@@ -170,6 +179,10 @@ def run(args: argparse.Namespace) -> int:
         from gradwire.bench.failover import run_failover
 
         return run_failover(args)
+    if args.netem and args.scale:
+        from gradwire.bench.scale import run_scale
+
+        return run_scale(args, env)
     if args.netem:
         from gradwire.bench.netem_cli import run_netem
 

@@ -322,6 +322,7 @@ def _train_row(topo: Topology, way: str, rate: str, drift: tuple[str, str] | Non
         "samples_per_s": row["samples_per_step"] / median,
         "cpu_utilization": cpu,
         "pushed_bytes_per_step": row.get("pushed_bytes_per_step"),  # rank 0's, gradwire's ways
+        "window": row.get("window"),
     }
 
 

@@ -2,7 +2,8 @@
 
 A microbenchmark is not the workload: here a model with layers of mixed sizes (a conv stack with BatchNorm, then a
 3M-parameter MLP) trains for real, gradients leave in backward order as hooks fire, and workers drift apart in time
-(each computes on its own random batch, on shared cores). The three ways:
+(each computes on its own random batch, on shared cores); with GRADWIRE_BENCH_REPLAY=PROFILE its compute is replayed
+from a profile instead (bench/replay.py: `gradwire bench --netem --scale`). The three ways:
 - `optimizer`: gradwire's DistributedOptimizer (Horovod's shape);
 - `hook`: torch's DistributedDataParallel with gradwire's comm hook (DDP's buckets through the summation servers);
 - `ddp`: torch's DistributedDataParallel over gloo, the peer;
@@ -30,6 +31,10 @@ def model():
     import torch
 
     torch.manual_seed(0)
+    if os.environ.get("GRADWIRE_BENCH_REPLAY"):  # `--scale`: the profiled model's compute replayed (bench/replay.py)
+        from gradwire.bench import replay
+
+        return replay.replay_model(replay.load(os.environ["GRADWIRE_BENCH_REPLAY"])["layers"])
     return torch.nn.Sequential(
         torch.nn.Conv2d(3, 32, 3, padding=1),
         torch.nn.BatchNorm2d(32),
@@ -98,6 +103,8 @@ def main(way: str, steps: int, warmup: int) -> None:
         if step == warmup:
             pushed = -_pushed(way)
         x, y = torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
+        if os.environ.get("GRADWIRE_BENCH_REPLAY"):
+            x = torch.randn(BATCH, 10, generator=g)  # the replayed model passes its input through
         t0 = time.perf_counter()
         starts.append(time.time())
         opt.zero_grad()
@@ -116,6 +123,7 @@ def main(way: str, steps: int, warmup: int) -> None:
         row = {"way": way, "times": times, "samples_per_step": BATCH * world, "parameters": params}
         recuts = [bisect.bisect(starts, r["at"]) - 1 for r in data_path.get("recuts") or []]
         row |= {"partition_bytes": partitions, "derived_again": data_path.get("derived_again"), "recut_steps": recuts}
+        row["window"] = data_path.get("window")
         if not way.startswith("ddp"):
             row["pushed_bytes_per_step"] = pushed / max(1, steps)
         print(json.dumps(row))
@@ -179,5 +187,20 @@ def _distributed(way: str) -> tuple:
     return ddp, opt, rank, world
 
 
+def write_profile() -> None:
+    """`python -m gradwire.bench.train profile`: this model's layers timed here, for `--scale` (bench/replay.py)."""
+    import torch
+    from gradwire.bench import replay
+
+    torch.manual_seed(0)
+    net, batch = model(), torch.randn(BATCH, 3, 32, 32)
+    replay.summary(
+        replay.write_profile(replay.BENCH_MODEL, net, batch, "bench/train.py's model (conv stack, then an MLP)")
+    )
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    if sys.argv[1:] == ["profile"]:
+        write_profile()
+    else:
+        main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))

@@ -11,7 +11,7 @@ MiB = 1 << 20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-n", "--num-workers", type=int, required=True)
+    parser.add_argument("-n", "--num-workers", type=int, default=0, help="(with --predict: the largest n, 1024)")
     parser.add_argument("-k", "--num-servers", type=int, default=0, help="dedicated servers")
     parser.add_argument("--worker-rate", default="100mbit", help="each worker host's link (tc spelling)")
     parser.add_argument("--server-rate", default="100mbit", help="each dedicated server's link")
@@ -21,9 +21,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="JSON lines of `gradwire bench --netem --json` runs: their times are printed beside the model's",
     )
+    parser.add_argument(
+        "--predict",
+        action="store_true",
+        help="a training step's time and scaling efficiency for n = 1, 2, 4, ... workers and each link rate "
+        "(--rates), from a profiled model's layers (gradwire/predict.py, docs/scaling.md)",
+    )
+    parser.add_argument("--profile", default=None, help="with --predict: a layer profile (bench/replay.py)")
+    parser.add_argument(
+        "--compute-scale", type=float, default=1.0, help="with --predict: the profile's compute times divided by this"
+    )
+    parser.add_argument("--rates", default="1gbit,10gbit,100gbit,400gbit", help="with --predict: link rates")
+    parser.add_argument(
+        "--delay-ms", type=float, default=0.025, help="with --predict: one-way delay between two hosts (ms)"
+    )
+    parser.add_argument(
+        "--server-cpu-per-gb",
+        type=float,
+        default=0.7,
+        help="with --predict: a server's CPU seconds per GB reduced (measured by `gradwire bench`, TCP)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.predict:
+        return predict_table(args)
+    if args.num_workers < 1:
+        raise SystemExit("gradwire plan: -n is required (the number of workers)")
     s = args.size * MiB
     workers = [parse_rate(args.worker_rate) / 8] * args.num_workers
     servers = [parse_rate(args.server_rate) / 8] * args.num_servers
@@ -73,3 +97,47 @@ def _measured(args: argparse.Namespace, nbytes: float) -> dict[str, float]:
                 elif r.get("colocated") and r["servers"] == args.num_servers:
                     out["mix"] = r["seconds_median"]
     return out
+
+
+def predict_table(args: argparse.Namespace) -> int:
+    """`--predict`: per link rate and n (powers of two up to -n, default 1,024), the step of ring all-reduce (DDP), of
+    gradwire with k = n dedicated servers and with colocated servers only, their scaling efficiencies, how many of
+    the k servers the step's partitions keep busy, and the CPU cores each of those needs at that pace."""
+    from gradwire import predict
+    from gradwire.bench import replay
+
+    profile = replay.load(args.profile or replay.BENCH_MODEL)
+    scale = args.compute_scale
+    layers = [
+        predict.Layer(4 * sum(la["elements"]), la["forward_s"] / scale, la["backward_s"] / scale)
+        for la in profile["layers"]
+    ]
+    total = sum(la.nbytes for la in layers)
+    largest = args.num_workers or 1024
+    ns = [1 << i for i in range(largest.bit_length()) if 1 << i <= largest]
+    print(
+        f"{profile['model']}: {total / MiB:.1f} MiB of gradient, compute {predict.compute_s(layers) * 1e3:.1f} ms per "
+        f"step ({profile['device']}, divided by {scale:g}); one-way delay {args.delay_ms:g} ms; servers' CPU "
+        f"{args.server_cpu_per_gb:g} s per GB"
+    )
+    print(
+        f"{'rate':>8} {'n':>5} {'ring s':>8} {'eff':>5} {'k=n s':>8} {'eff':>5} {'x ring':>6} "
+        f"{'coloc s':>8} {'eff':>5} {'servers':>7} {'cores each':>10}"
+    )
+    for rate in args.rates.split(","):
+        links = predict.Links(parse_rate(rate) / 8, parse_rate(rate) / 8, args.delay_ms / 1e3)
+        one = {}
+        for n in ns:
+            ring = predict.ring_step(layers, n, links).step_s
+            partition, window = predict.derived(n, n, links)
+            dedicated = predict.gradwire_step(layers, n, n, links, False, partition, window).step_s
+            colocated = predict.gradwire_step(layers, n, 0, links, True, *predict.derived(n, 0, links)).step_s
+            one = one or {"ring": ring, "dedicated": dedicated, "colocated": colocated}
+            used = predict.servers_used(n, layers, partition)
+            cores = predict.server_cores(n, used, total, dedicated, args.server_cpu_per_gb)
+            print(
+                f"{rate:>8} {n:>5} {ring:8.4f} {one['ring'] / ring:5.2f} {dedicated:8.4f} "
+                f"{one['dedicated'] / dedicated:5.2f} {ring / dedicated:6.2f} {colocated:8.4f} "
+                f"{one['colocated'] / colocated:5.2f} {used:7d} {cores:10.2f}"
+            )
+    return 0
