@@ -49,12 +49,12 @@ def test_the_default_profiles_are_there_and_the_scale_table_reads_them():
         profile = replay.load(path)
         assert profile["layers"] and profile["device"] and profile["batch"] > 0
     profile = replay.load(replay.BENCH_MODEL)
-    layers = scale.layers_of(profile)
+    layers = replay.layers(profile)
     rows = []
     settings = {"partition_bytes": 65536, "window": 8}
     for n in (1, 2):
         for way in ("gradwire", "ddp"):
-            step = scale.predicted(layers, n, "dedicated", way, "100mbit", settings, 0.01)
+            step = scale.model_step(layers, n, "dedicated", way, "100mbit", settings, 0.01).step_s
             rows.append({"n": n, "layout": "dedicated", "way": way, "samples_per_s": 32 * n / step, "step_s": step})
             rows[-1] |= {"bound_step_s": step, "cpu_utilization": 0.5, "rate": "100mbit", "settings": settings}
     scale._predictions(rows, layers)

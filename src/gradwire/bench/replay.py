@@ -62,6 +62,17 @@ def profile(net, batch, repeats: int = 10) -> list[dict]:  # noqa: ANN001 - a to
     return table
 
 
+def layers(profile: dict, compute_scale: float = 1.0) -> list:
+    """A profile's layers as the step-time model takes them (gradwire/predict.py): float32 gradients, the compute
+    times divided by `compute_scale` (a faster device)."""
+    from gradwire.predict import Layer
+
+    return [
+        Layer(4 * sum(la["elements"]), la["forward_s"] / compute_scale, la["backward_s"] / compute_scale)
+        for la in profile["layers"]
+    ]
+
+
 def load(path: str | Path = BENCH_MODEL) -> dict:
     """A profile written by `write_profile`: {"device", "model", "batch", "layers": [...]}."""
     with open(path) as f:

@@ -24,38 +24,26 @@ def _colocated(n: int, rate: str) -> Topology:
     return Topology(n, 0, rate, rate, colocate=True)
 
 
-def layers_of(profile: dict) -> list[predict.Layer]:
-    """A profile's layers (bench/replay.py) as the model takes them: float32 gradients."""
-    return [predict.Layer(4 * sum(la["elements"]), la["forward_s"], la["backward_s"]) for la in profile["layers"]]
-
-
-def predicted(
+def model_step(
     layers: list[predict.Layer], n: int, layout: str, way: str, rate: str, settings: dict, overhead_s: float = 0.0
-) -> float:
-    """The model's step seconds for one measured point (the partition size and window the job ran with);
-    `overhead_s`: a step's time outside its layers (the loss, the optimizer's step)."""
+) -> predict.Prediction:
+    """The model's step for one point: `way` (gradwire or ddp) with `layout`'s servers on links of `rate`, with the
+    partition size and window the job ran with (`settings`; none: the defaults') and `overhead_s`, a step's time
+    outside its layers (the loss, the optimizer's step)."""
     links = predict.Links(parse_rate(rate) / 8, parse_rate(rate) / 8)
     if way == "ddp":
-        return predict.ring_step(layers, n, links, overhead_s).step_s
+        return predict.ring_step(layers, n, links, overhead_s)
     k, colocated = (n, False) if layout == "dedicated" else (0, True)
     partition = int(settings.get("partition_bytes") or 4 << 20)
     window = int(settings.get("window") or 0)
-    return predict.gradwire_step(layers, n, k, links, colocated, partition, window, overhead_s).step_s
-
-
-def bounds(layers: list[predict.Layer], n: int, layout: str, way: str, rate: str) -> float:
-    links = predict.Links(parse_rate(rate) / 8, parse_rate(rate) / 8)
-    if way == "ddp":
-        return predict.ring_step(layers, n, links).bound_s
-    k, colocated = (n, False) if layout == "dedicated" else (0, True)
-    return predict.gradwire_step(layers, n, k, links, colocated).bound_s
+    return predict.gradwire_step(layers, n, k, links, colocated, partition, window, overhead_s)
 
 
 def run_scale(args: argparse.Namespace, env: dict[str, str]) -> int:
     from gradwire.bench.netem import run_train_config
 
     profile = replay.load(args.replay or replay.BENCH_MODEL)
-    layers = layers_of(profile)
+    layers = replay.layers(profile)
     env = env | {"GRADWIRE_BENCH_REPLAY": str(args.replay or replay.BENCH_MODEL)}
     rows = []
     for n in [int(x) for x in args.scale_workers.split(",")]:
@@ -67,7 +55,7 @@ def run_scale(args: argparse.Namespace, env: dict[str, str]) -> int:
                 row = {"n": n, "layout": layout, "way": way, "rate": args.scale_rate}
                 row |= {"samples_per_s": r["samples_per_s"], "step_s": r["step_seconds_median"]}
                 row |= {"cpu_utilization": r["cpu_utilization"], "settings": settings}
-                row["bound_step_s"] = bounds(layers, n, layout, way, args.scale_rate)
+                row["bound_step_s"] = model_step(layers, n, layout, way, args.scale_rate, {}).bound_s
                 rows.append(row)
     _predictions(rows, layers)
     _efficiencies(rows)
@@ -86,7 +74,7 @@ def _predictions(rows: list[dict], layers: list[predict.Layer]) -> None:
     overhead = max(0.0, min(alone) - predict.compute_s(layers)) if alone else 0.0
     for r in rows:
         args = (layers, r["n"], r["layout"], r["way"], r["rate"], r["settings"], overhead)
-        r["predicted_step_s"], r["overhead_s"] = predicted(*args), overhead
+        r["predicted_step_s"], r["overhead_s"] = model_step(*args).step_s, overhead
 
 
 def _efficiencies(rows: list[dict]) -> None:

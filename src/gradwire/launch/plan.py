@@ -108,10 +108,7 @@ def predict_table(args: argparse.Namespace) -> int:
 
     profile = replay.load(args.profile or replay.BENCH_MODEL)
     scale = args.compute_scale
-    layers = [
-        predict.Layer(4 * sum(la["elements"]), la["forward_s"] / scale, la["backward_s"] / scale)
-        for la in profile["layers"]
-    ]
+    layers = replay.layers(profile, scale)
     total = sum(la.nbytes for la in layers)
     largest = args.num_workers or 1024
     ns = [1 << i for i in range(largest.bit_length()) if 1 << i <= largest]

@@ -73,8 +73,7 @@ class Failover:
             if entry is not None:
                 everyone, reported = entry
                 reported[node.rank] = held_of(state.keys)
-                if len(reported) >= len(self.roster.live_workers()):
-                    everyone.set()
+                self._everyone_in_locked(everyone, reported)
 
     def _fail_over(self, dead: Node, standby: Node | None, epoch: int, why: str) -> None:
         roster = self.roster
@@ -91,10 +90,7 @@ class Failover:
         with roster.lock:
             workers = roster.live_workers()
         seeded = self._complete(body, workers, {})
-        to = "standby" if standby is not None else "survivors"
-        seconds = roster.clock() - started
-        record = {"server": dead.rank, "epoch": epoch, "seeds": seeded, "to": to, "tensors_moved": len(moved)}
-        self.records.append(record | {"seconds": seconds, "why": why})
+        to, seconds = self._record(body, seeded, started, why)
         log.warning("server %d failed over to %s in %.1f ms (epoch %d)", dead.rank, to, seconds * 1e3, epoch)
 
     def resume(self, body: messages.Replace, held: dict[int, dict], untold: list[int]) -> None:
@@ -110,11 +106,14 @@ class Failover:
             "completing the failover of server %d (epoch %d) that the last scheduler began: told %s, telling %s",
             *(body.server, body.epoch, sorted(held) or "none", untold or "none"),
         )
-        seeded = self._complete(body, workers, held)
-        seconds = roster.clock() - started
-        to = "standby" if body.standby else "survivors"
-        record = {"server": body.server, "epoch": body.epoch, "seeds": seeded, "to": to, "seconds": seconds}
-        self.records.append(record | {"tensors_moved": len(body.moved), "why": "completed after the scheduler's death"})
+        self._record(body, self._complete(body, workers, held), started, "completed after the scheduler's death")
+
+    def _record(self, body: messages.Replace, seeded: int, started: float, why: str) -> tuple[str, float]:
+        """Keep the record of the failover `body` told (for /status); returns where the keys went, and its seconds."""
+        to, seconds = "standby" if body.standby else "survivors", self.roster.clock() - started
+        record = {"server": body.server, "epoch": body.epoch, "seeds": seeded, "to": to}
+        self.records.append(record | {"tensors_moved": len(body.moved), "seconds": seconds, "why": why})
+        return to, seconds
 
     def _complete(self, body: messages.Replace, workers: list[Node], held: dict[int, dict]) -> int:
         """Tell `workers` the keys have moved (REPLACE); once every live worker has reported what it holds (`held`:
@@ -124,8 +123,7 @@ class Failover:
         everyone, reported = threading.Event(), dict(held)
         with roster.lock:
             self._states[epoch] = (everyone, reported)
-            if len(reported) >= len(roster.live_workers()):
-                everyone.set()
+            self._everyone_in_locked(everyone, reported)
         roster.tell(workers, body)  # a worker that cannot be told is lost, which its own connection reports
         # every worker reports, per moved key, the round of the sum it holds and the round it resends; a round that
         # one worker resends and others hold the sum (or their contributions) of was being answered when the server
@@ -142,6 +140,10 @@ class Failover:
         for worker in live:
             roster.tell([worker], messages.Seed(epoch, seeds.get(worker.rank, [])))
         return sum(len(k) for k in seeds.values())
+
+    def _everyone_in_locked(self, everyone: threading.Event, reported: dict) -> None:
+        if len(reported) >= len(self.roster.live_workers()):
+            everyone.set()
 
     def _move_keys(self, dead: Node, standby: Node | None, epoch: int) -> tuple[dict, dict | None]:
         """Move the dead server's keys: to their replicas where they have one, the rest to the standby (promoted

@@ -177,8 +177,7 @@ class Recovery:
         promoted before any worker was told: `_promoted_unknown`); anyone else was taken as lost."""
         roster = self.roster
         if resume.role == "server" and not node.standby and resume.rank < len(roster.servers):
-            entry = server_entry(roster.servers[resume.rank])
-            node.standby = (node.host, node.port) != (entry["host"], int(entry["port"]))
+            node.standby = not _at(node, server_entry(roster.servers[resume.rank]))
         if not node.standby:
             raise GradwireError(f"{resume.role} {resume.rank} reported after the job was recovered without it")
         self.roster.standby.append(node)
@@ -237,6 +236,17 @@ class Recovery:
         roster.barriers_passed = max(
             int(r.report.get("barriers", 0)) for _, r in reports.values() if r.role == "worker"
         )
+        self._keep_record_locked(now, len(tensors))
+        for node in roster.nodes:
+            # heard from now on: a node waiting for RESUMED sends nothing (it reported up to a timeout ago); its
+            # promise to this scheduler starts with RESUMED (lease.py)
+            node.heard = node.last_seen = node.answered = now
+        roster.tell(roster.nodes, messages.Resumed(roster.term, roster.epoch))
+        self.done.set()
+
+    def _keep_record_locked(self, now: float, tensors: int) -> None:
+        """What was recovered, and from whom (/status `recovered`), also said in the log."""
+        roster, reports = self.roster, self._reports
         seconds = now - self.started
         self.record = {
             "term": roster.term,
@@ -244,7 +254,7 @@ class Recovery:
             "seconds": round(seconds, 3),
             "reported": sorted(f"{role} {rank}" for role, rank in reports)
             + [f"standby {n.host}" for n in roster.standby],
-            "tensors": len(tensors),
+            "tensors": tensors,
             "barriers_passed": roster.barriers_passed,
             "servers_lost": [n.rank for n, _ in self.lost],
             "failover_under_way": self.under_way[0].server if self.under_way else None,
@@ -255,16 +265,10 @@ class Recovery:
             "recovered the job in %.1f s (term %d, epoch %d) from %s: %d workers, %d servers, %d tensors, %d barriers "
             "passed; servers to fail over: %s; a failover to complete: %s; a re-cut to end: %s",
             *(seconds, roster.term, roster.epoch, ", ".join(self.record["reported"]), len(roster.workers)),
-            *(len(roster.servers), len(tensors), roster.barriers_passed, self.record["servers_lost"] or "none"),
+            *(len(roster.servers), tensors, roster.barriers_passed, self.record["servers_lost"] or "none"),
             "none" if self.under_way is None else f"server {self.under_way[0].server}",
             self.record["recut_under_way"] or "none",
         )
-        for node in roster.nodes:
-            # heard from now on: a node waiting for RESUMED sends nothing (it reported up to a timeout ago); its
-            # promise to this scheduler starts with RESUMED (lease.py)
-            node.heard = node.last_seen = node.answered = now
-        roster.tell(roster.nodes, messages.Resumed(roster.term, roster.epoch))
-        self.done.set()
 
     def _worker(self, rank: int, book: dict) -> Node:
         """Worker `rank` of the rebuilt roster: its report's node, or (it did not report: an elastic job goes on
@@ -298,7 +302,7 @@ class Recovery:
         promoted to it before any worker was told (it died in between). It is a standby again, and the rank's server
         is failed over anew (to it, as the first standby)."""
         node, resume = reported
-        if (node.host, node.port) == (entry["host"], int(entry["port"])):
+        if _at(node, entry):
             return False
         log.warning("server %d at %s:%d: a standby promoted that no worker knows of", node.rank, node.host, node.port)
         del self._reports[("server", node.rank)]
@@ -318,7 +322,7 @@ class Recovery:
     def _tensors(self) -> dict[str, tuple[int, messages.Declare, int, list[int]]]:
         """Every tensor some worker has its declaration's answer for: (the rank that reported it first, its
         declaration, its partition size, its servers). Workers agree on each, but for a failover some of them were
-        not told of (`_failover_under_way`): the placement is that of the workers that know the latest epoch."""
+        not told of (unfinished.py): the placement is that of the workers that know the latest epoch."""
         out: dict[str, tuple[int, messages.Declare, int, list[int]]] = {}
         workers = [(rank, r) for (role, rank), (_, r) in self._reports.items() if role == "worker"]
         for rank, resume in sorted(workers, key=lambda w: (-w[1].epoch, w[0])):  # a failover's REPLACE first
@@ -328,3 +332,8 @@ class Recovery:
                 if declare.name not in out:
                     out[declare.name] = (rank, declare, int(t["partition_bytes"]), [int(s) for s in t["servers"]])
         return out
+
+
+def _at(node: Node, entry: dict) -> bool:
+    """Whether a reporting server `node` is where the address book's `entry` says that rank's server is."""
+    return (node.host, node.port) == (entry["host"], int(entry["port"]))
