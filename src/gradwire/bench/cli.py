@@ -24,6 +24,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--partition-bytes", type=int, default=None)
     parser.add_argument("--json", action="store_true", help="one JSON object per measurement")
     parser.add_argument(
+        "--partitions",
+        default=None,
+        metavar="KIB,...",
+        help="CPU seconds per GB of workers and servers by partition size (KiB, comma-separated; TCP, the first of "
+        "--sizes)",
+    )
+    parser.add_argument(
         "--netem",
         action="store_true",
         help="across an emulated network (root): the issue-4 matrix, gloo in the same cluster",
@@ -155,6 +162,10 @@ def run(args: argparse.Namespace) -> int:
         env["GRADWIRE_PLACEMENT"] = args.placement
     if args.pacing is not None:
         env["GRADWIRE_PACING"] = str(args.pacing)
+    if args.partitions:
+        from gradwire.bench.partitions import run_partitions
+
+        return run_partitions(args, env)
     if args.large:
         from gradwire.bench.large import run_large
 

@@ -7,7 +7,8 @@ Layout (40 bytes)::
 
 A header is validated completely (`decode_header`) before any buffer is sized from it: the magic, the
 version, a known type, a known dtype for data frames, and the length against the receiver's maximum.
-Data frames (PUSHPULL, RESULT) carry raw array bytes; every other type carries a JSON body.
+Data frames (PUSHPULL, RESULT) carry raw array bytes; ACKS carries packed (key, round) pairs (`ACK_ENTRY`); every
+other type carries a JSON body.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ VERSION = 1
 HEADER = struct.Struct("<IBBBBIIQIIQ")
 HEADER_SIZE = HEADER.size
 MAX_CONTROL_BYTES = 1 << 20
+ACK_ENTRY = struct.Struct("<QI")  # an ACKS frame's (key, round)
 
 
 class FrameType(enum.IntEnum):
@@ -40,6 +42,9 @@ class FrameType(enum.IntEnum):
     ACK = 8  # server -> worker: your contribution to (key, round) is in; frees a window slot
     SHM_ATTACH = 9  # worker -> server {path, push, pull, slot_bytes}; the reply {ok} (transport/shm.py)
     PROBE = 10  # bytes that only measure a link's rate (GRADWIRE_PLACEMENT=auto; scheduler/probe.py)
+    # server -> worker: its contributions to these (key, round)s are in (ACK_ENTRY each): the acknowledgements of one
+    # batch of the engine, in one frame (server/outbox.py)
+    ACKS = 11
 
 
 # PUSHPULL flag: the payload is a sum the worker already received (resent to a key's new server after a failover;
@@ -126,6 +131,8 @@ def decode_header(raw: bytes | bytearray | memoryview, max_payload: int) -> Head
             raise RemoteProtocolError(f"payload of {length} bytes is not a whole number of {dtype=} elements")
     elif length > MAX_CONTROL_BYTES:
         raise RemoteProtocolError(f"{frame_type.name} body of {length} bytes exceeds {MAX_CONTROL_BYTES}")
+    elif frame_type is FrameType.ACKS and length % ACK_ENTRY.size:
+        raise RemoteProtocolError(f"ACKS body of {length} bytes is not a whole number of entries")
     return Header(frame_type, flags, dtype, epoch, sender, key, rnd, status, length)
 
 

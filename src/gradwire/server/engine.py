@@ -50,7 +50,7 @@ from gradwire.protocol import dtypes
 from gradwire.protocol.frames import DEPARTED_EVENT, JOIN_EVENT, REPLAY, REPLICA, SEED
 from gradwire.ring import Ring, RingClosed, Slot
 from gradwire.server import ops, replica
-from gradwire.server.rounds import Ack, Fail, FailRank, Forward, KeyOp, KeyState, Reply, Round
+from gradwire.server.rounds import Ack, Batching, Fail, FailRank, Forward, KeyOp, KeyState, Reply, Round
 from gradwire.transport.shm import NO_SLOT
 
 log = logging.getLogger("gradwire.server")
@@ -71,8 +71,10 @@ class Engine:
         deterministic: bool = True,
         forward: Forward | None = None,
         fail_rank: FailRank | None = None,
+        batching: Batching | None = None,
     ) -> None:
         self.index = index
+        self._batching = batching  # replies held over a batch, sent at its end (server/replier.py); None: at once
         self._fail_rank = fail_rank
         self.forward = forward  # to a key's replica server (server/replica.py); None: no replicas
         self.deterministic = deterministic
@@ -100,6 +102,8 @@ class Engine:
         # Sums follow IEEE arithmetic (an overflow is inf, which AMP's loss scaling looks for), whatever the
         # process's warning filters say. numpy's error state is per thread: set once, no per-message cost.
         np.seterr(all="ignore")
+        if self._batching is not None:
+            self._batching.begin()
         next_seq = 0
         while True:
             try:
@@ -117,6 +121,8 @@ class Engine:
                         "engine %d: key %016x round %d from worker %d", self.index, slot.key, slot.round, slot.sender
                     )
                     self._fail(slot, f"server failed to sum key {slot.key:016x}: {e}")
+            if self._batching is not None:
+                self._batching.flush()
             self.ring.release(available)
             next_seq = available + 1
 

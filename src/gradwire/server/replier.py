@@ -2,6 +2,10 @@
 is queued. Small replies over a socket (ACKs, small sums) go from the engine's thread itself where nothing is queued
 before them and the socket takes them without waiting (`WorkerLink.reply`): a wake-up of the replier less for most of
 them; everything else goes through the queue, so a slow worker never holds an engine.
+
+Batches: an engine holds the replies it makes while it handles one batch of its ring (`HeldReplies`) and sends each
+worker's at the end in one go: one system call (or one wake-up of the replier) per worker and batch, and the batch's
+acknowledgements in one ACKS frame. Replies to one worker stay in the order they were made, whoever sends them.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ log = logging.getLogger("gradwire.server")
 # replies up to this size over a socket may be sent by the engine's thread at once (WorkerLink.reply): a copy of this
 # many bytes into the socket costs about what a wake-up of the reply thread does; larger ones stay off the engine
 DIRECT_REPLY_BYTES = 64 << 10
+MAX_ACKS = 4096  # acknowledgements in one ACKS frame at most (far below the control frames' limit)
 
 
 class ReplyItem:
@@ -30,7 +35,7 @@ class ReplyItem:
     __slots__ = ("key",)
     direct = False  # may go at once from the engine's thread (`WorkerLink.reply`)
 
-    def parts(self, link: WorkerLink, header: bytearray, epoch: int, sender: int) -> tuple[list, int]:
+    def parts(self, link: WorkerLink, header: memoryview, epoch: int, sender: int) -> tuple[list, int]:
         """The frame's parts, its header packed into `header`, and the bytes of a sum it carries (for metrics)."""
         raise NotImplementedError
 
@@ -47,7 +52,7 @@ class ResultReply(ReplyItem):
     def direct(self) -> bool:  # type: ignore[override]
         return len(self.payload) <= DIRECT_REPLY_BYTES
 
-    def parts(self, link: WorkerLink, header: bytearray, epoch: int, sender: int) -> tuple[list, int]:
+    def parts(self, link: WorkerLink, header: memoryview, epoch: int, sender: int) -> tuple[list, int]:
         payload, size = self.payload, len(self.payload)
         if self.pull != shm.NO_SLOT and link.arena is not None:
             # the worker offered a shared pull slot: one memcpy here, none through the kernel
@@ -62,17 +67,14 @@ class ResultReply(ReplyItem):
 
 
 class AckReply(ReplyItem):
-    """A contribution is in (it frees a place in the worker's window)."""
+    """A contribution is in (it frees a place in the worker's window). Consecutive ones travel in one ACKS frame
+    (`frames_of`)."""
 
     __slots__ = ("round",)
     direct = True
 
     def __init__(self, key: int, rnd: int) -> None:
         self.key, self.round = key, rnd
-
-    def parts(self, link: WorkerLink, header: bytearray, epoch: int, sender: int) -> tuple[list, int]:
-        frames.pack_header_into(header, FrameType.ACK, 0, 0, epoch, sender, self.key, self.round)
-        return [header], 0
 
 
 class ErrorReply(ReplyItem):
@@ -83,20 +85,80 @@ class ErrorReply(ReplyItem):
     def __init__(self, key: int, message: str) -> None:
         self.key, self.message = key, message
 
-    def parts(self, link: WorkerLink, header: bytearray, epoch: int, sender: int) -> tuple[list, int]:
+    def parts(self, link: WorkerLink, header: memoryview, epoch: int, sender: int) -> tuple[list, int]:
         return [frames.encode_json(FrameType.ERROR, {"message": self.message}, key=self.key)], 0
 
 
 class RestReply(ReplyItem):
-    """The part of a frame that a send without waiting left over: the replier sends it before anything else."""
+    """The part of a send that a send without waiting left over: the replier sends it before anything else."""
 
     __slots__ = ("pulled", "views")
 
-    def __init__(self, key: int, views: list[memoryview], pulled: int) -> None:
-        self.key, self.views, self.pulled = key, views, pulled  # pulled: the sum's bytes (0: an ACK), once sent
+    def __init__(self, views: list[memoryview], pulled: int) -> None:
+        self.key, self.views, self.pulled = -1, views, pulled  # pulled: the sums' bytes in it (0: ACKs only)
 
-    def parts(self, link: WorkerLink, header: bytearray, epoch: int, sender: int) -> tuple[list, int]:
+    def parts(self, link: WorkerLink, header: memoryview, epoch: int, sender: int) -> tuple[list, int]:
         return self.views, self.pulled
+
+
+def frames_of(link: WorkerLink, items: list[ReplyItem], epoch: int, sender: int) -> tuple[list, int]:
+    """The parts of one send carrying `items` in order (consecutive ACKs merged into ACKS frames), and the bytes of
+    sums among them. The headers are packed into one buffer made for the batch: nothing the send leaves over refers
+    to memory that a later batch reuses."""
+    size, ack = frames.HEADER_SIZE, frames.ACK_ENTRY
+    acks = sum(1 for item in items if type(item) is AckReply)
+    buffer = memoryview(bytearray(size * len(items) + ack.size * acks))
+    parts: list = []
+    pulled = at = i = 0
+    while i < len(items):
+        item = items[i]
+        if type(item) is not AckReply:
+            more, sums = item.parts(link, buffer[at : at + size], epoch, sender)
+            parts += more
+            pulled += sums
+            at += size
+            i += 1
+            continue
+        start = at
+        at += size
+        count = 0
+        while i < len(items) and type(items[i]) is AckReply and count < MAX_ACKS:
+            ack.pack_into(buffer, at, items[i].key, items[i].round)
+            at += ack.size
+            count += 1
+            i += 1
+        body = count * ack.size
+        frames.pack_header_into(buffer[start : start + size], FrameType.ACKS, body, 0, epoch, sender, 0, 0)
+        parts.append(buffer[start:at])
+    return parts, pulled
+
+
+class HeldReplies:
+    """The replies an engine's thread makes while it handles one batch of its ring, held per worker link and sent
+    when the batch ends (module docstring). Replies made on any other thread (an answer once a replica has an update)
+    go at once, behind what is held for that worker."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def begin(self) -> None:
+        """The calling thread (an engine's) holds its replies from now on, until each `flush`."""
+        self._local.links = {}
+
+    def reply(self, link: WorkerLink, item: ReplyItem) -> None:
+        links = getattr(self._local, "links", None)
+        if links is None:
+            link.reply(item)
+            return
+        link.hold(item)
+        links[id(link)] = link
+
+    def flush(self) -> None:
+        """Send what this thread holds (the end of its batch)."""
+        links = self._local.links
+        for link in links.values():
+            link.flush()
+        links.clear()
 
 
 class WorkerLink:
@@ -105,42 +167,61 @@ class WorkerLink:
     def __init__(self, conn: tcp.Connection, metrics: Metrics | None = None) -> None:
         self.conn = conn
         self.metrics = metrics or Metrics("server")
-        self.replies: queue.SimpleQueue = queue.SimpleQueue()
+        self.replies: queue.SimpleQueue = queue.SimpleQueue()  # lists of replies, sent in order, each in one go
         self.arena: shm.Arena | None = None  # shared slots, when the worker is on this host
-        self._header = bytearray(frames.HEADER_SIZE)
         self._users = 2  # the reader and the replier: the shared slots are unmapped when both are done
         self._users_lock = threading.Lock()
-        # replies queued or being sent by the replier: one sent at once must not overtake them (`reply`)
+        # replies held (an engine's batch: HeldReplies), and sends queued or being sent by the replier: a send at once
+        # must not overtake either (`reply`)
+        self._held: list[ReplyItem] = []
         self._queued = 0
         self._order = threading.Lock()
-        self._direct_header = bytearray(frames.HEADER_SIZE)
         self._ids: tuple[int, int] | None = None  # (epoch, server rank) for headers, once the replier runs
 
     def reply(self, item: ReplyItem) -> None:
-        """Queue a reply to this worker (a sum, an ACK or an ERROR), in order with every other reply to it.
-
-        An ACK or a small sum over a socket goes at once from the calling thread (an engine's) when nothing is queued
-        or being sent before it and the socket takes it without waiting; what the socket does not take, and
-        everything else, goes through the queue to the replier, so a slow worker never holds an engine."""
+        """Send a reply to this worker (a sum, an ACK or an ERROR), in order with every other reply to it: behind
+        those held (`hold`), which go with it."""
         with self._order:
-            if self._queued == 0 and self._ids is not None and self.arena is None and item.direct:
-                rest = self._send_now(item)
-                if rest is None:
-                    return
-                item = rest
-            self._queued += 1
-            self.replies.put(item)
+            self._held.append(item)
+            self._send_held()
 
-    def _send_now(self, item: ReplyItem) -> RestReply | None:
-        """Send a reply without waiting; None if the socket took it whole, else what is left, for the replier."""
+    def hold(self, item: ReplyItem) -> None:
+        """Keep a reply to send with the next `flush` (or `reply`), in order."""
+        with self._order:
+            self._held.append(item)
+
+    def flush(self) -> None:
+        """Send the replies held."""
+        with self._order:
+            if self._held:
+                self._send_held()
+
+    def _send_held(self) -> None:
+        """(Holding `_order`.) The held replies: over a socket, with nothing queued before them, the leading ACKs and
+        small sums at once from this thread, as far as the socket takes them without waiting; the rest, and
+        everything else, through the queue to the replier, so a slow worker never holds an engine."""
+        items, self._held = self._held, []
+        if self._queued == 0 and self._ids is not None and self.arena is None:
+            direct = 0
+            while direct < len(items) and items[direct].direct:
+                direct += 1
+            if direct:
+                rest = self._send_now(items[:direct])
+                items = items[direct:] if rest is None else [rest, *items[direct:]]
+        if items:
+            self._queued += 1
+            self.replies.put(items)
+
+    def _send_now(self, items: list[ReplyItem]) -> RestReply | None:
+        """Send replies without waiting; None if the socket took them whole, else what is left, for the replier."""
         assert self._ids is not None
-        parts, pulled = item.parts(self, self._direct_header, *self._ids)
+        parts, pulled = frames_of(self, items, *self._ids)
         rest = self.conn.send_nowait(parts)
         if not rest:
             if pulled:
                 self.metrics.pulled(pulled)
             return None
-        return RestReply(item.key, rest, pulled)
+        return RestReply(rest, pulled)
 
     def release(self) -> None:
         """The reader or the replier is done; the last one unmaps the shared slots (the other may still use them)."""
@@ -159,16 +240,16 @@ class WorkerLink:
 
     def _reply_loop(self, epoch: int, sender: int) -> None:
         self._ids = (epoch, sender)  # from now on `reply` may send small replies at once
-        while (item := self.replies.get()) is not None:
-            sent = self._send_queued(item, epoch, sender)
+        while (items := self.replies.get()) is not None:
+            sent = self._send_queued(items, epoch, sender)
             with self._order:
                 self._queued -= 1
             if not sent:
                 return
 
-    def _send_queued(self, item: ReplyItem, epoch: int, sender: int) -> bool:
-        """Send one queued reply; False if the connection failed."""
-        parts, pulled = item.parts(self, self._header, epoch, sender)
+    def _send_queued(self, items: list[ReplyItem], epoch: int, sender: int) -> bool:
+        """Send queued replies in one go; False if the connection failed."""
+        parts, pulled = frames_of(self, items, epoch, sender)
         try:
             self.conn.send(parts)
         except GradwireError as e:

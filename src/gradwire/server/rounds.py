@@ -36,6 +36,16 @@ FailRank = Callable[[int, int, str], None]
 Forward = Callable[[int, int, int, int, list, Callable[[], None]], None]
 
 
+class Batching(Protocol):
+    """Replies held over one batch of the engine's ring (server/replier.py `HeldReplies`)."""
+
+    def begin(self) -> None:
+        """The calling thread, the engine's, holds the replies it makes from now on, until each `flush`."""
+
+    def flush(self) -> None:
+        """The batch is done: send what is held."""
+
+
 class Outbox(Protocol):
     """What a per-key operation may send: a round's result, one push's answer, an acknowledgement, a payload of its
     own, an update forwarded to the key's replica (None: no replicas)."""

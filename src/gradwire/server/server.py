@@ -27,7 +27,7 @@ from gradwire.server.control import ServerControl
 from gradwire.server.engine import Engine
 from gradwire.server.reader import Reader
 from gradwire.server.replica import Replicas
-from gradwire.server.replier import AckReply, ErrorReply, ResultReply, WorkerLink
+from gradwire.server.replier import AckReply, ErrorReply, HeldReplies, ResultReply, WorkerLink
 from gradwire.server.state import ServerState
 from gradwire.throttle import HandshakeGate
 from gradwire.transport import tcp
@@ -50,6 +50,7 @@ class Server:
         self.state = state = ServerState(config)
         self.reader = Reader(state)
         self.control = ServerControl(state)
+        self._held = HeldReplies()  # the engines' replies, held over each batch of their rings
         self._listener = tcp.listen(config.host, 0)
         self.port = self._listener.getsockname()[1]
         self._unix_listener, self.unix_name = tcp.listen_unix()
@@ -132,6 +133,7 @@ class Server:
             fail_rank=self._fail_rank,
             deterministic=self.config.deterministic,
             forward=state.replicas.forward,
+            batching=self._held,
         )
 
     def _gauges(self) -> None:
@@ -301,20 +303,23 @@ class Server:
         if ranks == state.everyone:
             state.metrics.round_done()
         sliced = isinstance(payload, list)
-        links = state.links
+        links, held = state.links, self._held
         for rank in range(state.num_workers):
             link = links.get(rank)
             if link is not None and ranks >> rank & 1:
-                link.reply(ResultReply(key, rnd, dtype, payload[rank] if sliced else payload, pulls[rank]))
+                held.reply(link, ResultReply(key, rnd, dtype, payload[rank] if sliced else payload, pulls[rank]))
 
     def _queue_ack(self, rank: int, key: int, rnd: int) -> None:
         link = self.state.links.get(rank)
         if link is not None:
-            link.reply(AckReply(key, rnd))
+            self._held.reply(link, AckReply(key, rnd))
 
     def _fail(self, slot: Slot, message: str) -> None:
         conn = slot.conn
-        if isinstance(conn, tcp.Connection):
+        link = self.state.links.get(slot.sender)
+        if link is not None and link.conn is conn:  # behind the replies to that worker held or queued (its ACKs)
+            link.reply(ErrorReply(slot.key, message))
+        elif isinstance(conn, tcp.Connection):
             try:
                 conn.send_json(FrameType.ERROR, {"message": message}, key=slot.key)
             except GradwireError:
@@ -325,7 +330,7 @@ class Server:
         replies already queued for it (its ACK for that key among them)."""
         link = self.state.links.get(rank)
         if link is not None:
-            link.reply(ErrorReply(key, message))
+            self._held.reply(link, ErrorReply(key, message))
 
     # -- stalls and the scheduler ----------------------------------------------------------------
 

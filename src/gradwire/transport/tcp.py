@@ -6,6 +6,13 @@ throughput, the same as epoll, and far ahead of pyzmq (0.62x, a copy per receive
 75-95% of the CPU goes to kernel copies, and socket calls release the GIL, so threads are not the limit
 at partition sizes of 64 KiB and up. `sendmsg([header, memoryview])` sends the array's own memory and
 `recv_into` writes straight into the destination: no payload copy in user space on either side.
+
+Small frames are what a slow link's small partitions and every acknowledgement are, and there a system call per
+header and another per payload cost more than the bytes (docs/benchmarks.md, CPU per GB by partition size). So a
+connection reads ahead: each receive of a payload scatters (`recvmsg_into`) into what is left of the payload and,
+past it, into a small read-ahead buffer, so the next frame's header (and the whole of frames without a payload, such
+as a batch of acknowledgements) usually comes in the same system call; a payload still lands in its destination
+directly, but for the part of it that came with the previous receive (at most RECV_AHEAD bytes, copied once more).
 """
 
 from __future__ import annotations
@@ -22,6 +29,9 @@ from gradwire.protocol import frames
 from gradwire.protocol.frames import FrameType, Header
 from gradwire.protocol.handshake import Handshake
 from gradwire.protocol.message import Message
+
+RECV_AHEAD = 4 << 10  # bytes read ahead per system call at most (see the module docstring)
+MAX_PARTS = 512  # buffers handed to one sendmsg at most (Linux refuses more than IOV_MAX = 1024)
 
 
 class ConnectionClosed(RemoteProtocolError):
@@ -49,8 +59,10 @@ class Connection:
         self.peer_rank = -1
         self.closed = False  # set before the socket closes: the peer may see the end only after this is set
         self._send_lock = threading.Lock()
-        self._header_buf = bytearray(frames.HEADER_SIZE)
-        self._header_view = memoryview(self._header_buf)
+        # read ahead (module docstring): bytes [_start, _end) of _ahead are received and not yet consumed
+        self._ahead = bytearray(2 * RECV_AHEAD)
+        self._ahead_view = memoryview(self._ahead)
+        self._start = self._end = 0
         if sock.family != socket.AF_UNIX:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -60,17 +72,19 @@ class Connection:
     # -- sending ---------------------------------------------------------------------------------
 
     def send(self, parts: Sequence[bytes | bytearray | memoryview]) -> None:
-        """Send the buffers as one contiguous frame. Blocks until the kernel has taken every byte."""
+        """Send the buffers (one frame, or several whole ones) contiguously. Blocks until the kernel has taken every
+        byte."""
         with self._send_lock:
             _sendmsg_all(self.sock, [memoryview(p).cast("B") for p in parts])
 
     def send_nowait(self, parts: Sequence[bytes | bytearray | memoryview]) -> list[memoryview]:
-        """Send what the socket takes of one frame without waiting; returns the rest (empty: all of it went), which
-        must be sent with `send` before any other frame. A broken connection takes nothing (the next `send` says)."""
+        """Send what the socket takes of the buffers (one frame, or several whole ones) without waiting; returns the
+        rest (empty: all of it went), which must be sent with `send` before any other frame. A broken connection takes
+        nothing (the next `send` says)."""
         views = [memoryview(p).cast("B") for p in parts]
         with self._send_lock:
             try:
-                sent = self.sock.sendmsg(views, [], socket.MSG_DONTWAIT)
+                sent = self.sock.sendmsg(views[:MAX_PARTS], [], socket.MSG_DONTWAIT)
             except OSError:  # full (EAGAIN), or broken
                 sent = 0
         _advance(views, sent)
@@ -92,31 +106,52 @@ class Connection:
         With a socket timeout set and `idle_ok`, a timeout before the first byte of a frame is idleness and the
         wait goes on; a timeout once the frame has begun raises GradwireTimeout.
         """
-        view = self._header_view
-        got = 0
-        while idle_ok and got == 0:
-            try:
-                got = self.sock.recv_into(view)
-            except (TimeoutError, BlockingIOError):  # BlockingIOError: the kernel's timeout (`set_frame_timeout`)
-                continue
-            except ConnectionResetError as e:
-                raise self._peer_closed(f"reset the connection ({e})") from None
-            except OSError as e:
-                raise ConnectionClosed(f"connection to {self.peer_role} {self.peer_rank} broke: {e}") from None
-            if got == 0:
-                raise self._peer_closed("closed the connection")
-        if got < len(view):
-            self.recv_into(view[got:])
-        return frames.decode_header(view, self.max_payload)
+        size = frames.HEADER_SIZE
+        while self._end - self._start < size:
+            self._fill(idle_ok and self._end == self._start)
+        start = self._start
+        self._start = start + size
+        return frames.decode_header(self._ahead_view[start : start + size], self.max_payload)
 
     def recv_into(self, view: memoryview) -> None:
-        """Fill `view` completely from the socket."""
+        """Fill `view` completely: from what was read ahead, then from the socket, each receive scattering into what
+        is left of `view` and, past it, into the read-ahead buffer (the next frames' headers come in the same call)."""
         view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
-        got, total = 0, len(view)
+        total = len(view)
+        got = min(self._end - self._start, total)
+        if got:
+            view[:got] = self._ahead_view[self._start : self._start + got]
+            self._start += got
         while got < total:
+            self._make_room()
+            n = self._recv([view[got:], self._ahead_view[self._end : self._end + RECV_AHEAD]], False)
+            took = min(n, total - got)
+            got += took
+            self._end += n - took
+
+    def _fill(self, idle_ok: bool) -> None:
+        """Receive more into the read-ahead buffer (at least one byte, at most RECV_AHEAD)."""
+        self._make_room()
+        self._end += self._recv([self._ahead_view[self._end : self._end + RECV_AHEAD]], idle_ok)
+
+    def _make_room(self) -> None:
+        """RECV_AHEAD bytes free after what is read ahead and not yet consumed (less than a header: moved to the
+        front where need be)."""
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif self._end + RECV_AHEAD > len(self._ahead):
+            rest = self._end - self._start
+            self._ahead_view[:rest] = self._ahead_view[self._start : self._end]
+            self._start, self._end = 0, rest
+
+    def _recv(self, buffers: list[memoryview], idle_ok: bool) -> int:
+        """One receive into `buffers`, in order; at least one byte. `idle_ok`: a timeout is waited through."""
+        while True:
             try:
-                n = self.sock.recv_into(view[got:], total - got)
-            except (TimeoutError, BlockingIOError):
+                n = self.sock.recvmsg_into(buffers)[0]
+            except (TimeoutError, BlockingIOError):  # BlockingIOError: the kernel's timeout (`set_frame_timeout`)
+                if idle_ok:
+                    continue
                 raise GradwireTimeout(f"timed out reading from {self.peer_role} {self.peer_rank}") from None
             except ConnectionResetError as e:
                 raise self._peer_closed(f"reset the connection ({e})") from None
@@ -124,7 +159,7 @@ class Connection:
                 raise ConnectionClosed(f"connection to {self.peer_role} {self.peer_rank} broke: {e}") from None
             if n == 0:
                 raise self._peer_closed("closed the connection")
-            got += n
+            return n
 
     def _peer_closed(self, how: str) -> PeerClosed:
         return PeerClosed(f"{self.peer_role} {self.peer_rank} at {self.peer} {how}")
@@ -171,7 +206,7 @@ def _sendmsg_all(sock: socket.socket, views: list[memoryview]) -> None:
     # sendmsg may take fewer bytes than offered (signals, a full buffer with a timeout); resume there.
     while views:
         try:
-            sent = sock.sendmsg(views)
+            sent = sock.sendmsg(views[:MAX_PARTS])
         except (TimeoutError, BlockingIOError):
             raise GradwireTimeout("timed out sending") from None
         except OSError as e:

@@ -21,7 +21,7 @@ from gradwire.worker.handle import Handle
 from gradwire.worker.recut import Recut
 from gradwire.worker.state import WorkerState
 from gradwire.worker.tensors import Tensor, TensorTable
-from gradwire.worker.work import Transfer
+from gradwire.worker.work import Transfer, Work
 
 log = logging.getLogger("gradwire.worker")
 
@@ -143,9 +143,12 @@ class Calls:
             with self.state.lock:
                 servers = list(tensor.servers)
             handle.add_parts(len(tensor.parts))
-            links = self.state.links
+            per_link: dict[int, list[Work]] = {}
             for server, work in zip(servers, transfer.works(tensor, rnd, handle), strict=True):
-                links[server].submit(work, transfer.priority)
+                per_link.setdefault(server, []).append(work)
+            links = self.state.links
+            for server, works in per_link.items():
+                links[server].submit_all(works, transfer.priority)
             handle.part_done()  # the declaration's part
 
         with self.state.lock:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 
 log = logging.getLogger("gradwire.worker")
 PACE_GIVE_UP_SECONDS = 0.2  # a paced link waits at most this long for the others to catch up (see Credit)
@@ -31,10 +32,13 @@ class Credit:
         self.lead = lead
         self._shares: dict[int, float] = {}  # paced server -> its share
         self._queued: dict[int, int] = {}  # paced server -> bytes submitted, not yet sent
-        self._cond = threading.Condition()
-        # senders waiting for their turn (pacing) and for credit: wake-ups only where one may now go (a release of
-        # credit woke every paced sender of the worker, eight at n = 8, most of them to wait again)
-        self._pace_waiters = 0
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)  # senders waiting for credit
+        # senders waiting for their turn (pacing), each on its server's condition: wake-ups only where one may now go
+        # (a release of credit, and then every push, woke every paced sender of the worker, eight at n = 8, most of
+        # them to wait again)
+        self._turns: dict[int, threading.Condition] = {}  # paced server -> its condition (on `_lock`)
+        self._pace_waiters: dict[int, int] = {}  # paced server -> senders waiting for its turn
         self._credit_waiters = 0
         # the network links' use, for the scheduler's drift check (tuning.Drift): the time some push over a socket was
         # unacknowledged, and the bytes acknowledged; shared-memory links move bytes at memory speed and are not counted
@@ -53,7 +57,7 @@ class Credit:
         """The pacing lead from now on (it is a number of partitions' bytes: the partition size changed)."""
         with self._cond:
             self.lead = lead
-            self._cond.notify_all()
+            self._wake_turns(everyone=True)
 
     def pace(self, server: int, share: float) -> None:
         """Pace the link to `server` (from now on) with this share of the bytes."""
@@ -62,13 +66,14 @@ class Credit:
         with self._cond:
             self._shares[server] = share
             self._queued.setdefault(server, 0)
+            self._turns.setdefault(server, threading.Condition(self._lock))
 
     def unpace(self, server: int) -> None:
         """The link is gone (its work moves elsewhere): nobody waits for it any more."""
         with self._cond:
             self._shares.pop(server, None)
             self._queued.pop(server, None)
-            self._cond.notify_all()
+            self._wake_turns(everyone=True)
 
     def queue(self, server: int, n: int) -> None:
         """`n` more bytes are waiting to be sent to `server`."""
@@ -77,32 +82,35 @@ class Credit:
                 if server in self._queued:
                     self._queued[server] += n
                     if self._pace_waiters:  # more behind: its own sender's turn may have come
-                        self._cond.notify_all()
-
-    def _behind(self, server: int) -> float:
-        return self._queued[server] / self._shares[server]
+                        self._wake_turns()
 
     def _may_send(self, server: int) -> bool:
-        if server not in self._shares:
+        """Whether the link to `server` is within `lead` bytes of the most behind link, its bytes still to send over
+        its share (per push: written out)."""
+        share = self._shares.get(server)
+        if share is None:
             return True
-        return self._behind(server) + self.lead >= max(self._behind(s) for s in self._shares)
+        queued = self._queued
+        mine = queued[server] / share + self.lead
+        for other, theirs in self._shares.items():  # a loop, not max() over a generator: per push, it counts
+            if queued[other] / theirs > mine:
+                return False
+        return True
 
     def _has_credit(self, n: int) -> bool:
         return self.used == 0 or self.used + n <= self.limit
 
-    def acquire(self, n: int, server: int = -1, network: bool = False) -> None:
-        """Take `n` bytes of credit for a push to `server` (its turn, when paced); `network`: over a socket."""
+    def acquire(self, n: int, server: int = -1, network: bool = False, wait: bool = True) -> bool:
+        """Take `n` bytes of credit for a push to `server` (its turn, when paced); `network`: over a socket. Without
+        `wait`, take it only if that needs no waiting (False: not taken)."""
         with self._cond:
             if not self._may_send(server):
-                self._pace_waiters += 1
-                try:
-                    if not self._cond.wait_for(lambda: self._may_send(server), PACE_GIVE_UP_SECONDS):
-                        log.debug(
-                            "pacing: the link to server %d waited %.1f s and goes anyway", server, PACE_GIVE_UP_SECONDS
-                        )
-                finally:
-                    self._pace_waiters -= 1
+                if not wait:
+                    return False
+                self._wait_turn(server)
             if not self._has_credit(n):
+                if not wait:
+                    return False
                 self._credit_waiters += 1
                 try:
                     self._cond.wait_for(lambda: self._has_credit(n))
@@ -116,15 +124,40 @@ class Credit:
             if server in self._queued:
                 self._queued[server] = max(0, self._queued[server] - n)
                 if self._pace_waiters:  # the others' turn may have come
-                    self._cond.notify_all()
+                    self._wake_turns()
+            return True
+
+    def _wait_turn(self, server: int) -> None:
+        """(Holding the lock.) Wait until the link to `server` may send, or PACE_GIVE_UP_SECONDS."""
+        turn = self._turns[server]
+        self._pace_waiters[server] = self._pace_waiters.get(server, 0) + 1
+        try:
+            if not turn.wait_for(lambda: self._may_send(server), PACE_GIVE_UP_SECONDS):
+                log.debug("pacing: the link to server %d waited %.1f s and goes anyway", server, PACE_GIVE_UP_SECONDS)
+        finally:
+            self._pace_waiters[server] -= 1
+            if not self._pace_waiters[server]:
+                del self._pace_waiters[server]
+
+    def _wake_turns(self, everyone: bool = False) -> None:
+        """(Holding the lock.) Wake the paced senders whose turn has come (`everyone`: all of them)."""
+        for server in self._pace_waiters:
+            turn = self._turns.get(server)
+            if turn is not None and (everyone or self._may_send(server)):
+                turn.notify_all()
 
     def release(self, n: int, network: bool = False, acked: bool = True) -> None:
         """Give back the credit of `n` bytes pushed (`acked`: the server has them; else abandoned, after a failover)."""
+        self.release_all((n,), network, acked)
+
+    def release_all(self, sizes: Sequence[int], network: bool = False, acked: bool = True) -> None:
+        """Give back the credit of several pushes at once (an ACKS frame's), `sizes` their bytes; as `release`."""
+        total = sum(sizes)
         with self._cond:
-            self.used -= n
+            self.used -= total
             if network:
-                self._net_used -= max(n, 1)
-                self.busy_bytes += n if acked else 0
+                self._net_used -= total + sizes.count(0)  # a push of 0 bytes counts 1 (see `acquire`)
+                self.busy_bytes += total if acked else 0
                 if not self._net_used:
                     self.busy_seconds += time.monotonic() - self._busy_since
             if self._credit_waiters:  # pacing does not depend on the credit in use: only these may go now

@@ -42,6 +42,10 @@ from gradwire.worker.flow import LIVENESS_SECONDS, Flow
 from gradwire.worker.work import Seed, Work
 
 log = logging.getLogger("gradwire.worker")
+# partitions that flow control lets go together leave in one send, within these bounds: small partitions then cost one
+# system call and one wake-up of the sender for several, and a large one still goes alone
+SEND_BATCH_BYTES = 256 << 10
+SEND_BATCH_FRAMES = 64
 
 
 class ServerLink:
@@ -115,20 +119,27 @@ class ServerLink:
 
     def submit(self, work: Work, priority: int) -> None:
         """Queue a partition; higher priority leaves first, equal priorities in submission order."""
+        self.submit_all([work], priority)
+
+    def submit_all(self, works: list[Work], priority: int) -> None:
+        """Queue partitions (a call's for this server), in this order, with one wake-up of the sender."""
         with self._cond:
-            if self._closed is not None:
-                assert work.handle is not None
-                work.handle.fail(self._lost(self._closed))
-                return
             redirect = self._redirect
+            if self._closed is not None:
+                for work in works:
+                    assert work.handle is not None
+                    work.handle.fail(self._lost(self._closed))
+                return
             if redirect is None:
-                work.t_queued = time.monotonic()
-                self.flow.push(work, priority)
-                if not work.seed:
-                    self.credit.queue(self.server, work.push_bytes)
+                now = time.monotonic()
+                for work in works:
+                    work.t_queued = now
+                    self.flow.push(work, priority)
+                self.credit.queue(self.server, sum(work.push_bytes for work in works if not work.seed))
                 self._cond.notify()
                 return
-        redirect(work, priority)  # this server is gone and its keys have moved
+        for work in works:
+            redirect(work, priority)  # this server is gone and its keys have moved
 
     def unanswered(self, keys: list[int]) -> dict[int, int]:
         """key -> the round of it queued or unanswered on this link, of `keys` (a failover's report)."""
@@ -213,51 +224,67 @@ class ServerLink:
             self.close(LocalProtocolError(f"worker {self.rank}: the sender to server {self.server} failed: {e!r}"))
 
     def _send_all(self) -> None:
-        header = bytearray(frames.HEADER_SIZE)
-        work: Work | None = None
+        headers = memoryview(bytearray(frames.HEADER_SIZE * SEND_BATCH_FRAMES))
         while True:
-            work = None  # not the last partition sent while waiting: it would keep its call's output alive
             with self._cond:
-                work = self._wait_to_send()
-                if work is None:
+                batch = self._wait_to_send()
+                if not batch:
                     return
-                if not work.seed and self.arena is not None:  # in flight now (Flow): its shared slots
-                    work.push_slot = self._free_push.pop()
-                    work.pull_slot = self._free_pull.pop() if self._free_pull else shm.NO_SLOT
-            if work.seed:
-                if not self._send_seed(header, work):
-                    return
+                if self.arena is not None:
+                    self._take_slots(batch)
+            if not self._send_batch(batch, headers):
+                return
+            batch = []  # not the last partitions sent while waiting: they would keep their calls' outputs alive
+
+    def _take_slots(self, batch: list[Work]) -> None:
+        """(Holding the condition.) The shared slots of the pushes in `batch`, in flight now (Flow)."""
+        for work in batch:
+            if not work.seed:
+                work.push_slot = self._free_push.pop()
+                work.pull_slot = self._free_pull.pop() if self._free_pull else shm.NO_SLOT
+
+    def _send_batch(self, batch: list[Work], headers: memoryview) -> bool:
+        """Push the partitions of `batch` in as few sends as credit allows (one, unless some must wait for credit);
+        False (and the link broken) if the connection failed."""
+        parts: list = []
+        sent: list[Work] = []
+        for i, work in enumerate(batch):
+            header = headers[i * frames.HEADER_SIZE : (i + 1) * frames.HEADER_SIZE]
+            if work.seed:  # a sum (SEED) or a contribution (REPLAY) for the key's new server: no credit, never shared
+                self._pack_push(header, work, work.seed)
+                parts += (header, work.send)
                 continue
-            self.credit.acquire(work.push_bytes, self.server, self.network)
+            if not self.credit.acquire(work.push_bytes, self.server, self.network, wait=False):
+                if parts and not self._send_pushes(parts, sent):
+                    return False
+                parts, sent = [], []
+                self.credit.acquire(work.push_bytes, self.server, self.network)
             work.credited = True
             work.t_sent = time.monotonic()
             if self.timeline:
                 self.timeline.counter("bytes in flight", work.t_sent, self.credit.used)
+            sent.append(work)
             if self.arena is not None:
-                self._push_shared(header, work)
-                continue
-            self._pack_push(header, work)
-            if not self._send([header, work.send] if work.extra is None else [header, work.send, work.extra]):
-                return
-            work.t_pushed = time.monotonic()
-            self.metrics.pushed(work.push_bytes)
+                parts.append(self._push_shared(header, work))
+            else:
+                self._pack_push(header, work)
+                parts += (header, work.send) if work.extra is None else (header, work.send, work.extra)
+        return self._send_pushes(parts, sent)
 
-    def _send(self, parts: list) -> bool:
-        """Send one frame; False (and the link broken) if the connection failed."""
+    def _send_pushes(self, parts: list, sent: list[Work]) -> bool:
+        """Send frames in one go; `sent`, the pushes among them, are then pushed (stamped and counted)."""
         try:
             self.conn.send(parts)
         except GradwireError as e:
             self._broken(e)
             return False
+        now = time.monotonic()
+        for work in sent:
+            work.t_pushed = now
+        self.metrics.pushed(sum(work.push_bytes for work in sent))
         return True
 
-    def _send_seed(self, header: bytearray, work: Work) -> bool:
-        """A sum (SEED) or a contribution (REPLAY) this worker holds, for the key's new server (always on the socket,
-        never a shared slot)."""
-        self._pack_push(header, work, work.seed)
-        return self._send([header, work.send])
-
-    def _pack_push(self, header: bytearray, work: Work, flags: int = 0, status: int = 0) -> None:
+    def _pack_push(self, header: memoryview, work: Work, flags: int = 0, status: int = 0) -> None:
         """The PUSHPULL header of `work` into `header`."""
         frames.pack_header_into(
             header,
@@ -272,40 +299,54 @@ class ServerLink:
             status,
         )
 
-    def _wait_to_send(self) -> Work | None:
-        """Wait (holding the condition) for the next partition flow control lets go (worker/flow.py), taken off the
-        queue; None once the link is closed or its server lost."""
+    def _wait_to_send(self) -> list[Work]:
+        """Wait (holding the condition) for the next partitions flow control lets go (worker/flow.py), taken off the
+        queue: the first, and with it those that follow at once up to SEND_BATCH_BYTES (small partitions: one send and
+        one wake-up for several); empty once the link is closed or its server lost."""
         while self._closed is None and self.lost is None:
             now = time.monotonic()
-            escapes = self.flow.cap_escapes
-            work = self.flow.next(now)
+            work = self._next(now)
             if work is not None:
-                if self.flow.cap_escapes != escapes:
-                    log.warning(
-                        "worker %d: the cap on unanswered partitions to server %d held every queued partition for "
-                        "%.1f s with no answer; sending one anyway (workers pushing keys in different orders and "
-                        "waiting in between)",
-                        self.rank,
-                        self.server,
-                        LIVENESS_SECONDS,
-                    )
-                return work
+                return self._more(work, now)
             wake = self.flow.wake_at()
             self._cond.wait(None if wake is None else max(0.0, wake - now))
-        return None
+        return []
 
-    def _push_shared(self, header: bytearray, work: Work) -> None:
-        """Copy the partition into its push slot and send the header alone (transport/shm.py)."""
+    def _more(self, work: Work, now: float) -> list[Work]:
+        """`work` and the partitions flow control lets go right after it, within SEND_BATCH_BYTES and
+        SEND_BATCH_FRAMES."""
+        batch, size, queued = [work], work.push_bytes, self.flow.queued
+        while len(batch) < SEND_BATCH_FRAMES and queued and size + queued[0][2].push_bytes <= SEND_BATCH_BYTES:
+            more = self._next(now)
+            if more is None:
+                break
+            batch.append(more)
+            size += more.push_bytes
+        return batch
+
+    def _next(self, now: float) -> Work | None:
+        """`Flow.next`, with a warning where the liveness rule let a partition go."""
+        escapes = self.flow.cap_escapes
+        work = self.flow.next(now)
+        if self.flow.cap_escapes != escapes:
+            log.warning(
+                "worker %d: the cap on unanswered partitions to server %d held every queued partition for %.1f s with "
+                "no answer; sending one anyway (workers pushing keys in different orders and waiting in between)",
+                self.rank,
+                self.server,
+                LIVENESS_SECONDS,
+            )
+        return work
+
+    def _push_shared(self, header: memoryview, work: Work) -> memoryview:
+        """Copy the partition into its push slot; returns its header, the frame to send (transport/shm.py)."""
         assert self.arena is not None
         slot = self.arena.push_slot(work.push_slot, work.push_bytes)
         np.copyto(slot[: len(work.send)], np.frombuffer(work.send, np.uint8))
         if work.extra is not None:
             np.copyto(slot[len(work.send) :], np.frombuffer(work.extra, np.uint8))
         self._pack_push(header, work, shm.SHM_PAYLOAD, work.push_slot | (work.pull_slot << 16))
-        if not self._send([header]):
-            return
-        work.t_pushed = time.monotonic()
-        self.metrics.pushed(work.push_bytes)
+        return header
 
     def _recv_loop(self) -> None:
         np.seterr(all="ignore")  # averaging inf or nan gives inf or nan, as in the sum (see server/engine.py)
@@ -314,8 +355,8 @@ class ServerLink:
                 header = self.conn.recv_header()
                 if header.type == FrameType.RESULT:
                     self._on_result(header)
-                elif header.type == FrameType.ACK:
-                    self._on_ack(header)
+                elif header.type == FrameType.ACKS:
+                    self._on_acks(self.conn.recv_body(header))
                 elif header.type == FrameType.ERROR:
                     self._on_error(header, frames.decode_json(self.conn.recv_body(header)))
                 else:
@@ -343,12 +384,29 @@ class ServerLink:
             self.credit.release(work.push_bytes, self.network)
         return work
 
-    def _on_ack(self, header: frames.Header) -> None:
-        work = self._take(header.key)
-        if header.round != work.round:
-            raise RemoteProtocolError(
-                f"server {self.server} acknowledged round {header.round} of {work.tensor!r}, expected {work.round}"
-            )
+    def _on_acks(self, body: bytes) -> None:
+        """The server has these contributions (an ACKS frame: one batch of its engine's): their window places and
+        credit are free, with one wake-up of the sender."""
+        freed: list[int] = []
+        with self._cond:
+            for key, rnd in frames.ACK_ENTRY.iter_unpack(body):
+                taken = self.flow.on_ack(key)
+                if taken is None:
+                    raise RemoteProtocolError(f"server {self.server} acknowledged key {key:016x}, not in flight")
+                work, newly_acked = taken
+                if rnd != work.round:
+                    raise RemoteProtocolError(
+                        f"server {self.server} acknowledged round {rnd} of {work.tensor!r}, expected {work.round}"
+                    )
+                if newly_acked:
+                    if work.push_slot != shm.NO_SLOT:  # the server has summed it: the slot may take the next push
+                        self._free_push.append(work.push_slot)
+                        work.push_slot = shm.NO_SLOT
+                    freed.append(work.push_bytes)
+            if freed:
+                self._cond.notify()
+        if freed:
+            self.credit.release_all(freed, self.network)
 
     def _on_result(self, header: frames.Header) -> None:
         with self._cond:  # answered (Flow.on_answer) only once the sum is in whole: cut off, it is pushed again

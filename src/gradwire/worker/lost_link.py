@@ -29,6 +29,10 @@ class LostLink:
     def submit(self, work: Work, priority: int) -> None:
         self._redirect(work, priority)
 
+    def submit_all(self, works: list[Work], priority: int) -> None:
+        for work in works:
+            self._redirect(work, priority)
+
     def outstanding(self) -> list[str]:
         return []
 
