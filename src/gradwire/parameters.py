@@ -37,13 +37,16 @@ def _worker() -> Worker:
     return current_worker()
 
 
-def set_optimizer(optimizer: str, staleness: int = 0, **hyper: object) -> None:
+def set_optimizer(optimizer: str, staleness: int = 0, delay_compensation: float = 0.0, **hyper: object) -> None:
     """The servers' optimizer for this worker's next updates: "sgd", "adam", "adamw" or "adagrad", with torch.optim's
     hyper-parameter names (lr, momentum, betas or beta1/beta2, eps, weight_decay, ...). `staleness` 0: synchronous;
-    s > 0: asynchronous, at most s updates ahead of the slowest worker. Every worker sets the same."""
+    s > 0: asynchronous, at most s updates ahead of the slowest worker; then `delay_compensation` lambda > 0 corrects
+    each stale gradient on the servers (docs/ps-mode.md). Every worker sets the same."""
     if "betas" in hyper:
         hyper["beta1"], hyper["beta2"] = hyper.pop("betas")  # type: ignore[misc]
     args: dict = {"algorithm": optimizer, "impl": "numpy", "staleness": staleness}
+    if delay_compensation:
+        args["delay_compensation"] = delay_compensation
     args.update({k: hyper.pop(k) for k in list(hyper) if k in STRUCTURAL_NAMES})
     args = wire.check_args(args)
     values = wire.hyper_values(optimizer, hyper)

@@ -138,3 +138,100 @@ def test_cross_barrier_applies_updates_as_the_next_forward_reaches_each_layer(cl
         return True
 
     assert run(cluster, worker) == [True] * N
+
+
+def test_allgather_in_bytepss_spelling_same_shape_or_not_with_an_output_and_its_gradient(cluster):
+    """BytePS's `allgather(tensor, same_shape=..., name=...)`, its positional form, an output tensor after the input
+    (its tests), `allgather_async(tensor, shape_list, ...)`, and the gradient: this rank's rows of the average."""
+
+    def worker(rank):
+        same = torch.full((2, 3), float(rank))
+        ragged = torch.full((2 + rank, 3), float(rank))
+        out = torch.empty(2 * N, 3)
+        x = torch.full((2,), float(rank + 1), requires_grad=True)
+        (gwt.allgather(x, same_shape=True, name="bps.grad") ** 2).sum().backward()
+        return (
+            gwt.allgather(same, same_shape=True, name="bps.same"),
+            gwt.allgather(ragged, False, "bps.ragged"),
+            gwt.allgather(same, out, same_shape=True, name="bps.out") is out and out,
+            gwt.synchronize(gwt.allgather_async(ragged, [2 + r for r in range(N)], "bps.async")),
+            x.grad,
+        )
+
+    results = run(cluster, worker)
+    same = torch.cat([torch.full((2, 3), float(r)) for r in range(N)])
+    ragged = torch.cat([torch.full((2 + r, 3), float(r)) for r in range(N)])
+    for rank, (a, b, c, d, grad) in enumerate(results):
+        assert torch.equal(a, same) and torch.equal(b, ragged) and torch.equal(c, same) and torch.equal(d, ragged)
+        # d/dx of sum over ranks of gathered**2, averaged over the N ranks' losses: 2 x (each rank's loss has it)
+        torch.testing.assert_close(grad, torch.full((2,), 2.0 * (rank + 1)))
+
+
+def test_allgather_refuses_arguments_neither_api_has(cluster):
+    def worker(rank):
+        with pytest.raises(TypeError, match="unexpected"):
+            gwt.allgather(torch.ones(1), name="a", colour="red")
+        with pytest.raises(ValueError, match="shape_list says 5 rows"):
+            gwt.allgather_async(torch.ones(2), [5] * N, "b")
+        with pytest.raises(ValueError, match="the output has shape"):
+            gwt.allgather(torch.ones(2), torch.empty(3), name="c")
+        return True
+
+    assert run(cluster, worker) == [True] * N
+
+
+def test_the_cross_barrier_module_is_bytepss_whole_api_and_wraps_a_plain_optimizer(cluster):
+    """`import ... cross_barrier as bps` scripts: init, rank, broadcast_parameters ... from the module, and
+    CrossBarrier(model, torch optimizer, named_parameters=..., compression=..., num_steps=...) as BytePS's example
+    calls it: the same parameters as DistributedOptimizer, step by step."""
+    import gradwire.torch.cross_barrier as bps
+
+    for name in (
+        "init",
+        "shutdown",
+        "rank",
+        "size",
+        "local_rank",
+        "push_pull",
+        "broadcast_parameters",
+        "broadcast_optimizer_state",
+        "DistributedOptimizer",
+        "Compression",
+        "poll",
+        "synchronize",
+    ):
+        assert getattr(bps, name) is getattr(gwt, name), name
+    with pytest.raises(AttributeError):
+        bps.no_such_thing  # noqa: B018
+    data, batch = _data(4, 4), 4
+    models = {cross: [_model(0) for _ in range(N)] for cross in (False, True)}
+
+    def train(cross):
+        def worker(rank):
+            model = models[cross][rank]
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            if cross:
+                opt = bps.CrossBarrier(
+                    model,
+                    opt,
+                    named_parameters=model.named_parameters(),
+                    compression=bps.Compression.none,
+                    num_steps=len(data),
+                )
+            else:
+                opt = gwt.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+            bps.broadcast_parameters(model.state_dict(), root_rank=0)
+            for x, y in data:
+                opt.zero_grad()
+                sl = slice(rank * batch, (rank + 1) * batch)
+                torch.nn.functional.cross_entropy(model(x[sl]), y[sl]).backward()
+                opt.step()
+            if cross:
+                opt.synchronize()
+            return [p.detach().clone() for p in model.parameters()]
+
+        return run(cluster, worker)
+
+    for plain, crossed in zip(train(False), train(True), strict=True):
+        for a, b in zip(plain, crossed, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

@@ -124,6 +124,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epochs", type=int, default=16, help="with --ps or --elastic: digits training epochs")
     parser.add_argument("--async-runs", type=int, default=3, help="with --ps: runs of each asynchronous way")
     parser.add_argument(
+        "--dc",
+        type=float,
+        default=0.0,
+        metavar="LAMBDA",
+        help="with --ps: only the slowed digits runs, synchronous, asynchronous and asynchronous with delay "
+        "compensation LAMBDA, on --async-runs seeds each",
+    )
+    parser.add_argument(
         "--large",
         action="store_true",
         help="a 1.2 GB tensor and a 0.35B-parameter transformer: first and steady calls, peak RSS per worker, against "

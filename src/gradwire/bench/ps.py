@@ -31,7 +31,34 @@ def launch_task(n: int, k: int, task: list[str], env: dict[str, str] | None = No
     return summary[0], rss
 
 
+def run_delay_compensation(args: argparse.Namespace) -> int:
+    """The digits CNN with the last worker slowed: synchronous, asynchronous (staleness 2) and asynchronous with delay
+    compensation, each with the same seeds (a seed: the model's initialisation and the data's order), rounds
+    alternating the three ways: test accuracy (mean, spread) and time."""
+    n, k, lam = args.num_workers, args.num_servers, args.dc
+    ways = [("synchronous", 0, 0.0), ("async staleness 2", 2, 0.0), (f"async staleness 2 + DC {lam:g}", 2, lam)]
+    print(f"digits CNN, SGD momentum 0.9, {args.epochs} epochs, {n} workers, {k} servers, worker {n - 1} sleeping "
+          f"{args.slow_ms:g} ms a step; {args.async_runs} seeds, each way on each seed")  # fmt: skip
+    found: dict[str, list[dict]] = {name: [] for name, _, _ in ways}
+    for seed in range(args.async_runs):
+        for name, staleness, dc in ways:
+            task = ["digits", "--mode", "server", "--staleness", str(staleness), "--dc", str(dc)]
+            task += ["--slow-ms", str(args.slow_ms), "--epochs", str(args.epochs), "--seed", str(seed)]
+            found[name].append(launch_task(n, k, task)[0])
+    for name, runs in found.items():
+        accuracy = [r["test_accuracy"] for r in runs]
+        spread = statistics.pstdev(accuracy)
+        print(
+            f"  {name:28s} test acc mean {statistics.mean(accuracy):.4f} (sd {spread:.4f}, {min(accuracy):.3f}-"
+            f"{max(accuracy):.3f})   {statistics.median(r['seconds'] for r in runs):6.2f} s   runs: "
+            + ", ".join(f"{a:.3f}" for a in accuracy)
+        )
+    return 0
+
+
 def run_ps(args: argparse.Namespace) -> int:
+    if args.dc:
+        return run_delay_compensation(args)
     n, k = args.num_workers, args.num_servers
     print(f"parameter-server mode: {n} workers, {k} servers (gradwire launch), this machine\n")
     print("worker memory, a 25M-parameter MLP with Adam (peak RSS, the largest over the workers):")

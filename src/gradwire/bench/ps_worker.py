@@ -27,10 +27,16 @@ COMPRESSORS = {
 
 
 def _optimizer(
-    model: torch.nn.Module, mode: str, name: str, staleness: int, compression: str = "none", **hyper: float
+    model: torch.nn.Module,
+    mode: str,
+    name: str,
+    staleness: int,
+    compression: str = "none",
+    dc: float = 0.0,
+    **hyper: float,
 ) -> torch.optim.Optimizer:
     if mode == "server":
-        return gw.ServerOptimizer(model, name, staleness=staleness, **hyper)
+        return gw.ServerOptimizer(model, name, staleness=staleness, delay_compensation=dc, **hyper)
     cls = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}[name]
     gw.broadcast_parameters(model.state_dict(), root_rank=0)
     named, compressor = model.named_parameters(), COMPRESSORS[compression]()
@@ -79,7 +85,9 @@ def digits(args: argparse.Namespace) -> None:
         torch.nn.Linear(128, 10),
     )  # fmt: skip
     rank, size = gw.rank(), gw.size()
-    optimizer = _optimizer(model, args.mode, "sgd", args.staleness, args.compression, lr=0.05, momentum=args.momentum)
+    optimizer = _optimizer(
+        model, args.mode, "sgd", args.staleness, args.compression, args.dc, lr=0.05, momentum=args.momentum
+    )
     xs, ys = x_train[rank::size], y_train[rank::size]
     g = torch.Generator().manual_seed(rank + 1000 * args.seed)
     steps = len(xs) // 32
@@ -103,6 +111,7 @@ def digits(args: argparse.Namespace) -> None:
         summary = {
             "mode": args.mode,
             "staleness": args.staleness,
+            "delay_compensation": args.dc,
             "slow_ms": args.slow_ms,
             "momentum": args.momentum,
             "compression": args.compression,
@@ -121,6 +130,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--staleness", type=int, default=0)
+    p.add_argument("--dc", type=float, default=0.0, help="delay compensation's lambda (asynchronous server mode)")
     p.add_argument("--slow-ms", type=float, default=0.0)
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--compression", choices=sorted(COMPRESSORS), default="none")

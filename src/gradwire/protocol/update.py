@@ -11,8 +11,8 @@ Kinds: GRAD (the data are gradients: the round's sum is averaged and applied, th
 server answers the sender alone with one of the key's tensors, `which`: 0 the parameters, then STATE[algorithm] in
 order, then the step count), WRITE (the data are that tensor's new values; the answer is the parameters).
 
-Structural arguments (the algorithm, `amsgrad`, Adagrad's initial accumulator, the staleness bound, the implementation)
-are declared once with the tensor (`op_args`) and checked across workers like its shape.
+Structural arguments (the algorithm, `amsgrad`, Adagrad's initial accumulator, the staleness bound, delay compensation's
+lambda, the implementation) are declared once with the tensor (`op_args`) and checked across workers like its shape.
 """
 
 from __future__ import annotations
@@ -72,11 +72,18 @@ def check_args(args: object) -> dict:
     if not isinstance(staleness, int) or isinstance(staleness, bool) or not 0 <= staleness <= 1 << 20:
         raise ValueError(f"staleness must be an int >= 0, got {staleness!r}")
     out["staleness"] = staleness
+    dc = args.get("delay_compensation", 0.0)
+    if not isinstance(dc, int | float) or isinstance(dc, bool) or not 0 <= dc < float("inf"):
+        raise ValueError(f"delay_compensation must be a number >= 0, got {dc!r}")
+    if dc and not staleness:
+        raise ValueError("delay_compensation corrects stale gradients: it needs asynchronous mode (staleness > 0)")
+    if dc:  # absent when off: a key without it is declared exactly as before it existed
+        out["delay_compensation"] = float(dc)
     impl = args.get("impl", "numpy")
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     out["impl"] = impl
-    unknown = set(args) - set(out)
+    unknown = set(args) - set(out) - {"delay_compensation"}
     if unknown:
         raise ValueError(f"unknown arguments for {algorithm}: {', '.join(sorted(unknown))}")
     return out

@@ -16,6 +16,13 @@ SGD move the parameters as far as one synchronous step on the average), and answ
 worker whose pushes run more than `staleness` ahead of the slowest member's is answered only once the slowest catches up
 (stale synchronous parallel). The answer may be read while another worker's push updates the parameters (Hogwild-style:
 within one partition, some elements may be one update newer than others).
+
+Delay compensation (asynchronous keys declared with `delay_compensation` lambda > 0; DC-ASGD, Zheng et al. 2017): a
+worker's gradient g was computed at the parameters it was last answered with, w_old, and is applied at w_now; it is
+corrected first to g + lambda * g * g * (w_now - w_old), elementwise. The key keeps a copy of the parameters each
+worker was last answered with (`Held.answered`: the number of workers times the partition, per key: the price of
+knowing w_old exactly; a ring of recent versions would need up to n * (staleness + 1) copies). After a failover the
+parameters are installed anew and each worker's first push is applied uncorrected until it has been answered again.
 """
 
 from __future__ import annotations
@@ -63,6 +70,34 @@ class Held:
         self.held: dict[int, tuple[int, int]] = {}  # worker -> (round, pull slot) of an answer held back
         self.staleness_max = 0
         self.staleness_sum = 0
+        self.dc_lambda = float(self.op.args.get("delay_compensation", 0.0))
+        self.compensated = 0  # pushes corrected for their delay (delay compensation)
+        # delay compensation: the parameters each worker was last answered with, and whether it has been since they
+        # were installed (module docstring); a scratch for the corrected gradient
+        self.answered = np.zeros((num_workers, self.m), self.params.dtype) if self.dc_lambda else None
+        self.known = [False] * num_workers
+        self.dc_scratch = np.empty(self.m, self.params.dtype) if self.dc_lambda else None
+
+    def remember(self, worker: int) -> None:
+        """Worker `worker` is answered with the parameters as they are now (delay compensation's w_old)."""
+        if self.answered is not None:
+            np.copyto(self.answered[worker], self.params)
+            self.known[worker] = True
+
+    def compensate(self, worker: int, grad: np.ndarray) -> np.ndarray:
+        """`grad` from `worker`, corrected for the parameters' move since it was last answered (a scratch), or
+        itself where there is nothing to correct by."""
+        if self.answered is None or not self.known[worker]:
+            return grad
+        d = self.dc_scratch
+        assert d is not None
+        np.subtract(self.params, self.answered[worker], out=d)  # w_now - w_old
+        d *= grad
+        d *= grad
+        d *= self.dc_lambda
+        d += grad
+        self.compensated += 1
+        return d
 
     def _new_stepper(self) -> NumpyStep | TorchStep:
         impl = TorchStep if self.op.args["impl"] == "torch" else NumpyStep
@@ -73,6 +108,7 @@ class Held:
         np.copyto(self.params, params)
         self.stepper = self._new_stepper()
         self.installed = True
+        self.known = [False] * len(self.known)  # nobody was answered with these yet (delay compensation)
 
     def read(self, which: int) -> np.ndarray:
         """Tensor `which` (protocol/update.py) as a copy: parameters, a state tensor (zeros if absent), the count."""
@@ -103,7 +139,14 @@ class Held:
 
     @property
     def nbytes(self) -> int:
-        return self.params.nbytes + self.stepper.nbytes
+        return self.params.nbytes + self.stepper.nbytes + self.dc_bytes
+
+    @property
+    def dc_bytes(self) -> int:
+        """What delay compensation holds: the parameters each worker was last answered with, and a scratch."""
+        if self.answered is None or self.dc_scratch is None:
+            return 0
+        return self.answered.nbytes + self.dc_scratch.nbytes
 
 
 class ServerUpdate(KeyOp):
@@ -272,7 +315,7 @@ class ServerUpdate(KeyOp):
             staleness = held.stepper.count - held.seen[w]
             held.staleness_max = max(held.staleness_max, staleness)
             held.staleness_sum += staleness
-            np.divide(wire[: held.m], state.need, out=held.scratch)
+            np.divide(held.compensate(w, wire[: held.m]), state.need, out=held.scratch)
             held.stepper.step(held.scratch, t[2:])
             held.pushes[w] += 1
         else:
@@ -286,6 +329,7 @@ class ServerUpdate(KeyOp):
         for r in ready:
             rnd, pull = held.held.pop(r)
             held.seen[r] = held.stepper.count
+            held.remember(r)
             engine.answer_rank(slot.key, rnd, slot.dtype, _params(state), pull, r)
 
 
@@ -313,6 +357,8 @@ def stats(states: list[KeyState]) -> dict:
         "replicated": sum(h.replicated for h in held),  # updates applied here as a replica
         "staleness_max": max((h.staleness_max for h in held), default=0),
         "updates": sum(h.stepper.count for h in held),
+        "delay_compensated": sum(h.compensated for h in held),  # asynchronous pushes corrected for their delay
+        "delay_compensation_bytes": sum(h.dc_bytes for h in held),  # of `bytes`: what that correction holds
     }
 
 

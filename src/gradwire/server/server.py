@@ -155,6 +155,11 @@ class Server:
             "Optimizer updates applied to this server's partitions (parameter-server mode)",
             lambda: optim.stats(self._key_states())["updates"],
         )
+        metrics.gauge(
+            "gradwire_server_delay_compensated",
+            "Asynchronous pushes corrected for their delay before being applied (delay compensation, PS mode)",
+            lambda: optim.stats(self._key_states())["delay_compensated"],
+        )
         metrics.collector(self._staleness_families)
 
     def wait(self, timeout: float | None = None) -> str | None:

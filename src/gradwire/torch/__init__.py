@@ -45,6 +45,7 @@ from .collectives import (
     synchronize,
 )
 from .compression import Compression
+from .delay_compensation import dc_adam_, delay_compensation_
 from .exchange import (
     allgather,
     allgather_async,
@@ -129,7 +130,9 @@ __all__ = [
     "cross_size",
     "cuda_built",
     "ddl_built",
+    "dc_adam_",
     "declare",
+    "delay_compensation_",
     "elastic",
     "global_process_set",
     "gloo_built",
@@ -196,3 +199,8 @@ def init(config: Config | None = None, lazy: bool = True, comm: Any = None, proc
     gradwire.init(config)
     for ps in process_sets or []:
         add_process_set(ps)
+
+
+# BytePS's scripts use `byteps.torch.cross_barrier` in place of the whole API: that module offers every name of this
+# one (set from here, so that it imports nothing of this package's)
+cross_barrier.__dict__.update({name: globals()[name] for name in __all__ if name not in vars(cross_barrier)})

@@ -3,16 +3,27 @@
     optimizer = gw.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
     optimizer = gw.cross_barrier.CrossBarrier(model, optimizer, num_steps=len(loader) * epochs)
 
+or, as BytePS's examples do, the module in place of the whole API and a plain torch optimizer:
+
+    import gradwire.torch.cross_barrier as bps        # was: import byteps.torch.cross_barrier as bps
+    bps.init()
+    optimizer = bps.CrossBarrier(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                 named_parameters=model.named_parameters(), num_steps=steps)
+    bps.broadcast_parameters(model.state_dict(), root_rank=0)
+
+Every name of `gradwire.torch` is a name of this module too (init, rank, push_pull, broadcast_parameters, ...; set
+by gradwire.torch once it is imported).
+
 `step()` returns at once: it only starts the push_pulls still missing. Each layer's parameters are updated just
 before that layer's next forward (a forward pre-hook waits for their sums and applies the wrapped optimizer's update
 to them alone), so the first layers compute while the sums of the last layers are still on the wire: the barrier
 between one step's communication and the next step's computation is crossed (ByteScheduler, SOSP'19). Since
-gradients leave first-layer-first (priority), the first layer's sums tend to be back first.
+gradients leave first-layer-first (priority), the first layers' sums tend to be back first.
 
-Any torch optimizer whose state is kept per parameter works (all of torch.optim's): an update of a subset of the
-parameters is the wrapped optimizer's own step on its param_groups cut down to that subset. `zero_grad()` leaves
-alone the gradients still being summed (each is zeroed once its update is applied). At `num_steps` and on
-`synchronize()`, every update is applied before returning.
+Any torch optimizer whose state is kept per parameter works (all of torch.optim's, where BytePS's supports SGD, Adam
+and RMSprop): an update of a subset of the parameters is the wrapped optimizer's own step on its param_groups cut
+down to that subset. `zero_grad()` leaves alone the gradients still being summed (each is zeroed once its update is
+applied). At `num_steps` and on `synchronize()`, every update is applied before returning.
 """
 
 from __future__ import annotations
@@ -21,15 +32,31 @@ from typing import Any
 
 import torch
 
-from .optimizer import _DistributedOptimizer
+from .optimizer import DistributedOptimizer, _DistributedOptimizer
 
 
 class CrossBarrier:
-    """Wraps a DistributedOptimizer of `model`'s parameters; behaves as that optimizer otherwise."""
+    """Wraps a DistributedOptimizer of `model`'s parameters (or, as BytePS's, a torch optimizer that it first wraps in
+    one with `named_parameters`, `compression` or `compression_params` and `backward_passes_per_step`); behaves as
+    that optimizer otherwise."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, num_steps: int = 10**6) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        named_parameters: Any = None,
+        compression: Any = None,
+        compression_params: dict | None = None,
+        backward_passes_per_step: int = 1,
+        num_steps: int = 10**6,
+    ) -> None:
         if not isinstance(optimizer, _DistributedOptimizer):
-            raise TypeError("CrossBarrier wraps a gradwire.torch.DistributedOptimizer: wrap the optimizer first")
+            wrap: dict[str, Any] = {"backward_passes_per_step": backward_passes_per_step}
+            if compression is not None:
+                wrap["compression"] = compression
+            optimizer = DistributedOptimizer(optimizer, named_parameters, compression_params=compression_params, **wrap)
+        elif named_parameters is not None or compression is not None or compression_params is not None:
+            raise TypeError("CrossBarrier: the optimizer is a DistributedOptimizer already; give its arguments there")
         self._opt = optimizer
         self._model = model
         self._final_step = num_steps

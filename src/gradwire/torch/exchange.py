@@ -67,9 +67,22 @@ class ExchangeHandle:
 # -- allgather ---------------------------------------------------------------------------------------------------
 
 
-def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: Any = None) -> ExchangeHandle:
+def allgather_async(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> ExchangeHandle:
     """Start concatenating `tensor` from every rank along the first dimension (which may differ by rank); the input
-    is not modified. `synchronize` returns the result."""
+    is not modified. `synchronize` returns the result.
+
+    Horovod's `allgather_async(tensor, name=None, process_set=global_process_set)` and BytePS's
+    `allgather_async(tensor, shape_list=None, name=None, version=0, priority=0)` both: BytePS's `shape_list` (every
+    rank's first dimension) is what gradwire finds out itself, and is checked against it where given."""
+    call = _GatherCall.of("allgather_async", args, kwargs, shape_list=True)
+    rows = tensor.shape[0] if tensor.dim() else 1
+    if call.shape_list and call.shape_list[gradwire.rank()] != rows:
+        said = call.shape_list[gradwire.rank()]
+        raise ValueError(f"allgather_async: shape_list says {said} rows for rank {gradwire.rank()}, the tensor {rows}")
+    return _allgather_async(tensor, call.name, call.process_set)
+
+
+def _allgather_async(tensor: torch.Tensor, name: str | None, process_set: Any) -> ExchangeHandle:
     worker = gradwire.current_worker()
     members = _members(process_set)
     name = _name(worker, name, "allgather")
@@ -78,13 +91,49 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: 
     return ExchangeHandle(handle, tensor, keep=source)
 
 
+class _GatherCall:
+    """An allgather's arguments, spelt as Horovod or as BytePS: after the tensor, Horovod passes (name,
+    process_set); BytePS (same_shape, name, version, priority) to `allgather`, (shape_list, name, version, priority)
+    to `allgather_async`, and some of its tests an output tensor first. Told apart by the type of the first."""
+
+    BYTEPS = ("same_shape", "name", "version", "priority")
+    HOROVOD = ("name", "process_set")
+
+    def __init__(self, **given: Any) -> None:
+        self.name: str | None = given.get("name")
+        self.process_set = given.get("process_set")
+        self.output: torch.Tensor | None = given.get("output")
+        self.shape_list: list[int] | None = given.get("shape_list") or None
+        # same_shape (a hint: gradwire gathers first dimensions that differ anyway), version (BytePS's staleness
+        # counter) and priority: accepted, without effect on the result
+
+    @classmethod
+    def of(cls, what: str, args: tuple, kwargs: dict, shape_list: bool = False) -> _GatherCall:
+        names: tuple[str, ...] = cls.HOROVOD
+        if args and isinstance(args[0], torch.Tensor):
+            names = ("output", *cls.BYTEPS)
+        elif args and shape_list and isinstance(args[0], list | tuple):
+            names = ("shape_list", *cls.BYTEPS[1:])
+        elif args and not shape_list and isinstance(args[0], bool):
+            names = cls.BYTEPS
+        if len(args) > len(names):
+            raise TypeError(f"{what}() takes at most {len(names) + 1} positional arguments ({len(args) + 1} given)")
+        given = dict(zip(names, args, strict=False))
+        known = {"name", "process_set", "output", "same_shape", "version", "priority", "shape_list"}
+        for key, value in kwargs.items():
+            if key not in known or key in given:
+                raise TypeError(f"{what}() got an unexpected or repeated keyword argument {key!r}")
+            given[key] = value
+        return cls(**given)
+
+
 class _AllGather(torch.autograd.Function):
-    """The gradient of an allgather is this rank's rows of the average of the gradients (Horovod's)."""
+    """The gradient of an allgather is this rank's rows of the average of the gradients (Horovod's and BytePS's)."""
 
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, process_set: Any) -> Any:
         ctx.rows, ctx.process_set = (tensor.shape[0] if tensor.dim() else 1), process_set
-        return gradwire.torch.synchronize(allgather_async(tensor, name, process_set))
+        return gradwire.torch.synchronize(_allgather_async(tensor, name, process_set))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
@@ -95,11 +144,23 @@ class _AllGather(torch.autograd.Function):
         return reduced.narrow(0, offset, ctx.rows), None, None
 
 
-def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = None) -> torch.Tensor:
-    """Concatenate `tensor` from every rank along the first dimension. Blocks. Differentiable."""
-    if tensor.requires_grad and torch.is_grad_enabled():
-        return _AllGather.apply(tensor, name, process_set)
-    return gradwire.torch.synchronize(allgather_async(tensor, name, process_set))
+def allgather(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """Concatenate `tensor` from every rank along the first dimension. Blocks. Differentiable.
+
+    Horovod's `allgather(tensor, name=None, process_set=global_process_set)` and BytePS's
+    `allgather(tensor, same_shape=True, name=None, version=0, priority=0)` both (`same_shape` is a hint gradwire does
+    not need); with an `output` tensor (BytePS's tests pass one after the input) the result is written into it and
+    returned."""
+    call = _GatherCall.of("allgather", args, kwargs)
+    if tensor.requires_grad and torch.is_grad_enabled() and call.output is None:
+        return _AllGather.apply(tensor, call.name, call.process_set)
+    result = gradwire.torch.synchronize(_allgather_async(tensor, call.name, call.process_set))
+    if call.output is None:
+        return result
+    if call.output.shape != result.shape:
+        shapes = f"{tuple(call.output.shape)}, the result {tuple(result.shape)}"
+        raise ValueError(f"allgather: the output has shape {shapes}")
+    return call.output.copy_(result)
 
 
 def grouped_allgather_async(tensors: list[torch.Tensor], name: str | None = None, process_set: Any = None) -> Any:
@@ -124,8 +185,8 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: str = Average, p
         raise ValueError(f"sparse allreduce supports op=Average or Sum, got {op!r}")
     sparse = tensor.coalesce() if not tensor.is_coalesced() else tensor
     # allgather concatenates along the first dimension: the indices travel transposed (one row per element)
-    indices = allgather_async(sparse.indices().transpose(0, 1).contiguous(), f"{name}.indices", process_set)
-    values = allgather_async(sparse.values(), f"{name}.values", process_set)
+    indices = _allgather_async(sparse.indices().transpose(0, 1).contiguous(), f"{name}.indices", process_set)
+    values = _allgather_async(sparse.values(), f"{name}.values", process_set)
     divide = len(_members(process_set) or range(gradwire.size())) if op == Average else 1
 
     def handle() -> torch.Tensor:

@@ -18,6 +18,7 @@ from gradwire import compression as _servers
 from gradwire.worker import Handle, Worker
 
 from .compression import Compression, Compressor
+from .delay_compensation import dc_adam_, delay_compensation_  # noqa: F401 - BytePS: `from byteps.torch.ops import ...`
 from .powersgd import PowerSGD
 
 _SUPPORTED = {

@@ -54,9 +54,9 @@ class _ServerOptimizer:
     """Mixed into the torch optimizer's class (as DistributedOptimizer is)."""
 
     def _gradwire_setup(
-        self, algorithm: str, names: dict[int, str], staleness: int, passes: int, worker: Worker | None
+        self, algorithm: str, names: dict[int, str], staleness: int, passes: int, worker: Worker | None, dc: float = 0.0
     ) -> None:
-        self._algorithm, self._staleness, self._passes = algorithm, staleness, passes
+        self._algorithm, self._staleness, self._passes, self._dc = algorithm, staleness, passes, dc
         self._params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]  # type: ignore[attr-defined]
         self._names = {id(p): f"ps.{names[id(p)]}" for p in self._params}
         self._group_of = {id(p): g for g in self.param_groups for p in g["params"]}  # type: ignore[attr-defined]
@@ -84,6 +84,8 @@ class _ServerOptimizer:
     def _args(self, p: torch.Tensor) -> dict:
         group = self._group_of[id(p)]
         args: dict = {"algorithm": self._algorithm, "impl": "torch", "staleness": self._staleness}
+        if self._dc:
+            args["delay_compensation"] = self._dc
         if self._algorithm in ("adam", "adamw"):
             args["amsgrad"] = bool(group["amsgrad"])
         if self._algorithm == "adagrad":
@@ -272,6 +274,7 @@ def ServerOptimizer(  # noqa: N802 - a factory that returns an instance of the t
     named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
     staleness: int = 0,
     backward_passes_per_step: int = 1,
+    delay_compensation: float = 0.0,
     **hyper: Any,
 ) -> torch.optim.Optimizer:
     """An optimizer whose parameters and state live on the summation servers (parameter-server mode).
@@ -282,13 +285,17 @@ def ServerOptimizer(  # noqa: N802 - a factory that returns an instance of the t
     weight_decay, ...; foreach/fused/capturable/differentiable are not taken: the servers run on CPU).
     `staleness`: 0, synchronous (bit-identical to DistributedOptimizer over the same torch optimizer); s > 0,
     asynchronous: each worker's gradient is applied as it arrives, and a worker waits when it is more than s
-    updates ahead of the slowest. Collective: every worker builds it, after gradwire.init() (or its first backward
+    updates ahead of the slowest. `delay_compensation` lambda > 0 (asynchronous only): the servers correct each
+    gradient for the parameters' move since its worker last pulled them, g + lambda * g * g * (w_now - w_old)
+    (DC-ASGD; docs/ps-mode.md). Collective: every worker builds it, after gradwire.init() (or its first backward
     pass does the rest), and every worker's parameters become worker 0's.
     """
     if optimizer not in CLASSES:
         raise ValueError(f"unknown optimizer {optimizer!r}; gradwire's servers run {', '.join(sorted(CLASSES))}")
     if not isinstance(staleness, int) or staleness < 0:
         raise ValueError(f"staleness must be an int >= 0, got {staleness!r}")
+    if delay_compensation and not staleness:
+        raise ValueError("delay_compensation corrects stale gradients: it needs asynchronous mode (staleness > 0)")
     if backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
     for key in ("foreach", "fused", "capturable", "differentiable"):
@@ -306,7 +313,7 @@ def ServerOptimizer(  # noqa: N802 - a factory that returns an instance of the t
     wrapped = wrapped_cls.__new__(wrapped_cls)
     wrapped.__dict__.update(template.__dict__)
     worker = current_worker_or_none()
-    wrapped._gradwire_setup(optimizer, names, staleness, backward_passes_per_step, worker)
+    wrapped._gradwire_setup(optimizer, names, staleness, backward_passes_per_step, worker, float(delay_compensation))
     return wrapped
 
 
