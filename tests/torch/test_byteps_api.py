@@ -28,6 +28,21 @@ def _data(steps, batch, shape=(10,), classes=3):
     ]
 
 
+def _steps(model, opt, data, rank, batch, synchronize=False):
+    """Train on this rank's slice of each batch; the parameters after each step (`synchronize`: a CrossBarrier's
+    updates all applied first)."""
+    after = []
+    for x, y in data:
+        opt.zero_grad()
+        sl = slice(rank * batch, (rank + 1) * batch)
+        torch.nn.functional.cross_entropy(model(x[sl]), y[sl]).backward()
+        opt.step()
+        if synchronize:
+            opt.synchronize()
+        after.append([p.detach().clone() for p in model.parameters()])
+    return after
+
+
 def test_byteps_ddp_matches_one_process_with_the_whole_batch(cluster):
     data, batch = _data(8, 4), 4
     reference = _model(0)
@@ -95,16 +110,7 @@ def test_cross_barrier_gives_distributed_optimizer_s_parameters(cluster, fusion_
             )
             if cross:
                 opt = gwt.cross_barrier.CrossBarrier(model, opt, num_steps=len(data))
-            after = []
-            for x, y in data:
-                opt.zero_grad()
-                sl = slice(rank * batch, (rank + 1) * batch)
-                torch.nn.functional.cross_entropy(model(x[sl]), y[sl]).backward()
-                opt.step()
-                if cross:
-                    opt.synchronize()
-                after.append([p.detach().clone() for p in model.parameters()])
-            return after
+            return _steps(model, opt, data, rank, batch, synchronize=cross)
 
         return run(cluster, worker)
 
@@ -221,14 +227,7 @@ def test_the_cross_barrier_module_is_bytepss_whole_api_and_wraps_a_plain_optimiz
             else:
                 opt = gwt.DistributedOptimizer(opt, named_parameters=model.named_parameters())
             bps.broadcast_parameters(model.state_dict(), root_rank=0)
-            for x, y in data:
-                opt.zero_grad()
-                sl = slice(rank * batch, (rank + 1) * batch)
-                torch.nn.functional.cross_entropy(model(x[sl]), y[sl]).backward()
-                opt.step()
-            if cross:
-                opt.synchronize()
-            return [p.detach().clone() for p in model.parameters()]
+            return _steps(model, opt, data, rank, batch, synchronize=cross)[-1]
 
         return run(cluster, worker)
 
