@@ -241,7 +241,11 @@ class Recovery:
             # heard from now on: a node waiting for RESUMED sends nothing (it reported up to a timeout ago); its
             # promise to this scheduler starts with RESUMED (lease.py)
             node.heard = node.last_seen = node.answered = now
-        roster.tell(roster.nodes, messages.Resumed(roster.term, roster.epoch))
+        # the servers first: a worker told it may go on declares at once, and the new scheduler then sends the keys to
+        # their servers, which must have had their RESUMED before (a server waiting for it refused the keys message as
+        # a scheduler's wrong answer: the declaration was answered without that server's keys)
+        servers_first = sorted(roster.nodes, key=lambda node: node.role == "worker")
+        roster.tell(servers_first, messages.Resumed(roster.term, roster.epoch))
         self.done.set()
 
     def _keep_record_locked(self, now: float, tensors: int) -> None:
