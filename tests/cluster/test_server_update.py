@@ -253,3 +253,21 @@ def test_delay_compensation_needs_asynchronous_mode():
     with pytest.raises(ValueError, match="number >= 0"):
         update.check_args({"algorithm": "sgd", "staleness": 1, "delay_compensation": -1})
     assert "delay_compensation" not in update.check_args({"algorithm": "sgd", "staleness": 1, "delay_compensation": 0})
+
+
+def test_delay_compensations_state_restarts_with_the_parameters_after_a_failover():
+    """A key's copies of what each worker was answered with start afresh when its parameters are installed anew (a
+    replacement server seeded by a worker): that worker's next push goes uncorrected until it is answered again."""
+    from gradwire.server.optim import Held, ServerUpdate
+
+    op = ServerUpdate({"algorithm": "sgd", "staleness": 1, "delay_compensation": 0.5, "impl": "numpy"})
+    held = Held(op, 4, np.dtype(np.float32), num_workers=2)
+    held.install(np.zeros(4, np.float32))
+    held.remember(0)
+    held.params += np.float32(2.0)  # two updates by others since worker 0's answer
+    g = np.full(4, 3.0, np.float32)
+    np.testing.assert_array_equal(held.compensate(0, g), g + 0.5 * g * g * 2.0)
+    assert held.compensate(1, g) is g  # worker 1 was never answered: nothing to correct by
+    assert held.dc_bytes == 3 * 4 * 4  # two workers' copies and a scratch
+    held.install(np.ones(4, np.float32))  # seeded after a failover
+    assert held.compensate(0, g) is g and held.compensated == 1

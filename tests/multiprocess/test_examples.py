@@ -103,3 +103,20 @@ def test_the_elastic_example_survives_a_sigkilled_worker_at_any_moment(moment):
         assert "starting worker 3 to join the job" in run.output, run.output
     else:
         assert "re-formed" not in run.output, run.output
+
+
+def test_jax_digits_example_learns():
+    pytest.importorskip("jax")
+    pytest.importorskip("optax")
+    result = launch(2, 1, str(ROOT / "examples" / "jax_digits_train.py"), "--epochs", "3", timeout=180)
+    assert result.code == 0, result.output
+    summary = result.lines("[worker 0] {")
+    assert summary and json.loads(summary[0].split("] ", 1)[1])["accuracy"] > 0.8, result.output
+
+
+def test_flax_digits_example_learns():
+    pytest.importorskip("flax")
+    result = launch(2, 1, str(ROOT / "examples" / "flax_digits_train.py"), "--epochs", "3", timeout=180)
+    assert result.code == 0, result.output
+    summary = result.lines("[worker 0] {")
+    assert summary and json.loads(summary[0].split("] ", 1)[1])["accuracy"] > 0.8, result.output

@@ -186,6 +186,36 @@ def test_async_keeps_the_staleness_bound_and_trains():
         assert last < 0.7 * first, (rank, first, last)
 
 
+def test_async_adam_with_delay_compensation_trains_and_reports_the_corrections():
+    """ServerOptimizer(..., "adam", staleness=s, delay_compensation=lambda): the torch integration declares it, the
+    servers correct the pushes (counted in /status and /metrics) and Adam still brings the loss down."""
+    losses = {}
+
+    def worker(rank):
+        model = _model()
+        optimizer = gw.ServerOptimizer(model, "adam", lr=0.02, staleness=1, delay_compensation=0.5)
+        x, y = _batch(0, 0)
+        with torch.no_grad():
+            first = float(torch.nn.functional.cross_entropy(model(x), y))
+        for _ in range(12):
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        with torch.no_grad():
+            losses[rank] = (first, float(torch.nn.functional.cross_entropy(model(x), y)))
+
+    with LocalCluster(num_workers=2, num_servers=2, partition_bytes=1024) as c:
+        run(c, worker)
+        stats = [s.status()["optimizer"] for s in c.servers]
+        metrics = c.servers[0].metrics.exposition()[2].decode()
+    assert sum(s["delay_compensated"] for s in stats) > 0 and sum(s["delay_compensation_bytes"] for s in stats) > 0
+    assert "gradwire_server_delay_compensated" in metrics
+    for first, last in losses.values():
+        assert last < 0.7 * first, losses
+    with pytest.raises(ValueError, match="staleness > 0"):
+        gw.ServerOptimizer(_model(), "sgd", lr=0.1, delay_compensation=0.5)
+
+
 @pytest.mark.parametrize("standby", [0, 1], ids=["onto-survivors", "with-a-standby"])
 def test_a_server_killed_mid_training_changes_no_bit(standby):
     """Adam, 3 workers, 3 servers; server 1 dies at step 10 of 20. Its keys go on on their replicas, which hold the
