@@ -1,0 +1,165 @@
+"""The receiving half of a worker's link to a server (`ServerLink`, worker/link.py, inherits it): its thread reads the
+server's frames and applies them. ACKS (a batch of the server engine's acknowledgements: window places and credit
+freed, one wake-up of the sender), RESULT (a partition's sum, read straight into its key's seed copy or its output,
+then delivered and recorded), ERROR (a tensor refused: its handle fails; or the job's abort)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from gradwire.admin.metrics import Metrics
+from gradwire.admin.timeline import Timeline
+from gradwire.errors import GradwireError, LocalProtocolError, RemoteProtocolError, TensorError, abort_error
+from gradwire.protocol import frames
+from gradwire.protocol.frames import FrameType
+from gradwire.transport import shm, tcp
+from gradwire.worker.credit import Credit
+from gradwire.worker.work import Seed, Work
+
+if TYPE_CHECKING:
+    from gradwire.worker.flow import Flow
+
+log = logging.getLogger("gradwire.worker")
+
+
+class Answers:
+    """What the link's receiving thread does; the state is the link's own (declared here for the reader)."""
+
+    conn: tcp.Connection
+    server: int
+    rank: int
+    flow: Flow
+    credit: Credit
+    network: bool
+    arena: shm.Arena | None
+    seeds: dict[int, Seed] | None
+    metrics: Metrics
+    timeline: Timeline | None
+    _cond: threading.Condition
+    _free_push: list[int]
+    _free_pull: list[int]
+
+    def _broken(self, error: GradwireError) -> None:
+        raise NotImplementedError
+
+    def close(self, reason: BaseException) -> None:
+        raise NotImplementedError
+
+    def _recv_loop(self) -> None:
+        np.seterr(all="ignore")  # averaging inf or nan gives inf or nan, as in the sum (see server/engine.py)
+        try:
+            while True:
+                header = self.conn.recv_header()
+                if header.type == FrameType.RESULT:
+                    self._on_result(header)
+                elif header.type == FrameType.ACKS:
+                    self._on_acks(self.conn.recv_body(header))
+                elif header.type == FrameType.ERROR:
+                    self._on_error(header, frames.decode_json(self.conn.recv_body(header)))
+                else:
+                    raise RemoteProtocolError(f"server {self.server} sent an unexpected {header.type.name}")
+        except GradwireError as e:
+            self._broken(e)
+        except Exception as e:  # as in _send_loop
+            log.exception("worker %d: the receiver from server %d failed", self.rank, self.server)
+            self.close(LocalProtocolError(f"worker {self.rank}: the receiver from server {self.server} failed: {e!r}"))
+
+    def _take(self, key: int, answered_at: float | None = None) -> Work:
+        """`key`'s contribution is acknowledged, or (`answered_at`: when its sum began to arrive) answered."""
+        with self._cond:
+            taken = self.flow.on_ack(key) if answered_at is None else self.flow.on_answer(key, answered_at)
+            if taken is None:
+                raise RemoteProtocolError(f"server {self.server} answered key {key:016x}, which is not in flight")
+            work, newly_acked = taken
+            if newly_acked:
+                if work.push_slot != shm.NO_SLOT:  # the server has summed it: the slot may take the next push
+                    self._free_push.append(work.push_slot)
+                    work.push_slot = shm.NO_SLOT
+            if newly_acked or answered_at is not None:  # a freed window place, or a freed unanswered place
+                self._cond.notify()
+        if newly_acked:
+            self.credit.release(work.push_bytes, self.network)
+        return work
+
+    def _on_acks(self, body: bytes) -> None:
+        """The server has these contributions (an ACKS frame: one batch of its engine's): their window places and
+        credit are free, with one wake-up of the sender."""
+        freed: list[int] = []
+        with self._cond:
+            for key, rnd in frames.ACK_ENTRY.iter_unpack(body):
+                taken = self.flow.on_ack(key)
+                if taken is None:
+                    raise RemoteProtocolError(f"server {self.server} acknowledged key {key:016x}, not in flight")
+                work, newly_acked = taken
+                if rnd != work.round:
+                    raise RemoteProtocolError(
+                        f"server {self.server} acknowledged round {rnd} of {work.tensor!r}, expected {work.round}"
+                    )
+                if newly_acked:
+                    if work.push_slot != shm.NO_SLOT:  # the server has summed it: the slot may take the next push
+                        self._free_push.append(work.push_slot)
+                        work.push_slot = shm.NO_SLOT
+                    freed.append(work.push_bytes)
+            if freed:
+                self._cond.notify()
+        if freed:
+            self.credit.release_all(freed, self.network)
+
+    def _on_result(self, header: frames.Header) -> None:
+        with self._cond:  # answered (Flow.on_answer) only once the sum is in whole: cut off, it is pushed again
+            work = self.flow.pending.get(header.key)
+        if work is None:
+            raise RemoteProtocolError(f"server {self.server} answered key {header.key:016x}, which is not in flight")
+        work.t_result = time.monotonic()
+        if not work.t_pushed:  # the answer came before the sender thread stamped the end of its send
+            work.t_pushed = work.t_result
+        if header.round != work.round or header.length != work.nbytes:
+            raise RemoteProtocolError(
+                f"server {self.server} answered {work.tensor!r} round {header.round} with {header.length} bytes; "
+                f"expected round {work.round} with {work.nbytes}"
+            )
+        seed = Seed.of(self.seeds, work) if self.seeds is not None else None
+        into = seed.data if seed is not None else work.out.reshape(-1).view(np.uint8)
+        if header.flags & shm.SHM_PAYLOAD:
+            if self.arena is None or header.status != work.pull_slot:
+                raise RemoteProtocolError(f"server {self.server} answered in pull slot {header.status}, not ours")
+            np.copyto(into, self.arena.pull_slot(work.pull_slot, work.nbytes))
+        else:
+            self.conn.recv_into(memoryview(into))
+        self._take(header.key, answered_at=work.t_result)
+        if work.pull_slot != shm.NO_SLOT:
+            with self._cond:
+                self._free_pull.append(work.pull_slot)
+            work.pull_slot = shm.NO_SLOT
+        work.deliver(seed)
+        self._record(work, time.monotonic())
+        assert work.handle is not None
+        work.handle.part_done()
+
+    def _record(self, work: Work, done: float) -> None:
+        """The partition's bytes pulled and its four stages, into the metrics and the timeline."""
+        stages = work.stages(done)
+        self.metrics.partition(work.nbytes, *(end - start for _, start, end in stages))
+        if self.timeline:
+            args = {"tensor": work.tensor, "key": f"{work.key:016x}", "bytes": work.nbytes, "round": work.round}
+            for name, start, end in stages:
+                self.timeline.complete(name, start, end, self.server, args)
+            self.timeline.counter("bytes in flight", done, self.credit.used)
+
+    def _on_error(self, header: frames.Header, body: dict) -> None:
+        if body.get("abort"):
+            raise abort_error(body, server=self.server, rank=self.rank)
+        work = self._take(header.key, answered_at=time.monotonic())
+        work.handle.fail(
+            TensorError(
+                f"server {self.server} refused {work.tensor!r} (key {header.key:016x}): {body.get('message')}",
+                tensor=work.tensor,
+                server=self.server,
+                rank=self.rank,
+            )
+        )
