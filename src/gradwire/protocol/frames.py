@@ -43,7 +43,7 @@ class FrameType(enum.IntEnum):
     SHM_ATTACH = 9  # worker -> server {path, push, pull, slot_bytes}; the reply {ok} (transport/shm.py)
     PROBE = 10  # bytes that only measure a link's rate (GRADWIRE_PLACEMENT=auto; scheduler/probe.py)
     # server -> worker: its contributions to these (key, round)s are in (ACK_ENTRY each): the acknowledgements of one
-    # batch of the engine, in one frame (server/outbox.py)
+    # batch of the engine, in one frame (server/replier.py)
     ACKS = 11
 
 

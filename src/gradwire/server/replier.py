@@ -143,7 +143,7 @@ class HeldReplies:
 
     def begin(self) -> None:
         """The calling thread (an engine's) holds its replies from now on, until each `flush`."""
-        self._local.links = {}
+        self._local.links = set()
 
     def reply(self, link: WorkerLink, item: ReplyItem) -> None:
         links = getattr(self._local, "links", None)
@@ -151,12 +151,12 @@ class HeldReplies:
             link.reply(item)
             return
         link.hold(item)
-        links[id(link)] = link
+        links.add(link)
 
     def flush(self) -> None:
         """Send what this thread holds (the end of its batch)."""
         links = self._local.links
-        for link in links.values():
+        for link in links:
             link.flush()
         links.clear()
 

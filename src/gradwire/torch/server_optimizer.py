@@ -294,8 +294,7 @@ def ServerOptimizer(  # noqa: N802 - a factory that returns an instance of the t
         raise ValueError(f"unknown optimizer {optimizer!r}; gradwire's servers run {', '.join(sorted(CLASSES))}")
     if not isinstance(staleness, int) or staleness < 0:
         raise ValueError(f"staleness must be an int >= 0, got {staleness!r}")
-    if delay_compensation and not staleness:
-        raise ValueError("delay_compensation corrects stale gradients: it needs asynchronous mode (staleness > 0)")
+    update.check_args({"algorithm": optimizer, "staleness": staleness, "delay_compensation": delay_compensation})
     if backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
     for key in ("foreach", "fused", "capturable", "differentiable"):

@@ -133,7 +133,9 @@ class ServerLink(Answers):
                 for work in works:
                     work.t_queued = now
                     self.flow.push(work, priority)
-                self.credit.queue(self.server, sum(work.push_bytes for work in works if not work.seed))
+                queued = sum(work.push_bytes for work in works if not work.seed)
+                if queued:  # seeds take no credit
+                    self.credit.queue(self.server, queued)
                 self._cond.notify()
                 return
         for work in works:
