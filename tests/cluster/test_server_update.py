@@ -188,14 +188,18 @@ def _alternating(lam: float, rounds: int, a: np.ndarray, target: np.ndarray, sta
     gradient is one update stale. Returns the final parameters and the servers' optimizer stats."""
     turn = [0]
     cond = threading.Condition()
+    # both initialised before the first gradient: a late init is answered with the parameters as they are by then
+    # (an asynchronous key's parameters do not wait for anyone), and its worker's first gradient would not be stale
+    initialised = threading.Barrier(2, timeout=30)
 
     def job(worker):
         with gradwire.use_worker(worker):
             gradwire.set_optimizer("sgd", lr=lr, staleness=2, delay_compensation=lam)
             mine = gradwire.init_parameter(f"dc.{lam}", start)
+            initialised.wait()
             for _ in range(rounds):
                 with cond:
-                    cond.wait_for(lambda: turn[0] % 2 == worker.rank, 10)
+                    assert cond.wait_for(lambda: turn[0] % 2 == worker.rank, 30), f"worker {worker.rank}: no turn"
                 mine = gradwire.update(f"dc.{lam}", a * (mine - target))
                 with cond:
                     turn[0] += 1
