@@ -37,20 +37,41 @@ def _worker() -> Worker:
     return current_worker()
 
 
-def set_optimizer(optimizer: str, staleness: int = 0, delay_compensation: float = 0.0, **hyper: object) -> None:
+def set_optimizer(
+    optimizer: str, staleness: int = 0, delay_compensation: float = 0.0, compression: object = None, **hyper: object
+) -> None:
     """The servers' optimizer for this worker's next updates: "sgd", "adam", "adamw" or "adagrad", with torch.optim's
     hyper-parameter names (lr, momentum, betas or beta1/beta2, eps, weight_decay, ...). `staleness` 0: synchronous;
     s > 0: asynchronous, at most s updates ahead of the slowest worker; then `delay_compensation` lambda > 0 corrects
-    each stale gradient on the servers (docs/ps-mode.md). Every worker sets the same."""
+    each stale gradient on the servers (docs/ps-mode.md). `compression`: a compressor the servers run
+    (gradwire.compression.onebit(), topk(...), ...) for the gradients pushed (float32 parameters of at least
+    GRADWIRE_COMPRESSION_MIN_BYTES), with this worker's error feedback; the parameters come back as they are. Every
+    worker sets the same."""
     if "betas" in hyper:
         hyper["beta1"], hyper["beta2"] = hyper.pop("betas")  # type: ignore[misc]
     args: dict = {"algorithm": optimizer, "impl": "numpy", "staleness": staleness}
     if delay_compensation:
         args["delay_compensation"] = delay_compensation
+    if compression is not None:
+        args["compressor"] = server_compressor(compression)
     args.update({k: hyper.pop(k) for k in list(hyper) if k in STRUCTURAL_NAMES})
     args = wire.check_args(args)
     values = wire.hyper_values(optimizer, hyper)
     _settings[_worker()] = _Setting(args, values)
+
+
+def server_compressor(compression: object) -> dict | None:
+    """A server-side optimizer's compressor: the arguments of one the servers run (gradwire.compression), or None for
+    none; ValueError for one they cannot decode (float16, PowerSGD: their sums are not a gradient's encoding)."""
+    if compression is None or getattr(compression, "__name__", "") in ("NoneCompressor", "DefaultCompressor"):
+        return None
+    args = getattr(compression, "args", compression)
+    if not isinstance(args, dict):
+        raise ValueError(
+            f"a server-side optimizer decodes onebit, topk, randomk or dithering (gradwire.compression), not "
+            f"{compression!r}: its gradients are not all-reduced, so float16 and PowerSGD do not apply"
+        )
+    return wire.check_args({"algorithm": "sgd", "compressor": args})["compressor"]
 
 
 def _setting(worker: Worker) -> _Setting:

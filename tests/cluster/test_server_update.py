@@ -262,10 +262,11 @@ def test_delay_compensation_needs_asynchronous_mode():
 def test_delay_compensations_state_restarts_with_the_parameters_after_a_failover():
     """A key's copies of what each worker was answered with start afresh when its parameters are installed anew (a
     replacement server seeded by a worker): that worker's next push goes uncorrected until it is answered again."""
-    from gradwire.server.optim import Held, ServerUpdate
+    from gradwire.server.held import Held
+    from gradwire.server.optim import ServerUpdate
 
     op = ServerUpdate({"algorithm": "sgd", "staleness": 1, "delay_compensation": 0.5, "impl": "numpy"})
-    held = Held(op, 4, np.dtype(np.float32), num_workers=2)
+    held = Held(op.args, 4, np.dtype(np.float32), num_workers=2)
     held.install(np.zeros(4, np.float32))
     held.remember(0)
     held.params += np.float32(2.0)  # two updates by others since worker 0's answer

@@ -9,6 +9,7 @@ import copy
 import threading
 import time
 
+import numpy as np
 import pytest
 
 import gradwire
@@ -214,6 +215,48 @@ def test_async_adam_with_delay_compensation_trains_and_reports_the_corrections()
         assert last < 0.7 * first, losses
     with pytest.raises(ValueError, match="staleness > 0"):
         gw.ServerOptimizer(_model(), "sgd", lr=0.1, delay_compensation=0.5)
+
+
+STEPS = 20
+
+
+def test_compressed_gradients_train_identically_on_every_worker_and_follow_the_learning_rate():
+    """ServerOptimizer(..., compression=onebit): every gradient travels as signs and a scale with the worker's error
+    feedback, every worker is answered the same parameters, the loss falls; a learning rate halved doubles each
+    residual (what it carries then moves the parameters as far as when it was dropped)."""
+    losses, pushed = {}, {}
+
+    def worker(rank):
+        model = _model()
+        optimizer = gw.ServerOptimizer(model, "sgd", lr=0.2, momentum=0.9, compression=gw.Compression.onebit())
+        x, y = _batch(0, 0)  # one batch: the loss must fall
+        worker = gradwire.current_worker()
+        with torch.no_grad():
+            first = float(torch.nn.functional.cross_entropy(model(x), y))
+        before = worker.state.metrics.bytes_pushed
+        for _ in range(STEPS):
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        pushed[rank] = worker.state.metrics.bytes_pushed - before
+        with torch.no_grad():
+            losses[rank] = (first, float(torch.nn.functional.cross_entropy(model(x), y)))
+        residuals = [e.residual.copy() for e in worker.calls.compressing.keys.values() if e.residual is not None]
+        optimizer.param_groups[0]["lr"] = 0.1
+        optimizer._follow_lr()
+        doubled = [e.residual for e in worker.calls.compressing.keys.values() if e.residual is not None]
+        assert residuals and all(np.array_equal(2 * a, b) for a, b in zip(residuals, doubled, strict=True))
+        return _params(model)
+
+    with LocalCluster(num_workers=2, num_servers=2, partition_bytes=1024, compression_min_bytes=0) as c:
+        results = run(c, worker)
+        decoded = sum(s.status()["optimizer"]["decoded"] for s in c.servers)
+    assert all(torch.equal(a, b) for a, b in zip(results[0], results[1], strict=True))
+    assert decoded > 0
+    gradient_bytes = 4 * sum(p.numel() for p in _model().parameters())
+    assert max(pushed.values()) < STEPS * gradient_bytes / 4  # signs, a scale and a trailer per partition
+    for first, last in losses.values():
+        assert last < 0.7 * first, losses
 
 
 @pytest.mark.parametrize("standby", [0, 1], ids=["onto-survivors", "with-a-standby"])

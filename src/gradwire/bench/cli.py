@@ -95,7 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--compression",
         action="store_true",
         help="with --train: DistributedOptimizer with onebit, top-k 1%% (error feedback) and PowerSGD rank 2 beside "
-        "uncompressed, against DDP over gloo plain and with torch's PowerSGD hook (rank 2)",
+        "uncompressed, against DDP over gloo plain and with torch's PowerSGD hook (rank 2); with --ps: ServerOptimizer "
+        "on digits with onebit and top-k 1%% beside uncompressed (accuracy, bytes pushed), on --async-runs seeds",
     )
     parser.add_argument(
         "--drift",
@@ -141,7 +142,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--accuracy",
         action="store_true",
         help="the digits CNN to the same epochs, uncompressed and with onebit, top-k 1%% and PowerSGD rank 2: test "
-        "accuracy per way (docs/compression.md)",
+        "accuracy per way (docs/compression.md); with --netem: time to accuracy on the emulated network, against DDP "
+        "over gloo plain and with torch's PowerSGD hook",
     )
     parser.add_argument("--accuracy-runs", type=int, default=4, help="with --accuracy: runs (seeds) per way")
     parser.add_argument("--large-elements", type=int, default=300_000_000, help="with --large: the tensor's elements")
@@ -178,6 +180,10 @@ def run(args: argparse.Namespace) -> int:
         from gradwire.bench.large import run_large
 
         return run_large(args)
+    if args.accuracy and args.netem:
+        from gradwire.bench.time_to_accuracy import run_time_to_accuracy
+
+        return run_time_to_accuracy(args, env)
     if args.accuracy:
         from gradwire.bench.accuracy import run_accuracy
 

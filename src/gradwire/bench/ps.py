@@ -56,9 +56,36 @@ def run_delay_compensation(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_compressed(args: argparse.Namespace) -> int:
+    """The digits CNN with ServerOptimizer (synchronous), its gradients pushed as they are, as signs (onebit) and as
+    the top 1% (top-k), each with the workers' error feedback: test accuracy (mean, spread over seeds), time, and the
+    bytes a worker pushes per step."""
+    n, k = args.num_workers, args.num_servers
+    print(f"digits CNN, ServerOptimizer SGD momentum 0.9, {args.epochs} epochs, {n} workers, {k} servers; "
+          f"{args.async_runs} seeds, each way on each seed")  # fmt: skip
+    ways = ("none", "onebit", "topk")
+    found: dict[str, list[dict]] = {way: [] for way in ways}
+    for seed in range(args.async_runs):
+        for way in ways:
+            task = ["digits", "--mode", "server", "--compression", way, "--epochs", str(args.epochs)]
+            found[way].append(launch_task(n, k, [*task, "--seed", str(seed)])[0])
+    plain = statistics.median(r["bytes_pushed_per_step"] for r in found["none"])
+    for way, runs in found.items():
+        accuracy = [r["test_accuracy"] for r in runs]
+        pushed = statistics.median(r["bytes_pushed_per_step"] for r in runs)
+        print(
+            f"  {way:7s} test acc mean {statistics.mean(accuracy):.4f} (sd {statistics.pstdev(accuracy):.4f})   "
+            f"{statistics.median(r['seconds'] for r in runs):6.2f} s   pushed {pushed / 1024:8.1f} KiB/step "
+            f"(1/{plain / pushed:.1f})   runs: " + ", ".join(f"{a:.3f}" for a in accuracy)
+        )
+    return 0
+
+
 def run_ps(args: argparse.Namespace) -> int:
     if args.dc:
         return run_delay_compensation(args)
+    if args.compression:
+        return run_compressed(args)
     n, k = args.num_workers, args.num_servers
     print(f"parameter-server mode: {n} workers, {k} servers (gradwire launch), this machine\n")
     print("worker memory, a 25M-parameter MLP with Adam (peak RSS, the largest over the workers):")

@@ -3,6 +3,8 @@
     python -m gradwire.bench.ps_worker memory --mode server     # a 25M-parameter MLP with Adam; prints peak RSS
     python -m gradwire.bench.ps_worker digits --mode server --staleness 2 --slow-ms 20
     python -m gradwire.bench.ps_worker digits --mode local --compression onebit --seed 3   # gradwire bench --accuracy
+    python -m gradwire.bench.ps_worker digits --mode server --compression topk               # bench --ps --compression
+    python -m gradwire.bench.ps_worker digits --mode ddp --curve    # under netem's gloo jobs: bench --netem --accuracy
 
 Rank 0 prints one line `PS {json}`; every rank prints `RSS {json}` in the memory task.
 """
@@ -11,13 +13,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
+import sys
 import time
+from typing import Any
 
+import gradwire
 import gradwire.torch as gw
 import torch
 
-# `--compression`: DistributedOptimizer's compressor (docs/compression.md), as `gradwire bench --accuracy` compares them
+# `--compression`: DistributedOptimizer's compressor (docs/compression.md), as `gradwire bench --accuracy` compares
+# them; ServerOptimizer's (onebit, topk) for `gradwire bench --ps --compression`
 COMPRESSORS = {
     "none": lambda: gw.Compression.none,
     "onebit": gw.Compression.onebit,
@@ -36,7 +43,10 @@ def _optimizer(
     **hyper: float,
 ) -> torch.optim.Optimizer:
     if mode == "server":
-        return gw.ServerOptimizer(model, name, staleness=staleness, delay_compensation=dc, **hyper)
+        compressor = None if compression == "none" else COMPRESSORS[compression]()
+        return gw.ServerOptimizer(
+            model, name, staleness=staleness, delay_compensation=dc, compression=compressor, **hyper
+        )
     cls = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}[name]
     gw.broadcast_parameters(model.state_dict(), root_rank=0)
     named, compressor = model.named_parameters(), COMPRESSORS[compression]()
@@ -69,8 +79,8 @@ def memory(args: argparse.Namespace) -> None:
         print("PS " + json.dumps(summary), flush=True)
 
 
-def digits(args: argparse.Namespace) -> None:
-    """The README demo's CNN on scikit-learn's digits, SGD with momentum; test accuracy at the end."""
+def _digits_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """scikit-learn's digits: train images, train labels, test images, test labels (a fixed 80/20 split)."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -78,31 +88,40 @@ def digits(args: argparse.Namespace) -> None:
     x = torch.tensor(digits_data.images, dtype=torch.float32).unsqueeze(1) / 16.0
     y = torch.tensor(digits_data.target)
     x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
+    return x_train, y_train, x_test, y_test
+
+
+def _distributed(args: argparse.Namespace, model: torch.nn.Module) -> tuple[torch.nn.Module, Any, int, int]:
+    """What trains the model `args.mode`'s way (the module called, the optimizer), this rank and the size. `ddp`:
+    torch's DistributedDataParallel over gloo (with its PowerSGD hook for `--compression powersgd`), as a peer."""
+    hyper = {"lr": 0.05, "momentum": args.momentum}
+    if args.mode == "ddp":
+        from gradwire.bench.train import _gloo, ddp_of
+
+        rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        _gloo(rank, size)
+        return ddp_of(model, args.compression == "powersgd"), torch.optim.SGD(model.parameters(), **hyper), rank, size
+    optimizer = _optimizer(model, args.mode, "sgd", args.staleness, args.compression, args.dc, **hyper)
+    return model, optimizer, gw.rank(), gw.size()
+
+
+def digits(args: argparse.Namespace) -> None:
+    """The README demo's CNN on scikit-learn's digits, SGD with momentum; test accuracy at the end (and, `--curve`,
+    after every epoch, with the training seconds so far: evaluation is not counted)."""
+    x_train, y_train, x_test, y_test = _digits_data()
     torch.manual_seed(args.seed)
     model = torch.nn.Sequential(
         torch.nn.Conv2d(1, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(32, 64, 3, padding=1), torch.nn.ReLU(),
         torch.nn.MaxPool2d(2), torch.nn.Flatten(), torch.nn.Linear(64 * 4 * 4, 128), torch.nn.ReLU(),
         torch.nn.Linear(128, 10),
     )  # fmt: skip
-    rank, size = gw.rank(), gw.size()
-    optimizer = _optimizer(
-        model, args.mode, "sgd", args.staleness, args.compression, args.dc, lr=0.05, momentum=args.momentum
-    )
-    xs, ys = x_train[rank::size], y_train[rank::size]
-    g = torch.Generator().manual_seed(rank + 1000 * args.seed)
-    steps = len(xs) // 32
-    start = time.perf_counter()
-    for _ in range(args.epochs):
-        order = torch.randperm(len(xs), generator=g)
-        for i in range(steps):
-            if rank == size - 1 and args.slow_ms:
-                time.sleep(args.slow_ms / 1e3)
-            idx = order[i * 32 : (i + 1) * 32]
-            optimizer.zero_grad()
-            torch.nn.functional.cross_entropy(model(xs[idx]), ys[idx]).backward()
-            optimizer.step()
-    seconds = time.perf_counter() - start
-    gw.barrier()  # every worker's last push is in
+    net, optimizer, rank, size = _distributed(args, model)
+    steps = len(x_train[rank::size]) // 32
+    metrics = gradwire.current_worker().state.metrics if args.mode != "ddp" else None
+    pushed = metrics.bytes_pushed if metrics else 0
+    seconds = _epochs(args, net, optimizer, rank, size, (x_train, y_train, x_test, y_test))
+    pushed = metrics.bytes_pushed - pushed if metrics else 0
+    _barrier(args.mode)  # every worker's last push is in
     if args.mode == "server":
         optimizer.pull_parameters()  # the newest (a worker of an asynchronous job may hold older ones)
     with torch.no_grad():
@@ -119,14 +138,51 @@ def digits(args: argparse.Namespace) -> None:
             "test_accuracy": accuracy,
             "seconds": seconds,
             "steps_per_s": steps * args.epochs / seconds,
+            "bytes_pushed_per_step": pushed / (steps * args.epochs),
         }
         print("PS " + json.dumps(summary), flush=True)
+
+
+def _epochs(args: argparse.Namespace, net: torch.nn.Module, optimizer: Any, rank: int, size: int, data: tuple) -> float:
+    """`args.epochs` epochs of this rank's share of the training set, batches of 32; the seconds they took (with
+    `--curve`, rank 0 prints the test accuracy after each, not counted)."""
+    x_train, y_train, x_test, y_test = data
+    xs, ys = x_train[rank::size], y_train[rank::size]
+    g = torch.Generator().manual_seed(rank + 1000 * args.seed)
+    steps, seconds = len(xs) // 32, 0.0
+    model = getattr(net, "module", net)  # DDP's: evaluated without a collective
+    for epoch in range(args.epochs):
+        start = time.perf_counter()
+        order = torch.randperm(len(xs), generator=g)
+        for i in range(steps):
+            if rank == size - 1 and args.slow_ms:
+                time.sleep(args.slow_ms / 1e3)
+            idx = order[i * 32 : (i + 1) * 32]
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(net(xs[idx]), ys[idx]).backward()
+            optimizer.step()
+        seconds += time.perf_counter() - start
+        if args.curve and rank == 0:
+            with torch.no_grad():
+                accuracy = float((model(x_test).argmax(1) == y_test).float().mean())
+            point = {"epoch": epoch + 1, "seconds": seconds, "test_accuracy": accuracy}
+            print("EPOCH " + json.dumps(point), flush=True)
+    return seconds
+
+
+def _barrier(mode: str) -> None:
+    if mode != "ddp":
+        gw.barrier()
+        return
+    import torch.distributed as dist
+
+    dist.barrier()
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("task", choices=["memory", "digits"])
-    p.add_argument("--mode", choices=["local", "server"], default="server")
+    p.add_argument("--mode", choices=["local", "server", "ddp"], default="server")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--staleness", type=int, default=0)
@@ -135,8 +191,13 @@ def main() -> None:
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--compression", choices=sorted(COMPRESSORS), default="none")
     p.add_argument("--seed", type=int, default=0, help="the model's initialisation and the data's order")
+    p.add_argument("--curve", action="store_true", help="digits: test accuracy after every epoch (EPOCH lines)")
     args = p.parse_args()
     torch.set_num_threads(1)
+    if args.mode == "ddp":  # started by the emulated network's gloo jobs (netem/jobs.py start_gloo)
+        digits(args)
+        sys.stdout.flush()
+        os._exit(0)  # as bench/train.py: gloo's threads (PowerSGD's hook) must not be torn down under a callback
     gw.init()
     (memory if args.task == "memory" else digits)(args)
     gw.shutdown()

@@ -23,6 +23,7 @@ import os
 import socket
 import sys
 import time
+from typing import Any
 
 BATCH = 32
 
@@ -142,6 +143,25 @@ def main(way: str, steps: int, warmup: int) -> None:
         os._exit(0)
 
 
+def ddp_of(net: Any, powersgd: bool = False) -> Any:
+    """`net` in torch's DistributedDataParallel (the process group started), with torch's PowerSGD hook (rank 2, from
+    the third step) where asked."""
+    import torch
+
+    if not powersgd:
+        return torch.nn.parallel.DistributedDataParallel(net)
+    # one bucket: over gloo, PowerSGD's chained collectives of several buckets go out in a different order on
+    # different ranks (a collective mismatch at n = 4 here; pytorch/pytorch#58467 lists gloo's failures)
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as hook
+
+    dist._DEFAULT_FIRST_BUCKET_BYTES = 1 << 30
+    ddp = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=1024)
+    state = hook.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2)
+    ddp.register_comm_hook(state, hook.powerSGD_hook)
+    return ddp
+
+
 def _distributed(way: str) -> tuple:
     """The model and its optimizer made distributed `way`'s way (ddp, optimizer, hook), and this rank and the size."""
     import torch
@@ -151,19 +171,7 @@ def _distributed(way: str) -> tuple:
     if way.startswith("ddp"):
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         _gloo(rank, world)
-        if way == "ddp-powersgd":
-            # one bucket: over gloo, PowerSGD's chained collectives of several buckets go out in a different order on
-            # different ranks (a collective mismatch at n = 4 here; pytorch/pytorch#58467 lists gloo's failures)
-            import torch.distributed as dist
-            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
-
-            dist._DEFAULT_FIRST_BUCKET_BYTES = 1 << 30
-            ddp = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=1024)
-            state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2)
-            ddp.register_comm_hook(state, powersgd.powerSGD_hook)
-        else:
-            ddp = torch.nn.parallel.DistributedDataParallel(net)
-        return ddp, opt, rank, world
+        return ddp_of(net, way == "ddp-powersgd"), opt, rank, world
     import gradwire.torch as gw
 
     gw.init()

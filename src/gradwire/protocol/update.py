@@ -12,12 +12,20 @@ server answers the sender alone with one of the key's tensors, `which`: 0 the pa
 order, then the step count), WRITE (the data are that tensor's new values; the answer is the parameters).
 
 Structural arguments (the algorithm, `amsgrad`, Adagrad's initial accumulator, the staleness bound, delay compensation's
-lambda, the implementation) are declared once with the tensor (`op_args`) and checked across workers like its shape.
+lambda, the compressor, the implementation) are declared once with the tensor (`op_args`) and checked across workers
+like its shape.
+
+Compressed pushes (a float32 tensor declared with `compressor`: protocol/compression.py's arguments): a GRAD push's
+data is the partition's block of that compressor (`compression.for_partition(...).wire_bytes(n)` bytes, encoded by the
+worker with its own error feedback), then the trailer; the server decodes it where it would add the gradient. Every
+other push (INIT, WRITE, a seed) and every answer carries the parameters as they are.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from gradwire.protocol import compression
 
 TRAILER_BYTES = 64
 GRAD, INIT, READ, WRITE = 0, 1, 2, 3
@@ -79,11 +87,13 @@ def check_args(args: object) -> dict:
         raise ValueError("delay_compensation corrects stale gradients: it needs asynchronous mode (staleness > 0)")
     if dc:  # absent when off: a key without it is declared exactly as before it existed
         out["delay_compensation"] = float(dc)
+    if args.get("compressor") is not None:  # absent when off, as delay compensation
+        out["compressor"] = compression.check_args(args["compressor"])
     impl = args.get("impl", "numpy")
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     out["impl"] = impl
-    unknown = set(args) - set(out) - {"delay_compensation"}
+    unknown = set(args) - set(out) - {"delay_compensation", "compressor"}
     if unknown:
         raise ValueError(f"unknown arguments for {algorithm}: {', '.join(sorted(unknown))}")
     return out

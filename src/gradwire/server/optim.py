@@ -37,116 +37,13 @@ from gradwire.errors import TensorError
 from gradwire.protocol import dtypes, update
 from gradwire.protocol.frames import REPLICA, SEED
 from gradwire.server import replica
-from gradwire.server.optimizers import NumpyStep, TorchStep
+from gradwire.server.held import Held
 from gradwire.server.rounds import KeyOp, KeyState, Outbox, Round
 
 if TYPE_CHECKING:
     from gradwire.ring import Slot
 
 log = logging.getLogger("gradwire.server")
-
-
-class Held:
-    """What a key of the optimizer holds: its parameters, the optimizer's state, and the asynchronous bookkeeping."""
-
-    def __init__(self, op: ServerUpdate, count: int, wire: np.dtype, num_workers: int) -> None:
-        self.op = op
-        self.m = count
-        self.params = np.zeros(count, wire)
-        self.scratch = np.empty(count, wire)
-        self.trailer = [np.zeros(update.TRAILER_BYTES // 8), np.zeros(update.TRAILER_BYTES // 8)]  # per round buffer
-        self.installed = False  # parameters arrived (INIT, a seed, or a write)
-        self.round = -1  # the round whose result the parameters are (sync)
-        self.restarts = 0  # times the optimizer state started afresh from seeded parameters (a failover)
-        self.replica: int | None = None  # the server that replicates this key (server/replica.py)
-        self.replicated = 0  # updates applied here as a replica
-        self.stepper = self._new_stepper()
-        self.workers(num_workers)
-
-    def workers(self, num_workers: int) -> None:
-        """Asynchronous bookkeeping for `num_workers` (afresh after an elastic reset)."""
-        self.pushes = [0] * num_workers  # gradients applied, per worker
-        self.seen = [0] * num_workers  # updates applied when each worker was last answered
-        self.held: dict[int, tuple[int, int]] = {}  # worker -> (round, pull slot) of an answer held back
-        self.staleness_max = 0
-        self.staleness_sum = 0
-        self.dc_lambda = float(self.op.args.get("delay_compensation", 0.0))
-        self.compensated = 0  # pushes corrected for their delay (delay compensation)
-        # delay compensation: the parameters each worker was last answered with, and whether it has been since they
-        # were installed (module docstring); a scratch for the corrected gradient
-        self.answered = np.zeros((num_workers, self.m), self.params.dtype) if self.dc_lambda else None
-        self.known = [False] * num_workers
-        self.dc_scratch = np.empty(self.m, self.params.dtype) if self.dc_lambda else None
-
-    def remember(self, worker: int) -> None:
-        """Worker `worker` is answered with the parameters as they are now (delay compensation's w_old)."""
-        if self.answered is not None:
-            np.copyto(self.answered[worker], self.params)
-            self.known[worker] = True
-
-    def compensate(self, worker: int, grad: np.ndarray) -> np.ndarray:
-        """`grad` from `worker`, corrected for the parameters' move since it was last answered (a scratch), or
-        itself where there is nothing to correct by."""
-        if self.answered is None or not self.known[worker]:
-            return grad
-        d = self.dc_scratch
-        assert d is not None
-        np.subtract(self.params, self.answered[worker], out=d)  # w_now - w_old
-        d *= grad
-        d *= grad
-        d *= self.dc_lambda
-        d += grad
-        self.compensated += 1
-        return d
-
-    def _new_stepper(self) -> NumpyStep | TorchStep:
-        impl = TorchStep if self.op.args["impl"] == "torch" else NumpyStep
-        return impl(self.op.args, self.params)
-
-    def install(self, params: np.ndarray) -> None:
-        """New parameters; the optimizer's state starts afresh (as a new torch optimizer's)."""
-        np.copyto(self.params, params)
-        self.stepper = self._new_stepper()
-        self.installed = True
-        self.known = [False] * len(self.known)  # nobody was answered with these yet (delay compensation)
-
-    def read(self, which: int) -> np.ndarray:
-        """Tensor `which` (protocol/update.py) as a copy: parameters, a state tensor (zeros if absent), the count."""
-        names = self.stepper.names
-        if which == 0:
-            return self.params.copy()
-        if 1 <= which <= len(names):
-            value = self.stepper.read(names[which - 1])
-            return np.zeros_like(self.params) if value is None else np.array(value, self.params.dtype)
-        if which == len(names) + 1:
-            return np.full_like(self.params, self.stepper.count)
-        raise TensorError(f"no tensor {which} in the state of a {self.op.args['algorithm']} key")
-
-    def write(self, which: int, data: np.ndarray) -> None:
-        """Tensor `which` takes `data` (-1: the parameters, with the optimizer's state afresh)."""
-        names = self.stepper.names
-        if which == -1:
-            self.install(data)
-        elif which == 0:
-            np.copyto(self.params, data)
-            self.installed = True
-        elif 1 <= which <= len(names):
-            self.stepper.write(names[which - 1], data)
-        elif which == len(names) + 1:
-            self.stepper.set_count(int(data[0]) if len(data) else 0)
-        else:
-            raise TensorError(f"no tensor {which} in the state of a {self.op.args['algorithm']} key")
-
-    @property
-    def nbytes(self) -> int:
-        return self.params.nbytes + self.stepper.nbytes + self.dc_bytes
-
-    @property
-    def dc_bytes(self) -> int:
-        """What delay compensation holds: the parameters each worker was last answered with, and a scratch."""
-        if self.answered is None or self.dc_scratch is None:
-            return 0
-        return self.answered.nbytes + self.dc_scratch.nbytes
 
 
 class ServerUpdate(KeyOp):
@@ -161,17 +58,20 @@ class ServerUpdate(KeyOp):
     def __init__(self, args: dict) -> None:
         self.args = update.check_args(args)
         self.asynchronous = self.args["staleness"] > 0
+        self.compressed = bool(self.args.get("compressor"))  # gradient pushes arrive encoded (protocol/update.py)
 
     def setup(self, state: KeyState, previous: KeyState | None = None) -> None:
         if state.dtype.name not in update.DTYPES:
             raise TensorError(f"a server-side optimizer holds float32 or float64 parameters, not {state.dtype.name}")
+        if self.compressed and state.dtype.name != "float32":
+            raise TensorError(f"{state.name!r}: compressed gradients are float32, not {state.dtype.name}")
         if previous is not None and previous.held is not None:  # an elastic reset keeps parameters and state
             state.held = previous.held
             state.held.workers(len(state.rounds[0].pulls))
             state.held.round = -1  # the workers number their rounds afresh
         else:
             count = (state.length - self.trailer) // state.dtype.itemsize
-            state.held = Held(self, count, np.dtype(state.dtype.wire), len(state.rounds[0].pulls))
+            state.held = Held(self.args, count, np.dtype(state.dtype.wire), len(state.rounds[0].pulls))
         params = state.held.params
         for r in state.rounds:
             r.out, r.result = params, memoryview(params).cast("B")
@@ -182,15 +82,17 @@ class ServerUpdate(KeyOp):
 
     def add(self, state: KeyState, r: Round, dtype: dtypes.DType, wire: np.ndarray, first: bool) -> None:
         held, i = state.held, r.index
-        _check_whole(state, wire, "a push")
         t = self._trailer(wire)
+        _check_push(state, wire, int(t[0]))
         if first:
             held.trailer[i][:] = t
         elif t[0] != held.trailer[i][0]:
             kinds = f"{held.trailer[i][0]:.0f} and {t[0]:.0f}"
             raise TensorError(f"{state.name!r}: the workers pushed different kinds of round ({kinds})")
         acc, data = r.acc[: held.m], wire[: held.m]
-        if held.trailer[i][0] == update.GRAD:
+        if held.trailer[i][0] == update.GRAD and held.codec is not None:
+            held.decode(wire, acc, state.key, r.number, add=not first)
+        elif held.trailer[i][0] == update.GRAD:
             if first:
                 np.copyto(acc, data)
             else:
@@ -305,7 +207,7 @@ class ServerUpdate(KeyOp):
         held, w = state.held, slot.sender
         if not state.everyone >> w & 1:
             raise TensorError(f"worker {w} is not among the ranks {state.members} of {state.name!r}")
-        _check_whole(state, wire, "a push")
+        _check_push(state, wire, kind)
         if kind == update.INIT:
             if not held.installed:  # the first to arrive wins (every worker is answered with those parameters)
                 held.install(wire[: held.m])
@@ -315,7 +217,10 @@ class ServerUpdate(KeyOp):
             staleness = held.stepper.count - held.seen[w]
             held.staleness_max = max(held.staleness_max, staleness)
             held.staleness_sum += staleness
-            np.divide(held.compensate(w, wire[: held.m]), state.need, out=held.scratch)
+            grad = (
+                wire[: held.m] if held.codec is None else held.decode(wire, held.scratch, slot.key, slot.round, False)
+            )
+            np.divide(held.compensate(w, grad), state.need, out=held.scratch)
             held.stepper.step(held.scratch, t[2:])
             held.pushes[w] += 1
         else:
@@ -340,6 +245,17 @@ def _params(state: KeyState) -> memoryview:
     return result
 
 
+def _check_push(state: KeyState, wire: np.ndarray, kind: int) -> None:
+    """A push of a round: a gradient of the key's gradient bytes (its block where compressed), or the parameters."""
+    held = state.held
+    if kind != update.GRAD or held.codec is None:
+        _check_whole(state, wire, "a push")
+        return
+    nbytes, expected = len(wire) * state.dtype.itemsize, held.block + update.TRAILER_BYTES
+    if nbytes != expected:
+        raise TensorError(f"{state.name!r}: a compressed gradient of {nbytes} bytes, not {expected}")
+
+
 def _check_whole(state: KeyState, wire: np.ndarray, what: str) -> None:
     """A push that must carry the key's whole data and trailer (a seed or a read carries less)."""
     nbytes = len(wire) * state.dtype.itemsize
@@ -359,6 +275,7 @@ def stats(states: list[KeyState]) -> dict:
         "updates": sum(h.stepper.count for h in held),
         "delay_compensated": sum(h.compensated for h in held),  # asynchronous pushes corrected for their delay
         "delay_compensation_bytes": sum(h.dc_bytes for h in held),  # of `bytes`: what that correction holds
+        "decoded": sum(h.decoded for h in held),  # compressed gradient pushes decoded
     }
 
 
@@ -367,7 +284,7 @@ def staleness_by_tensor(states: list[KeyState]) -> dict[str, tuple[int, float]]:
     out: dict[str, list[int]] = {}
     for s in states:
         h = s.held
-        if h is None or not h.op.asynchronous:
+        if h is None or not h.asynchronous:
             continue
         entry = out.setdefault(s.name, [0, 0, 0])
         entry[0] = max(entry[0], h.staleness_max)

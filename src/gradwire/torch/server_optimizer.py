@@ -28,6 +28,7 @@ from typing import Any
 import gradwire
 import torch
 from gradwire.errors import TensorError
+from gradwire.parameters import server_compressor
 from gradwire.protocol import update
 from gradwire.worker import Handle, Worker
 
@@ -54,9 +55,17 @@ class _ServerOptimizer:
     """Mixed into the torch optimizer's class (as DistributedOptimizer is)."""
 
     def _gradwire_setup(
-        self, algorithm: str, names: dict[int, str], staleness: int, passes: int, worker: Worker | None, dc: float = 0.0
+        self,
+        algorithm: str,
+        names: dict[int, str],
+        staleness: int,
+        passes: int,
+        worker: Worker | None,
+        dc: float = 0.0,
+        compressor: dict | None = None,
     ) -> None:
         self._algorithm, self._staleness, self._passes, self._dc = algorithm, staleness, passes, dc
+        self._compressor, self._lr = compressor, 0.0
         self._params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]  # type: ignore[attr-defined]
         self._names = {id(p): f"ps.{names[id(p)]}" for p in self._params}
         self._group_of = {id(p): g for g in self.param_groups for p in g["params"]}  # type: ignore[attr-defined]
@@ -86,6 +95,8 @@ class _ServerOptimizer:
         args: dict = {"algorithm": self._algorithm, "impl": "torch", "staleness": self._staleness}
         if self._dc:
             args["delay_compensation"] = self._dc
+        if self._compressor:
+            args["compressor"] = self._compressor
         if self._algorithm in ("adam", "adamw"):
             args["amsgrad"] = bool(group["amsgrad"])
         if self._algorithm == "adagrad":
@@ -192,7 +203,17 @@ class _ServerOptimizer:
             with torch.enable_grad():
                 loss = closure()
         self.synchronize()
+        if self._compressor and self._compressor["ef"]:
+            self._follow_lr()
         return loss
+
+    def _follow_lr(self) -> None:
+        """A changed learning rate rescales the residuals of error feedback by old/new (as DistributedOptimizer's),
+        so that what they carry moves the parameters as far as when it was dropped."""
+        lr = float(self.param_groups[0].get("lr", 0.0))  # type: ignore[attr-defined]
+        if self._lr and lr and lr != self._lr:
+            self._w.calls.compressing.rescale(self._lr / lr)
+        self._lr = lr
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._handles:
@@ -275,6 +296,7 @@ def ServerOptimizer(  # noqa: N802 - a factory that returns an instance of the t
     staleness: int = 0,
     backward_passes_per_step: int = 1,
     delay_compensation: float = 0.0,
+    compression: object = None,
     **hyper: Any,
 ) -> torch.optim.Optimizer:
     """An optimizer whose parameters and state live on the summation servers (parameter-server mode).
@@ -287,14 +309,18 @@ def ServerOptimizer(  # noqa: N802 - a factory that returns an instance of the t
     asynchronous: each worker's gradient is applied as it arrives, and a worker waits when it is more than s
     updates ahead of the slowest. `delay_compensation` lambda > 0 (asynchronous only): the servers correct each
     gradient for the parameters' move since its worker last pulled them, g + lambda * g * g * (w_now - w_old)
-    (DC-ASGD; docs/ps-mode.md). Collective: every worker builds it, after gradwire.init() (or its first backward
-    pass does the rest), and every worker's parameters become worker 0's.
+    (DC-ASGD; docs/ps-mode.md). `compression`: a compressor the servers run (`Compression.onebit()`, `.topk(0.01)`,
+    `.randomk(...)`, `.dithering(...)`) for the gradients pushed (float32 parameters large enough to gain), with this
+    worker's error feedback, which follows the learning rate; the parameters come back as they are. Collective:
+    every worker builds it, after gradwire.init() (or its first backward pass does the rest), and every worker's
+    parameters become worker 0's.
     """
     if optimizer not in CLASSES:
         raise ValueError(f"unknown optimizer {optimizer!r}; gradwire's servers run {', '.join(sorted(CLASSES))}")
     if not isinstance(staleness, int) or staleness < 0:
         raise ValueError(f"staleness must be an int >= 0, got {staleness!r}")
     update.check_args({"algorithm": optimizer, "staleness": staleness, "delay_compensation": delay_compensation})
+    compressor = server_compressor(compression)
     if backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
     for key in ("foreach", "fused", "capturable", "differentiable"):
@@ -312,7 +338,8 @@ def ServerOptimizer(  # noqa: N802 - a factory that returns an instance of the t
     wrapped = wrapped_cls.__new__(wrapped_cls)
     wrapped.__dict__.update(template.__dict__)
     worker = current_worker_or_none()
-    wrapped._gradwire_setup(optimizer, names, staleness, backward_passes_per_step, worker, float(delay_compensation))
+    dc = float(delay_compensation)
+    wrapped._gradwire_setup(optimizer, names, staleness, backward_passes_per_step, worker, dc, compressor)
     return wrapped
 
 

@@ -1,6 +1,7 @@
 """A worker's side of compressed sums (docs/compression.md): each partition of a compressed tensor is encoded before
 its push, with this worker's error feedback (and momentum, where asked), and the block the server answers is decoded
-into the caller's output as it arrives (`Expand`, on the link's receiver thread).
+into the caller's output as it arrives (`Expand`, on the link's receiver thread). A server-side optimizer's gradient
+is encoded the same way (`CompressedGradient`); its answer, the parameters, lands as it is.
 
 Error feedback: what encoding dropped of a partition (its residual) is added to the same partition's next gradient,
 so nothing is lost, only late (EF-SGD). Momentum (BytePS's, Nesterov's form): v = mu v + g, and g + mu v is what is
@@ -153,3 +154,25 @@ class CompressedTransfer(Transfer):
             work = Work(*fields, partial=kept)
             work.expand = Expand(entry.codec, self.pull[lo:hi], key, rnd)
             yield work
+
+
+@dataclass
+class CompressedGradient(Transfer):
+    """A gradient push to a server-side optimizer, compressed (protocol/update.py): each partition is encoded as it is
+    cut, with this worker's error feedback; the new parameters land in `pull` as they are, and `extra` (the trailer)
+    follows each block."""
+
+    args: dict = field(default_factory=dict)
+    store: Compressing | None = None
+
+    def works(self, tensor: Tensor, rnd: int, handle: Handle) -> Iterator[Work]:
+        assert self.store is not None and self.extra is not None
+        store, args, momentum = self.store, self.args, float(self.args["momentum"])
+        codec, extra = compression.codec(args), memoryview(self.extra).cast("B")
+        replicated = tensor.replicated or [False] * len(tensor.keys)
+        for part, key, kept in zip(tensor.parts, tensor.keys, replicated, strict=True):
+            lo, hi = part.start, part.start + part.count
+            entry = store.entry(key, part.count, codec, args)
+            store.encode(entry, self.send[lo:hi], key, rnd, momentum)
+            fields = (tensor.name, key, rnd, tensor.dtype.code, entry.push, self.pull[lo:hi], 1, handle, part.index)
+            yield Work(*fields, partial=kept).trail(extra)
