@@ -136,3 +136,33 @@ def test_a_dead_worker_ends_the_job_with_an_error_not_a_hang():
         c.kill_worker(1)
         with pytest.raises(GradwireError, match="worker 1"):  # named, at once (not after a timeout)
             _each(c, lambda w: w.push_pull(_value(w.rank), "g"))
+
+
+def test_a_compressed_sum_encodes_each_hosts_sum_once_and_its_running_mean_converges():
+    """onebit with two workers per host: the host's stages carry the gradients as they are and only the cross stage
+    is compressed, so a host's network bytes are its sum's blocks (about 1/32 of the sum); every worker holds the same
+    bytes, and with error feedback (one residual per host share) the mean of the results approaches the exact
+    average."""
+    from gradwire import compression
+
+    steps, n = 24, 1 << 20  # 4 MiB of float32: chunks whose cross slices each span several partitions
+    values = [np.random.default_rng(r).standard_normal(n).astype(np.float32) * (r + 1) for r in range(4)]
+    with LocalCluster(num_workers=4, num_servers=2, colocated=2, hosts=2) as c:
+        before = [_network_bytes(w) for w in c.workers]
+
+        def job(w):
+            return [
+                w.push_pull(values[w.rank], "g", average=True, compression=compression.onebit()) for _ in range(steps)
+            ]
+
+        results = _each(c, job)
+        sent = [_network_bytes(w) - b for w, b in zip(c.workers, before, strict=True)]
+        assert all(w.status()["local_aggregation"]["reductions"] == steps for w in c.workers)
+    for step in range(steps):
+        assert all(r[step].tobytes() == results[0][step].tobytes() for r in results)
+    host_bytes = [sent[0] + sent[1], sent[2] + sent[3]]
+    assert all(0 < b < steps * n * 4 / 16 for b in host_bytes), host_bytes  # pushes and pulls: 1/32 each way
+    exact = np.mean(values, axis=0)
+    running = np.cumsum(results[0], axis=0) / np.arange(1, steps + 1)[:, None]
+    error = np.linalg.norm(running - exact, axis=1) / np.linalg.norm(exact)
+    assert error[-1] < 0.5 * error[0], error

@@ -14,7 +14,8 @@ Each stage starts when the one before completes, on this module's own thread (ne
 deterministic (each server adds in rank order: the host's workers, then the hosts in order), not bit-identical to the
 flat sum. On where it pays: at least two hosts, the same number (at least two) of workers on each, a colocated server
 on every worker host, reductions of all the job's workers of at least LOCAL_MIN_BYTES (smaller ones go direct: three
-stages' latency for little bandwidth).
+stages' latency for little bandwidth). A compressed sum compresses only its cross stage: the host's sum is encoded
+once, so a host's link carries one block each way however many workers share it.
 """
 
 from __future__ import annotations
@@ -83,14 +84,23 @@ class LocalAggregation:
         return members is None and op in ("sum", "min", "max", "product") and array.nbytes >= LOCAL_MIN_BYTES
 
     def push_pull_async(
-        self, src: np.ndarray, name: str, average: bool, priority: int, out: np.ndarray, dtype: object, op: str
+        self,
+        src: np.ndarray,
+        name: str,
+        average: bool,
+        priority: int,
+        out: np.ndarray,
+        dtype: object,
+        op: str,
+        compressor: dict | None = None,
     ) -> Handle:
         """The three stages for `src` (contiguous) into `out`, in chunks of CHUNK_BYTES or more (at most MAX_CHUNKS)
         that pipeline (one chunk's cross stage overlaps the next one's local stages); the handle completes with the last
-        chunk."""
+        chunk. `compressor` (checked arguments): the cross stage's sum is compressed (each host's sum is encoded, with
+        its worker's error feedback), the stages on the host are not."""
         flat, result = src.reshape(-1), out.reshape(-1)
         chunks = max(1, min(MAX_CHUNKS, src.nbytes // CHUNK_BYTES))
-        call = _Call(name, average, priority, dtype, op, Handle(name, out, chunks, lambda _: None))
+        call = _Call(name, average, priority, dtype, op, Handle(name, out, chunks, lambda _: None), compressor)
         self.count += 1
         self.bytes += src.nbytes
         cuts = [src.size * c // chunks for c in range(chunks + 1)]
@@ -113,10 +123,15 @@ class LocalAggregation:
         local = {"members": h.local, "partition_bytes": calls.state.local_partition_bytes, "dtype": call.dtype}
 
         def cross(_: Handle) -> None:  # an average divides by every worker of the job, not by the hosts
+            crossing, divisor = f"{name}@cross{h.index}", size if call.average else 1
+            if call.compressor is not None:
+                step = calls.compressed_async(part, crossing, divisor, call.priority, part, h.cross, call.compressor)
+                self._then(step, handle, gather)
+                return
             tensor = calls.declaring.declare(
-                f"{name}@cross{h.index}", part.shape, call.dtype or part.dtype, call.op, wait=False, members=h.cross
+                crossing, part.shape, call.dtype or part.dtype, call.op, wait=False, members=h.cross
             )
-            transfer = Transfer(part, 0, part, 0, size if call.average else 1, call.priority)
+            transfer = Transfer(part, 0, part, 0, divisor, call.priority)
             self._then(calls.launch(tensor, part, transfer), handle, gather)
 
         def gather(_: Handle) -> None:
@@ -171,3 +186,4 @@ class _Call:
     dtype: object
     op: str
     handle: Handle
+    compressor: dict | None = None  # the cross stage's (checked arguments), or None

@@ -33,7 +33,15 @@ class Aggregation(Protocol):
     def applies(self, array: np.ndarray, op: str, members: list[int] | None) -> bool: ...
 
     def push_pull_async(
-        self, src: np.ndarray, name: str, average: bool, priority: int, out: np.ndarray, dtype: object, op: str
+        self,
+        src: np.ndarray,
+        name: str,
+        average: bool,
+        priority: int,
+        out: np.ndarray,
+        dtype: object,
+        op: str,
+        compressor: dict | None = None,
     ) -> Handle: ...
 
     def status(self) -> dict: ...
@@ -100,34 +108,35 @@ class Calls:
                 tensor=name,
                 rank=self.rank,
             )
+        args = None
         if compression is not None and self.compressing.applies(src, op, dtype):
-            return self._push_pull_compressed(src, name, average, priority, out, members, compression)
+            args = self.compressing.arguments(compression, name)
         if self.aggregation is not None and self.aggregation.applies(src, op, members):
-            return self.aggregation.push_pull_async(src, name, average, priority, out, dtype, op)
+            return self.aggregation.push_pull_async(src, name, average, priority, out, dtype, op, args)
+        if args is not None:
+            return self.compressed_async(src, name, self._divisor(average, members), priority, out, members, args)
         tensor = self.declaring.declare(name, src.shape, dtype or src.dtype, op, wait=False, members=members)
         return self.launch(
             tensor, out, Transfer(src.reshape(-1), 0, out.reshape(-1), 0, self._divisor(average, members), priority)
         )
 
-    def _push_pull_compressed(
+    def compressed_async(
         self,
         src: np.ndarray,
         name: str,
-        average: bool,
+        divisor: int,
         priority: int,
         out: np.ndarray,
         members: list[int] | None,
-        compression: object,
+        args: dict,
     ) -> Handle:
-        """A sum of compressed partitions (worker/compressing.py): declared as the `compressed` operation with the
-        compressor's arguments, which every worker must pass alike. Not through local aggregation: the blocks are
-        what travels, and a host's workers would each encode anyway."""
-        args = self.compressing.arguments(compression, name)
+        """A sum of compressed partitions (worker/compressing.py), divided by `divisor`: declared as the `compressed`
+        operation with the compressor's checked arguments `args`, which every worker must pass alike. Where workers
+        share hosts, local aggregation calls it for its cross-host stage: a host's sum is what gets encoded."""
         cut = self.compressing.partition_bytes(args)
         tensor = self.declaring.declare(
             name, src.shape, np.float32, "compressed", wait=False, members=members, op_args=args, partition_bytes=cut
         )
-        divisor = self._divisor(average, members)
         flat, result = src.reshape(-1), out.reshape(-1)
         transfer = CompressedTransfer(flat, 0, result, 0, divisor, priority, args=args, store=self.compressing)
         return self.launch(tensor, out, transfer)
