@@ -135,7 +135,8 @@ def derived(n: int, k: int, links: Links) -> tuple[int, int]:
     """The partition size and window gradwire derives for these links (tuning.py), as a job's defaults would (from
     their goodput, which is what the scheduler measures)."""
     links = links.goodput()
-    t = tuning.derive([links.worker_rate] * n, 2 * links.delay, server_rates=[links.server_rate] * k)
+    servers = k or n  # colocated servers only: one on each worker host
+    t = tuning.derive([links.worker_rate] * n, 2 * links.delay, server_rates=[links.server_rate] * k, servers=servers)
     return t.partition_bytes, t.window
 
 

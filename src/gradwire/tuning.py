@@ -13,7 +13,13 @@ Why these rules (measured on emulated 25-100 Mbit/s links, docs/netem.md; 2-core
   gives 32 KiB, at 50 Mbit/s 16 KiB: the sizes hand-tuning found best (n = 4 on 100 Mbit/s: 4 MiB partitions took
   2.86 s for 16 MiB, 32 KiB 1.54 s). On loopback and shared memory (GB/s) it stays at the 4 MiB default.
 - Window (pushes not yet acknowledged, per server): enough to cover the link's bandwidth-delay product twice over,
-  and at least WINDOW_BYTES in flight per server, so small partitions keep the link busy (16 KiB took window 8).
+  at least two partitions (one on the wire, the next behind it), and at least WINDOW_BYTES in flight per worker over
+  all the servers its partitions spread over. Per worker, not per server: every worker fills every server's link, so
+  a server's queue holds n windows; 128 KiB per server (window 8 at 16 KiB) queued 1 MiB in front of each server's
+  50 Mbit/s link at n = k = 8, 160 ms that the last partitions of every call waited: 0.6 MiB took 2.9x its bound, 16
+  MiB 1.18x. Window 2 there: 1.38x and 1.11x; at n = k = 4 on 100 Mbit/s 1.38x (was 1.65x) and 1.09x (the same)
+  (`gradwire bench --netem --configs 8:8:50mbit:50mbit,4:4:100mbit:100mbit --sizes 0.6,16`, GRADWIRE_WINDOW 8, 4,
+  2 side by side, 2026-12-03).
 - Cap on unanswered partitions: only where the dedicated servers' links together are slower than the workers'
   (fan-in is the bottleneck, and TCP shares a server's download unfairly among its pushers, so workers that run ahead
   starve the rounds): n = 4, k = 2, 100 Mbit/s, 16 MiB: 2.85 s with a cap of 4 against 3.16-3.26 s without. Where
@@ -33,8 +39,9 @@ from dataclasses import asdict, dataclass, replace
 KiB, MiB = 1 << 10, 1 << 20
 PARTITION_SECONDS = 0.0035  # about a partition's time on the worker's link (rounded down to a power of two)
 MIN_PARTITION, MAX_PARTITION = 16 * KiB, 4 * MiB
-WINDOW_BYTES = 128 * KiB  # at least this much unacknowledged per server
-MIN_WINDOW, MAX_WINDOW = 4, 64
+WINDOW_BYTES = 128 * KiB  # at least this much unacknowledged per worker, over all the servers
+MIN_WINDOW, MAX_WINDOW = 2, 64
+DEFAULT_WINDOW = 4  # where the links are unknown (loopback, shared memory)
 FAN_IN_CAP = 4  # unanswered partitions per server where the servers' links are the bottleneck
 
 
@@ -82,18 +89,21 @@ def derive(
     rtt_seconds: float = 0.0,
     default_partition: int = 4 * MiB,
     server_rates: Sequence[float] = (),
+    servers: int = 0,
 ) -> Tuning:
-    """Settings for workers whose links run at `worker_rates` bytes/s (one per worker host; measured or given),
-    dedicated servers at `server_rates`, with round-trip time `rtt_seconds`. Unknown rates (empty, or any <= 0)
+    """Settings for workers whose links run at `worker_rates` bytes/s (one per worker; measured or given), dedicated
+    servers at `server_rates`, with round-trip time `rtt_seconds`; `servers`: how many servers (dedicated and
+    colocated) a worker's partitions spread over (0: the dedicated ones, or one). Unknown rates (empty, or any <= 0)
     keep the defaults."""
     rates = [r for r in worker_rates if r > 0]
     if not rates or len(rates) != len(worker_rates):
-        return Tuning(default_partition, MIN_WINDOW, 0, 0.0, rtt_seconds, "link rates unknown: defaults")
+        return Tuning(default_partition, DEFAULT_WINDOW, 0, 0.0, rtt_seconds, "link rates unknown: defaults")
     rate = sorted(rates)[len(rates) // 2]  # the median: every worker must cut tensors the same way
     partition = _pow2_floor(rate * PARTITION_SECONDS)
     partition = max(MIN_PARTITION, min(MAX_PARTITION, default_partition, partition))
     bdp = rate * rtt_seconds
-    window = max(MIN_WINDOW, math.ceil(WINDOW_BYTES / partition), math.ceil(2 * bdp / partition))
+    spread = max(1, servers or len(server_rates))
+    window = max(MIN_WINDOW, math.ceil(WINDOW_BYTES / (spread * partition)), math.ceil(2 * bdp / partition))
     window = min(MAX_WINDOW, window)
     # the servers' links are the bottleneck: fan-in from every worker, which TCP shares unfairly
     fan_in = bool(server_rates) and sum(server_rates) < 0.99 * sum(rates)
@@ -101,9 +111,9 @@ def derive(
     reason = (
         f"{rate * 8 / 1e6:.0f} Mbit/s per worker, RTT {rtt_seconds * 1e3:.2f} ms: {partition // KiB} KiB partitions "
         f"take "
-        f"{partition / rate * 1e3:.2f} ms on the link; window {window} covers "
-        f"{max(WINDOW_BYTES, 2 * bdp) / KiB:.0f} KiB (2x the bandwidth-delay product, at least "
-        f"{WINDOW_BYTES // KiB} KiB)"
+        f"{partition / rate * 1e3:.2f} ms on the link; window {window} per server ({spread}) covers "
+        f"{max(WINDOW_BYTES / spread, 2 * bdp) / KiB:.0f} KiB (2x the bandwidth-delay product, at least "
+        f"{WINDOW_BYTES // KiB} KiB per worker, two partitions)"
     )
     if fan_in:
         reason += (

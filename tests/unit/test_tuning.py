@@ -14,23 +14,30 @@ def mbit(x):
 
 
 @pytest.mark.parametrize(
-    "rate, rtt, partition, window",
+    "rate, rtt, servers, partition, window",
     [
-        (mbit(20), 0.0, 16 * KiB, 8),  # slow links: the smallest partitions, more of them in flight
-        (mbit(50), 0.0, 16 * KiB, 8),  # what hand-tuning found at n = 8 on 50 Mbit/s
-        (mbit(100), 0.0, 32 * KiB, 4),  # ... and at n = 4 on 100 Mbit/s
-        (mbit(1000), 0.0, 256 * KiB, 4),
-        (mbit(1000), 0.002, 256 * KiB, 4),  # 2 ms RTT: 2 x BDP = 500 KB, two 256 KiB partitions: still 4
-        (mbit(1000), 0.02, 256 * KiB, 20),  # 20 ms: the window covers twice the bandwidth-delay product
-        (mbit(10000), 0.0, 4 * MiB, 4),
-        (2e9, 0.0, 4 * MiB, 4),  # loopback and shared memory: the default, large partitions
+        (mbit(20), 0.0, 1, 16 * KiB, 8),  # slow links: the smallest partitions; one server takes the worker's 128 KiB
+        (mbit(20), 0.0, 4, 16 * KiB, 2),  # ... which four share
+        (mbit(50), 0.0, 8, 16 * KiB, 2),  # measured at n = k = 8 on 50 Mbit/s (tuning.py: window 8 queued 1 MiB)
+        (mbit(100), 0.0, 4, 32 * KiB, 2),  # ... and at n = k = 4 on 100 Mbit/s
+        (mbit(100), 0.0, 1, 32 * KiB, 4),
+        (mbit(1000), 0.0, 4, 256 * KiB, 2),
+        (mbit(1000), 0.002, 4, 256 * KiB, 2),  # 2 ms RTT: 2 x BDP = 500 KB, two 256 KiB partitions
+        (mbit(1000), 0.02, 4, 256 * KiB, 20),  # 20 ms: the window covers twice the bandwidth-delay product
+        (mbit(10000), 0.0, 4, 4 * MiB, 2),
+        (2e9, 0.0, 4, 4 * MiB, 2),  # loopback and shared memory measured: large partitions
     ],
 )
-def test_settings_by_link(rate, rtt, partition, window):
-    t = derive([rate] * 4, rtt)
+def test_settings_by_link(rate, rtt, servers, partition, window):
+    t = derive([rate] * 4, rtt, servers=servers)
     assert (t.partition_bytes, t.window, t.unanswered) == (partition, window, 0)
     assert MIN_PARTITION <= t.partition_bytes <= MAX_PARTITION
     assert "Mbit/s" in t.reason
+
+
+def test_without_a_count_of_servers_the_dedicated_ones_count():
+    assert derive([mbit(50)] * 8, server_rates=[mbit(50)] * 8).window == 2
+    assert derive([mbit(50)] * 8).window == 8  # one server
 
 
 def test_a_20_mbit_link_gets_much_smaller_partitions_than_loopback():

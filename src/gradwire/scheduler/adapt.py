@@ -200,7 +200,8 @@ def derive(roster: Roster, info: dict) -> tuning.Tuning | None:
     # the workers of one host share its link: each pushes and pulls its own copy, so each has its share of it
     sharing = info["workers_per_host"]  # placing.link_sharers
     workers = [r * scale / m for r, m in zip(rates["worker_hosts"], sharing, strict=True) for _ in range(m)]
-    derived = tuning.derive(workers, rtt, server_rates=[r * scale for r in dedicated])
+    servers = len(rates.get("servers") or [])  # a worker's partitions spread over all of them, colocated too
+    derived = tuning.derive(workers, rtt, server_rates=[r * scale for r in dedicated], servers=servers)
     derived = replace(derived, workers_per_host=tuple(sharing))  # the drift check judges the links in the same shares
     if max(sharing, default=1) > 1:
         most = max(sharing)
