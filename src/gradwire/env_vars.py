@@ -54,8 +54,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "GRADWIRE_WINDOW",
         "window",
         (),
-        "partitions a worker keeps unacknowledged per server; unset, it is derived from the links (at least 4, "
-        "128 KiB and twice the bandwidth-delay product)",
+        "partitions a worker keeps unacknowledged per server; unset, it is derived from the links (at least 2, "
+        "128 KiB per worker over all its servers, and twice the bandwidth-delay product)",
     ),
     EnvVar(
         "GRADWIRE_UNANSWERED",
