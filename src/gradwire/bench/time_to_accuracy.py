@@ -84,7 +84,7 @@ def table(curves: dict[str, list[list[dict]]]) -> str:
     for name, runs in curves.items():
         cells = []
         for target in TARGETS:
-            reached = [t for t in (time_to(points, target) for points in runs) if t is not None]
+            reached = _reached(runs, target)
             median = f"{statistics.median(reached):.1f} s" if reached else "not reached"
             cells.append(f"{median} ({len(reached)}/{len(runs)})")
         final = statistics.mean(points[-1]["test_accuracy"] for points in runs)
@@ -97,6 +97,11 @@ def table(curves: dict[str, list[list[dict]]]) -> str:
     return "\n".join(lines)
 
 
+def _reached(runs: list[list[dict]], target: float) -> list[float]:
+    """The times to `target` of the runs that reached it."""
+    return [t for t in (time_to(points, target) for points in runs) if t is not None]
+
+
 def _median_time(runs: list[list[dict]], target: float) -> float | None:
-    reached = [t for t in (time_to(points, target) for points in runs) if t is not None]
+    reached = _reached(runs, target)
     return statistics.median(reached) if reached else None

@@ -34,16 +34,9 @@ class Held:
         self.decoded = 0  # compressed gradient pushes decoded
         self.workers(num_workers)
 
-    def gradient_bytes(self) -> int:
-        """The bytes of a gradient push's data: its block where compressed, else the partition."""
-        return self.block or self.m * self.params.itemsize
-
     def decode(self, data: np.ndarray, out: np.ndarray, key: int, rnd: int, add: bool) -> np.ndarray:
         """A compressed gradient push's data (its block, as float32 words) decoded into (or, `add`, onto) `out`."""
         assert self.codec is not None
-        self.codec.decode(data.view(np.uint8)[: self.block], out, key, rnd, add=add)
-        self.decoded += 1
-        return out
         self.codec.decode(data.view(np.uint8)[: self.block], out, key, rnd, add=add)
         self.decoded += 1
         return out

@@ -102,6 +102,16 @@ class Compressing:
             entry.codec.decode(block, decoded, key, rnd, add=False)
             total -= decoded
 
+    def encoded(self, tensor: Tensor, rnd: int, send: np.ndarray, args: dict) -> Iterator[tuple]:
+        """Each partition of `tensor` (flattened input `send`) encoded for round `rnd` as `args` say, in partition
+        order, as it is cut: (its part, its key, whether its replica keeps its rounds, its key's buffers)."""
+        codec, momentum = compression.codec(args), float(args["momentum"])
+        replicated = tensor.replicated or [False] * len(tensor.keys)
+        for part, key, kept in zip(tensor.parts, tensor.keys, replicated, strict=True):
+            entry = self.entry(key, part.count, codec, args)
+            self.encode(entry, send[part.start : part.start + part.count], key, rnd, momentum)
+            yield part, key, kept, entry
+
     def scratch(self, n: int) -> np.ndarray:
         """A float32 scratch of n elements, this thread's."""
         scratch = getattr(self._local, "scratch", None)
@@ -142,14 +152,9 @@ class CompressedTransfer(Transfer):
 
     def works(self, tensor: Tensor, rnd: int, handle: Handle) -> Iterator[Work]:
         assert self.store is not None
-        store, args, momentum = self.store, self.args, float(self.args["momentum"])
-        codec = compression.codec(args)
         code = tensor.dtype.code
-        replicated = tensor.replicated or [False] * len(tensor.keys)
-        for part, key, kept in zip(tensor.parts, tensor.keys, replicated, strict=True):
+        for part, key, kept, entry in self.store.encoded(tensor, rnd, self.send, self.args):
             lo, hi = part.start, part.start + part.count
-            entry = store.entry(key, part.count, codec, args)
-            store.encode(entry, self.send[lo:hi], key, rnd, momentum)
             fields = (tensor.name, key, rnd, code, entry.push, entry.pull, self.average, handle, part.index)
             work = Work(*fields, partial=kept)
             work.expand = Expand(entry.codec, self.pull[lo:hi], key, rnd)
@@ -167,12 +172,8 @@ class CompressedGradient(Transfer):
 
     def works(self, tensor: Tensor, rnd: int, handle: Handle) -> Iterator[Work]:
         assert self.store is not None and self.extra is not None
-        store, args, momentum = self.store, self.args, float(self.args["momentum"])
-        codec, extra = compression.codec(args), memoryview(self.extra).cast("B")
-        replicated = tensor.replicated or [False] * len(tensor.keys)
-        for part, key, kept in zip(tensor.parts, tensor.keys, replicated, strict=True):
+        extra, code = memoryview(self.extra).cast("B"), tensor.dtype.code
+        for part, key, kept, entry in self.store.encoded(tensor, rnd, self.send, self.args):
             lo, hi = part.start, part.start + part.count
-            entry = store.entry(key, part.count, codec, args)
-            store.encode(entry, self.send[lo:hi], key, rnd, momentum)
-            fields = (tensor.name, key, rnd, tensor.dtype.code, entry.push, self.pull[lo:hi], 1, handle, part.index)
+            fields = (tensor.name, key, rnd, code, entry.push, self.pull[lo:hi], 1, handle, part.index)
             yield Work(*fields, partial=kept).trail(extra)
