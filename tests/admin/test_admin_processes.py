@@ -72,4 +72,5 @@ def test_top_renders_a_running_job():
     # probe has read a few Gbit/s: 512 KiB)
     chosen = re.search(r"data path: (\d+) KiB partitions, window (\d+): (\d+) Mbit/s", out.stdout)
     assert chosen is not None, out.stdout
-    assert int(chosen[1]) >= 256 and int(chosen[2]) >= 4 and int(chosen[3]) > 1000
+    # the window: at least two partitions per server (partitions of megabytes already hold 128 KiB per worker)
+    assert int(chosen[1]) >= 256 and int(chosen[2]) >= 2 and int(chosen[3]) > 1000
