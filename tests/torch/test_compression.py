@@ -3,6 +3,8 @@ topk, randomk and dithering keeps every worker's parameters bit-identical after 
 compression_params spelling takes the optimizer's momentum; push_pull and allreduce take a compressor; error feedback
 follows the learning rate."""
 
+import time
+
 import pytest
 
 import gradwire
@@ -183,6 +185,35 @@ def test_byteps_ddp_and_cross_barrier_take_a_compressor(cluster):
         steps0, steps1 = run(cluster, lambda rank, way=way: worker(rank, way))
         assert all(torch.equal(a, b) for a, b in zip(steps0, steps1, strict=True)), way
         assert not torch.equal(steps0[-1], start), way
+
+
+def test_powersgd_carries_a_steps_matrices_in_one_sum_of_p_and_one_of_q(cluster):
+    """The matrices started before any is waited for travel together (torch's hook does so with a bucket): one sum of
+    every P, one of every Q, each matrix's result what it is alone; polling `done()` moves them on too."""
+    shapes = [(300, 200), (64, 96), (128, 40)]
+    inputs = [[torch.randn(s, generator=torch.Generator().manual_seed(10 * r + i)) for i, s in enumerate(shapes)]
+              for r in range(N)]  # fmt: skip
+    together, alone = gwt.Compression.powersgd(rank=2, start_iter=0), gwt.Compression.powersgd(rank=2, start_iter=0)
+
+    def worker(rank):
+        worker = gradwire.current_worker()
+        before = set(worker.table.tensors)
+        handles = [
+            gwt.allreduce_async(t.clone(), name=f"m{i}", compression=together) for i, t in enumerate(inputs[rank])
+        ]
+        while not all(h.done() for h in handles):
+            time.sleep(0.001)
+        sums = [t.user_name for k, t in worker.table.tensors.items() if k not in before]
+        batched = [gwt.synchronize(h) for h in handles]
+        singles = [gwt.push_pull(t.clone(), name=f"m{i}", compression=alone) for i, t in enumerate(inputs[rank])]
+        return sums, batched, singles
+
+    results = run(cluster, worker)
+    sums = results[0][0]
+    assert len(sums) == 2 and sums[0].endswith(".p") and sums[1].endswith(".q") and sums[0].startswith("m0+2"), sums
+    for _, batched, singles in results:
+        for got, want, first in zip(batched, singles, results[0][1], strict=True):
+            assert torch.equal(got, want) and torch.equal(got, first)  # the same bits as alone, on every worker
 
 
 @pytest.mark.parametrize("name,k,expect", [("topk", 0.05, "compressed"), ("powersgd", 2, "sum"), ("", 0.01, "sum")])

@@ -9,8 +9,10 @@ Q = M^T P (m x r), each an ordinary sum on the servers; every worker rebuilds th
 - Vectors, and matrices too small to gain ((n + m) r >= n m / min_compression_rate), travel as plain sums.
 
 Every worker receives the same bytes of P's and Q's sums and orthogonalises P alike, so every worker computes the same
-bits of P Q^T: the parameters stay identical across workers. The second sum waits for the first: a PowerSGD tensor
-costs two round trips, which its small size repays on slow links.
+bits of P Q^T: the parameters stay identical across workers. As torch's hook does with a bucket, the matrices a
+worker starts before it waits for any (a step's gradients) travel together: every P in one sum, then every Q in one,
+computed on the thread that waits. The second sum waits for the first: two round trips a step, which the small size
+repays on slow links.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 
 import torch
 from gradwire.compression import Passthrough
-from gradwire.errors import GradwireError, GradwireTimeout
+from gradwire.errors import GradwireError
 from gradwire.worker import Handle, Worker
 
 
@@ -40,6 +42,7 @@ class PowerSGD(Passthrough):
         self.rank, self.start_iter, self.warm_start = rank, start_iter, warm_start
         self.min_compression_rate = min_compression_rate
         self._tensors: dict[tuple[int, str], _TensorState] = {}
+        self._open: dict[int, _Batch] = {}  # by worker: the calls started and not yet waited for
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -83,7 +86,14 @@ class PowerSGD(Passthrough):
         if state.steps <= self.start_iter:
             return None
         output = tensor if inplace else torch.empty_like(tensor, memory_format=torch.contiguous_format)
-        return _PowerSGDCall(self, state, source, output, average, name, priority, worker)
+        call = _PowerSGDCall(self, state, source, output, name)
+        call.divide_by = worker.size if average else 1
+        with self._lock:
+            batch = self._open.get(id(worker))
+            if batch is None or not batch.add(call, priority):
+                batch = self._open[id(worker)] = _Batch(worker)
+                batch.add(call, priority)
+        return call
 
 
 class _TensorState:
@@ -117,68 +127,38 @@ def _orthogonalise(p: torch.Tensor) -> torch.Tensor:
 
 
 class _PowerSGDCall:
-    """The two sums of one PowerSGD push_pull: P's, then (on its completion, on the receiving thread) Q's."""
+    """One tensor's PowerSGD push_pull: its matrix (with its error feedback) waits in its worker's open batch; the
+    batch's two sums carry it (`_Batch`)."""
 
     def __init__(
-        self,
-        sgd: PowerSGD,
-        state: _TensorState,
-        tensor: torch.Tensor,
-        output: torch.Tensor,
-        average: bool,
-        name: str,
-        priority: int,
-        worker: Worker,
+        self, sgd: PowerSGD, state: _TensorState, tensor: torch.Tensor, output: torch.Tensor, name: str
     ) -> None:
-        self.sgd, self.state, self.output, self.worker = sgd, state, output, worker
-        self.divide_by = worker.size if average else 1
-        self.name, self.priority = name, priority
+        self.sgd, self.state, self.output, self.name = sgd, state, output, name
+        self.divide_by = 1  # the number of workers, for an average
         self.scale = 1.0  # applied to the result once (Horovod's postscale_factor)
-        self.error: BaseException | None = None
-        self._done = threading.Event()
-        self._finished = False
         n = tensor.shape[0]
         self.m = tensor.detach().reshape(n, -1).cpu() + state.error  # error feedback (on the host: the servers' side)
         if not sgd.warm_start:
             state.q = _random_q(self.m.shape[1], sgd.rank, state.seed, state.steps)
         self.p = self.m @ state.q
-        array = self.p.numpy()
-        handle = worker.push_pull_async(array, f"{name}.powersgd.p", False, priority, out=array)
-        handle.add_done_callback(self._on_p)
-
-    def _on_p(self, handle: Handle) -> None:
-        try:
-            if handle.error is not None:
-                raise handle.error
-            self.p = _orthogonalise(self.p)
-            self.q = self.m.t() @ self.p
-            array = self.q.numpy()
-            second = self.worker.push_pull_async(array, f"{self.name}.powersgd.q", False, self.priority, out=array)
-            second.add_done_callback(self._on_q)
-        except BaseException as e:  # noqa: BLE001 - handed to whoever waits for the result
-            self.error = e
-            self._done.set()
-
-    def _on_q(self, handle: Handle) -> None:
-        self.error = handle.error
-        self._done.set()
+        self.q = state.q
+        self.batch: _Batch | None = None
 
     def done(self) -> bool:
-        return self._done.is_set()
+        assert self.batch is not None
+        return self.batch.advance(wait=False)
 
     def result(self, worker: Worker) -> torch.Tensor:
-        """Wait for both sums; the approximation P Q^T (averaged) lands in `output`, the residual stays for the next."""
-        if self._finished:
-            return self.output
-        timeout = worker.state.config.timeout
-        if not self._done.wait(timeout):
-            raise GradwireTimeout(f"PowerSGD sums of {self.name!r} did not complete in {timeout}s", tensor=self.name)
-        if self.error is not None:
-            if isinstance(self.error, GradwireError):
-                raise self.error
-            raise GradwireError(f"PowerSGD of {self.name!r}: {self.error}") from self.error
-        q = self.q / self.divide_by
-        approx = self.p @ q.t()
+        """Wait for the batch's sums; the approximation P Q^T (averaged) lands in `output`, the residual stays for the
+        next step."""
+        assert self.batch is not None
+        self.batch.advance(wait=True)
+        return self.output
+
+    def finish(self, p: torch.Tensor, q: torch.Tensor) -> None:
+        """P (orthogonalised) and Q's sum arrived: the approximation into `output`, the residual kept."""
+        q = q / self.divide_by
+        approx = p @ q.t()
         if self.sgd.warm_start:
             self.state.q = q
         self.state.error = self.m - approx  # what this worker's gradient has that the update did not (torch's hook)
@@ -186,5 +166,101 @@ class _PowerSGDCall:
             self.output.copy_(approx.view_as(self.output))
             if self.scale != 1.0:
                 self.output.mul_(self.scale)
-        self._finished = True
-        return self.output
+
+
+class _Batch:
+    """The PowerSGD calls a worker started before it waited for any of them (a step's gradients), carried by two
+    sums, as torch's hook carries a bucket's: every P in one, then every Q in one. The P sum starts when one of them is
+    first waited for (or polled), from the thread that waits: no compute on the worker's receiving threads, and two
+    round trips a step whatever the number of matrices. Every worker starts the same tensors in the same order before
+    it waits (DistributedOptimizer pushes every gradient first), so every worker's batch is the same; its sums are
+    named after its members."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.calls: list[_PowerSGDCall] = []
+        self.priority = 0
+        self.handle: Handle | None = None
+        self.flat = torch.empty(0)  # the sum in flight (P's, then Q's)
+        self.stage = "open"  # open -> p (P's sum in flight) -> q (Q's sum in flight) -> done
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def add(self, call: _PowerSGDCall, priority: int) -> bool:
+        """Take `call` if the batch has not started; a tensor it holds already begins a new one (a step whose calls
+        were never waited for, as after an elastic reset, is dropped whole rather than mixed into the next)."""
+        with self._lock:
+            if self.stage != "open" or any(c.name == call.name for c in self.calls):
+                return False
+            call.batch = self
+            self.calls.append(call)
+            self.priority = max(self.priority, priority)
+            return True
+
+    def advance(self, wait: bool) -> bool:
+        """Move the batch on as far as its sums allow (all the way, `wait`); whether it is done. Raises what failed."""
+        with self._lock:
+            try:
+                if self.stage == "open":
+                    self._push("p", torch.cat([c.p.reshape(-1) for c in self.calls]))
+                if self.stage == "p" and self._arrived(wait):
+                    self._push("q", self._q_of(self.flat))
+                if self.stage == "q" and self._arrived(wait):
+                    self._finish(self.flat)
+            except BaseException as e:  # noqa: BLE001 - every member's waiter gets it
+                self.error, self.stage = self.error or e, "done"
+            if self.error is not None and (wait or self.stage == "done"):
+                raise _as_gradwire(self.error, self.calls)
+            return self.stage == "done"
+
+    def _push(self, stage: str, flat: torch.Tensor) -> None:
+        self.flat = flat.contiguous()  # the sum lands in it
+        array = self.flat.numpy()
+        name = _batch_name(self.calls, stage)
+        self.handle = self.worker.push_pull_async(array, name, False, self.priority, out=array)
+        self.stage = stage
+
+    def _arrived(self, wait: bool) -> bool:
+        assert self.handle is not None
+        if wait:
+            self.worker.synchronize(self.handle)
+            return True
+        if not self.handle.done():
+            return False
+        if self.handle.error is not None:
+            raise self.handle.error
+        return True
+
+    def _q_of(self, flat: torch.Tensor) -> torch.Tensor:
+        """Each member's P (its share of the sum) orthogonalised, and its Q = M^T P, in one flat tensor."""
+        qs, at = [], 0
+        for call in self.calls:
+            size = call.p.numel()
+            call.p = _orthogonalise(flat[at : at + size].reshape(call.p.shape))
+            at += size
+            call.q = call.m.t() @ call.p
+            qs.append(call.q.reshape(-1))
+        return torch.cat(qs)
+
+    def _finish(self, q_sum: torch.Tensor) -> None:
+        at = 0
+        for call in self.calls:
+            size = call.q.numel()
+            call.finish(call.p, q_sum[at : at + size].reshape(call.q.shape))
+            at += size
+        self.stage = "done"
+
+
+def _batch_name(calls: list[_PowerSGDCall], stage: str) -> str:
+    """The same on every worker for the same members: the first's name, how many, and a checksum of them all."""
+    names = "\0".join(f"{c.name}{list(c.m.shape)}" for c in calls)
+    return f"{calls[0].name}+{len(calls) - 1}.powersgd.{zlib.crc32(names.encode()):08x}.{stage}"
+
+
+def _as_gradwire(error: BaseException, calls: list[_PowerSGDCall]) -> GradwireError:
+    if isinstance(error, GradwireError):
+        return error
+    names = ", ".join(repr(c.name) for c in calls)
+    wrapped = GradwireError(f"PowerSGD of {names}: {error}")
+    wrapped.__cause__ = error
+    return wrapped
