@@ -153,6 +153,10 @@ class GradientSync:
         """Wait for the sums of `params` (all pushed ones if None) and put them into their gradients; returns the
         parameters whose sums arrived (a fused group's members arrive together)."""
         ids = set(self.handles) if params is None else {id(p) for p in params} & set(self.handles)
+        for pid in ids:  # what starts only when waited for (PowerSGD's batch) starts before anything is waited for
+            start = getattr(self.handles[pid], "start", None)
+            if start is not None:
+                start()
         arrived: list[torch.Tensor] = []
         for pid in ids:
             handle = self.handles.pop(pid, None)
