@@ -216,6 +216,39 @@ def test_powersgd_carries_a_steps_matrices_in_one_sum_of_p_and_one_of_q(cluster)
             assert torch.equal(got, want) and torch.equal(got, first)  # the same bits as alone, on every worker
 
 
+def test_a_powersgd_batch_of_a_megabyte_leaves_before_it_is_waited_for(cluster):
+    """A large layer's matrix goes out as backward produces it (overlapping the rest of backward); small ones wait
+    until one of them is waited for, then travel together."""
+    big, small = (600, 500), (40, 30)  # 1.2 MB and 4.8 KB of float32
+
+    def worker(rank):
+        worker, compressor = gradwire.current_worker(), gwt.Compression.powersgd(rank=2, start_iter=0)
+        before = set(worker.table.tensors)
+
+        def sums():
+            return sorted(t.user_name for k, t in worker.table.tensors.items() if k not in before)
+
+        first = gwt.allreduce_async(torch.ones(small), name="small", compression=compressor)
+        none_yet = sums()
+        second = gwt.allreduce_async(_rank2(big, rank), name="big", compression=compressor)
+        left = sums()  # the batch (small, big) holds a megabyte: its P sum has left
+        third = gwt.allreduce_async(torch.ones(small), name="small2", compression=compressor)
+        still = sums()
+        results = [gwt.synchronize(h) for h in (first, second, third)]
+        return none_yet, left, still, results
+
+    for none_yet, left, still, results in run(cluster, worker):
+        assert none_yet == [] and len(left) == 1 and left[0].startswith("small+1.") and still == left, (left, still)
+        average = sum(_rank2(big, r) for r in range(N)) / N  # rank-2 matrices: rebuilt exactly
+        torch.testing.assert_close(results[1], average, rtol=1e-4, atol=1e-4)
+
+
+def _rank2(shape, rank):
+    a, c = torch.linspace(-1, 1, shape[0]), torch.cos(torch.linspace(0, 6, shape[0]))
+    b, d = torch.linspace(0.5, 2, shape[1]), torch.sin(torch.linspace(0, 3, shape[1]))
+    return torch.outer(a * (rank + 1), b) + torch.outer(c, d * (2 - rank))
+
+
 @pytest.mark.parametrize("name,k,expect", [("topk", 0.05, "compressed"), ("powersgd", 2, "sum"), ("", 0.01, "sum")])
 def test_gradwire_compressor_names_the_default_compressor(name, k, expect):
     """GRADWIRE_COMPRESSOR (BytePS's BYTEPS_COMPRESSOR) and _K: DistributedOptimizer's compressor where the code
