@@ -12,7 +12,9 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# the versions tested with, torch 2.13.0's CPU build among them: constraints.txt (the package declares ranges)
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[torch,demo,dev,metrics,cli,ray,jax,flax]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[torch,demo,dev,metrics,cli,ray,jax,flax,keras]'
+	# TensorFlow's CPU build (the [tensorflow] extra names `tensorflow`, which is larger and the same module)
+	$(PY) -m pip install --quiet -c constraints.txt tensorflow-cpu
 	# the emulated network needs ip and tc (iproute2): install them where we can, never fail without them
 	command -v tc >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 		apt-get install -y -qq iproute2 >/dev/null 2>&1; } || echo "note: iproute2 not installed; netem tests will skip"

@@ -128,3 +128,14 @@ def test_flax_digits_example_learns():
     assert result.code == 0, result.output
     summary = result.lines("[worker 0] {")
     assert summary and json.loads(summary[0].split("] ", 1)[1])["accuracy"] > 0.8, result.output
+
+
+def test_keras_digits_example_learns_with_every_worker_ending_alike():
+    _installed("keras", "tensorflow")
+    env = {"KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    result = launch(2, 1, str(ROOT / "examples" / "keras_digits_train.py"), "--epochs", "4", timeout=180, env=env)
+    assert result.code == 0, result.output
+    summary = result.lines("[worker 0] {")
+    assert summary and json.loads(summary[0].split("] ", 1)[1])["accuracy"] > 0.8, result.output
+    digests = {line.split("weights ")[1] for line in result.output.splitlines() if "] weights " in line}
+    assert len(result.lines("[worker 1] weights")) == 1 and len(digests) == 1, result.output

@@ -37,7 +37,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 import gradwire
-from gradwire import init, is_initialized, local_rank, local_size, rank, shutdown, size
+from gradwire import grouped, init, is_initialized, local_rank, local_size, rank, shutdown, size
 
 __all__ = [
     "DistributedOptimizer",
@@ -65,41 +65,9 @@ def _auto(kind: str) -> str:
         return f"jax.{kind}.{next(_counters.setdefault(kind, itertools.count()))}"
 
 
-def _wire_dtype(dtype: np.dtype) -> np.dtype:
-    """How leaves of `dtype` travel: as they are, or (bfloat16 and other types numpy does not sum) as float32."""
-    if dtype.kind in "fiub" and dtype.name != "bfloat16":
-        return dtype
-    return np.dtype(np.float32)
-
-
-def _groups(leaves: list) -> dict[np.dtype, list[int]]:
-    """The leaves' indices by the dtype they travel as (one fused buffer each)."""
-    groups: dict[np.dtype, list[int]] = {}
-    for i, leaf in enumerate(leaves):
-        groups.setdefault(_wire_dtype(np.dtype(leaf.dtype)), []).append(i)
-    return groups
-
-
 def _exchange_host(worker: gradwire.Worker, name: str, average: bool, root: int | None, *arrays: Any) -> list:
-    """The host side: fuse the leaves per dtype, sum (or broadcast) each buffer, cut the results back into leaves."""
-    leaves = [np.asarray(a) for a in arrays]
-    out: list[Any] = [None] * len(leaves)
-    pending = []
-    for dtype, indices in _groups(leaves).items():
-        fused = np.concatenate([leaves[i].astype(dtype, copy=False).reshape(-1) for i in indices])
-        tag = f"{name}.{dtype.name}"
-        if root is None:
-            pending.append((dtype, indices, worker.push_pull_async(fused, tag, average=average, out=fused)))
-        else:
-            pending.append((dtype, indices, gradwire.collectives.broadcast_async(worker, fused, root, tag, out=fused)))
-    for _, indices, handle in pending:
-        fused = worker.synchronize(handle)
-        at = 0
-        for i in indices:
-            n = leaves[i].size
-            out[i] = fused[at : at + n].reshape(leaves[i].shape).astype(leaves[i].dtype, copy=False)
-            at += n
-    return out
+    """The host side: the leaves fused per dtype, summed (or broadcast), cut back (gradwire/grouped.py)."""
+    return grouped.exchange(worker, [np.asarray(a) for a in arrays], name, average=average, root=root)
 
 
 def _exchange(tree: Any, name: str, average: bool, root: int | None) -> Any:

@@ -18,6 +18,29 @@ from typing import Any
 import gradwire
 from gradwire import is_initialized, local_rank, local_size, rank, shutdown, size
 from gradwire.config import Config
+from gradwire.introspection import (
+    HorovodInternalError,
+    ProcessSet,
+    add_process_set,
+    ccl_built,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    global_process_set,
+    gloo_built,
+    gloo_enabled,
+    is_homogeneous,
+    join,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    remove_process_set,
+    rocm_built,
+    start_timeline,
+    stop_timeline,
+)
 
 from . import cross_barrier, elastic, parallel
 from .broadcast import broadcast_optimizer_state, broadcast_parameters
@@ -64,29 +87,6 @@ from .exchange import (
     sparse_allreduce_async,
 )
 from .hook import PushPullHookState, push_pull_hook
-from .introspection import (
-    HorovodInternalError,
-    ProcessSet,
-    add_process_set,
-    ccl_built,
-    cross_rank,
-    cross_size,
-    cuda_built,
-    ddl_built,
-    global_process_set,
-    gloo_built,
-    gloo_enabled,
-    is_homogeneous,
-    join,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    nccl_built,
-    remove_process_set,
-    rocm_built,
-    start_timeline,
-    stop_timeline,
-)
 from .objects import allgather_object, broadcast_object
 from .optimizer import DistributedOptimizer
 from .server_optimizer import ServerOptimizer

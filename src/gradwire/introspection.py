@@ -1,4 +1,4 @@
-"""What Horovod scripts ask about the job and the library, answered truthfully for gradwire.
+"""What Horovod scripts ask about the job and the library, answered truthfully for gradwire (every framework's adapter).
 
 gradwire is built on neither MPI, Gloo, NCCL, oneCCL, DDL nor ROCm: the `*_built` and `*_enabled` questions answer
 False (a script that branches on them takes its generic path). `cuda_built` is False too: gradwire has no CUDA

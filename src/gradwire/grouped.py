@@ -1,0 +1,66 @@
+"""Many arrays in one exchange: the adapters' way (JAX, TensorFlow, Keras) to send a step's gradients.
+
+An adapter hands over a list of numpy arrays (a pytree's leaves, a tape's gradients, a Keras optimizer's gradients);
+they are fused, one flat buffer per dtype they travel as, and each buffer is one push_pull (or one broadcast), cut
+into partitions and spread over the servers like any tensor: not one message per array. The results are cut back
+into arrays of the inputs' shapes and dtypes. Types numpy does not sum (bfloat16 from ml_dtypes) travel as float32
+and are narrowed back after.
+
+Every worker passes arrays of the same shapes and dtypes in the same order under the same name; a buffer's name is
+`name` and its dtype, so a group of other contents under the same name is a new tensor on the servers
+(gradwire.Worker.declare), never mixed with the old one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gradwire import collectives
+from gradwire.worker import Handle, Worker
+
+
+def wire_dtype(dtype: np.dtype) -> np.dtype:
+    """How arrays of `dtype` travel: as they are, or (bfloat16 and other types numpy does not sum) as float32."""
+    if dtype.kind in "fiub" and dtype.name != "bfloat16":
+        return dtype
+    return np.dtype(np.float32)
+
+
+def by_wire_dtype(arrays: list[np.ndarray]) -> dict[np.dtype, list[int]]:
+    """The arrays' indices by the dtype they travel as (one fused buffer each), in order of first appearance."""
+    groups: dict[np.dtype, list[int]] = {}
+    for i, array in enumerate(arrays):
+        groups.setdefault(wire_dtype(np.dtype(array.dtype)), []).append(i)
+    return groups
+
+
+def exchange(
+    worker: Worker,
+    arrays: list[np.ndarray],
+    name: str,
+    average: bool = False,
+    op: str = "sum",
+    root: int | None = None,
+    members: list[int] | None = None,
+) -> list[np.ndarray]:
+    """The sum (or average, or `op`) of each array over the workers (or `members`), or with `root` the root's
+    arrays; new arrays of the inputs' shapes and dtypes, in their order. Blocks."""
+    arrays = [np.asarray(a) for a in arrays]
+    pending: list[tuple[list[int], Handle]] = []
+    for dtype, indices in by_wire_dtype(arrays).items():
+        fused = np.concatenate([arrays[i].astype(dtype, copy=False).reshape(-1) for i in indices])
+        tag = f"{name}.{dtype.name}"
+        if root is None:
+            handle = worker.push_pull_async(fused, tag, average=average, out=fused, op=op, members=members)
+        else:
+            handle = collectives.broadcast_async(worker, fused, root, tag, out=fused, members=members)
+        pending.append((indices, handle))
+    out: list[np.ndarray] = [np.empty(0)] * len(arrays)
+    for indices, handle in pending:
+        fused = worker.synchronize(handle)
+        at = 0
+        for i in indices:
+            n = arrays[i].size
+            out[i] = fused[at : at + n].reshape(arrays[i].shape).astype(arrays[i].dtype, copy=False)
+            at += n
+    return out

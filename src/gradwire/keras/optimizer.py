@@ -1,0 +1,92 @@
+"""Horovod's `DistributedOptimizer` for Keras 3 on any backend: a Keras optimizer whose updates use the gradients
+averaged over the workers.
+
+    opt = gw.DistributedOptimizer(keras.optimizers.Adam(0.001 * gw.size()))
+    model.compile(optimizer=opt, loss=..., metrics=[...])
+    model.fit(..., callbacks=[gw.callbacks.BroadcastGlobalVariablesCallback(0)])
+
+Every Keras backend's training step reaches the optimizer through `apply` (TensorFlow and PyTorch directly, JAX
+through `stateless_apply`, which calls it), so that is the one method replaced: the gradients are averaged there,
+before clipping, weight decay, gradient accumulation and the optimizer's own moments, as Horovod's wrapper averages
+them before the wrapped optimizer sees them. The wrapped optimizer is the same optimizer (its state is shared, not
+copied) of a subclass of its own class, named and saved as that class, so a saved model loads without gradwire.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gradwire.introspection import global_process_set
+
+from .compression import Compression
+from .exchange import reduce_values, signature
+
+
+class _DistributedOptimizer:
+    """The method a Keras optimizer's subclass gets (mixed in by `DistributedOptimizer`)."""
+
+    _gw: dict
+
+    def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
+        return super().apply(self._gw_average(list(grads)), trainable_variables)  # type: ignore[misc]
+
+    def _gw_average(self, grads: list[Any]) -> list[Any]:
+        o = self._gw
+        present = [i for i, g in enumerate(grads) if g is not None]
+        if not present:
+            return grads
+        compression = o["compression"]
+        wire = [compression.compress(grads[i]) for i in present]
+        values = [w for w, _ in wire]
+        name = f"keras.DistributedOptimizer.{o['name']}.{signature(values)}"
+        reduced = reduce_values(values, name, average=o["average"], members=o["members"])
+        out = list(grads)
+        for i, value, (_, ctx) in zip(present, reduced, wire, strict=True):
+            out[i] = compression.decompress(value, ctx)
+        return out
+
+
+def DistributedOptimizer(  # noqa: N802 - Horovod's name
+    optimizer: Any,
+    name: str | None = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Any = Compression.none,
+    sparse_as_dense: bool = False,
+    gradient_predivide_factor: float = 1.0,
+    op: str = "average",
+    backward_passes_per_step: int = 1,
+    average_aggregated_gradients: bool = False,
+    num_groups: int = 0,
+    groups: Any = None,
+    process_set: Any = global_process_set,
+    scale_local_gradients: bool = True,
+) -> Any:
+    """`optimizer` (a Keras 3 optimizer), applying the gradients averaged (`op="sum"`: summed) over the workers.
+
+    `backward_passes_per_step` > 1 is Keras's own `gradient_accumulation_steps` (set on the optimizer): the average
+    is taken every pass and accumulated by Keras. `device_*`, `sparse_as_dense`, `groups` and
+    `scale_local_gradients` are accepted for Horovod's signature: Keras hands the optimizer dense gradients, and a
+    step's gradients always travel together.
+    """
+    if op not in ("average", "sum"):
+        raise ValueError(f"DistributedOptimizer reduces gradients by 'average' or 'sum', not {op!r}")
+    if gradient_predivide_factor != 1.0 and op != "average":
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if backward_passes_per_step > 1:
+        optimizer.gradient_accumulation_steps = backward_passes_per_step
+    if isinstance(optimizer, _DistributedOptimizer):
+        return optimizer
+    base = type(optimizer)
+    cls = type(base.__name__, (_DistributedOptimizer, base), {"__module__": base.__module__})
+    wrapped = object.__new__(cls)
+    object.__setattr__(wrapped, "__dict__", optimizer.__dict__)  # the same optimizer: its variables, its state
+    members = getattr(process_set, "ranks", None)
+    options = {
+        "compression": compression,
+        "average": op == "average",
+        "members": None if members is None else list(members),
+        "name": name or base.__name__,
+    }
+    object.__setattr__(wrapped, "_gw", options)
+    return wrapped

@@ -1,0 +1,77 @@
+"""From TensorFlow to the worker and back: a host function on numpy arrays, run now or as a step of a graph.
+
+Eagerly the function runs at once on the tensors' values. Inside `tf.function` it becomes a stateful
+`tf.numpy_function`: TensorFlow runs a function's stateful operations in program order, so every worker makes its
+calls in the same order, once per call of the compiled function. The worker is the one current when the function is
+traced (the graph may run the host function on another thread), and names are fixed then too. An unnamed call is
+named, as Horovod names it, by its input's name in the graph (the same on every worker running the same program, however
+often each one retraces: workers whose shapes differ retrace differently), or eagerly by a counter per kind of call.
+XLA cannot run a Python function: under `jit_compile=True` TensorFlow refuses the graph (docs/tensorflow.md).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+import gradwire
+from gradwire.worker import Worker
+
+_counters: weakref.WeakKeyDictionary[Worker, dict[str, itertools.count]] = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+_last_call: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()  # graph -> its latest host call
+
+
+def name_of(worker: Worker, name: str | None, kind: str, tensor: Any = None) -> str:
+    """`name`; for an unnamed call inside a graph its kind and `tensor`'s name there; eagerly its kind and how many
+    such calls this worker made before it."""
+    if name is not None:
+        return name
+    if tensor is not None and not tf.executing_eagerly() and getattr(tensor, "name", None):
+        return f"tf.{kind}.{tensor.name.replace(':', '_')}"
+    with _lock:
+        counters = _counters.setdefault(worker, {})
+        return f"tf.{kind}.noname.{next(counters.setdefault(kind, itertools.count()))}"
+
+
+def members_of(process_set: Any) -> list[int] | None:
+    """The ranks of a Horovod process set (None: every worker)."""
+    ranks = getattr(process_set, "ranks", None)
+    if ranks is not None and gradwire.rank() not in ranks:
+        raise ValueError(f"worker {gradwire.rank()} called a collective of {process_set!r}, which it is not part of")
+    return None if ranks is None else list(ranks)
+
+
+def host_call(fn: Callable[..., list[np.ndarray]], inputs: list[Any], touts: list[tf.DType]) -> list[tf.Tensor]:
+    """`fn(*arrays)` -> arrays of the dtypes `touts`: run now (eagerly) or as a stateful op of the graph."""
+    inputs = [tf.convert_to_tensor(x) for x in inputs]
+    if tf.executing_eagerly():
+        return [tf.convert_to_tensor(r, dtype=t) for r, t in zip(fn(*[x.numpy() for x in inputs]), touts, strict=True)]
+    if tf.inside_function():  # tf.function runs stateful operations in program order by itself
+        return list(tf.numpy_function(fn, inputs, touts, stateful=True))
+    # a TensorFlow 1 graph (a Session) runs independent operations in any order, in parallel: each call would block
+    # an executor thread waiting for workers that run another one first. Chained, they run in program order.
+    graph = tf.compat.v1.get_default_graph()
+    last = _last_call.get(graph)
+    with tf.control_dependencies([] if last is None else [last]):
+        outs = list(tf.numpy_function(fn, inputs, touts, stateful=True))
+    _last_call[graph] = outs[0].op
+    return outs
+
+
+def scaled(tensor: tf.Tensor, factor: float) -> tf.Tensor:
+    """`tensor * factor` in its dtype, computed as Horovod scales: 16-bit floats in float32, integers in float64
+    (truncated)."""
+    if factor == 1.0:
+        return tensor
+    if tensor.dtype in (tf.float16, tf.bfloat16):
+        return tf.cast(tf.cast(tensor, tf.float32) * tf.cast(factor, tf.float32), tensor.dtype)
+    if tensor.dtype.is_floating or tensor.dtype.is_complex:
+        return tensor * tf.cast(factor, tensor.dtype)
+    return tf.cast(tf.cast(tensor, tf.float64) * factor, tensor.dtype)

@@ -1,0 +1,348 @@
+"""Horovod's TensorFlow collectives on the summation servers: allreduce and its grouped form, allgather, broadcast,
+alltoall, reducescatter, with Horovod's gradients, eagerly or inside `tf.function` (tensorflow/bridge.py).
+
+A grouped call is one host call whose tensors are fused per dtype (gradwire/grouped.py): a step's gradients travel as
+one buffer per dtype, cut into partitions over the servers, not as one message per tensor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+import gradwire
+from gradwire import collectives, grouped
+from gradwire.introspection import global_process_set
+
+from .bridge import host_call, members_of, name_of, scaled
+from .compression import Compression
+
+# Horovod's reduction ops. Average and Sum are what summation servers compute; Min, Max and Product are per-key
+# operations of the servers; Adasum is not carried.
+Average = "average"
+Sum = "sum"
+Adasum = "adasum"
+Min = "min"
+Max = "max"
+Product = "product"
+_KEY_OPS = {Average: "sum", Sum: "sum", Min: "min", Max: "max", Product: "product"}
+
+
+def _op(average: bool | None, op: str | None) -> str:
+    """Horovod's rules: `average` (deprecated) and `op` are exclusive; the default is Average."""
+    if average is not None and op is not None:
+        raise ValueError("allreduce takes op or average (deprecated), not both")
+    if average is not None:
+        return Average if average else Sum
+    op = Average if op is None else op
+    if op == Adasum:
+        raise gradwire.NotSupported(
+            "op=Adasum is not supported: Adasum combines pairs of gradients recursively, which summation servers do "
+            "not (docs/horovod.md)"
+        )
+    if op not in _KEY_OPS:
+        raise ValueError(f"op must be one of Average, Sum, Min, Max, Product; got {op!r}")
+    return op
+
+
+def _grouped_allreduce(
+    tensors: list[tf.Tensor], op: str, prescale: float, postscale: float, name: str, members: list[int] | None
+) -> list[tf.Tensor]:
+    """The reduction of `tensors` in one host call (one fused buffer per dtype), differentiable: the gradient of a
+    sum (average) is the sum (average) of the gradients, as Horovod registers it."""
+    worker = gradwire.current_worker()
+    key_op, average = _KEY_OPS[op], op == Average
+
+    def host(*arrays: np.ndarray) -> list[np.ndarray]:
+        return grouped.exchange(worker, list(arrays), name, average=average, op=key_op, members=members)
+
+    def forward(*xs: tf.Tensor) -> list[tf.Tensor]:
+        inputs = [scaled(x, prescale) for x in xs]
+        outs = host_call(host, inputs, [x.dtype for x in inputs])
+        results = []
+        for x, out in zip(xs, outs, strict=True):
+            out.set_shape(x.shape)
+            results.append(scaled(out, postscale))
+        return results
+
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    if not all(t.dtype.is_floating for t in tensors) or op not in (Average, Sum):
+        return forward(*tensors)
+
+    @tf.custom_gradient
+    def differentiable(*xs: tf.Tensor) -> Any:
+        def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
+            return _grouped_allreduce(list(dys), op, prescale, postscale, f"{name}.grad", members)
+
+        return forward(*xs), grad
+
+    return list(differentiable(*tensors))
+
+
+def allreduce(
+    tensor: Any,
+    average: bool | None = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Any = Compression.none,
+    op: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    name: str | None = None,
+    process_set: Any = global_process_set,
+    ignore_name_scope: bool = False,
+) -> Any:
+    """The average (default) or `op` of `tensor` over all workers: a tensor of its shape and dtype. A
+    `tf.IndexedSlices` is allgathered (values and indices), as Horovod does. `device_*` are accepted for Horovod's
+    signature (the servers are CPU processes)."""
+    op = _op(average, op)
+    members = members_of(process_set)
+    worker = gradwire.current_worker()
+    if isinstance(tensor, tf.IndexedSlices):
+        return _sparse(tensor, op, prescale_factor, postscale_factor, name, process_set)
+    tensor = tf.convert_to_tensor(tensor)
+    name = name_of(worker, name, "allreduce", tensor)
+    wire, ctx = compression.compress(tensor)
+    (summed,) = _grouped_allreduce([wire], op, prescale_factor, postscale_factor, name, members)
+    return compression.decompress(summed, ctx)
+
+
+def _sparse(
+    tensor: tf.IndexedSlices, op: str, prescale: float, postscale: float, name: str | None, process_set: Any
+) -> tf.IndexedSlices:
+    if op not in (Average, Sum):
+        raise NotImplementedError("Only Sum and Average ops are supported with tf.IndexedSlices")
+    if prescale != 1.0 or postscale != 1.0:
+        raise NotImplementedError("Pre/postscale_factor are not supported with tf.IndexedSlices")
+    values = allgather(tensor.values, name=None if name is None else f"{name}.values", process_set=process_set)
+    indices = allgather(tensor.indices, name=None if name is None else f"{name}.indices", process_set=process_set)
+    if op == Average:
+        n = gradwire.size() if getattr(process_set, "ranks", None) is None else len(process_set.ranks)
+        values = values / tf.cast(n, values.dtype)
+    return tf.IndexedSlices(values, indices, dense_shape=tensor.dense_shape)
+
+
+def grouped_allreduce(
+    tensors: list[Any],
+    average: bool | None = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Any = Compression.none,
+    op: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = global_process_set,
+    name: str | None = None,
+) -> list[Any]:
+    """`allreduce` of every tensor of `tensors`, in one host call: one fused buffer per dtype on the wire."""
+    op = _op(average, op)
+    if not tensors:
+        return []
+    if any(isinstance(t, tf.IndexedSlices) for t in tensors):
+        return [
+            allreduce(t, None, "", "", compression, op, prescale_factor, postscale_factor, None, process_set)
+            for t in tensors
+        ]
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    name = name_of(gradwire.current_worker(), name, "grouped_allreduce", tensors[0])
+    compressed = [compression.compress(t) for t in tensors]
+    wire = [w for w, _ in compressed]
+    summed = _grouped_allreduce(wire, op, prescale_factor, postscale_factor, name, members_of(process_set))
+    return [compression.decompress(s, ctx) for s, (_, ctx) in zip(summed, compressed, strict=True)]
+
+
+def allgather(
+    tensor: Any, name: str | None = None, ignore_name_scope: bool = False, process_set: Any = global_process_set
+) -> tf.Tensor:
+    """Every worker's `tensor` concatenated along the first dimension (which may differ by worker). Its gradient is
+    the average of the output's gradient over the workers, cut to this worker's rows (Horovod's)."""
+    worker = gradwire.current_worker()
+    x = tf.convert_to_tensor(tensor)
+    name = name_of(worker, name, "allgather", x)
+    members = members_of(process_set)
+
+    def host(array: np.ndarray) -> list[np.ndarray]:
+        return [worker.synchronize(collectives.allgather_async(worker, array, name, members=members))]
+
+    def forward(x: tf.Tensor) -> tf.Tensor:
+        (out,) = host_call(host, [x], [x.dtype])
+        out.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
+        return out
+
+    if not x.dtype.is_floating:
+        return forward(x)
+
+    @tf.custom_gradient
+    def differentiable(x: tf.Tensor) -> Any:
+        def grad(dy: tf.Tensor) -> tf.Tensor:
+            (reduced,) = _grouped_allreduce([dy], Average, 1.0, 1.0, f"{name}.grad", members)
+            rows = allgather(tf.shape(x)[:1], name=f"{name}.grad.rows", process_set=process_set)
+            ranks = list(range(worker.size)) if members is None else sorted(members)
+            return tf.split(reduced, rows, axis=0)[ranks.index(worker.rank)]
+
+        return forward(x), grad
+
+    return differentiable(x)
+
+
+def grouped_allgather(
+    tensors: list[Any], name: str | None = None, ignore_name_scope: bool = False, process_set: Any = global_process_set
+) -> list[tf.Tensor]:
+    """`allgather` of each tensor of `tensors`."""
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    name = name_of(gradwire.current_worker(), name, "grouped_allgather", tensors[0] if tensors else None)
+    return [allgather(t, f"{name}.{i}", process_set=process_set) for i, t in enumerate(tensors)]
+
+
+def broadcast(
+    tensor: Any,
+    root_rank: int,
+    name: str | None = None,
+    ignore_name_scope: bool = False,
+    process_set: Any = global_process_set,
+) -> tf.Tensor:
+    """Worker `root_rank`'s `tensor`, on every worker. Its gradient is the average of the gradients on the root and
+    zero elsewhere (Horovod's)."""
+    worker = gradwire.current_worker()
+    x = tf.convert_to_tensor(tensor)
+    name = name_of(worker, name, "broadcast", x)
+    members = members_of(process_set)
+
+    def host(array: np.ndarray) -> list[np.ndarray]:
+        return grouped.exchange(worker, [array], name, root=root_rank, members=members)
+
+    def forward(x: tf.Tensor) -> tf.Tensor:
+        (out,) = host_call(host, [x], [x.dtype])
+        out.set_shape(x.shape)
+        return out
+
+    if not x.dtype.is_floating:
+        return forward(x)
+
+    @tf.custom_gradient
+    def differentiable(x: tf.Tensor) -> Any:
+        def grad(dy: tf.Tensor) -> tf.Tensor:
+            (reduced,) = _grouped_allreduce([dy], Average, 1.0, 1.0, f"{name}.grad", members)
+            return reduced if worker.rank == root_rank else reduced * 0
+
+        return forward(x), grad
+
+    return differentiable(x)
+
+
+def broadcast_variables(variables: list[Any], root_rank: int, process_set: Any = global_process_set) -> Any:
+    """Assign worker `root_rank`'s values to `variables` on every worker, in one host call (fused per dtype).
+    Eagerly it assigns at once and returns None; inside `tf.function` it returns the group of assignments."""
+    variables = list(variables)
+    if not variables:
+        return None if tf.executing_eagerly() else tf.no_op()
+    worker = gradwire.current_worker()
+    name = "tf.broadcast_variables." + _signature(variables)
+    members = members_of(process_set)
+
+    def host(*arrays: np.ndarray) -> list[np.ndarray]:
+        return grouped.exchange(worker, list(arrays), name, root=root_rank, members=members)
+
+    values = host_call(
+        host,
+        [v.read_value() if hasattr(v, "read_value") else v for v in variables],
+        [v.dtype.base_dtype if hasattr(v.dtype, "base_dtype") else v.dtype for v in variables],
+    )
+    assigns = [v.assign(tf.reshape(x, v.shape)) for v, x in zip(variables, values, strict=True)]
+    return None if tf.executing_eagerly() else tf.group(*assigns)
+
+
+def broadcast_(
+    variables: list[Any], root_rank: int, name: str | None = None, process_set: Any = global_process_set
+) -> list:
+    """In place: `variables` take worker `root_rank`'s values; returns their values."""
+    broadcast_variables(variables, root_rank, process_set)
+    return [v.read_value() for v in variables]
+
+
+def _signature(tensors: list[Any]) -> str:
+    """A short digest of the tensors' shapes and dtypes: the same group of tensors has the same name everywhere."""
+    text = ";".join(f"{t.dtype.name}{list(t.shape)}" for t in tensors)
+    return f"{len(tensors)}.{hashlib.blake2b(text.encode(), digest_size=6).hexdigest()}"
+
+
+def alltoall(
+    tensor: Any,
+    splits: Any = None,
+    name: str | None = None,
+    ignore_name_scope: bool = False,
+    process_set: Any = global_process_set,
+) -> Any:
+    """Send `splits[j]` rows of `tensor` to worker j (equal splits when None); returns the rows received in rank
+    order, and with `splits` given also how many came from each worker (Horovod's pair)."""
+    worker = gradwire.current_worker()
+    x = tf.convert_to_tensor(tensor)
+    name = name_of(worker, name, "alltoall", x)
+    members = members_of(process_set)
+    given = splits is not None
+    split_tensor = tf.cast(tf.convert_to_tensor(splits if given else []), tf.int32)
+
+    def host(array: np.ndarray, parts: np.ndarray) -> list[np.ndarray]:
+        handle, received = collectives.alltoall_async(
+            worker, array, [int(p) for p in parts] if given else None, name, members=members
+        )
+        return [worker.synchronize(handle), np.asarray(received, np.int32)]
+
+    out, received = host_call(host, [x, split_tensor], [x.dtype, tf.int32])
+    out.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
+    received.set_shape([None])
+    return (out, received) if given else out
+
+
+def reducescatter(
+    tensor: Any,
+    device_dense: str = "",
+    compression: Any = Compression.none,
+    op: str = Average,
+    name: str | None = None,
+    process_set: Any = global_process_set,
+    ignore_name_scope: bool = False,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> tf.Tensor:
+    """Reduce `tensor` over all workers; returns this worker's rows of the result (d0 // n each, the first d0 % n
+    workers one more, as Horovod splits them)."""
+    op = _op(None, op)
+    worker = gradwire.current_worker()
+    tensor = tf.convert_to_tensor(tensor)
+    name = name_of(worker, name, "reducescatter", tensor)
+    members = members_of(process_set)
+    wire, ctx = compression.compress(tensor)
+    wire = scaled(wire, prescale_factor)
+
+    def host(array: np.ndarray) -> list[np.ndarray]:
+        handle = collectives.reducescatter_async(
+            worker, array, name, average=op == Average, op=_KEY_OPS[op], members=members
+        )
+        return [worker.synchronize(handle)]
+
+    (out,) = host_call(host, [wire], [wire.dtype])
+    out.set_shape(tf.TensorShape([None]).concatenate(wire.shape[1:]))
+    return compression.decompress(scaled(out, postscale_factor), ctx)
+
+
+def grouped_reducescatter(
+    tensors: list[Any],
+    device_dense: str = "",
+    compression: Any = Compression.none,
+    op: str = Average,
+    name: str | None = None,
+    process_set: Any = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> list[tf.Tensor]:
+    """`reducescatter` of each tensor of `tensors`."""
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    name = name_of(gradwire.current_worker(), name, "grouped_reducescatter", tensors[0] if tensors else None)
+    return [
+        reducescatter(t, "", compression, op, f"{name}.{i}", process_set, False, prescale_factor, postscale_factor)
+        for i, t in enumerate(tensors)
+    ]

@@ -1,0 +1,301 @@
+"""gradwire.tensorflow and gradwire.keras (TensorFlow backend) on an in-process cluster of 2 workers: each collective
+eagerly and inside tf.function, Horovod's gradients, DistributedGradientTape and Keras training through
+DistributedOptimizer equal to one process training on the whole batch.
+
+Run by test_tensorflow.py in a pytest process of its own: TensorFlow starts threads at import, and a process that
+forks after that (Ray's tests do) may deadlock."""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ["KERAS_BACKEND"] = "tensorflow"
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+tf = pytest.importorskip("tensorflow")
+keras = pytest.importorskip("keras")
+
+import gradwire  # noqa: E402
+import gradwire.keras as gwk  # noqa: E402
+import gradwire.tensorflow as gw  # noqa: E402
+from gradwire.testing import LocalCluster  # noqa: E402
+
+N = 2
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with LocalCluster(num_workers=N, num_servers=2, partition_bytes=16 << 10) as c:
+        yield c
+
+
+def run(cluster, fn):
+    def wrapped(worker):
+        with gradwire.use_worker(worker):
+            return fn(worker.rank)
+
+    return cluster.run(wrapped)
+
+
+def test_allreduce_reduces_by_each_op_eagerly_and_inside_tf_function_reusing_its_keys(cluster):
+    def worker(rank):
+        x = tf.constant([1.0, -2.0, 3.0]) * (rank + 1)
+        eager = {op: gw.allreduce(x, op=op, name=f"ar.{op}").numpy() for op in (gw.Average, gw.Sum, gw.Min, gw.Max)}
+        eager["product"] = gw.allreduce(x, op=gw.Product, name="ar.product").numpy()
+        eager["scaled"] = gw.allreduce(x, op=gw.Sum, prescale_factor=2.0, postscale_factor=0.5, name="ar.sc").numpy()
+        eager["ints"] = gw.allreduce(tf.constant([rank, 10], tf.int64), op=gw.Sum, name="ar.int").numpy()
+        eager["fp16"] = gw.allreduce(x, compression=gw.Compression.fp16, name="ar.fp16").numpy()
+        step = tf.function(lambda t: gw.allreduce(t, op=gw.Sum))  # one function per worker: each its own trace
+        inside = [step(x * i).numpy() for i in range(1, 4)]
+        keys = gradwire.current_worker().status()["tensors"]
+        step(x)
+        return eager, inside, keys, gradwire.current_worker().status()["tensors"]
+
+    base = np.array([1.0, -2.0, 3.0])
+    for eager, inside, keys_before, keys_after in run(cluster, worker):
+        np.testing.assert_allclose(eager["average"], base * 1.5)
+        np.testing.assert_allclose(eager["sum"], base * 3)
+        np.testing.assert_allclose(eager["min"], [1.0, -4.0, 3.0])
+        np.testing.assert_allclose(eager["max"], [2.0, -2.0, 6.0])
+        np.testing.assert_allclose(eager["product"], base * base * 2)
+        np.testing.assert_allclose(eager["scaled"], base * 3)
+        np.testing.assert_array_equal(eager["ints"], [1, 20])
+        assert eager["fp16"].dtype == np.float32
+        np.testing.assert_allclose(eager["fp16"], base * 1.5)
+        for i, got in enumerate(inside, start=1):
+            np.testing.assert_allclose(got, base * 3 * i)
+        assert keys_after == keys_before  # a traced function's calls reuse the tensor named when it was traced
+
+
+def test_grouped_allreduce_fuses_dtypes_and_keeps_shapes_and_dtypes(cluster):
+    def worker(rank):
+        tensors = [
+            tf.fill([2, 3], float(rank + 1)),
+            tf.constant([rank + 1, 5], tf.int32),
+            tf.cast(tf.fill([4], rank + 1.0), tf.bfloat16),
+            tf.constant(float(rank), tf.float64),
+        ]
+        eager = gw.grouped_allreduce(tensors, op=gw.Sum, name="grouped")
+        inside = tf.function(lambda ts: gw.grouped_allreduce(ts, op=gw.Average))(tensors)
+        return eager, inside
+
+    for eager, inside in run(cluster, worker):
+        assert [t.dtype for t in eager] == [tf.float32, tf.int32, tf.bfloat16, tf.float64]
+        assert [t.shape.as_list() for t in inside] == [[2, 3], [2], [4], []]
+        np.testing.assert_array_equal(eager[0].numpy(), np.full((2, 3), 3.0))
+        np.testing.assert_array_equal(eager[1].numpy(), [3, 10])
+        np.testing.assert_array_equal(tf.cast(eager[2], tf.float32).numpy(), np.full(4, 3.0))
+        assert float(eager[3]) == 1.0 and float(inside[3]) == 0.5
+        np.testing.assert_array_equal(inside[0].numpy(), np.full((2, 3), 1.5))
+
+
+def test_the_gradient_of_an_allreduce_is_the_allreduce_of_the_gradients(cluster):
+    def worker(rank):
+        x = tf.Variable([1.0, 2.0])
+        with tf.GradientTape() as tape:
+            y = gw.allreduce(x * (rank + 1), op=gw.Sum, name="grad.sum")
+            loss = tf.reduce_sum(y * tf.constant([1.0, 10.0]) * (rank + 1))
+        return tape.gradient(loss, x).numpy()
+
+    # d loss_r / d y = c * (r + 1); the sum's gradient sums them over ranks (c * 3), times d(x * (r + 1)) / dx
+    for rank, grad in enumerate(run(cluster, worker)):
+        np.testing.assert_allclose(grad, np.array([1.0, 10.0]) * 3 * (rank + 1))
+
+
+def test_allgather_broadcast_alltoall_and_reducescatter_eagerly_and_in_tf_function(cluster):
+    def worker(rank):
+        rows = tf.fill([rank + 1, 2], float(rank))
+        out = {"gather": gw.allgather(rows).numpy()}
+        out["gather_fn"] = tf.function(lambda t: gw.allgather(t))(rows).numpy()
+        out["bcast"] = gw.broadcast(tf.fill([3], float(rank + 5)), root_rank=1).numpy()
+        received, splits = gw.alltoall(tf.constant([rank * 10, rank * 10 + 1, rank * 10 + 2]), splits=[1, 2])
+        out["a2a"], out["a2a_splits"] = received.numpy(), splits.numpy()
+        out["rs"] = gw.reducescatter(tf.reshape(tf.range(6.0), [3, 2]) * (rank + 1), op=gw.Sum).numpy()
+        out["objects"] = gw.broadcast_object({"from": rank}, root_rank=1), gw.allgather_object(rank * 2)
+        return out
+
+    for rank, out in enumerate(run(cluster, worker)):
+        np.testing.assert_array_equal(out["gather"], [[0, 0], [1, 1], [1, 1]])
+        np.testing.assert_array_equal(out["gather_fn"], out["gather"])
+        np.testing.assert_array_equal(out["bcast"], [6.0, 6.0, 6.0])
+        np.testing.assert_array_equal(out["a2a"], [0, 10] if rank == 0 else [1, 2, 11, 12])
+        np.testing.assert_array_equal(out["a2a_splits"], [1, 1] if rank == 0 else [2, 2])
+        full = np.arange(6.0).reshape(3, 2) * 3
+        np.testing.assert_array_equal(out["rs"], full[:2] if rank == 0 else full[2:])
+        assert out["objects"] == ({"from": 1}, [0, 2])
+
+
+def test_gradients_of_allgather_and_broadcast_are_horovods(cluster):
+    def worker(rank):
+        x = tf.Variable(tf.fill([rank + 1, 2], 1.0))
+        with tf.GradientTape(persistent=True) as tape:
+            gathered = gw.allgather(x, name="grad.gather")
+            loss_gather = tf.reduce_sum(gathered * (rank + 1.0))
+            broadcast = gw.broadcast(x[:1] * 1.0, root_rank=0, name="grad.bcast")
+            loss_bcast = tf.reduce_sum(broadcast * (rank + 1.0))
+        return tape.gradient(loss_gather, x).numpy(), tape.gradient(loss_bcast, x).numpy()
+
+    for rank, (gather_grad, bcast_grad) in enumerate(run(cluster, worker)):
+        # allgather: the output's gradient averaged over the ranks ((1 + 2) / 2), this rank's rows of it
+        np.testing.assert_allclose(gather_grad, np.full((rank + 1, 2), 1.5))
+        # broadcast: the average on the root, zero elsewhere (only the first row was broadcast)
+        expected = np.zeros((rank + 1, 2))
+        expected[0] = 1.5 if rank == 0 else 0.0
+        np.testing.assert_allclose(bcast_grad, expected)
+
+
+def test_broadcast_variables_eagerly_and_inside_tf_function(cluster):
+    def worker(rank):
+        a, b = tf.Variable(tf.fill([3], float(rank))), tf.Variable(tf.constant([rank, rank], tf.int64))
+        gw.broadcast_variables([a, b], root_rank=1)
+        eager = a.numpy(), b.numpy()
+        c = tf.Variable(tf.fill([2, 2], float(rank + 7)))
+
+        @tf.function
+        def broadcast():
+            gw.broadcast_variables([c], root_rank=0)  # a group of assignments, run as the function's side effect
+
+        broadcast()
+        return eager, c.numpy()
+
+    for (a, b), c in run(cluster, worker):
+        np.testing.assert_array_equal(a, [1.0, 1.0, 1.0])
+        np.testing.assert_array_equal(b, [1, 1])
+        np.testing.assert_array_equal(c, np.full((2, 2), 7.0))
+
+
+def test_sparse_gradients_are_allgathered_or_densified(cluster):
+    def worker(rank):
+        table = tf.Variable(tf.ones([4, 2]))
+        results = []
+        for sparse_as_dense in (False, True):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(tf.nn.embedding_lookup(table, [rank, 3]) * (rank + 1.0))
+            tape = gw.DistributedGradientTape(tape, sparse_as_dense=sparse_as_dense)
+            results.append(tape.gradient(loss, [table])[0])
+        return results
+
+    for sparse, dense in run(cluster, worker):
+        assert isinstance(sparse, tf.IndexedSlices) and not isinstance(dense, tf.IndexedSlices)
+        expected = np.zeros((4, 2))
+        expected[0], expected[1], expected[3] = 0.5, 1.0, 1.5  # the average of rank 0's rows {0, 3} and rank 1's {1, 3}
+        np.testing.assert_allclose(tf.convert_to_tensor(sparse).numpy(), expected)
+        np.testing.assert_allclose(dense.numpy(), expected)
+
+
+def _data(n=64, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 8))
+    y = x @ rng.normal(size=(8, 1)) + 0.1 * rng.normal(size=(n, 1))
+    return x, y
+
+
+def _train_with_tape(x, y, steps, distributed, w0):
+    w = tf.Variable(w0)
+    opt = keras.optimizers.SGD(0.05, momentum=0.9)
+
+    @tf.function
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((tf.matmul(xb, w) - yb) ** 2)
+        if distributed:
+            tape = gw.DistributedGradientTape(tape)
+        grads = tape.gradient(loss, [w])
+        opt.apply_gradients(zip(grads, [w], strict=True))
+
+    for _ in range(steps):
+        step(x, y)
+    return w.numpy()
+
+
+def test_distributed_gradient_tape_trains_as_one_process_on_the_whole_batch(cluster):
+    x, y = _data()
+    w0 = np.random.default_rng(1).normal(size=(8, 1))
+
+    def worker(rank):
+        return _train_with_tape(x[rank::N], y[rank::N], 20, True, w0)
+
+    alone = _train_with_tape(x[np.r_[0:64:2, 1:64:2]], y[np.r_[0:64:2, 1:64:2]], 20, False, w0)
+    results = run(cluster, worker)
+    np.testing.assert_array_equal(results[0], results[1])  # every worker the same bits
+    np.testing.assert_allclose(results[0], alone, rtol=1e-10, atol=1e-12)
+
+
+def _keras_model(seed):
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)])
+    return model
+
+
+def test_keras_fit_through_distributed_optimizer_equals_one_process_on_the_whole_batch(cluster):
+    keras.backend.set_floatx("float64")
+    try:
+        x, y = _data()
+        reference = _keras_model(0)
+        weights0 = reference.get_weights()
+
+        def fit(model, xs, ys, optimizer, callbacks=()):
+            model.compile(optimizer=optimizer, loss="mse")
+            model.fit(xs, ys, batch_size=len(xs), epochs=5, shuffle=False, verbose=0, callbacks=list(callbacks))
+            return model.get_weights()
+
+        def worker(rank):
+            model = _keras_model(rank + 10)  # different weights: the broadcast makes them rank 0's
+            if rank == 0:
+                model.set_weights(weights0)
+            opt = gwk.DistributedOptimizer(keras.optimizers.Adam(0.01))
+            return fit(model, x[rank::N], y[rank::N], opt, [gwk.callbacks.BroadcastGlobalVariablesCallback(0)])
+
+        results = run(cluster, worker)
+        alone = fit(
+            reference,
+            np.concatenate([x[0::2], x[1::2]]),
+            np.concatenate([y[0::2], y[1::2]]),
+            keras.optimizers.Adam(0.01),
+        )
+        for a, b, c in zip(results[0], results[1], alone, strict=True):
+            np.testing.assert_array_equal(a, b)
+            np.testing.assert_allclose(a, c, rtol=1e-9, atol=1e-12)
+    finally:
+        keras.backend.set_floatx("float32")
+
+
+def test_keras_callbacks_average_metrics_and_warm_the_learning_rate_up(cluster):
+    def worker(rank):
+        model = _keras_model(rank)
+        model.compile(optimizer=gwk.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+        x, y = _data(32, seed=rank)
+        warmup = gwk.callbacks.LearningRateWarmupCallback(initial_lr=0.1, warmup_epochs=2)
+        history = model.fit(
+            x.astype("float32"),
+            y.astype("float32"),
+            batch_size=8,
+            epochs=3,
+            verbose=0,
+            callbacks=[
+                gwk.callbacks.BroadcastGlobalVariablesCallback(0),
+                gwk.callbacks.MetricAverageCallback(),
+                warmup,
+            ],
+        )
+        return history.history
+
+    results = run(cluster, worker)
+    assert results[0]["loss"] == results[1]["loss"]  # averaged over the workers: the same on both
+    # Horovod's warm-up from lr / n to lr over 2 epochs, batch by batch: at the end of epoch e (its last batch)
+    # lr * (1 / n) * ((e + 1) * (n - 1) / 2 + 1), then lr from the end of the warm-up on
+    assert results[0]["lr"] == pytest.approx([0.075, 0.1, 0.1])
+
+
+def test_adasum_and_a_shape_mismatch_are_refused_naming_the_rank(cluster):
+    def worker(rank):
+        with pytest.raises(gradwire.NotSupported):
+            gw.allreduce(tf.ones([2]), op=gw.Adasum)
+        with pytest.raises(gradwire.TensorMismatch) as error:
+            gw.allreduce(tf.ones([rank + 1]), name="mismatch")
+        return str(error.value)
+
+    for message in run(cluster, worker):
+        assert "worker 0: sum of float32[1]" in message and "worker 1: sum of float32[2]" in message
+        assert "'mismatch" in message
