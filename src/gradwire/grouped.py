@@ -6,8 +6,10 @@ into partitions and spread over the servers like any tensor: not one message per
 into arrays of the inputs' shapes and dtypes. Types numpy does not sum (bfloat16 from ml_dtypes) travel as float32
 and are narrowed back after.
 
-Every worker passes arrays of the same shapes and dtypes in the same order under the same name; a buffer's name is
-`name` and its dtype, so a group of other contents under the same name is a new tensor on the servers
+Every worker passes arrays of the same shapes and dtypes in the same order under the same name. The buffers are named
+`name`, `name#1`, ... in order of their dtypes' first appearance, not by dtype: workers that pass other dtypes under
+one name then meet on the same tensor and each gets a TensorMismatch naming every worker's call, where names by dtype
+would wait for each other forever. A group of other contents under the same name later is a new tensor on the servers
 (gradwire.Worker.declare), never mixed with the old one.
 """
 
@@ -47,9 +49,9 @@ def exchange(
     arrays; new arrays of the inputs' shapes and dtypes, in their order. Blocks."""
     arrays = [np.asarray(a) for a in arrays]
     pending: list[tuple[list[int], Handle]] = []
-    for dtype, indices in by_wire_dtype(arrays).items():
+    for group, (dtype, indices) in enumerate(by_wire_dtype(arrays).items()):
         fused = np.concatenate([arrays[i].astype(dtype, copy=False).reshape(-1) for i in indices])
-        tag = f"{name}.{dtype.name}"
+        tag = name if group == 0 else f"{name}#{group}"  # not by dtype: workers whose dtypes differ get a TensorMismatch
         if root is None:
             handle = worker.push_pull_async(fused, tag, average=average, out=fused, op=op, members=members)
         else:

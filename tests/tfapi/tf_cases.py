@@ -299,3 +299,15 @@ def test_adasum_and_a_shape_mismatch_are_refused_naming_the_rank(cluster):
     for message in run(cluster, worker):
         assert "worker 0: sum of float32[1]" in message and "worker 1: sum of float32[2]" in message
         assert "'mismatch" in message
+
+
+def test_workers_passing_other_dtypes_under_one_name_get_an_error_not_a_hang(cluster):
+    def worker(rank):
+        with pytest.raises(gradwire.TensorMismatch) as error:
+            gw.allreduce(tf.ones([3], tf.int32 if rank == 0 else tf.float32), name="dtypes")
+        with pytest.raises(gradwire.TensorMismatch):
+            gw.broadcast(tf.ones([2], tf.int32 if rank == 0 else tf.float32), root_rank=0, name="dtypes.bcast")
+        return str(error.value)
+
+    for message in run(cluster, worker):
+        assert "worker 0: sum of int32[3]" in message and "worker 1: sum of float32[3]" in message
