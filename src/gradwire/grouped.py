@@ -1,7 +1,8 @@
 """Many arrays in one exchange: the adapters' way (JAX, TensorFlow, Keras) to send a step's gradients.
 
 An adapter hands over a list of numpy arrays (a pytree's leaves, a tape's gradients, a Keras optimizer's gradients);
-they are fused, one flat buffer per dtype they travel as, and each buffer is one push_pull (or one broadcast), cut
+they are fused, one flat buffer per dtype they travel as (an array alone keeps its shape, so that workers whose
+shapes differ get a TensorMismatch), and each buffer is one push_pull (or one broadcast), cut
 into partitions and spread over the servers like any tensor: not one message per array. The results are cut back
 into arrays of the inputs' shapes and dtypes. Types numpy does not sum (bfloat16 from ml_dtypes) travel as float32
 and are narrowed back after.
@@ -50,8 +51,12 @@ def exchange(
     arrays = [np.asarray(a) for a in arrays]
     pending: list[tuple[list[int], Handle]] = []
     for group, (dtype, indices) in enumerate(by_wire_dtype(arrays).items()):
-        fused = np.concatenate([arrays[i].astype(dtype, copy=False).reshape(-1) for i in indices])
-        tag = name if group == 0 else f"{name}#{group}"  # not by dtype: workers whose dtypes differ get a TensorMismatch
+        if len(indices) == 1:  # alone, an array keeps its shape: workers whose shapes differ get a TensorMismatch
+            fused = np.array(arrays[indices[0]], dtype=dtype)  # a copy: the result lands in it
+        else:
+            fused = np.concatenate([arrays[i].astype(dtype, copy=False).reshape(-1) for i in indices])
+        # named by position, not dtype: workers whose dtypes differ meet on one tensor and get a TensorMismatch
+        tag = name if group == 0 else f"{name}#{group}"
         if root is None:
             handle = worker.push_pull_async(fused, tag, average=average, out=fused, op=op, members=members)
         else:
@@ -59,7 +64,7 @@ def exchange(
         pending.append((indices, handle))
     out: list[np.ndarray] = [np.empty(0)] * len(arrays)
     for indices, handle in pending:
-        fused = worker.synchronize(handle)
+        fused = worker.synchronize(handle).reshape(-1)
         at = 0
         for i in indices:
             n = arrays[i].size

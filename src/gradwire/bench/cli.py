@@ -99,6 +99,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "on digits with onebit and top-k 1%% beside uncompressed (accuracy, bytes pushed), on --async-runs seeds",
     )
     parser.add_argument(
+        "--keras",
+        action="store_true",
+        help="with --train: Keras 3 on TensorFlow, gradwire.keras's DistributedOptimizer against TensorFlow's "
+        "MultiWorkerMirroredStrategy over its ring (bench/train_keras.py)",
+    )
+    parser.add_argument(
         "--drift",
         default=None,
         metavar="FROM:TO",

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 from gradwire.errors import GradwireError
 from gradwire.netem import EmulatedCluster, Topology, links, parse_rate
-from gradwire.netem.jobs import start_gloo, start_gradwire
+from gradwire.netem.jobs import start_gloo, start_gradwire, start_tf_ring
 from gradwire.netem.links import LinkSampler
 
 MiB = 1 << 20
@@ -241,6 +241,10 @@ DRIFT_WAYS = ("optimizer", "optimizer-fixed", "optimizer-rendezvous", "ddp")
 # `--compression`: DistributedOptimizer uncompressed, with the servers' compressors and with PowerSGD (rank 2) through
 # the servers, against DDP over gloo plain and with torch's own PowerSGD hook (rank 2)
 COMPRESSION_WAYS = ("optimizer", "optimizer-onebit", "optimizer-topk", "optimizer-powersgd", "ddp-powersgd", "ddp")
+# Keras 3 on TensorFlow (bench/train_keras.py): gradwire.keras's DistributedOptimizer against TensorFlow's
+# MultiWorkerMirroredStrategy
+KERAS_WAYS = ("keras", "mwms")
+PEERS = ("ddp", "mwms")  # each set of ways is compared with its peer: DDP over gloo, or TensorFlow's own ring
 
 
 def run_train_config(
@@ -262,8 +266,12 @@ def run_train_config(
         for way in DRIFT_WAYS if drift else ways:
             timed_from = warmup + settle
             trained = way if way in COMPRESSION_WAYS else way.split("-")[0]  # (the drift ways differ by settings)
-            argv = [sys.executable, "-m", "gradwire.bench.train", trained, str(steps), str(timed_from)]
-            if way.startswith("ddp"):
+            module = "gradwire.bench.train_keras" if way in KERAS_WAYS else "gradwire.bench.train"
+            argv = [sys.executable, "-m", module, trained, str(steps), str(timed_from)]
+            if way == "mwms":
+                start = start_tf_ring
+                job_env = os.environ | env
+            elif way.startswith("ddp"):
                 start = start_gloo
                 job_env = os.environ | env
             else:
@@ -293,12 +301,13 @@ def run_train_config(
                 if progress is not None:
                     os.unlink(progress.name)
             results.append(_train_row(topo, way, rate, drift, rows[0], cpu))
-    ddp = next(r for r in results if r["way"] == "ddp")
+    ddp = next(r for r in results if r["way"] in PEERS)
     powersgd = next((r for r in results if r["way"] == "ddp-powersgd"), None)
     for r in results if powersgd else ():
         r["x_powersgd_samples_per_s"] = r["samples_per_s"] / powersgd["samples_per_s"]
     for r in results:
-        r["x_ddp_samples_per_s"] = r["samples_per_s"] / ddp["samples_per_s"]
+        r["x_ddp_samples_per_s"] = r["samples_per_s"] / ddp["samples_per_s"]  # over the peer's (MWMS for Keras)
+        r["peer"] = ddp["way"]
     return results
 
 
@@ -371,7 +380,7 @@ def _megabytes(nbytes: float | None) -> str:
 def train_table(results: list[dict]) -> str:
     """Markdown: per configuration and way, the step time, samples/s and the ratio to DDP over gloo."""
     lines = [
-        "| n | k | rate | way | parameters | partitions | step s (median) | samples/s | x DDP (gloo) | CPU use |",
+        "| n | k | rate | way | parameters | partitions | step s (median) | samples/s | x peer | CPU use |",
         "|---:|---:|---|---|---:|---|---:|---:|---:|---:|",
     ]
     powersgd = any("x_powersgd_samples_per_s" in r for r in results)

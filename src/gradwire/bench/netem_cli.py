@@ -12,6 +12,7 @@ import sys
 from gradwire.bench.netem import (
     COMPRESSION_WAYS,
     DEFAULT_CONFIGS,
+    KERAS_WAYS,
     TRAIN_WAYS,
     Record,
     plot,
@@ -86,7 +87,7 @@ def run_train(args: argparse.Namespace, env: dict[str, str]) -> int:
         drift = tuple(args.drift.split(":", 1)) if args.drift else None
         settle = args.settle if drift else 0
         chosen = (topo.tuning() if args.hand_tuned else {}) | env
-        ways = COMPRESSION_WAYS if args.compression else TRAIN_WAYS
+        ways = COMPRESSION_WAYS if args.compression else KERAS_WAYS if args.keras else TRAIN_WAYS
         results = run_train_config(topo, args.steps, args.warmup, chosen, drift=drift, settle=settle, ways=ways)  # type: ignore[arg-type]
         every += results
         for r in results:

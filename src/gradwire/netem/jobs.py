@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import subprocess
@@ -205,4 +206,23 @@ def start_gloo(cluster: EmulatedCluster, argv: Sequence[str], env: Mapping[str, 
         )
         for rank, h in topo.placed_workers()
     ]
+    return Job([], workers)
+
+
+TF_RING_PORT = 23400  # + rank: a port of each worker's own in its namespace, which this run made (no other user)
+
+
+def start_tf_ring(cluster: EmulatedCluster, argv: Sequence[str], env: Mapping[str, str] | None = None) -> Job:
+    """A TensorFlow MultiWorkerMirroredStrategy job on the worker hosts: TF_CONFIG names every worker (its host's
+    address, a port of its own: TensorFlow needs them all before any starts), traffic over the emulated links."""
+    topo = cluster.topology
+    placed = topo.placed_workers()
+    addresses = [f"{h.address}:{TF_RING_PORT + rank}" for rank, h in placed]
+    base = dict(env or os.environ) | {"WORLD_SIZE": str(topo.workers), "PYTHONUNBUFFERED": "1"}
+    workers = []
+    for rank, h in placed:
+        config = {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": rank}}
+        job_env = base | {"RANK": str(rank), "TF_CONFIG": json.dumps(config)}
+        output = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+        workers.append(cluster.spawn(h, list(argv), job_env, **output))
     return Job([], workers)

@@ -130,6 +130,10 @@ __all__ = [
 ]
 
 
+# Horovod's private helper, which its own tests and some scripts call as `hvd._executing_eagerly()`
+_executing_eagerly = tf.executing_eagerly
+
+
 def init(config: Config | None = None, comm: Any = None, process_sets: Any = None) -> None:
     """Join the job as a worker (Horovod's `init`). Blocks through the rendezvous. `comm` (an MPI communicator) is
     not supported: gradwire does not run over MPI. `process_sets` are registered as with `add_process_set`."""

@@ -52,7 +52,15 @@ def host_call(fn: Callable[..., list[np.ndarray]], inputs: list[Any], touts: lis
     """`fn(*arrays)` -> arrays of the dtypes `touts`: run now (eagerly) or as a stateful op of the graph."""
     inputs = [tf.convert_to_tensor(x) for x in inputs]
     if tf.executing_eagerly():
-        return [tf.convert_to_tensor(r, dtype=t) for r, t in zip(fn(*[x.numpy() for x in inputs]), touts, strict=True)]
+        try:
+            results = fn(*[x.numpy() for x in inputs])
+        except gradwire.TensorMismatch as e:  # Horovod's types; gradwire's error is the cause
+            raise tf.errors.FailedPreconditionError(None, None, str(e)) from e  # the workers called it differently
+        except gradwire.TensorError as e:
+            if isinstance(e, gradwire.NotSupported):
+                raise
+            raise tf.errors.InvalidArgumentError(None, None, str(e)) from e  # this worker's call is wrong
+        return [tf.convert_to_tensor(r, dtype=t) for r, t in zip(results, touts, strict=True)]
     if tf.inside_function():  # tf.function runs stateful operations in program order by itself
         return list(tf.numpy_function(fn, inputs, touts, stateful=True))
     # a TensorFlow 1 graph (a Session) runs independent operations in any order, in parallel: each call would block
@@ -75,3 +83,20 @@ def scaled(tensor: tf.Tensor, factor: float) -> tf.Tensor:
     if tensor.dtype.is_floating or tensor.dtype.is_complex:
         return tensor * tf.cast(factor, tensor.dtype)
     return tf.cast(tf.cast(tensor, tf.float64) * factor, tensor.dtype)
+
+
+_SIGNED = {np.dtype(np.uint16): np.int16, np.dtype(np.uint32): np.int32, np.dtype(np.uint64): np.int64}
+
+
+def moved(fn: Callable[..., list[np.ndarray]]) -> Callable[..., list[np.ndarray]]:
+    """`fn`, a collective that only moves bytes (a gather, a broadcast, an alltoall), taking unsigned integers the
+    wire has no type for as the signed ones of their size (the same bits), and giving them back as they came."""
+
+    def wrapped(array: np.ndarray, *rest: np.ndarray) -> list[np.ndarray]:
+        signed = _SIGNED.get(array.dtype)
+        if signed is None:
+            return fn(array, *rest)
+        out = fn(array.view(signed), *rest)
+        return [out[0].view(array.dtype), *out[1:]]
+
+    return wrapped

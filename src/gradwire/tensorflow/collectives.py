@@ -17,7 +17,7 @@ import gradwire
 from gradwire import collectives, grouped
 from gradwire.introspection import global_process_set
 
-from .bridge import host_call, members_of, name_of, scaled
+from .bridge import host_call, members_of, moved, name_of, scaled
 from .compression import Compression
 
 # Horovod's reduction ops. Average and Sum are what summation servers compute; Min, Max and Product are per-key
@@ -164,6 +164,7 @@ def allgather(
     name = name_of(worker, name, "allgather", x)
     members = members_of(process_set)
 
+    @moved
     def host(array: np.ndarray) -> list[np.ndarray]:
         return [worker.synchronize(collectives.allgather_async(worker, array, name, members=members))]
 
@@ -181,7 +182,7 @@ def allgather(
             (reduced,) = _grouped_allreduce([dy], Average, 1.0, 1.0, f"{name}.grad", members)
             rows = allgather(tf.shape(x)[:1], name=f"{name}.grad.rows", process_set=process_set)
             ranks = list(range(worker.size)) if members is None else sorted(members)
-            return tf.split(reduced, rows, axis=0)[ranks.index(worker.rank)]
+            return tf.split(reduced, rows, num=len(ranks), axis=0)[ranks.index(worker.rank)]
 
         return forward(x), grad
 
@@ -211,6 +212,7 @@ def broadcast(
     name = name_of(worker, name, "broadcast", x)
     members = members_of(process_set)
 
+    @moved
     def host(array: np.ndarray) -> list[np.ndarray]:
         return grouped.exchange(worker, [array], name, root=root_rank, members=members)
 
@@ -258,9 +260,10 @@ def broadcast_variables(variables: list[Any], root_rank: int, process_set: Any =
 def broadcast_(
     variables: list[Any], root_rank: int, name: str | None = None, process_set: Any = global_process_set
 ) -> list:
-    """In place: `variables` take worker `root_rank`'s values; returns their values."""
-    broadcast_variables(variables, root_rank, process_set)
-    return [v.read_value() for v in variables]
+    """In place: `variables` take worker `root_rank`'s values; returns their values (read after the assignments)."""
+    assigned = broadcast_variables(variables, root_rank, process_set)
+    with tf.control_dependencies([] if assigned is None else [assigned]):
+        return [v.read_value() for v in variables]
 
 
 def _signature(tensors: list[Any]) -> str:
@@ -285,15 +288,33 @@ def alltoall(
     given = splits is not None
     split_tensor = tf.cast(tf.convert_to_tensor(splits if given else []), tf.int32)
 
+    @moved
     def host(array: np.ndarray, parts: np.ndarray) -> list[np.ndarray]:
         handle, received = collectives.alltoall_async(
             worker, array, [int(p) for p in parts] if given else None, name, members=members
         )
         return [worker.synchronize(handle), np.asarray(received, np.int32)]
 
-    out, received = host_call(host, [x, split_tensor], [x.dtype, tf.int32])
-    out.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
-    received.set_shape([None])
+    def forward(x: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        out, received = host_call(host, [x, split_tensor], [x.dtype, tf.int32])
+        out.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
+        received.set_shape([None])
+        return out, received
+
+    if not x.dtype.is_floating:
+        out, received = forward(x)
+    else:
+
+        @tf.custom_gradient
+        def differentiable(x: tf.Tensor) -> Any:
+            out, received = forward(x)
+
+            def grad(dy: tf.Tensor, *unused: Any) -> tf.Tensor:  # the rows go back where they came from
+                return alltoall(dy, splits=received, name=f"{name}.grad", process_set=process_set)[0]
+
+            return (out, received), grad
+
+        out, received = differentiable(x)
     return (out, received) if given else out
 
 
@@ -324,8 +345,25 @@ def reducescatter(
         )
         return [worker.synchronize(handle)]
 
-    (out,) = host_call(host, [wire], [wire.dtype])
-    out.set_shape(tf.TensorShape([None]).concatenate(wire.shape[1:]))
+    def forward(x: tf.Tensor) -> tf.Tensor:
+        (out,) = host_call(host, [x], [x.dtype])
+        out.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
+        return out
+
+    if not wire.dtype.is_floating or op not in (Average, Sum):
+        out = forward(wire)
+    else:
+
+        @tf.custom_gradient
+        def differentiable(x: tf.Tensor) -> Any:
+            def grad(dy: tf.Tensor) -> tf.Tensor:  # Horovod's: every worker's rows, gathered (times n for a sum)
+                n = worker.size if members is None else len(members)
+                dy = scaled(dy, (n if op == Sum else 1) * prescale_factor * postscale_factor)
+                return allgather(dy, name=f"{name}.grad", process_set=process_set)
+
+            return forward(x), grad
+
+        out = differentiable(wire)
     return compression.decompress(scaled(out, postscale_factor), ctx)
 
 
