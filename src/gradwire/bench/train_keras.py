@@ -6,6 +6,7 @@ Keras 3 on TensorFlow, trained by a `tf.function` step on each worker's own rand
 - `mwms`: TensorFlow's own MultiWorkerMirroredStrategy over its ring (CommunicationImplementation.RING; TF_CONFIG
   names every worker, as `gradwire.netem.jobs.start_tf_ring` sets it), the peer.
 Rank 0 prints one JSON line: every timed step's seconds, the samples per step and the parameter count.
+`python -m gradwire.bench.train_keras bridge` prints what leaving the TensorFlow graph costs a step (`bridge_cost`).
 """
 
 from __future__ import annotations
@@ -108,5 +109,60 @@ def main(way: str, steps: int, warmup: int) -> None:
     os._exit(0)  # TensorFlow's collective threads need not wind down: the job is done
 
 
+def bridge_cost(repeats: int = 40) -> dict:
+    """What leaving the TensorFlow graph costs a step (`python -m gradwire.bench.train_keras bridge`): one process, the
+    model's forward and backward inside `tf.function`, alone, with its gradients handed out of the graph to a
+    `tf.numpy_function` and back (an identity), and with a grouped allreduce through a 1-worker, 1-server job on
+    loopback. Medians over `repeats` steps, in seconds."""
+    import statistics
+
+    import keras
+    import tensorflow as tf
+
+    import gradwire
+    import gradwire.tensorflow as gwt
+    from gradwire.testing import LocalCluster
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    net = model()
+    x, y = tf.random.normal([BATCH, 32, 32, 3]), tf.zeros([BATCH], tf.int64)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def grads() -> list:
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, net(x, training=True))
+        return tape.gradient(loss, net.trainable_variables)
+
+    def identity(*arrays: object) -> list:
+        return list(arrays)
+
+    def handed_out() -> list:
+        g = grads()
+        return tf.numpy_function(identity, g, [t.dtype for t in g], stateful=True)
+
+    def timed(step) -> float:
+        step = tf.function(step)
+        step(), step()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            float(tf.reduce_sum(step()[-1]))
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    row = {"backward": timed(grads), "handed_out": timed(handed_out)}
+    with LocalCluster(num_workers=1, num_servers=1) as cluster:
+
+        def reduced(worker: gradwire.Worker) -> float:
+            with gradwire.use_worker(worker):
+                return timed(lambda: gwt.grouped_allreduce(grads(), name="bench.bridge"))
+
+        (row["grouped_allreduce"],) = cluster.run(reduced)
+    return row
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    if sys.argv[1] == "bridge":
+        print(json.dumps(bridge_cost()))
+    else:
+        main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))

@@ -25,13 +25,14 @@ from .exchange import broadcast_variables, to_numpy
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
-    """Assign worker `root_rank`'s model and optimizer variables to every worker before training."""
+    """Assign worker `root_rank`'s model and optimizer variables to every worker before training, but
+    `local_variables` (and those given to `register_local_var`), which each worker keeps."""
 
-    def __init__(self, root_rank: int = 0, device: str = "") -> None:
+    def __init__(self, root_rank: int = 0, device: str = "", local_variables: list | None = None) -> None:
         super().__init__()
         self.root_rank = root_rank
         self.broadcast_done = False
-        self._local: set[int] = set()
+        self._local: set[int] = {id(v) for v in local_variables or []}
 
     def register_local_var(self, var: Any) -> None:
         """Leave `var` out of the broadcast (a worker-local variable)."""
