@@ -24,7 +24,7 @@ demo: install
 	$(PY) examples/digits_demo.py
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 bench: install
 	$(VENV)/bin/gradwire bench -n 4 -s 4 --sizes 4,16,64
