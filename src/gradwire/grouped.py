@@ -16,10 +16,19 @@ would wait for each other forever. A group of other contents under the same name
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 
 from gradwire import collectives
 from gradwire.worker import Handle, Worker
+
+
+def signature(described: list[tuple[str, list]]) -> str:
+    """A short name for a group of arrays, from each one's (dtype name, shape): the same group has the same name on
+    every worker and in every step, so a step's exchange reuses its keys."""
+    text = ";".join(f"{dtype}{list(shape)}" for dtype, shape in described)
+    return f"{len(described)}.{hashlib.blake2b(text.encode(), digest_size=6).hexdigest()}"
 
 
 def wire_dtype(dtype: np.dtype) -> np.dtype:

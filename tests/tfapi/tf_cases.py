@@ -15,6 +15,9 @@ import pytest  # noqa: E402
 
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
+# one process holds every worker here, and a worker's call inside tf.function blocks a thread of TensorFlow's
+# inter-op pool until the others' arrive: the pool needs a thread per worker (a real job has a process each)
+tf.config.threading.set_inter_op_parallelism_threads(8)
 
 import gradwire  # noqa: E402
 import gradwire.keras as gwk  # noqa: E402
@@ -344,3 +347,113 @@ def test_workers_passing_other_dtypes_under_one_name_get_an_error_not_a_hang(clu
 
     for message in run(cluster, worker):
         assert "worker 0: sum of int32[3]" in message and "worker 1: sum of float32[3]" in message
+
+
+def test_elastic_training_goes_on_when_a_worker_is_lost_inside_tf_function():
+    """A worker lost mid-step fails the survivors' exchange inside tf.function (TensorFlow hands on an OpError); run
+    finds the MembershipChanged behind it, restores the last commit, re-forms and goes on with two workers."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    steps = 40
+    with LocalCluster(num_workers=3, num_servers=1, min_workers=2, max_workers=3, partition_bytes=4096) as c:
+        at_step_5 = threading.Event()
+
+        def worker(w):
+            with gradwire.use_worker(w):
+                v = tf.Variable(tf.zeros([1000]))
+                state = gw.elastic.TensorFlowState([v], batch=0)
+
+                @tf.function
+                def step():
+                    v.assign_add(gw.allreduce(tf.ones([1000]), op=gw.Sum, name="elastic.g"))
+
+                @gw.elastic.run
+                def train(state):
+                    while state.batch < steps:
+                        step()
+                        state.batch += 1
+                        state.commit()
+                        if state.batch == 5:
+                            at_step_5.set()
+                    return float(v.numpy()[0]), gradwire.size()
+
+                try:
+                    return train(state)
+                except Exception as e:  # the lost worker's own thread: its worker was cut off
+                    if w is not workers[1]:
+                        raise
+                    return type(e).__name__
+
+        workers = list(c.workers)
+        with ThreadPoolExecutor(3) as pool:
+            futures = [pool.submit(worker, w) for w in workers]
+            assert at_step_5.wait(60)
+            c.kill_worker(1)
+            results = [f.result(timeout=120) for f in futures]
+    assert isinstance(results[1], str), results
+    survivors = [results[0], results[2]]
+    assert survivors[0] == survivors[1], results  # the same bits on both
+    total, size = survivors[0]
+    assert size == 2
+    lost_at = (total - 2 * steps) / (3 - 2)  # steps summed by 3 workers before the loss, by 2 after it
+    assert lost_at == int(lost_at) and 5 <= lost_at < steps, results
+
+
+def test_a_keras_state_commits_restores_and_syncs_the_model_and_its_optimizer(cluster):
+    def worker(rank):
+        model = _keras_model(rank)
+        model.compile(optimizer=gwk.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss="mse")
+        state = gwk.elastic.KerasState(model, epoch=0, batch=0)
+        x, y = _data(16)
+        callbacks = [
+            gwk.elastic.UpdateEpochStateCallback(state),
+            gwk.elastic.UpdateBatchStateCallback(state),
+            gwk.elastic.CommitStateCallback(state, batches_per_commit=2),
+        ]
+        state.sync()  # rank 0's weights everywhere
+        model.fit(x.astype("float32"), y.astype("float32"), batch_size=4, epochs=2, verbose=0, callbacks=callbacks)
+        committed = [np.array(w) for w in model.get_weights()]
+        epoch_batch = (state.epoch, state.batch)
+        model.set_weights([w + 1.0 for w in committed])
+        state.epoch = 99
+        state.restore()  # back to the commit at the end of the last epoch
+        restored = [np.array(w) for w in model.get_weights()]
+        return committed, restored, epoch_batch, state.epoch
+
+    results = run(cluster, worker)
+    for committed, restored, epoch_batch, epoch in results:
+        assert epoch_batch == (2, 0) and epoch == 2
+        for a, b in zip(committed, restored, strict=True):
+            np.testing.assert_array_equal(a, b)
+    for a, b in zip(results[0][0], results[1][0], strict=True):
+        np.testing.assert_array_equal(a, b)  # synced at the start, averaged every step: the same on both
+
+
+def test_horovods_tensorflow2_example_step_with_a_keras_model_leaves_every_worker_alike(cluster):
+    """Horovod's tensorflow2_mnist.py's step: a Keras 3 model, DistributedGradientTape, and on the first batch
+    broadcast_variables of the model's and the optimizer's variables (Keras variables) inside tf.function."""
+
+    def worker(rank):
+        keras.utils.set_random_seed(rank)  # different initial weights
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, activation="relu"), keras.layers.Dense(2)])
+        opt = keras.optimizers.Adam(0.1)
+
+        @tf.function
+        def step(x, first):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(model(x) ** 2)
+            tape = gw.DistributedGradientTape(tape)
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+            if first:
+                gw.broadcast_variables(model.variables, root_rank=0)
+                gw.broadcast_variables(opt.variables, root_rank=0)
+
+        for i in range(3):
+            step(tf.fill([2, 3], float(rank + 1)), i == 0)
+        return [np.array(v.numpy()) for v in model.variables + opt.variables]
+
+    first, second = run(cluster, worker)
+    for a, b in zip(first, second, strict=True):
+        np.testing.assert_array_equal(a, b)

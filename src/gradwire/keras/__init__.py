@@ -23,7 +23,7 @@ import numpy as np
 import gradwire
 from gradwire import collectives, grouped, init, is_initialized, local_rank, local_size, rank, shutdown, size
 
-from . import callbacks
+from . import callbacks, elastic
 from .compression import Compression
 from .exchange import broadcast_variables as _broadcast_variables
 from .exchange import to_numpy
@@ -37,6 +37,7 @@ __all__ = [
     "broadcast",
     "broadcast_variables",
     "callbacks",
+    "elastic",
     "init",
     "is_initialized",
     "load_model",

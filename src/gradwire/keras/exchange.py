@@ -8,7 +8,6 @@ dtypes, so a step's gradients reuse the same keys every step.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import keras
@@ -30,18 +29,17 @@ def to_numpy(value: Any) -> np.ndarray:
 
 
 def signature(values: list[Any]) -> str:
-    """A short digest of the values' shapes and dtypes (the same on every worker for the same model)."""
-    text = ";".join(f"{keras.backend.standardize_dtype(v.dtype)}{list(v.shape)}" for v in values)
-    return f"{len(values)}.{hashlib.blake2b(text.encode(), digest_size=6).hexdigest()}"
+    """The group's name for the values' dtypes and shapes (gradwire/grouped.py)."""
+    return grouped.signature([(keras.backend.standardize_dtype(v.dtype), list(v.shape)) for v in values])
 
 
 def reduce_values(values: list[Any], name: str, average: bool = True, members: list[int] | None = None) -> list[Any]:
     """The sum (or average) of each value over the workers (or `members`), as values of the same backend."""
     backend = keras.backend.backend()
     if backend == "tensorflow":
-        from gradwire.tensorflow.collectives import Average, Sum, _grouped_allreduce
+        from gradwire.tensorflow.collectives import Average, Sum, reduce_group
 
-        return _grouped_allreduce(values, Average if average else Sum, 1.0, 1.0, name, members)
+        return reduce_group(values, Average if average else Sum, 1.0, 1.0, name, members)
     if backend == "jax":
         import gradwire.jax as gradwire_jax
 

@@ -50,7 +50,9 @@ from gradwire.introspection import (
     start_timeline,
     stop_timeline,
 )
+from gradwire.objects import allgather_object, broadcast_object
 
+from . import elastic
 from .collectives import (
     Adasum,
     Average,
@@ -70,7 +72,6 @@ from .collectives import (
     reducescatter,
 )
 from .compression import Compression
-from .objects import allgather_object, broadcast_object
 from .tape import DistributedGradientTape
 
 __all__ = [
@@ -99,6 +100,7 @@ __all__ = [
     "cross_size",
     "cuda_built",
     "ddl_built",
+    "elastic",
     "global_process_set",
     "gloo_built",
     "gloo_enabled",

@@ -26,6 +26,9 @@ from gradwire.worker import Worker
 _counters: weakref.WeakKeyDictionary[Worker, dict[str, itertools.count]] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 _last_call: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()  # graph -> its latest host call
+_errors: weakref.WeakKeyDictionary[Worker, BaseException] = (
+    weakref.WeakKeyDictionary()
+)  # the last a graph's call raised
 
 
 def name_of(worker: Worker, name: str | None, kind: str, tensor: Any = None) -> str:
@@ -61,6 +64,7 @@ def host_call(fn: Callable[..., list[np.ndarray]], inputs: list[Any], touts: lis
                 raise
             raise tf.errors.InvalidArgumentError(None, None, str(e)) from e  # this worker's call is wrong
         return [tf.convert_to_tensor(r, dtype=t) for r, t in zip(results, touts, strict=True)]
+    fn = _recording(fn, gradwire.current_worker())
     if tf.inside_function():  # tf.function runs stateful operations in program order by itself
         return list(tf.numpy_function(fn, inputs, touts, stateful=True))
     # a TensorFlow 1 graph (a Session) runs independent operations in any order, in parallel: each call would block
@@ -100,3 +104,25 @@ def moved(fn: Callable[..., list[np.ndarray]]) -> Callable[..., list[np.ndarray]
         return [out[0].view(array.dtype), *out[1:]]
 
     return wrapped
+
+
+def _recording(fn: Callable[..., list[np.ndarray]], worker: Worker) -> Callable[..., list[np.ndarray]]:
+    """`fn`, keeping what gradwire error it raises: TensorFlow hands a graph's caller only an OpError with its text."""
+
+    def recorded(*arrays: np.ndarray) -> list[np.ndarray]:
+        try:
+            return fn(*arrays)
+        except gradwire.GradwireError as e:
+            _errors[worker] = e
+            raise
+
+    return recorded
+
+
+def original_error(error: BaseException) -> BaseException:
+    """The gradwire error behind `error`, a TensorFlow OpError a graph's host call raised (MembershipChanged, ...),
+    else `error` itself."""
+    if isinstance(error, tf.errors.OpError):
+        worker = gradwire.current_worker()
+        return _errors.pop(worker, None) or error
+    return error

@@ -7,7 +7,6 @@ one buffer per dtype, cut into partitions over the servers, not as one message p
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import numpy as np
@@ -48,7 +47,7 @@ def _op(average: bool | None, op: str | None) -> str:
     return op
 
 
-def _grouped_allreduce(
+def reduce_group(
     tensors: list[tf.Tensor], op: str, prescale: float, postscale: float, name: str, members: list[int] | None
 ) -> list[tf.Tensor]:
     """The reduction of `tensors` in one host call (one fused buffer per dtype), differentiable: the gradient of a
@@ -75,7 +74,7 @@ def _grouped_allreduce(
     @tf.custom_gradient
     def differentiable(*xs: tf.Tensor) -> Any:
         def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
-            return _grouped_allreduce(list(dys), op, prescale, postscale, f"{name}.grad", members)
+            return reduce_group(list(dys), op, prescale, postscale, f"{name}.grad", members)
 
         return forward(*xs), grad
 
@@ -106,7 +105,7 @@ def allreduce(
     tensor = tf.convert_to_tensor(tensor)
     name = name_of(worker, name, "allreduce", tensor)
     wire, ctx = compression.compress(tensor)
-    (summed,) = _grouped_allreduce([wire], op, prescale_factor, postscale_factor, name, members)
+    (summed,) = reduce_group([wire], op, prescale_factor, postscale_factor, name, members)
     return compression.decompress(summed, ctx)
 
 
@@ -150,7 +149,7 @@ def grouped_allreduce(
     name = name_of(gradwire.current_worker(), name, "grouped_allreduce", tensors[0])
     compressed = [compression.compress(t) for t in tensors]
     wire = [w for w, _ in compressed]
-    summed = _grouped_allreduce(wire, op, prescale_factor, postscale_factor, name, members_of(process_set))
+    summed = reduce_group(wire, op, prescale_factor, postscale_factor, name, members_of(process_set))
     return [compression.decompress(s, ctx) for s, (_, ctx) in zip(summed, compressed, strict=True)]
 
 
@@ -179,7 +178,7 @@ def allgather(
     @tf.custom_gradient
     def differentiable(x: tf.Tensor) -> Any:
         def grad(dy: tf.Tensor) -> tf.Tensor:
-            (reduced,) = _grouped_allreduce([dy], Average, 1.0, 1.0, f"{name}.grad", members)
+            (reduced,) = reduce_group([dy], Average, 1.0, 1.0, f"{name}.grad", members)
             rows = allgather(tf.shape(x)[:1], name=f"{name}.grad.rows", process_set=process_set)
             ranks = list(range(worker.size)) if members is None else sorted(members)
             return tf.split(reduced, rows, num=len(ranks), axis=0)[ranks.index(worker.rank)]
@@ -227,7 +226,7 @@ def broadcast(
     @tf.custom_gradient
     def differentiable(x: tf.Tensor) -> Any:
         def grad(dy: tf.Tensor) -> tf.Tensor:
-            (reduced,) = _grouped_allreduce([dy], Average, 1.0, 1.0, f"{name}.grad", members)
+            (reduced,) = reduce_group([dy], Average, 1.0, 1.0, f"{name}.grad", members)
             return reduced if worker.rank == root_rank else reduced * 0
 
         return forward(x), grad
@@ -248,11 +247,8 @@ def broadcast_variables(variables: list[Any], root_rank: int, process_set: Any =
     def host(*arrays: np.ndarray) -> list[np.ndarray]:
         return grouped.exchange(worker, list(arrays), name, root=root_rank, members=members)
 
-    values = host_call(
-        host,
-        [v.read_value() if hasattr(v, "read_value") else v for v in variables],
-        [v.dtype.base_dtype if hasattr(v.dtype, "base_dtype") else v.dtype for v in variables],
-    )
+    # tf.Variables and Keras 3's variables alike (a Keras model's `variables`, as Horovod's examples pass them)
+    values = host_call(host, [tf.convert_to_tensor(v) for v in variables], [tf.as_dtype(v.dtype) for v in variables])
     assigns = [v.assign(tf.reshape(x, v.shape)) for v, x in zip(variables, values, strict=True)]
     return None if tf.executing_eagerly() else tf.group(*assigns)
 
@@ -267,9 +263,8 @@ def broadcast_(
 
 
 def _signature(tensors: list[Any]) -> str:
-    """A short digest of the tensors' shapes and dtypes: the same group of tensors has the same name everywhere."""
-    text = ";".join(f"{t.dtype.name}{list(t.shape)}" for t in tensors)
-    return f"{len(tensors)}.{hashlib.blake2b(text.encode(), digest_size=6).hexdigest()}"
+    """The group's name for its tensors' dtypes and shapes (gradwire/grouped.py)."""
+    return grouped.signature([(tf.as_dtype(t.dtype).name, list(t.shape)) for t in tensors])
 
 
 def alltoall(

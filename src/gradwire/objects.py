@@ -1,4 +1,5 @@
-"""Horovod's `broadcast_object` and `allgather_object`: any picklable Python object, eagerly."""
+"""Horovod's `broadcast_object` and `allgather_object` for every adapter but torch's (which pickles tensors with
+torch.save): any picklable Python object, as a numpy array of its bytes, eagerly."""
 
 from __future__ import annotations
 
@@ -10,16 +11,14 @@ import numpy as np
 import gradwire
 from gradwire import collectives
 
-from .bridge import members_of, name_of
-
 
 def broadcast_object(
     obj: Any, root_rank: int = 0, session: Any = None, name: str | None = None, process_set: Any = None
 ) -> Any:
     """Worker `root_rank`'s `obj` (pickled), on every worker."""
     worker = gradwire.current_worker()
-    name = name_of(worker, name, "broadcast_object")
-    members = members_of(process_set)
+    name = name or "broadcast_object"  # not by type: non-root workers often pass None
+    members = _members(process_set)
     data = np.frombuffer(pickle.dumps(obj), np.uint8) if worker.rank == root_rank else np.zeros(0, np.uint8)
     length = np.array([data.size], np.int64)
     length = worker.synchronize(collectives.broadcast_async(worker, length, root_rank, f"{name}.len", members=members))
@@ -31,8 +30,8 @@ def broadcast_object(
 def allgather_object(obj: Any, session: Any = None, name: str | None = None, process_set: Any = None) -> list:
     """Every worker's `obj` (pickled), in rank order."""
     worker = gradwire.current_worker()
-    name = name_of(worker, name, "allgather_object")
-    members = members_of(process_set)
+    name = name or "allgather_object"
+    members = _members(process_set)
     data = np.frombuffer(pickle.dumps(obj), np.uint8)
     sizes = worker.synchronize(
         collectives.allgather_async(worker, np.array([data.size], np.int64), f"{name}.len", members=members)
@@ -40,3 +39,8 @@ def allgather_object(obj: Any, session: Any = None, name: str | None = None, pro
     gathered = worker.synchronize(collectives.allgather_async(worker, data, name, members=members))
     bounds = np.cumsum([0, *sizes.tolist()])
     return [pickle.loads(gathered[a:b].tobytes()) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def _members(process_set: Any) -> list[int] | None:
+    ranks = getattr(process_set, "ranks", None)
+    return None if ranks is None else list(ranks)
