@@ -24,10 +24,42 @@ from collections.abc import Callable
 
 import numpy as np
 
-from gradwire.errors import GradwireError, TensorError
+from gradwire.errors import GradwireError, NotSupported, TensorError
 from gradwire.worker import Handle, Worker
 
 log = logging.getLogger("gradwire.worker")
+
+
+# Horovod's reduction ops, as every adapter names them. Average and Sum are what summation servers compute; Min, Max
+# and Product are per-key operations of the servers; Adasum is not carried.
+Average = "average"
+Sum = "sum"
+Adasum = "adasum"
+Min = "min"
+Max = "max"
+Product = "product"
+KEY_OPS = {Average: "sum", Sum: "sum", Min: "min", Max: "max", Product: "product"}  # Horovod's op -> the servers'
+_OPS = (Average, Sum, Adasum, Min, Max, Product)
+
+
+def horovod_op(average: bool | None, op: str | None, rank: int, name: str | None = None) -> str:
+    """Horovod's rules for a reduction's arguments: `average` (deprecated) and `op` are exclusive; the default is
+    Average; Adasum is refused (NotSupported, naming the rank and the tensor)."""
+    if average is not None and op is not None:
+        raise ValueError("allreduce takes op or average (deprecated), not both")
+    if average is not None:
+        return Average if average else Sum
+    op = Average if op is None else op
+    if op not in _OPS:
+        raise ValueError(f"op must be one of Average, Sum, Adasum, Min, Max, Product; got {op!r}")
+    if op == Adasum:
+        raise NotSupported(
+            f"worker {rank}: op=adasum of {name or 'an unnamed tensor'!r} is not supported: Adasum combines pairs of "
+            "gradients recursively, which summation servers do not (docs/horovod.md)",
+            tensor=name,
+            rank=rank,
+        )
+    return op
 
 
 def row_split(rows: int, size: int) -> list[int]:

@@ -17,6 +17,7 @@ from typing import TypeVar
 from gradwire.config import Config
 from gradwire.scheduler import Scheduler
 from gradwire.server import Server
+from gradwire.session import use_worker
 from gradwire.worker import Worker
 
 T = TypeVar("T")
@@ -166,6 +167,16 @@ class LocalCluster:
         """Call fn(worker) on every worker at once (one thread each); returns results in rank order."""
         with ThreadPoolExecutor(len(self.workers)) as pool:
             return list(pool.map(fn, self.workers))
+
+    def run_ranks(self, fn: Callable[[int], T]) -> list[T]:
+        """Call fn(rank) on every worker at once, each worker current in its thread (`gradwire.use_worker`, so the
+        module functions and the frameworks' APIs act on it); returns results in rank order."""
+
+        def as_current(worker: Worker) -> T:
+            with use_worker(worker):
+                return fn(worker.rank)
+
+        return self.run(as_current)
 
     def close(self) -> None:
         for worker in self.workers:

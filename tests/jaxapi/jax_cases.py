@@ -12,7 +12,6 @@ optax = pytest.importorskip("optax")
 
 import jax.numpy as jnp  # noqa: E402
 
-import gradwire  # noqa: E402
 import gradwire.jax as gwj  # noqa: E402
 from gradwire.testing import LocalCluster  # noqa: E402
 
@@ -23,14 +22,6 @@ N = 2
 def cluster():
     with LocalCluster(num_workers=N, num_servers=2, partition_bytes=16 << 10) as c:
         yield c
-
-
-def run(cluster, fn):
-    def wrapped(worker):
-        with gradwire.use_worker(worker):
-            return fn(worker.rank)
-
-    return cluster.run(wrapped)
 
 
 def _tree(rank):
@@ -50,7 +41,7 @@ def test_a_pytree_is_summed_or_averaged_outside_and_inside_jit_with_its_structur
         return outside, inside
 
     total = 1 + 2
-    for outside, inside in run(cluster, worker):
+    for outside, inside in cluster.run_ranks(worker):
         assert outside["w"].dtype == jnp.float32 and outside["b"][1].dtype == jnp.bfloat16
         assert outside["h"].dtype == jnp.float16 and outside["b"][0].dtype == jnp.int32
         np.testing.assert_array_equal(outside["w"], np.full((3, 4), total, np.float32))
@@ -65,7 +56,7 @@ def test_broadcast_gives_every_worker_the_roots_tree(cluster):
     def worker(rank):
         return gwj.broadcast(_tree(rank), root_rank=1, name="tree.bcast")
 
-    for got in run(cluster, worker):
+    for got in cluster.run_ranks(worker):
         np.testing.assert_array_equal(got["w"], np.full((3, 4), 2.0))
         np.testing.assert_array_equal(got["b"][0], np.arange(5) * 2)
 
@@ -120,6 +111,6 @@ def test_training_with_distributed_optimizer_equals_one_process_on_the_whole_bat
             params, opt_state = step(params, opt_state, x[half], y[half])
         return params
 
-    for params in run(cluster, worker):
+    for params in cluster.run_ranks(worker):
         for key in reference:
             np.testing.assert_allclose(params[key], reference[key], rtol=2e-5, atol=2e-6)

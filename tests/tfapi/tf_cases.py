@@ -23,22 +23,14 @@ import gradwire  # noqa: E402
 import gradwire.keras as gwk  # noqa: E402
 import gradwire.tensorflow as gw  # noqa: E402
 from gradwire.testing import LocalCluster  # noqa: E402
-
-N = 2
+from tests.tfapi.keras_fit import N, fit_in_parallel_and_alone  # noqa: E402
+from tests.tfapi.keras_fit import model as keras_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def cluster():
     with LocalCluster(num_workers=N, num_servers=2, partition_bytes=16 << 10) as c:
         yield c
-
-
-def run(cluster, fn):
-    def wrapped(worker):
-        with gradwire.use_worker(worker):
-            return fn(worker.rank)
-
-    return cluster.run(wrapped)
 
 
 def test_allreduce_reduces_by_each_op_eagerly_and_inside_tf_function_reusing_its_keys(cluster):
@@ -56,7 +48,7 @@ def test_allreduce_reduces_by_each_op_eagerly_and_inside_tf_function_reusing_its
         return eager, inside, keys, gradwire.current_worker().status()["tensors"]
 
     base = np.array([1.0, -2.0, 3.0])
-    for eager, inside, keys_before, keys_after in run(cluster, worker):
+    for eager, inside, keys_before, keys_after in cluster.run_ranks(worker):
         np.testing.assert_allclose(eager["average"], base * 1.5)
         np.testing.assert_allclose(eager["sum"], base * 3)
         np.testing.assert_allclose(eager["min"], [1.0, -4.0, 3.0])
@@ -83,7 +75,7 @@ def test_grouped_allreduce_fuses_dtypes_and_keeps_shapes_and_dtypes(cluster):
         inside = tf.function(lambda ts: gw.grouped_allreduce(ts, op=gw.Average))(tensors)
         return eager, inside
 
-    for eager, inside in run(cluster, worker):
+    for eager, inside in cluster.run_ranks(worker):
         assert [t.dtype for t in eager] == [tf.float32, tf.int32, tf.bfloat16, tf.float64]
         assert [t.shape.as_list() for t in inside] == [[2, 3], [2], [4], []]
         np.testing.assert_array_equal(eager[0].numpy(), np.full((2, 3), 3.0))
@@ -102,7 +94,7 @@ def test_the_gradient_of_an_allreduce_is_the_allreduce_of_the_gradients(cluster)
         return tape.gradient(loss, x).numpy()
 
     # d loss_r / d y = c * (r + 1); the sum's gradient sums them over ranks (c * 3), times d(x * (r + 1)) / dx
-    for rank, grad in enumerate(run(cluster, worker)):
+    for rank, grad in enumerate(cluster.run_ranks(worker)):
         np.testing.assert_allclose(grad, np.array([1.0, 10.0]) * 3 * (rank + 1))
 
 
@@ -118,7 +110,7 @@ def test_allgather_broadcast_alltoall_and_reducescatter_eagerly_and_in_tf_functi
         out["objects"] = gw.broadcast_object({"from": rank}, root_rank=1), gw.allgather_object(rank * 2)
         return out
 
-    for rank, out in enumerate(run(cluster, worker)):
+    for rank, out in enumerate(cluster.run_ranks(worker)):
         np.testing.assert_array_equal(out["gather"], [[0, 0], [1, 1], [1, 1]])
         np.testing.assert_array_equal(out["gather_fn"], out["gather"])
         np.testing.assert_array_equal(out["bcast"], [6.0, 6.0, 6.0])
@@ -135,7 +127,7 @@ def test_unsigned_integers_the_wire_has_no_type_for_are_gathered_broadcast_and_e
         received = gw.alltoall(tf.constant([rank, 60000 + rank], tf.uint32), name="u32.a2a")
         return gw.allgather(values, name="u16.gather"), gw.broadcast(values, root_rank=1, name="u16.bcast"), received
 
-    for rank, (gathered, broadcast, received) in enumerate(run(cluster, worker)):
+    for rank, (gathered, broadcast, received) in enumerate(cluster.run_ranks(worker)):
         assert gathered.dtype == tf.uint16 and received.dtype == tf.uint32
         np.testing.assert_array_equal(gathered.numpy(), [65535, 0, 65534, 1])
         np.testing.assert_array_equal(broadcast.numpy(), [65534, 1])
@@ -152,7 +144,7 @@ def test_gradients_of_reducescatter_and_alltoall_are_horovods(cluster):
             loss_a2a = tf.reduce_sum(exchanged * (rank + 1.0))
         return tape.gradient(loss_rs, x).numpy(), tape.gradient(loss_a2a, x).numpy()
 
-    for grad_rs, grad_a2a in run(cluster, worker):
+    for grad_rs, grad_a2a in cluster.run_ranks(worker):
         # reducescatter (Sum): every worker's rows gathered, times n
         np.testing.assert_allclose(grad_rs, [[2, 2], [2, 2], [4, 4], [4, 4]])
         # alltoall: row 0 went to rank 0 (weight 1), rows 1-3 to rank 1 (weight 2)
@@ -169,7 +161,7 @@ def test_gradients_of_allgather_and_broadcast_are_horovods(cluster):
             loss_bcast = tf.reduce_sum(broadcast * (rank + 1.0))
         return tape.gradient(loss_gather, x).numpy(), tape.gradient(loss_bcast, x).numpy()
 
-    for rank, (gather_grad, bcast_grad) in enumerate(run(cluster, worker)):
+    for rank, (gather_grad, bcast_grad) in enumerate(cluster.run_ranks(worker)):
         # allgather: the output's gradient averaged over the ranks ((1 + 2) / 2), this rank's rows of it
         np.testing.assert_allclose(gather_grad, np.full((rank + 1, 2), 1.5))
         # broadcast: the average on the root, zero elsewhere (only the first row was broadcast)
@@ -192,7 +184,7 @@ def test_broadcast_variables_eagerly_and_inside_tf_function(cluster):
         broadcast()
         return eager, c.numpy()
 
-    for (a, b), c in run(cluster, worker):
+    for (a, b), c in cluster.run_ranks(worker):
         np.testing.assert_array_equal(a, [1.0, 1.0, 1.0])
         np.testing.assert_array_equal(b, [1, 1])
         np.testing.assert_array_equal(c, np.full((2, 2), 7.0))
@@ -209,7 +201,7 @@ def test_sparse_gradients_are_allgathered_or_densified(cluster):
             results.append(tape.gradient(loss, [table])[0])
         return results
 
-    for sparse, dense in run(cluster, worker):
+    for sparse, dense in cluster.run_ranks(worker):
         assert isinstance(sparse, tf.IndexedSlices) and not isinstance(dense, tf.IndexedSlices)
         expected = np.zeros((4, 2))
         expected[0], expected[1], expected[3] = 0.5, 1.0, 1.5  # the average of rank 0's rows {0, 3} and rank 1's {1, 3}
@@ -250,43 +242,15 @@ def test_distributed_gradient_tape_trains_as_one_process_on_the_whole_batch(clus
         return _train_with_tape(x[rank::N], y[rank::N], 20, True, w0)
 
     alone = _train_with_tape(x[np.r_[0:64:2, 1:64:2]], y[np.r_[0:64:2, 1:64:2]], 20, False, w0)
-    results = run(cluster, worker)
+    results = cluster.run_ranks(worker)
     np.testing.assert_array_equal(results[0], results[1])  # every worker the same bits
     np.testing.assert_allclose(results[0], alone, rtol=1e-10, atol=1e-12)
-
-
-def _keras_model(seed):
-    keras.utils.set_random_seed(seed)
-    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)])
-    return model
 
 
 def test_keras_fit_through_distributed_optimizer_equals_one_process_on_the_whole_batch(cluster):
     keras.backend.set_floatx("float64")
     try:
-        x, y = _data()
-        reference = _keras_model(0)
-        weights0 = reference.get_weights()
-
-        def fit(model, xs, ys, optimizer, callbacks=()):
-            model.compile(optimizer=optimizer, loss="mse")
-            model.fit(xs, ys, batch_size=len(xs), epochs=5, shuffle=False, verbose=0, callbacks=list(callbacks))
-            return model.get_weights()
-
-        def worker(rank):
-            model = _keras_model(rank + 10)  # different weights: the broadcast makes them rank 0's
-            if rank == 0:
-                model.set_weights(weights0)
-            opt = gwk.DistributedOptimizer(keras.optimizers.Adam(0.01))
-            return fit(model, x[rank::N], y[rank::N], opt, [gwk.callbacks.BroadcastGlobalVariablesCallback(0)])
-
-        results = run(cluster, worker)
-        alone = fit(
-            reference,
-            np.concatenate([x[0::2], x[1::2]]),
-            np.concatenate([y[0::2], y[1::2]]),
-            keras.optimizers.Adam(0.01),
-        )
+        results, alone, _ = fit_in_parallel_and_alone(cluster, *_data())
         for a, b, c in zip(results[0], results[1], alone, strict=True):
             np.testing.assert_array_equal(a, b)
             np.testing.assert_allclose(a, c, rtol=1e-9, atol=1e-12)
@@ -296,7 +260,7 @@ def test_keras_fit_through_distributed_optimizer_equals_one_process_on_the_whole
 
 def test_keras_callbacks_average_metrics_and_warm_the_learning_rate_up(cluster):
     def worker(rank):
-        model = _keras_model(rank)
+        model = keras_model(rank)
         model.compile(optimizer=gwk.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
         x, y = _data(32, seed=rank)
         warmup = gwk.callbacks.LearningRateWarmupCallback(initial_lr=0.1, warmup_epochs=2)
@@ -314,7 +278,7 @@ def test_keras_callbacks_average_metrics_and_warm_the_learning_rate_up(cluster):
         )
         return history.history
 
-    results = run(cluster, worker)
+    results = cluster.run_ranks(worker)
     assert results[0]["loss"] == results[1]["loss"]  # averaged over the workers: the same on both
     # Horovod's warm-up from lr / n to lr over 2 epochs, batch by batch: at the end of epoch e (its last batch)
     # lr * (1 / n) * ((e + 1) * (n - 1) / 2 + 1), then lr from the end of the warm-up on
@@ -332,7 +296,7 @@ def test_adasum_and_a_shape_mismatch_are_refused_naming_the_rank(cluster):
             gw.allreduce(tf.ones([2, 3] if rank == 0 else [3, 2]), name="mismatch.shape")
         return str(error.value)
 
-    for message in run(cluster, worker):
+    for message in cluster.run_ranks(worker):
         assert "worker 0: sum of float32[1]" in message and "worker 1: sum of float32[2]" in message
         assert "'mismatch" in message
 
@@ -345,7 +309,7 @@ def test_workers_passing_other_dtypes_under_one_name_get_an_error_not_a_hang(clu
             gw.broadcast(tf.ones([2], tf.int32 if rank == 0 else tf.float32), root_rank=0, name="dtypes.bcast")
         return str(error.value)
 
-    for message in run(cluster, worker):
+    for message in cluster.run_ranks(worker):
         assert "worker 0: sum of int32[3]" in message and "worker 1: sum of float32[3]" in message
 
 
@@ -402,7 +366,7 @@ def test_elastic_training_goes_on_when_a_worker_is_lost_inside_tf_function():
 
 def test_a_keras_state_commits_restores_and_syncs_the_model_and_its_optimizer(cluster):
     def worker(rank):
-        model = _keras_model(rank)
+        model = keras_model(rank)
         model.compile(optimizer=gwk.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss="mse")
         state = gwk.elastic.KerasState(model, epoch=0, batch=0)
         x, y = _data(16)
@@ -421,7 +385,7 @@ def test_a_keras_state_commits_restores_and_syncs_the_model_and_its_optimizer(cl
         restored = [np.array(w) for w in model.get_weights()]
         return committed, restored, epoch_batch, state.epoch
 
-    results = run(cluster, worker)
+    results = cluster.run_ranks(worker)
     for committed, restored, epoch_batch, epoch in results:
         assert epoch_batch == (2, 0) and epoch == 2
         for a, b in zip(committed, restored, strict=True):
@@ -454,6 +418,6 @@ def test_horovods_tensorflow2_example_step_with_a_keras_model_leaves_every_worke
             step(tf.fill([2, 3], float(rank + 1)), i == 0)
         return [np.array(v.numpy()) for v in model.variables + opt.variables]
 
-    first, second = run(cluster, worker)
+    first, second = cluster.run_ranks(worker)
     for a, b in zip(first, second, strict=True):
         np.testing.assert_array_equal(a, b)

@@ -1,7 +1,6 @@
 """What the in-process torch tests share: N, the ranks of the `cluster` fixture (conftest.py), and `run`, which
 calls fn(rank) on every rank at once with that rank's worker current."""
 
-import gradwire
 import torch
 
 N = 2
@@ -9,8 +8,4 @@ torch.set_num_threads(1)
 
 
 def run(cluster, fn):
-    def wrapped(worker):
-        with gradwire.use_worker(worker):
-            return fn(worker.rank)
-
-    return cluster.run(wrapped)
+    return cluster.run_ranks(fn)

@@ -27,6 +27,7 @@ import tensorflow as tf
 
 import gradwire
 from gradwire import is_initialized, local_rank, local_size, rank, shutdown, size
+from gradwire.collectives import Adasum, Average, Max, Min, Product, Sum
 from gradwire.config import Config
 from gradwire.introspection import (
     HorovodInternalError,
@@ -54,12 +55,6 @@ from gradwire.objects import allgather_object, broadcast_object
 
 from . import elastic
 from .collectives import (
-    Adasum,
-    Average,
-    Max,
-    Min,
-    Product,
-    Sum,
     allgather,
     allreduce,
     alltoall,

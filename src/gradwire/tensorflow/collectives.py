@@ -7,6 +7,7 @@ one buffer per dtype, cut into partitions over the servers, not as one message p
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -14,37 +15,31 @@ import tensorflow as tf
 
 import gradwire
 from gradwire import collectives, grouped
+from gradwire.collectives import KEY_OPS, Average, Sum, horovod_op
 from gradwire.introspection import global_process_set
 
 from .bridge import host_call, members_of, moved, name_of, scaled
 from .compression import Compression
 
-# Horovod's reduction ops. Average and Sum are what summation servers compute; Min, Max and Product are per-key
-# operations of the servers; Adasum is not carried.
-Average = "average"
-Sum = "sum"
-Adasum = "adasum"
-Min = "min"
-Max = "max"
-Product = "product"
-_KEY_OPS = {Average: "sum", Sum: "sum", Min: "min", Max: "max", Product: "product"}
-
 
 def _op(average: bool | None, op: str | None) -> str:
-    """Horovod's rules: `average` (deprecated) and `op` are exclusive; the default is Average."""
-    if average is not None and op is not None:
-        raise ValueError("allreduce takes op or average (deprecated), not both")
-    if average is not None:
-        return Average if average else Sum
-    op = Average if op is None else op
-    if op == Adasum:
-        raise gradwire.NotSupported(
-            "op=Adasum is not supported: Adasum combines pairs of gradients recursively, which summation servers do "
-            "not (docs/horovod.md)"
-        )
-    if op not in _KEY_OPS:
-        raise ValueError(f"op must be one of Average, Sum, Min, Max, Product; got {op!r}")
-    return op
+    """Horovod's rules for a reduction's arguments (gradwire.collectives.horovod_op)."""
+    return horovod_op(average, op, gradwire.rank())
+
+
+def _differentiable(
+    forward: Callable[..., Any], gradient: Callable[..., Any], xs: list[tf.Tensor], when: bool = True
+) -> Any:
+    """`forward(*xs)`, whose gradient is `gradient(*dys)` where `when` and every input is a float (Horovod registers
+    gradients for its ops; integer tensors have none)."""
+    if not when or not all(x.dtype.is_floating for x in xs):
+        return forward(*xs)
+
+    @tf.custom_gradient
+    def op(*xs: tf.Tensor) -> Any:
+        return forward(*xs), gradient
+
+    return op(*xs)
 
 
 def reduce_group(
@@ -53,7 +48,7 @@ def reduce_group(
     """The reduction of `tensors` in one host call (one fused buffer per dtype), differentiable: the gradient of a
     sum (average) is the sum (average) of the gradients, as Horovod registers it."""
     worker = gradwire.current_worker()
-    key_op, average = _KEY_OPS[op], op == Average
+    key_op, average = KEY_OPS[op], op == Average
 
     def host(*arrays: np.ndarray) -> list[np.ndarray]:
         return grouped.exchange(worker, list(arrays), name, average=average, op=key_op, members=members)
@@ -67,18 +62,11 @@ def reduce_group(
             results.append(scaled(out, postscale))
         return results
 
+    def gradient(*dys: tf.Tensor) -> list[tf.Tensor]:
+        return reduce_group(list(dys), op, prescale, postscale, f"{name}.grad", members)
+
     tensors = [tf.convert_to_tensor(t) for t in tensors]
-    if not all(t.dtype.is_floating for t in tensors) or op not in (Average, Sum):
-        return forward(*tensors)
-
-    @tf.custom_gradient
-    def differentiable(*xs: tf.Tensor) -> Any:
-        def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
-            return reduce_group(list(dys), op, prescale, postscale, f"{name}.grad", members)
-
-        return forward(*xs), grad
-
-    return list(differentiable(*tensors))
+    return list(_differentiable(forward, gradient, tensors, when=op in (Average, Sum)))
 
 
 def allreduce(
@@ -172,20 +160,13 @@ def allgather(
         out.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
         return out
 
-    if not x.dtype.is_floating:
-        return forward(x)
+    def gradient(dy: tf.Tensor) -> tf.Tensor:
+        (reduced,) = reduce_group([dy], Average, 1.0, 1.0, f"{name}.grad", members)
+        rows = allgather(tf.shape(x)[:1], name=f"{name}.grad.rows", process_set=process_set)
+        ranks = list(range(worker.size)) if members is None else sorted(members)
+        return tf.split(reduced, rows, num=len(ranks), axis=0)[ranks.index(worker.rank)]
 
-    @tf.custom_gradient
-    def differentiable(x: tf.Tensor) -> Any:
-        def grad(dy: tf.Tensor) -> tf.Tensor:
-            (reduced,) = reduce_group([dy], Average, 1.0, 1.0, f"{name}.grad", members)
-            rows = allgather(tf.shape(x)[:1], name=f"{name}.grad.rows", process_set=process_set)
-            ranks = list(range(worker.size)) if members is None else sorted(members)
-            return tf.split(reduced, rows, num=len(ranks), axis=0)[ranks.index(worker.rank)]
-
-        return forward(x), grad
-
-    return differentiable(x)
+    return _differentiable(forward, gradient, [x])
 
 
 def grouped_allgather(
@@ -220,18 +201,11 @@ def broadcast(
         out.set_shape(x.shape)
         return out
 
-    if not x.dtype.is_floating:
-        return forward(x)
+    def gradient(dy: tf.Tensor) -> tf.Tensor:
+        (reduced,) = reduce_group([dy], Average, 1.0, 1.0, f"{name}.grad", members)
+        return reduced if worker.rank == root_rank else reduced * 0
 
-    @tf.custom_gradient
-    def differentiable(x: tf.Tensor) -> Any:
-        def grad(dy: tf.Tensor) -> tf.Tensor:
-            (reduced,) = reduce_group([dy], Average, 1.0, 1.0, f"{name}.grad", members)
-            return reduced if worker.rank == root_rank else reduced * 0
-
-        return forward(x), grad
-
-    return differentiable(x)
+    return _differentiable(forward, gradient, [x])
 
 
 def broadcast_variables(variables: list[Any], root_rank: int, process_set: Any = global_process_set) -> Any:
@@ -290,26 +264,19 @@ def alltoall(
         )
         return [worker.synchronize(handle), np.asarray(received, np.int32)]
 
+    sent: dict[str, tf.Tensor] = {}  # the forward's received splits, where the gradient's rows go back
+
     def forward(x: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
         out, received = host_call(host, [x, split_tensor], [x.dtype, tf.int32])
         out.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
         received.set_shape([None])
+        sent["received"] = received
         return out, received
 
-    if not x.dtype.is_floating:
-        out, received = forward(x)
-    else:
+    def gradient(dy: tf.Tensor, *unused: Any) -> tf.Tensor:  # the rows go back where they came from
+        return alltoall(dy, splits=sent["received"], name=f"{name}.grad", process_set=process_set)[0]
 
-        @tf.custom_gradient
-        def differentiable(x: tf.Tensor) -> Any:
-            out, received = forward(x)
-
-            def grad(dy: tf.Tensor, *unused: Any) -> tf.Tensor:  # the rows go back where they came from
-                return alltoall(dy, splits=received, name=f"{name}.grad", process_set=process_set)[0]
-
-            return (out, received), grad
-
-        out, received = differentiable(x)
+    out, received = _differentiable(forward, gradient, [x])
     return (out, received) if given else out
 
 
@@ -336,7 +303,7 @@ def reducescatter(
 
     def host(array: np.ndarray) -> list[np.ndarray]:
         handle = collectives.reducescatter_async(
-            worker, array, name, average=op == Average, op=_KEY_OPS[op], members=members
+            worker, array, name, average=op == Average, op=KEY_OPS[op], members=members
         )
         return [worker.synchronize(handle)]
 
@@ -345,20 +312,12 @@ def reducescatter(
         out.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
         return out
 
-    if not wire.dtype.is_floating or op not in (Average, Sum):
-        out = forward(wire)
-    else:
+    def gradient(dy: tf.Tensor) -> tf.Tensor:  # Horovod's: every worker's rows, gathered (times n for a sum)
+        n = worker.size if members is None else len(members)
+        dy = scaled(dy, (n if op == Sum else 1) * prescale_factor * postscale_factor)
+        return allgather(dy, name=f"{name}.grad", process_set=process_set)
 
-        @tf.custom_gradient
-        def differentiable(x: tf.Tensor) -> Any:
-            def grad(dy: tf.Tensor) -> tf.Tensor:  # Horovod's: every worker's rows, gathered (times n for a sum)
-                n = worker.size if members is None else len(members)
-                dy = scaled(dy, (n if op == Sum else 1) * prescale_factor * postscale_factor)
-                return allgather(dy, name=f"{name}.grad", process_set=process_set)
-
-            return forward(x), grad
-
-        out = differentiable(wire)
+    out = _differentiable(forward, gradient, [wire], when=op in (Average, Sum))
     return compression.decompress(scaled(out, postscale_factor), ctx)
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import gradwire
 from gradwire import is_initialized, local_rank, local_size, rank, shutdown, size
+from gradwire.collectives import Adasum, Average, Max, Min, Product, Sum
 from gradwire.config import Config
 from gradwire.introspection import (
     HorovodInternalError,
@@ -45,12 +46,6 @@ from gradwire.introspection import (
 from . import cross_barrier, elastic, parallel
 from .broadcast import broadcast_optimizer_state, broadcast_parameters
 from .collectives import (
-    Adasum,
-    Average,
-    Max,
-    Min,
-    Product,
-    Sum,
     allreduce,
     allreduce_,
     allreduce_async,

@@ -20,20 +20,12 @@ from typing import Any
 
 import gradwire
 import torch
+from gradwire.collectives import KEY_OPS, Average, Sum, horovod_op
 from gradwire.worker import Worker
 
 from .compression import Compression, Compressor
 from .ops import GroupHandle, TorchHandle
 from .ops import push_pull_async as _push_pull_async
-
-# Horovod's reduction ops. Average and Sum are what summation servers compute; the others are not carried yet.
-Average = "average"
-Sum = "sum"
-Adasum = "adasum"
-Min = "min"
-Max = "max"
-Product = "product"
-_OPS = (Average, Sum, Adasum, Min, Max, Product)
 
 _auto_names: weakref.WeakKeyDictionary[Worker, itertools.count] = weakref.WeakKeyDictionary()
 
@@ -45,27 +37,11 @@ def _name(worker: Worker, name: str | None, kind: str) -> str:
     return f"{kind}.noname.{next(counter)}"
 
 
-_KEY_OPS = {Average: "sum", Sum: "sum", Min: "min", Max: "max", Product: "product"}
-
-
 def _reduction(worker: Worker, average: bool | None, op: str | None, name: str | None) -> tuple[str, bool]:
-    """Horovod's rules: `average` (deprecated) and `op` are exclusive; the default is Average. Returns the servers'
-    operation and whether to divide by the number of workers."""
-    if average is not None and op is not None:
-        raise ValueError("allreduce takes op or average (deprecated), not both")
-    if average is not None:
-        return "sum", bool(average)
-    op = Average if op is None else op
-    if op not in _OPS:
-        raise ValueError(f"op must be one of gradwire.torch.Average, Sum, Adasum, Min, Max, Product; got {op!r}")
-    if op == Adasum:
-        raise gradwire.errors.NotSupported(
-            f"worker {worker.rank}: op=adasum of {name or 'an unnamed tensor'!r} is not supported: Adasum combines "
-            "pairs of gradients recursively, which summation servers do not (docs/horovod.md)",
-            tensor=name,
-            rank=worker.rank,
-        )
-    return _KEY_OPS[op], op == Average
+    """Horovod's rules (gradwire.collectives.horovod_op): the servers' operation and whether to divide by the number
+    of workers."""
+    op = horovod_op(average, op, worker.rank, name)
+    return KEY_OPS[op], op == Average
 
 
 def _scaled(tensor: torch.Tensor, factor: float) -> torch.Tensor:
