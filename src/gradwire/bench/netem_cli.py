@@ -9,19 +9,8 @@ import re
 import shlex
 import sys
 
-from gradwire.bench.netem import (
-    COMPRESSION_WAYS,
-    DEFAULT_CONFIGS,
-    KERAS_WAYS,
-    TRAIN_WAYS,
-    Record,
-    plot,
-    run_config,
-    run_train_config,
-    table,
-    to_json,
-    train_table,
-)
+from gradwire.bench.netem import DEFAULT_CONFIGS, Record, plot, run_config, table, to_json
+from gradwire.bench.netem_train import COMPRESSION_WAYS, KERAS_WAYS, TRAIN_WAYS, run_train_config, train_table
 from gradwire.netem import NetemUnavailable, Topology
 from gradwire.netem.cluster import check_available
 

@@ -40,7 +40,7 @@ def model_step(
 
 
 def run_scale(args: argparse.Namespace, env: dict[str, str]) -> int:
-    from gradwire.bench.netem import run_train_config
+    from gradwire.bench.netem_train import run_train_config
 
     profile = replay.load(args.replay or replay.BENCH_MODEL)
     layers = replay.layers(profile)
