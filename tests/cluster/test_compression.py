@@ -111,7 +111,11 @@ def test_a_failover_keeps_every_worker_identical():
 
         results = c.run(job)
         killer.join(30)
+        moved = c.servers[1].status()["compression"]["keys"]
+        restarted = [s.status()["compression"]["residual_restarts"] for i, s in enumerate(c.servers) if i != 1]
     assert killed.is_set()
+    # the dead server's keys continue on the others, each residual from zero, and counted so
+    assert moved > 0 and sum(restarted) == moved
     for step in range(12):
         assert results[0][step].tobytes() == results[1][step].tobytes() == results[2][step].tobytes()
 

@@ -265,7 +265,7 @@ def _check_whole(state: KeyState, wire: np.ndarray, what: str) -> None:
 
 def stats(states: list[KeyState]) -> dict:
     """The optimizer keys of a server: their count, bytes held, and the staleness seen (asynchronous keys)."""
-    held = [s.held for s in states if s.held is not None]
+    held = [s.held for s in states if isinstance(s.held, Held)]  # not a compressed key's (server/compressed.py)
     return {
         "keys": len(held),
         "bytes": sum(h.nbytes for h in held),
@@ -284,7 +284,7 @@ def staleness_by_tensor(states: list[KeyState]) -> dict[str, tuple[int, float]]:
     out: dict[str, list[int]] = {}
     for s in states:
         h = s.held
-        if h is None or not h.asynchronous:
+        if not isinstance(h, Held) or not h.asynchronous:
             continue
         entry = out.setdefault(s.name, [0, 0, 0])
         entry[0] = max(entry[0], h.staleness_max)

@@ -22,7 +22,7 @@ from gradwire.protocol import messages
 from gradwire.protocol.frames import FrameType
 from gradwire.ring import Ring, RingClosed, Slot
 from gradwire.scheduler.client import join
-from gradwire.server import optim
+from gradwire.server import compressed, optim
 from gradwire.server.control import ServerControl
 from gradwire.server.engine import Engine
 from gradwire.server.reader import Reader
@@ -160,6 +160,12 @@ class Server:
             "Asynchronous pushes corrected for their delay before being applied (delay compensation, PS mode)",
             lambda: optim.stats(self._key_states())["delay_compensated"],
         )
+        metrics.gauge(
+            "gradwire_server_compression_residual_restarts",
+            "Compressed keys whose error-feedback residual started from zero on this server in mid-training (their "
+            "server died)",
+            lambda: compressed.stats(self._key_states())["residual_restarts"],
+        )
         metrics.collector(self._staleness_families)
 
     def wait(self, timeout: float | None = None) -> str | None:
@@ -185,6 +191,7 @@ class Server:
             "replicated_rounds": self.replicated_rounds,  # other servers' answered rounds kept here (failover)
             "ring_occupancy": sum(e.ring.occupancy for e in state.engines),
             "optimizer": optim.stats(self._key_states()),
+            "compression": compressed.stats(self._key_states()),
             "error": state.error,
             "refused_connections": self.refusals.count,
             **state.metrics.snapshot(),
