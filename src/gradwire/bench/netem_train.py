@@ -24,8 +24,17 @@ TRAIN_WAYS = ("optimizer", "hook", "ddp")  # gradwire's DistributedOptimizer, DD
 # job on the new links from the start (`-rendezvous`: what the settings derived at the rendezvous for them reach)
 DRIFT_WAYS = ("optimizer", "optimizer-fixed", "optimizer-rendezvous", "ddp")
 # `--compression`: DistributedOptimizer uncompressed, with the servers' compressors and with PowerSGD (rank 2) through
-# the servers, against DDP over gloo plain and with torch's own PowerSGD hook (rank 2)
-COMPRESSION_WAYS = ("optimizer", "optimizer-onebit", "optimizer-topk", "optimizer-powersgd", "ddp-powersgd", "ddp")
+# the servers, DDP with gradwire's comm hook carrying PowerSGD, against DDP over gloo plain and with torch's own
+# PowerSGD hook (rank 2)
+COMPRESSION_WAYS = (
+    "optimizer",
+    "optimizer-onebit",
+    "optimizer-topk",
+    "optimizer-powersgd",
+    "hook-powersgd",
+    "ddp-powersgd",
+    "ddp",
+)
 # Keras 3 on TensorFlow (bench/train_keras.py): gradwire.keras's DistributedOptimizer against TensorFlow's
 # MultiWorkerMirroredStrategy
 KERAS_WAYS = ("keras", "mwms")

@@ -9,7 +9,8 @@ from a profile instead (bench/replay.py: `gradwire bench --netem --scale`). The 
 - `ddp`: torch's DistributedDataParallel over gloo, the peer;
 - `optimizer-onebit`, `optimizer-topk`, `optimizer-powersgd`: DistributedOptimizer with the servers' compressors
   (onebit, top-k 1%, error feedback) and PowerSGD rank 2 through the servers (docs/compression.md); `ddp-powersgd`: DDP
-  over gloo with torch's PowerSGD hook (rank 2), the peer's own compression.
+  over gloo with torch's PowerSGD hook (rank 2), the peer's own compression; `hook-powersgd`: DDP with gradwire's
+  comm hook carrying PowerSGD rank 2 through the servers.
 Rank 0 prints one JSON line: every timed step's seconds, the samples per step, the parameter count, and gradwire's
 partition size at the start and at the end. With GRADWIRE_BENCH_PROGRESS set, rank 0 also writes its last finished
 step there (`gradwire bench --netem --train --drift` changes the links' rate once the warmup steps are done).
@@ -191,7 +192,8 @@ def _distributed(way: str) -> tuple:
         )
     _gloo(rank, world)
     ddp = torch.nn.parallel.DistributedDataParallel(net)
-    ddp.register_comm_hook(gw.PushPullHookState(ddp), gw.push_pull_hook)
+    compression = gw.Compression.powersgd(rank=2, start_iter=2) if way == "hook-powersgd" else gw.Compression.none
+    ddp.register_comm_hook(gw.PushPullHookState(ddp, compression=compression), gw.push_pull_hook)
     return ddp, opt, rank, world
 
 

@@ -12,11 +12,21 @@ gradient the moment autograd has accumulated it (gradients.py), in sub-buckets o
 cut inside DDP's buckets, and the hook only waits for its bucket's sums. Every worker sees the same layouts in the
 same iterations, so all switch together. `no_sync()` is read at each forward, as DDP reads it. Given the inner
 module (or `overlap=False`), every bucket is pushed whole when the hook is called.
+
+PowerSGD (`compression=Compression.powersgd(...)`, docs/compression.md) needs each gradient's matrix, which DDP's
+bucket still names: `bucket.gradients()` are views of its flat buffer in their parameters' shapes, as torch's own
+`powerSGD_hook` reads them. The matrices PowerSGD compresses travel alone (never fused into a sub-bucket), as P's and
+Q's sums; the rest of the bucket travels plain. The matrices a worker has started when a bucket's hook runs leave in
+one batch there (the same on every worker: DDP calls its hooks at the same points of every worker's backward), and a
+thread of the state's waits for P's sum, computes Q, waits for Q's sum and completes DDP's future: the second sum
+needs the first, and neither may hold up the backward pass.
 """
 
 # No `from __future__ import annotations`: DDP checks `bucket: dist.GradBucket` at runtime.
 import hashlib
 import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch.distributed as dist
@@ -27,7 +37,7 @@ import torch
 from gradwire.errors import TensorError
 from gradwire.worker import Worker
 
-from .compression import Compressor, DefaultCompressor, configured
+from .compression import Compression, Compressor, DefaultCompressor, configured
 from .fusion import FusionGroup
 from .gradients import GradientSync
 from .ops import TorchHandle, push_pull_async
@@ -38,7 +48,18 @@ class PushPullHookState:
     """What the hook needs: parameter names (by identity), compression, the worker, and (given the DDP module) what
     overlapping the backward pass needs: DDP's bucket layout and the gradients' push_pulls."""
 
-    __slots__ = ("compression", "ddp", "layout", "names", "params", "planned", "previous", "sync", "worker")
+    __slots__ = (
+        "compression",
+        "ddp",
+        "layout",
+        "names",
+        "params",
+        "planned",
+        "previous",
+        "sync",
+        "waiter",
+        "worker",
+    )
 
     def __init__(
         self,
@@ -47,11 +68,6 @@ class PushPullHookState:
         worker: "Worker | None" = None,
         overlap: bool = True,
     ) -> None:
-        if isinstance(compression, PowerSGD):
-            raise ValueError(
-                "PowerSGD needs each gradient's matrix, which DDP's flat buckets do not keep: use gradwire's "
-                "DistributedOptimizer with Compression.powersgd(), or torch's own powerSGD_hook in place of this hook"
-            )
         named = list(model.named_parameters())
         self.names = {id(p): n for n, p in named}
         self.params = [p for _, p in named]
@@ -62,6 +78,7 @@ class PushPullHookState:
         self.previous: list[tuple[int, ...]] | None = None
         self.planned: list[tuple[int, ...]] = []  # the layout the sub-buckets were cut in
         self.sync: GradientSync | None = None
+        self.waiter: ThreadPoolExecutor | None = None  # completes the buckets PowerSGD carries
         if self.ddp is not None:
             self.ddp.register_forward_pre_hook(self._forward)
 
@@ -85,26 +102,39 @@ class PushPullHookState:
     def overlap(self, layout: list[tuple[int, ...]]) -> None:
         """Push gradients as they are accumulated from the next backward on, in sub-buckets cut inside DDP's."""
         by_id = {id(p): p for p in self.params}
-        cap = self.worker.config.fusion_bytes
-        groups = [group for ids in layout for group in sub_buckets([by_id[i] for i in ids], cap)]
+        cap, alone = self.worker.config.fusion_bytes, self.powersgd()
+        groups = [group for ids in layout for group in sub_buckets([by_id[i] for i in ids], cap, alone)]
         self.sync = GradientSync(
             self.params, self.names, self.compression, prefix="ddp.", owner="push_pull_hook", groups=groups
         )
         self.sync._bound = self.worker
         self.planned = layout
 
+    def powersgd(self) -> PowerSGD | None:
+        """The PowerSGD compressor this hook runs (named, or GRADWIRE_COMPRESSOR's), or None."""
+        found = configured(self.compression, self.worker.state.config)
+        return found if isinstance(found, PowerSGD) else None
 
-def sub_buckets(params: list[torch.Tensor], cap: int) -> list[list[torch.Tensor]]:
-    """Consecutive parameters of one dtype, up to `cap` bytes together (a larger one alone)."""
+    def complete_later(self, finish: Callable[[], None]) -> None:
+        """Run `finish` on the state's waiting thread (one: buckets complete in the order DDP called the hook)."""
+        if self.waiter is None:
+            self.waiter = ThreadPoolExecutor(1, thread_name_prefix="gw-ddp-powersgd")
+        self.waiter.submit(finish)
+
+
+def sub_buckets(params: list[torch.Tensor], cap: int, alone: PowerSGD | None = None) -> list[list[torch.Tensor]]:
+    """Consecutive parameters of one dtype, up to `cap` bytes together (a larger one alone, and each matrix `alone`
+    compresses)."""
     out: list[list[torch.Tensor]] = []
     size = 0
     for p in params:
         nbytes = p.numel() * p.element_size()
-        if not out or size + nbytes > cap or out[-1][0].dtype != p.dtype:
+        single = alone is not None and alone.applies(p.detach(), "sum", None)
+        if not out or single or size + nbytes > cap or out[-1][0].dtype != p.dtype:
             out.append([])
             size = 0
         out[-1].append(p)
-        size += nbytes
+        size = cap if single else size + nbytes  # nothing joins a matrix PowerSGD carries
     return out
 
 
@@ -113,6 +143,9 @@ def push_pull_hook(state: PushPullHookState, bucket: dist.GradBucket) -> torch.f
     if state.sync is not None:
         return _overlapped(state, state.sync, bucket)
     state.learn(bucket)
+    powersgd = state.powersgd()
+    if powersgd is not None:
+        return _powersgd_bucket(state, powersgd, bucket)
     names = sorted(state.names[id(p)] for p in bucket.parameters())
     digest = hashlib.blake2b("\n".join(names).encode(), digest_size=8).hexdigest()
     buffer = bucket.buffer()
@@ -175,8 +208,55 @@ def _overlapped(
         except Exception as e:  # noqa: BLE001 - delivered to DDP through the future
             future.set_exception(e)
 
+    if any(not isinstance(handle, TorchHandle) for handle, _ in taken):  # PowerSGD's: P's sum, then Q's
+        for handle, _group in taken:
+            getattr(handle, "start", lambda: None)()  # the open batch leaves here, at the same point on every worker
+        pending[0] = 1
+        state.complete_later(lambda: complete(None))
+        return future
     for handle, _group in taken:
         handle.handle.add_done_callback(complete)
+    return future
+
+
+def _powersgd_bucket(
+    state: PushPullHookState, powersgd: PowerSGD, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """A whole bucket through PowerSGD: each matrix it compresses as P's and Q's sums (into its view of the bucket),
+    the rest of the bucket as one plain sum."""
+    worker, calls, rest, names = state.worker, [], [], []
+    for p, view in zip(bucket.parameters(), bucket.gradients(), strict=True):
+        name = f"ddp.{state.names[id(p)]}"
+        call = powersgd.push_pull_async(view, True, name, 0, worker, True, "sum", None)
+        if call is None:  # a vector, a small matrix, or its first steps
+            rest.append(view)
+            names.append(name)
+        else:
+            calls.append(call)
+    plain = None
+    if rest:
+        digest = hashlib.blake2b("\n".join(names).encode(), digest_size=8).hexdigest()
+        flat = torch.cat([v.reshape(-1) for v in rest])
+        plain = push_pull_async(flat, True, f"ddp.{digest}", compression=Compression.none, worker=worker)
+    for call in calls:
+        call.start()  # the open batch leaves here, at the same point on every worker
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+
+    def finish() -> None:
+        try:
+            for call in calls:  # first: see _gather
+                call.result(worker)
+            if plain is not None:
+                summed, at = plain.result(worker), 0
+                with torch.no_grad():
+                    for view in rest:
+                        view.copy_(summed[at : at + view.numel()].view_as(view))
+                        at += view.numel()
+            future.set_result(bucket.buffer())
+        except Exception as e:  # noqa: BLE001 - delivered to DDP through the future
+            future.set_exception(e)
+
+    state.complete_later(finish)
     return future
 
 
@@ -186,7 +266,9 @@ def _gather(
     params: list[torch.Tensor],
     views: list[torch.Tensor],
 ) -> None:
-    """The sums into the parameters' gradients, and from there into DDP's bucket."""
+    """The sums into the parameters' gradients, and from there into DDP's bucket. PowerSGD's first: their sums come
+    first in the job-wide order (worker/flow.py), and Q's is computed only once P's has been waited for."""
+    taken = sorted(taken, key=lambda entry: isinstance(entry[0], TorchHandle))
     for handle, group in taken:
         handle.result(worker)
         if group is not None:
