@@ -3,7 +3,8 @@
 CPU tensors travel without copies: the worker sends from the tensor's own memory and receives the sum into it
 (through `tensor.numpy()`, which shares it). bfloat16 has no numpy dtype, so its bits travel as uint16 under the
 bfloat16 wire dtype. CUDA tensors are staged through pinned host memory (one copy each way, asynchronous to the
-device), since the servers are CPU processes.
+device), since the servers are CPU processes; compressed by a compressor the servers run, only their blocks cross
+(device_coding.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from gradwire import compression as _servers
 from gradwire.worker import Handle, Worker
 
+from . import device_coding
 from .compression import Compression, Compressor
 from .delay_compensation import dc_adam_, delay_compensation_  # noqa: F401 - BytePS: `from byteps.torch.ops import ...`
 from .powersgd import PowerSGD
@@ -131,6 +133,12 @@ def push_pull_async(
     compression, servers = _sorted_out(compression)
     wire, ctx = compression.compress(source) if servers is None else (source, source.dtype)
     _check_push_pull(worker, name, wire, average)
+    if servers is not None and device_coding.applies(worker, source, op, members):
+        assert name is not None
+        coded, output, landing = device_coding.push_pull_async(
+            worker, tensor, source, average, name, priority, inplace, members, servers
+        )
+        return TorchHandle(coded, output, landing, tensor.dtype, Compression.none, None, 1)
     staged = None
     if wire.device.type != "cpu":
         staged = torch.empty(wire.shape, dtype=wire.dtype, pin_memory=torch.cuda.is_available())

@@ -13,7 +13,7 @@ import numpy as np
 
 from gradwire.errors import JobAborted, TensorError
 from gradwire.protocol import messages, update
-from gradwire.worker.compressing import CompressedGradient, CompressedTransfer, Compressing
+from gradwire.worker.compressing import CodedTransfer, Coder, CompressedGradient, CompressedTransfer, Compressing
 from gradwire.worker.control import Control
 from gradwire.worker.declaring import Declaring
 from gradwire.worker.handle import Handle
@@ -140,6 +140,32 @@ class Calls:
         flat, result = src.reshape(-1), out.reshape(-1)
         transfer = CompressedTransfer(flat, 0, result, 0, divisor, priority, args=args, store=self.compressing)
         return self.launch(tensor, out, transfer)
+
+    def push_pull_coded_async(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        coder: Coder,
+        average: bool,
+        priority: int,
+        members: list[int] | None,
+        compression: object,
+    ) -> Handle:
+        """A compressed sum of a float32 tensor that stays where it lives (a GPU): `coder` encodes each partition
+        there into the block that travels, and decodes each answered block into the output, averaged
+        (worker/compressing.py CodedTransfer). Declared as compressed_async declares it, so a job may mix workers
+        that encode on the host and on a device."""
+        self.state.check_usable()
+        args = self.compressing.arguments(compression, name)
+        cut = self.compressing.partition_bytes(args)
+        tensor = self.declaring.declare(
+            name, shape, np.float32, "compressed", wait=False, members=members, op_args=args, partition_bytes=cut
+        )
+        none = np.empty(0, np.float32)
+        transfer = CodedTransfer(
+            none, 0, none, 0, self._divisor(average, members), priority, args=args, store=self.compressing, coder=coder
+        )
+        return self.launch(tensor, none, transfer)
 
     def launch(self, tensor: Tensor, out: np.ndarray, transfer: Transfer) -> Handle:
         """Push every partition of `tensor`'s next round as `transfer` says; the handle completes into `out`."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -71,12 +72,13 @@ class Compressing:
         ratio = 4 * n / max(4, compression.for_partition(compression.codec(args), n).wire_bytes(n))
         return max(state.partition_bytes, min(state.slot_limit, int(state.partition_bytes * ratio) // 4 * 4))
 
-    def entry(self, key: int, n: int, codec: compression.Codec, args: dict) -> KeyCodec:
-        """Key `key`'s buffers, for a partition of n elements compressed by `codec` as `args` say."""
+    def entry(self, key: int, n: int, codec: compression.Codec, args: dict, host: bool = True) -> KeyCodec:
+        """Key `key`'s buffers, for a partition of n elements compressed by `codec` as `args` say (`host`: its
+        residual and momentum here, in numpy; else the coder of a tensor on a device keeps them there)."""
         entry = self.keys.get(key)
         if entry is None:
             codec = compression.for_partition(codec, n)
-            entry = KeyCodec(codec, n, bool(args["ef"]), float(args["momentum"]) > 0)
+            entry = KeyCodec(codec, n, host and bool(args["ef"]), host and float(args["momentum"]) > 0)
             with self._lock:
                 self.keys[key] = entry
         return entry
@@ -158,6 +160,53 @@ class CompressedTransfer(Transfer):
             fields = (tensor.name, key, rnd, code, entry.push, entry.pull, self.average, handle, part.index)
             work = Work(*fields, partial=kept)
             work.expand = Expand(entry.codec, self.pull[lo:hi], key, rnd)
+            yield work
+
+
+class Coder(Protocol):
+    """Encodes and decodes a tensor's partitions where the tensor lives (the torch adapter's, for a GPU:
+    torch/device_coding.py), into and out of the blocks that travel; a key's residual and momentum, if any, are its
+    own (in `entry.residual` and `entry.velocity`, so that a change of learning rate rescales them too)."""
+
+    def encode(self, entry: KeyCodec, block: np.ndarray, start: int, count: int, key: int, rnd: int) -> None: ...
+
+    def decode(
+        self, entry: KeyCodec, block: np.ndarray, start: int, count: int, key: int, rnd: int, average: int
+    ) -> None: ...
+
+
+class CodedExpand:
+    """Hands a key's answered block to its coder (Work.deliver), on the link's receiver thread."""
+
+    __slots__ = ("coder", "count", "entry", "key", "round", "start")
+
+    def __init__(self, coder: Coder, entry: KeyCodec, start: int, count: int, key: int, rnd: int) -> None:
+        self.coder, self.entry, self.start, self.count, self.key, self.round = coder, entry, start, count, key, rnd
+
+    def __call__(self, block: np.ndarray, average: int) -> None:
+        self.coder.decode(self.entry, block, self.start, self.count, self.key, self.round, average)
+
+
+@dataclass
+class CodedTransfer(Transfer):
+    """A push_pull of a compressed tensor that lives elsewhere (a GPU): `coder` encodes each partition into its key's
+    push block as it is cut, and decodes each answered block into the tensor's output; only blocks cross to the
+    host. `send` and `pull` are empty."""
+
+    args: dict = field(default_factory=dict)
+    store: Compressing | None = None
+    coder: Coder | None = None
+
+    def works(self, tensor: Tensor, rnd: int, handle: Handle) -> Iterator[Work]:
+        assert self.store is not None and self.coder is not None
+        codec, code = compression.codec(self.args), tensor.dtype.code
+        replicated = tensor.replicated or [False] * len(tensor.keys)
+        for part, key, kept in zip(tensor.parts, tensor.keys, replicated, strict=True):
+            entry = self.store.entry(key, part.count, codec, self.args, host=False)
+            self.coder.encode(entry, entry.push.view(np.uint8), part.start, part.count, key, rnd)
+            fields = (tensor.name, key, rnd, code, entry.push, entry.pull, self.average, handle, part.index)
+            work = Work(*fields, partial=kept)
+            work.expand = CodedExpand(self.coder, entry, part.start, part.count, key, rnd)
             yield work
 
 
