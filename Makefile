@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# the versions tested with, torch 2.13.0's CPU build among them: constraints.txt (the package declares ranges)
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[torch,demo,dev,metrics,cli,ray,jax,flax,keras]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[torch,demo,dev,metrics,cli,ray,jax,flax,keras,bench]'
 	# TensorFlow's CPU build (the [tensorflow] extra names `tensorflow`, which is larger and the same module)
 	$(PY) -m pip install --quiet -c constraints.txt tensorflow-cpu
 	# the emulated network needs ip and tc (iproute2): install them where we can, never fail without them

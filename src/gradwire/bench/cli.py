@@ -128,7 +128,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "against DistributedOptimizer",
     )
     parser.add_argument("--slow-ms", type=float, default=20.0, help="with --ps: the slow worker's sleep per step")
-    parser.add_argument("--epochs", type=int, default=16, help="with --ps or --elastic: digits training epochs")
+    parser.add_argument("--epochs", type=int, default=16, help="with --ps, --elastic or --accuracy: training epochs")
     parser.add_argument("--async-runs", type=int, default=3, help="with --ps: runs of each asynchronous way")
     parser.add_argument(
         "--dc",
@@ -152,6 +152,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "over gloo plain and with torch's PowerSGD hook",
     )
     parser.add_argument("--accuracy-runs", type=int, default=4, help="with --accuracy: runs (seeds) per way")
+    parser.add_argument(
+        "--task",
+        choices=["digits", "mnist1d"],
+        default="digits",
+        help="with --accuracy: the README demo's digits CNN, or the larger MNIST-1D task (the bench extra's mnist1d)",
+    )
     parser.add_argument("--large-elements", type=int, default=300_000_000, help="with --large: the tensor's elements")
     parser.add_argument("--calls", type=int, default=3, help="with --large: calls on the tensor")
     parser.add_argument(

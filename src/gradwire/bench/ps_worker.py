@@ -105,16 +105,28 @@ def _distributed(args: argparse.Namespace, model: torch.nn.Module) -> tuple[torc
     return model, optimizer, gw.rank(), gw.size()
 
 
-def digits(args: argparse.Namespace) -> None:
-    """The README demo's CNN on scikit-learn's digits, SGD with momentum; test accuracy at the end (and, `--curve`,
-    after every epoch, with the training seconds so far: evaluation is not counted)."""
-    x_train, y_train, x_test, y_test = _digits_data()
-    torch.manual_seed(args.seed)
-    model = torch.nn.Sequential(
+def _digits_model() -> torch.nn.Module:
+    return torch.nn.Sequential(
         torch.nn.Conv2d(1, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(32, 64, 3, padding=1), torch.nn.ReLU(),
         torch.nn.MaxPool2d(2), torch.nn.Flatten(), torch.nn.Linear(64 * 4 * 4, 128), torch.nn.ReLU(),
         torch.nn.Linear(128, 10),
     )  # fmt: skip
+
+
+def digits(args: argparse.Namespace) -> None:
+    """A classifier trained with SGD and momentum, test accuracy at the end (and, `--curve`, after every epoch, with
+    the training seconds so far: evaluation is not counted): `digits`, the README demo's CNN on scikit-learn's digits
+    at a constant learning rate; `mnist1d`, the larger task (bench/mnist1d.py), its rate on a cosine schedule."""
+    if args.task == "mnist1d":
+        from gradwire.bench import mnist1d
+
+        x_train, y_train, x_test, y_test = mnist1d.load(args.data)
+        torch.manual_seed(args.seed)
+        model = mnist1d.model()
+    else:
+        x_train, y_train, x_test, y_test = _digits_data()
+        torch.manual_seed(args.seed)
+        model = _digits_model()
     net, optimizer, rank, size = _distributed(args, model)
     steps = len(x_train[rank::size]) // 32
     metrics = gradwire.current_worker().state.metrics if args.mode != "ddp" else None
@@ -134,6 +146,7 @@ def digits(args: argparse.Namespace) -> None:
             "slow_ms": args.slow_ms,
             "momentum": args.momentum,
             "compression": args.compression,
+            "task": args.task,
             "seed": args.seed,
             "test_accuracy": accuracy,
             "seconds": seconds,
@@ -151,6 +164,7 @@ def _epochs(args: argparse.Namespace, net: torch.nn.Module, optimizer: Any, rank
     g = torch.Generator().manual_seed(rank + 1000 * args.seed)
     steps, seconds = len(xs) // 32, 0.0
     model = getattr(net, "module", net)  # DDP's: evaluated without a collective
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, args.epochs) if args.task == "mnist1d" else None
     for epoch in range(args.epochs):
         start = time.perf_counter()
         order = torch.randperm(len(xs), generator=g)
@@ -161,6 +175,8 @@ def _epochs(args: argparse.Namespace, net: torch.nn.Module, optimizer: Any, rank
             optimizer.zero_grad()
             torch.nn.functional.cross_entropy(net(xs[idx]), ys[idx]).backward()
             optimizer.step()
+        if cosine is not None:
+            cosine.step()
         seconds += time.perf_counter() - start
         if args.curve and rank == 0:
             with torch.no_grad():
@@ -181,7 +197,7 @@ def _barrier(mode: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("task", choices=["memory", "digits"])
+    p.add_argument("task", choices=["memory", "digits", "mnist1d"])
     p.add_argument("--mode", choices=["local", "server", "ddp"], default="server")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--epochs", type=int, default=8)
@@ -192,6 +208,7 @@ def main() -> None:
     p.add_argument("--compression", choices=sorted(COMPRESSORS), default="none")
     p.add_argument("--seed", type=int, default=0, help="the model's initialisation and the data's order")
     p.add_argument("--curve", action="store_true", help="digits: test accuracy after every epoch (EPOCH lines)")
+    p.add_argument("--data", default=None, help="mnist1d: the data set's file (bench/mnist1d.py save); else made here")
     args = p.parse_args()
     torch.set_num_threads(1)
     if args.mode == "ddp":  # started by the emulated network's gloo jobs (netem/jobs.py start_gloo)
