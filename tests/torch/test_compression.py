@@ -152,21 +152,29 @@ def test_powersgd_sums_p_and_q_on_the_servers_and_rebuilds_the_average(cluster):
     torch.testing.assert_close(results[0], sum(inputs) / N, rtol=1e-4, atol=1e-4)
 
 
-def test_byteps_ddp_and_cross_barrier_take_a_compressor(cluster):
-    """BytePS's module wrapper with compression=, and CrossBarrier over a compressed DistributedOptimizer: every
-    rank's parameters identical after every step, and moved."""
+@pytest.mark.parametrize("servers", [True, False], ids=["onebit-topk", "powersgd"])
+def test_byteps_ddp_and_cross_barrier_take_a_compressor(cluster, servers):
+    """BytePS's module wrapper with compression=, and CrossBarrier over a compressed DistributedOptimizer (the
+    servers' compressors, or PowerSGD): every rank's parameters identical after every step, and moved."""
     data = _data(6)
     models = {way: [_model() for _ in range(N)] for way in ("ddp", "cross")}
+    powersgd = gwt.Compression.powersgd(rank=2, start_iter=2)
+    compressors = (
+        {"ddp": COMPRESSORS["onebit"], "cross": COMPRESSORS["topk"]}
+        if servers
+        else dict.fromkeys(("ddp", "cross"), powersgd)
+    )
 
     def worker(rank, way):
         model = models[way][rank]
         if way == "ddp":
-            wrapped = gwt.parallel.DistributedDataParallel(model, compression=COMPRESSORS["onebit"])
+            wrapped = gwt.parallel.DistributedDataParallel(model, compression=compressors[way])
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
         else:
             wrapped = model
+            named = model.named_parameters(prefix="cross" if servers else "cross-psgd")
             opt = gwt.DistributedOptimizer(
-                torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), compression=COMPRESSORS["topk"]
+                torch.optim.SGD(model.parameters(), lr=0.1), named, compression=compressors[way]
             )
             opt = gwt.cross_barrier.CrossBarrier(model, opt, num_steps=len(data))
         after = []
@@ -185,6 +193,9 @@ def test_byteps_ddp_and_cross_barrier_take_a_compressor(cluster):
         steps0, steps1 = run(cluster, lambda rank, way=way: worker(rank, way))
         assert all(torch.equal(a, b) for a, b in zip(steps0, steps1, strict=True)), way
         assert not torch.equal(steps0[-1], start), way
+    if not servers:  # the large matrix went as P and Q from the third step on, in both wrappers
+        steps = sorted(st.steps for (_, name), st in powersgd._tensors.items() if name.endswith("0.weight"))
+        assert len(steps) == 2 * N and all(st.error.abs().sum() > 0 for st in powersgd._tensors.values()), steps
 
 
 def test_powersgd_carries_a_steps_matrices_in_one_sum_of_p_and_one_of_q(cluster):
