@@ -154,3 +154,21 @@ def test_push_pull_on_the_device_path_in_place_and_not(cluster, device_path):
         assert same
         assert torch.equal(t, torch.full((40_000,), (N + 1) / 2))
         assert torch.equal(summed, torch.full((40_000,), N * (N + 1) / 2)) and u[0] != summed[0]
+
+
+def test_workers_sharing_a_host_stage_the_gradient_as_before(device_path):
+    """Local aggregation's shared-memory stage needs the gradient itself: the device path steps aside, and the host's
+    sum is what gets encoded (every worker the same result)."""
+    with LocalCluster(num_workers=4, num_servers=2, colocated=2, hosts=2) as shared:
+
+        def worker(rank):
+            t = torch.full((80_000,), float(rank + 1))
+            out = gwt.push_pull(t, average=True, name="dev-hosts", compression=gwt.Compression.onebit())
+            store = gradwire.current_worker().calls.compressing
+            return out, [e for e in store.keys.values() if isinstance(e.residual, torch.Tensor)]
+
+        results = run(shared, worker)
+    for out, coded in results:
+        assert not coded
+        assert torch.equal(out, results[0][0])
+        torch.testing.assert_close(out, torch.full((80_000,), 2.5))

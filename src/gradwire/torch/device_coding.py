@@ -33,7 +33,8 @@ def applies(worker: Worker, source: torch.Tensor, op: str, members: list[int] | 
     if source.numel() * 4 < worker.state.config.compression_min_bytes:
         return False
     aggregation = worker.calls.aggregation
-    return aggregation is None or not aggregation.applies(np.empty(source.shape, np.float32), op, members)
+    shaped = np.broadcast_to(np.float32(0), source.shape)  # the tensor's shape and bytes, no memory
+    return aggregation is None or not aggregation.applies(shaped, op, members)
 
 
 class DeviceCoder:
