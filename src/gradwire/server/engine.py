@@ -49,7 +49,7 @@ from gradwire.errors import TensorError, TensorMismatch
 from gradwire.protocol import dtypes
 from gradwire.protocol.frames import DEPARTED_EVENT, JOIN_EVENT, REPLAY, REPLICA, SEED
 from gradwire.ring import Ring, RingClosed, Slot
-from gradwire.server import buffers, ops, replica
+from gradwire.server import ops, replica
 from gradwire.server.rounds import Ack, Batching, Fail, FailRank, Forward, KeyOp, KeyState, Reply, Round
 from gradwire.transport.shm import NO_SLOT
 
@@ -214,7 +214,7 @@ class Engine:
         """The staging buffer of `sender` in round `r`'s buffer, allocated once per key, rank and buffer."""
         stage = r.stage
         if stage[sender] is None:
-            stage[sender] = buffers.empty(state.length // state.dtype.itemsize, state.dtype.wire)
+            stage[sender] = np.empty(state.length // state.dtype.itemsize, state.dtype.wire)
         return stage[sender]
 
     def check(self, key: int, dtype: int, length: int) -> str | None:

@@ -15,7 +15,6 @@ import numpy as np
 
 from gradwire.errors import TensorError
 from gradwire.protocol import dtypes
-from gradwire.server import buffers
 from gradwire.transport.shm import NO_SLOT
 
 if TYPE_CHECKING:
@@ -157,10 +156,10 @@ class Round:
         self.filled = 0  # a gather's elements in
         self.started = 0.0  # when it got its first contribution (the engine's clock)
         self.pulls = [NO_SLOT] * num_workers  # each worker's shared-memory pull slot
-        self.acc = buffers.empty(n, dtype.accumulate)
+        self.acc = np.empty(n, dtype.accumulate)
         # the result as it travels: narrowed (float16, bfloat16), or encoded (`wire` elements: a compressed key's)
         narrow = dtype.accumulate != dtype.wire or 0 <= wire != n
-        self.out = buffers.empty(n if wire < 0 else wire, dtype.wire) if narrow else self.acc
+        self.out = np.empty(n if wire < 0 else wire, dtype.wire) if narrow else self.acc
         self.result: memoryview | list[memoryview] = memoryview(self.out).cast("B")  # KeyState makes it per rank
 
     def begin(self, number: int, first: int) -> None:
@@ -240,7 +239,7 @@ class KeyState:
             Round(0, n, dtype, num_workers, self.first, wire),
             Round(1, n, dtype, num_workers, self.first, wire),
         )
-        self.scratch = buffers.empty(n, dtype.accumulate) if self.narrow else self.rounds[0].acc
+        self.scratch = np.empty(n, dtype.accumulate) if self.narrow else self.rounds[0].acc
         if slices is not None:  # what each round answers: one slice per rank (views made once, here)
             for r in self.rounds:
                 whole = r.result
