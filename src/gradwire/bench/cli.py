@@ -159,7 +159,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --accuracy: the README demo's digits CNN, or the larger MNIST-1D task (the bench extra's mnist1d)",
     )
     parser.add_argument("--large-elements", type=int, default=300_000_000, help="with --large: the tensor's elements")
-    parser.add_argument("--calls", type=int, default=3, help="with --large: calls on the tensor")
+    parser.add_argument(
+        "--calls", type=int, default=4, help="with --large: calls on the tensor (steady: the median from the third on)"
+    )
     parser.add_argument(
         "--collective",
         default="allreduce",
