@@ -117,16 +117,11 @@ def digits(args: argparse.Namespace) -> None:
     """A classifier trained with SGD and momentum, test accuracy at the end (and, `--curve`, after every epoch, with
     the training seconds so far: evaluation is not counted): `digits`, the README demo's CNN on scikit-learn's digits
     at a constant learning rate; `mnist1d`, the larger task (bench/mnist1d.py), its rate on a cosine schedule."""
-    if args.task == "mnist1d":
-        from gradwire.bench import mnist1d
+    from gradwire.bench import mnist1d
 
-        x_train, y_train, x_test, y_test = mnist1d.load(args.data)
-        torch.manual_seed(args.seed)
-        model = mnist1d.model()
-    else:
-        x_train, y_train, x_test, y_test = _digits_data()
-        torch.manual_seed(args.seed)
-        model = _digits_model()
+    x_train, y_train, x_test, y_test = mnist1d.load(args.data) if args.task == "mnist1d" else _digits_data()
+    torch.manual_seed(args.seed)
+    model = mnist1d.model() if args.task == "mnist1d" else _digits_model()
     net, optimizer, rank, size = _distributed(args, model)
     steps = len(x_train[rank::size]) // 32
     metrics = gradwire.current_worker().state.metrics if args.mode != "ddp" else None

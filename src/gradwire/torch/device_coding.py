@@ -26,15 +26,13 @@ def applies(worker: Worker, source: torch.Tensor, op: str, members: list[int] | 
     """The device path: a float32 sum on an accelerator (or anywhere, ON_CPU_TOO) that is compressed (its size past
     GRADWIRE_COMPRESSION_MIN_BYTES), where no host stage needs the gradient itself (local aggregation's shared
     memory)."""
-    if source.device.type == "cpu" and not ON_CPU_TOO:
+    if (source.device.type == "cpu" and not ON_CPU_TOO) or source.dtype != torch.float32:
         return False
-    if op != "sum" or source.dtype != torch.float32:
+    shaped = np.broadcast_to(np.float32(0), source.shape)  # the tensor's shape, dtype and bytes, no memory
+    calls = worker.calls  # the host path's own decisions, asked of the same tensor
+    if not calls.compressing.applies(shaped, op, None):
         return False
-    if source.numel() * 4 < worker.state.config.compression_min_bytes:
-        return False
-    aggregation = worker.calls.aggregation
-    shaped = np.broadcast_to(np.float32(0), source.shape)  # the tensor's shape and bytes, no memory
-    return aggregation is None or not aggregation.applies(shaped, op, members)
+    return calls.aggregation is None or not calls.aggregation.applies(shaped, op, members)
 
 
 class DeviceCoder:

@@ -126,15 +126,15 @@ def sub_buckets(params: list[torch.Tensor], cap: int, alone: PowerSGD | None = N
     """Consecutive parameters of one dtype, up to `cap` bytes together (a larger one alone, and each matrix `alone`
     compresses)."""
     out: list[list[torch.Tensor]] = []
-    size = 0
+    size, closed = 0, False  # closed: the last group is a matrix PowerSGD carries, which nothing joins
     for p in params:
         nbytes = p.numel() * p.element_size()
         single = alone is not None and alone.applies(p.detach(), "sum", None)
-        if not out or single or size + nbytes > cap or out[-1][0].dtype != p.dtype:
+        if not out or single or closed or size + nbytes > cap or out[-1][0].dtype != p.dtype:
             out.append([])
             size = 0
         out[-1].append(p)
-        size = cap if single else size + nbytes  # nothing joins a matrix PowerSGD carries
+        size, closed = size + nbytes, single
     return out
 
 
@@ -146,14 +146,12 @@ def push_pull_hook(state: PushPullHookState, bucket: dist.GradBucket) -> torch.f
     powersgd = state.powersgd()
     if powersgd is not None:
         return _powersgd_bucket(state, powersgd, bucket)
-    names = sorted(state.names[id(p)] for p in bucket.parameters())
-    digest = hashlib.blake2b("\n".join(names).encode(), digest_size=8).hexdigest()
     buffer = bucket.buffer()
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     handle = push_pull_async(
         buffer,
         average=True,
-        name=f"ddp.{digest}",
+        name=_bucket_name(sorted(state.names[id(p)] for p in bucket.parameters())),
         compression=configured(state.compression, state.worker.state.config),
         worker=state.worker,
     )
@@ -166,6 +164,12 @@ def push_pull_hook(state: PushPullHookState, bucket: dist.GradBucket) -> torch.f
 
     handle.handle.add_done_callback(complete)
     return future
+
+
+def _bucket_name(names: list[str]) -> str:
+    """The name of a sum of these parameters' gradients: the same on every worker (DDP's bucket indices are not)."""
+    digest = hashlib.blake2b("\n".join(names).encode(), digest_size=8).hexdigest()
+    return f"ddp.{digest}"
 
 
 def _overlapped(
@@ -195,11 +199,7 @@ def _overlapped(
     pending = [len(taken)]
     lock = threading.Lock()
 
-    def complete(_: object) -> None:
-        with lock:
-            pending[0] -= 1
-            if pending[0]:
-                return
+    def finish() -> None:
         try:
             _gather(state.worker, taken, params, views)
             for p in absent:
@@ -208,11 +208,17 @@ def _overlapped(
         except Exception as e:  # noqa: BLE001 - delivered to DDP through the future
             future.set_exception(e)
 
+    def complete(_: object) -> None:
+        with lock:
+            pending[0] -= 1
+            if pending[0]:
+                return
+        finish()
+
     if any(not isinstance(handle, TorchHandle) for handle, _ in taken):  # PowerSGD's: P's sum, then Q's
         for handle, _group in taken:
             getattr(handle, "start", lambda: None)()  # the open batch leaves here, at the same point on every worker
-        pending[0] = 1
-        state.complete_later(lambda: complete(None))
+        state.complete_later(finish)
         return future
     for handle, _group in taken:
         handle.handle.add_done_callback(complete)
@@ -235,9 +241,8 @@ def _powersgd_bucket(
             calls.append(call)
     plain = None
     if rest:
-        digest = hashlib.blake2b("\n".join(names).encode(), digest_size=8).hexdigest()
         flat = torch.cat([v.reshape(-1) for v in rest])
-        plain = push_pull_async(flat, True, f"ddp.{digest}", compression=Compression.none, worker=worker)
+        plain = push_pull_async(flat, True, _bucket_name(names), compression=Compression.none, worker=worker)
     for call in calls:
         call.start()  # the open batch leaves here, at the same point on every worker
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()

@@ -13,7 +13,7 @@ import numpy as np
 
 from gradwire.errors import JobAborted, TensorError
 from gradwire.protocol import messages, update
-from gradwire.worker.compressing import CodedTransfer, Coder, CompressedGradient, CompressedTransfer, Compressing
+from gradwire.worker.compressing import Coder, CompressedGradient, CompressedTransfer, Compressing
 from gradwire.worker.control import Control
 from gradwire.worker.declaring import Declaring
 from gradwire.worker.handle import Handle
@@ -133,10 +133,7 @@ class Calls:
         """A sum of compressed partitions (worker/compressing.py), divided by `divisor`: declared as the `compressed`
         operation with the compressor's checked arguments `args`, which every worker must pass alike. Where workers
         share hosts, local aggregation calls it for its cross-host stage: a host's sum is what gets encoded."""
-        cut = self.compressing.partition_bytes(args)
-        tensor = self.declaring.declare(
-            name, src.shape, np.float32, "compressed", wait=False, members=members, op_args=args, partition_bytes=cut
-        )
+        tensor = self._declare_compressed(name, src.shape, members, args)
         flat, result = src.reshape(-1), out.reshape(-1)
         transfer = CompressedTransfer(flat, 0, result, 0, divisor, priority, args=args, store=self.compressing)
         return self.launch(tensor, out, transfer)
@@ -153,19 +150,23 @@ class Calls:
     ) -> Handle:
         """A compressed sum of a float32 tensor that stays where it lives (a GPU): `coder` encodes each partition
         there into the block that travels, and decodes each answered block into the output, averaged
-        (worker/compressing.py CodedTransfer). Declared as compressed_async declares it, so a job may mix workers
-        that encode on the host and on a device."""
+        (worker/compressing.py, CompressedTransfer with a coder). Declared as compressed_async declares it, so a job
+        may mix workers that encode on the host and on a device."""
         self.state.check_usable()
         args = self.compressing.arguments(compression, name)
+        tensor = self._declare_compressed(name, shape, members, args)
+        none, divisor = np.empty(0, np.float32), self._divisor(average, members)
+        store = self.compressing
+        transfer = CompressedTransfer(none, 0, none, 0, divisor, priority, args=args, store=store, coder=coder)
+        return self.launch(tensor, none, transfer)
+
+    def _declare_compressed(self, name: str, shape: tuple[int, ...], members: list[int] | None, args: dict) -> Tensor:
+        """Declare a tensor as the `compressed` operation with the compressor's checked arguments `args` (which
+        every worker must pass alike), cut in partitions as large as the compressor shrinks them."""
         cut = self.compressing.partition_bytes(args)
-        tensor = self.declaring.declare(
+        return self.declaring.declare(
             name, shape, np.float32, "compressed", wait=False, members=members, op_args=args, partition_bytes=cut
         )
-        none = np.empty(0, np.float32)
-        transfer = CodedTransfer(
-            none, 0, none, 0, self._divisor(average, members), priority, args=args, store=self.compressing, coder=coder
-        )
-        return self.launch(tensor, none, transfer)
 
     def launch(self, tensor: Tensor, out: np.ndarray, transfer: Transfer) -> Handle:
         """Push every partition of `tensor`'s next round as `transfer` says; the handle completes into `out`."""

@@ -104,14 +104,20 @@ class Compressing:
             entry.codec.decode(block, decoded, key, rnd, add=False)
             total -= decoded
 
-    def encoded(self, tensor: Tensor, rnd: int, send: np.ndarray, args: dict) -> Iterator[tuple]:
-        """Each partition of `tensor` (flattened input `send`) encoded for round `rnd` as `args` say, in partition
-        order, as it is cut: (its part, its key, whether its replica keeps its rounds, its key's buffers)."""
+    def encoded(
+        self, tensor: Tensor, rnd: int, send: np.ndarray, args: dict, coder: Coder | None = None
+    ) -> Iterator[tuple]:
+        """Each partition of `tensor` encoded for round `rnd` as `args` say, in partition order, as it is cut: from
+        the flattened input `send` here, or by `coder` where the tensor lives (its residual and momentum there too).
+        Yields (its part, its key, whether its replica keeps its rounds, its key's buffers)."""
         codec, momentum = compression.codec(args), float(args["momentum"])
         replicated = tensor.replicated or [False] * len(tensor.keys)
         for part, key, kept in zip(tensor.parts, tensor.keys, replicated, strict=True):
-            entry = self.entry(key, part.count, codec, args)
-            self.encode(entry, send[part.start : part.start + part.count], key, rnd, momentum)
+            entry = self.entry(key, part.count, codec, args, host=coder is None)
+            if coder is None:
+                self.encode(entry, send[part.start : part.start + part.count], key, rnd, momentum)
+            else:
+                coder.encode(entry, entry.push.view(np.uint8), part.start, part.count, key, rnd)
             yield part, key, kept, entry
 
     def scratch(self, n: int) -> np.ndarray:
@@ -144,25 +150,6 @@ class Expand:
             self.target /= np.float32(average)
 
 
-@dataclass
-class CompressedTransfer(Transfer):
-    """A push_pull of a compressed tensor: `send` and `pull` are the caller's float32 input and output; each partition
-    is encoded as it is cut (`works`), on the calling thread."""
-
-    args: dict = field(default_factory=dict)
-    store: Compressing | None = None
-
-    def works(self, tensor: Tensor, rnd: int, handle: Handle) -> Iterator[Work]:
-        assert self.store is not None
-        code = tensor.dtype.code
-        for part, key, kept, entry in self.store.encoded(tensor, rnd, self.send, self.args):
-            lo, hi = part.start, part.start + part.count
-            fields = (tensor.name, key, rnd, code, entry.push, entry.pull, self.average, handle, part.index)
-            work = Work(*fields, partial=kept)
-            work.expand = Expand(entry.codec, self.pull[lo:hi], key, rnd)
-            yield work
-
-
 class Coder(Protocol):
     """Encodes and decodes a tensor's partitions where the tensor lives (the torch adapter's, for a GPU:
     torch/device_coding.py), into and out of the blocks that travel; a key's residual and momentum, if any, are its
@@ -188,25 +175,27 @@ class CodedExpand:
 
 
 @dataclass
-class CodedTransfer(Transfer):
-    """A push_pull of a compressed tensor that lives elsewhere (a GPU): `coder` encodes each partition into its key's
-    push block as it is cut, and decodes each answered block into the tensor's output; only blocks cross to the
-    host. `send` and `pull` are empty."""
+class CompressedTransfer(Transfer):
+    """A push_pull of a compressed tensor: `send` and `pull` are the caller's float32 input and output; each partition
+    is encoded as it is cut (`works`), on the calling thread. With a `coder` the tensor stays where it lives (a GPU):
+    the coder encodes each partition there and decodes each answered block into the output, only blocks cross to the
+    host, and `send` and `pull` are empty."""
 
     args: dict = field(default_factory=dict)
     store: Compressing | None = None
     coder: Coder | None = None
 
     def works(self, tensor: Tensor, rnd: int, handle: Handle) -> Iterator[Work]:
-        assert self.store is not None and self.coder is not None
-        codec, code = compression.codec(self.args), tensor.dtype.code
-        replicated = tensor.replicated or [False] * len(tensor.keys)
-        for part, key, kept in zip(tensor.parts, tensor.keys, replicated, strict=True):
-            entry = self.store.entry(key, part.count, codec, self.args, host=False)
-            self.coder.encode(entry, entry.push.view(np.uint8), part.start, part.count, key, rnd)
+        assert self.store is not None
+        code = tensor.dtype.code
+        for part, key, kept, entry in self.store.encoded(tensor, rnd, self.send, self.args, self.coder):
+            lo, hi = part.start, part.start + part.count
             fields = (tensor.name, key, rnd, code, entry.push, entry.pull, self.average, handle, part.index)
             work = Work(*fields, partial=kept)
-            work.expand = CodedExpand(self.coder, entry, part.start, part.count, key, rnd)
+            if self.coder is None:
+                work.expand = Expand(entry.codec, self.pull[lo:hi], key, rnd)
+            else:
+                work.expand = CodedExpand(self.coder, entry, lo, part.count, key, rnd)
             yield work
 
 
