@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from gradwire.protocol import dtypes
-from gradwire.protocol.frames import REPLAY, SEED
+from gradwire.protocol.frames import REPLAY, REPLICA, SEED
 from gradwire.ring import Ring, Slot
 from gradwire.server.engine import Engine
 from gradwire.transport.shm import SHM_PAYLOAD
@@ -222,3 +222,83 @@ def test_sums_stay_bit_identical_over_rounds_with_the_first_rank_landed():
             expected += p
         assert replies[-1][1] == rnd and replies[-1][4] == expected.tobytes(), rnd
     assert engine.keys[9].landable
+
+
+MIB = 1 << 20  # keys of this size have their buffers lent (rounds.LEND_BYTES)
+
+
+def test_buffers_are_lent_by_the_pool_one_per_key_between_rounds():
+    """Staging buffers go back to the engine's pool once their contribution is added, and a round's buffer once the
+    key's next round completes: a key holds one buffer between rounds, not two round buffers and (workers - 1) x 2
+    staging buffers. Small keys keep buffers of their own."""
+    replies = []
+    engine = _engine(replies, [], [], workers=3)
+    keys = range(10, 20)
+    for key in keys:
+        engine.declare(key, dtypes.BY_NAME["float32"], MIB)
+    engine.declare(7, dtypes.BY_NAME["float32"], 4096)
+    for rnd in (1, 2, 3):
+        for key in [*keys, 7]:
+            for rank in (2, 0, 1):  # rank 2 early: it waits in a staging buffer
+                value = np.full(engine.keys[key].length // 4, rank + rnd, np.float32)
+                _push(engine, rank, value, key=key, rnd=rnd, land=True)
+    sums = [np.full(MIB // 4, 3 * rnd + 3, np.float32).tobytes() for rnd in (1, 2, 3)]
+    large = [r[4] for r in replies if r[0] != 7]
+    assert large == [sums[0]] * 10 + [sums[1]] * 10 + [sums[2]] * 10
+    assert [sum(r.acc is not None for r in engine.keys[k].rounds) for k in keys] == [1] * 10
+    assert engine.pool.allocated <= (10 + 3) * MIB + 2 * 2 * 4096  # against (2 + 2 x 2) x 10 MiB owned per key
+    assert all(r.acc is not None for r in engine.keys[7].rounds)  # a small key's own
+
+
+def test_a_rounds_result_stays_until_every_worker_has_pushed_the_next_round():
+    """A lent buffer goes back only when the key's next round completes: until then a worker may still be receiving
+    the result, however many other keys' rounds come and go meanwhile."""
+    results = []
+    engine = Engine(0, Ring(4, 64), 2, lambda *a: results.append((a[1], a[3])), lambda s, m: None, lambda *a: None)
+    engine.declare(9, dtypes.BY_NAME["float32"], MIB)
+    engine.declare(8, dtypes.BY_NAME["float32"], MIB)
+    count = MIB // 4
+    for rank in (0, 1):
+        _push(engine, rank, np.full(count, rank + 1, np.float32), key=9, rnd=1, land=True)
+    (rnd, first), three = results[0], np.full(count, 3, np.float32).tobytes()
+    _push(engine, 0, np.full(count, 5, np.float32), key=9, rnd=2, land=True)  # rank 1 may still be receiving round 1
+    for rnd in range(1, 5):  # other keys' rounds take and give back buffers meanwhile
+        for rank in (1, 0):
+            _push(engine, rank, np.full(count, 7, np.float32), key=8, rnd=rnd, land=True)
+    assert bytes(first) == three
+    _push(engine, 1, np.full(count, 5, np.float32), key=9, rnd=2, land=True)
+    assert bytes(results[-1][1]) == np.full(count, 10, np.float32).tobytes()
+
+
+def _replica_forward(engine, key, rnd, data):
+    """A forwarded result received as the replica's reader does: into its landing buffer."""
+    slot = Slot(memoryview(bytearray(0)), np.empty(0, np.uint8))
+    into = engine.replica_landing(key, rnd, data.nbytes)
+    into[:] = data.view(np.uint8)
+    slot.data, slot.landed = into, True
+    slot.key, slot.round, slot.dtype, slot.length = key, rnd, dtypes.from_numpy(data.dtype).code, data.nbytes
+    slot.sender, slot.flags, slot.conn = 0, REPLICA, None
+    engine.on_event(slot)
+
+
+def test_a_replica_keeps_one_buffer_per_key_and_its_owner_two_again():
+    """A replica keeps only the last round its server answered: one buffer for both rounds (a forward of round r+1
+    means every worker has r). Promoted to the key's owner, it answers the laggards of the last forwarded round from
+    it, and sums the next round in a buffer of its own."""
+    replies = []
+    engine = _engine(replies, [], [], workers=2)
+    engine.declare(9, dtypes.BY_NAME["float32"], 16)
+    state = engine.keys[9]
+    state.keep(True)
+    assert state.rounds[0].acc is state.rounds[1].acc
+    for rnd in (1, 2, 3):
+        _replica_forward(engine, 9, rnd, np.full(4, rnd * 10, np.float32))
+    assert engine.replicated == 3 and not replies
+    state.keep(False)  # promoted: its server died after answering round 3 to some workers
+    _push(engine, 1, np.full(4, 7, np.float32), rnd=3)  # a laggard's push of round 3: the seed answers it
+    assert replies[-1][1] == 3 and replies[-1][4] == np.full(4, 30, np.float32).tobytes()
+    assert state.rounds[0].acc is not state.rounds[1].acc
+    for rank in (0, 1):  # round 4, in the other buffer: round 3's sum stays for whoever still asks
+        _push(engine, rank, np.full(4, rank + 1, np.float32), rnd=4)
+    assert replies[-1][1] == 4 and replies[-1][4] == np.full(4, 3, np.float32).tobytes()
+    assert bytes(state.rounds[1].result) == np.full(4, 30, np.float32).tobytes()

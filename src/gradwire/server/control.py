@@ -128,7 +128,7 @@ class ServerControl:
             cut = _slices(slices.get(str(key)), key, length, dtype.itemsize, state.num_workers)
             engine = state.engine_of(key)
             engine.declare(key, dtype, length, name, op, cut, members)
-            engine.keys[key].kept = body.kept  # an owner's registration (a promotion) ends a replica's
+            engine.keys[key].keep(body.kept)  # an owner's registration (a promotion) ends a replica's
             target = replicas.get(str(key))
             if target is not None and state.replicas is not None:  # its updates are replicated there
                 address = (body.addresses or {})[str(target)]

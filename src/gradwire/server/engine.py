@@ -9,17 +9,18 @@ any operation. Decisions and why:
 - Copy the first contribution, add the rest in place: one pass over memory per contribution, no zeroing.
 - Double-buffered rounds (`KeyState.rounds[round % 2]`, a `Round` each): a worker pushes round r+1 of a key
   only after it received the sum of round r, and round r+1 completes only when every worker has pushed it,
-  hence received round r. So when round r+2 starts writing `rounds[r % 2]`, every reply of round r has been
-  handed to the kernel. A fast worker's round r+1 lands in the other buffer and never corrupts round r.
+  hence received round r. So when round r+1 completes, every reply of round r has been handed to the kernel, and
+  round r's buffer goes back to the pool. A fast worker's round r+1 goes into another buffer and never corrupts
+  round r.
 - One buffer is sent to every worker, so all receive bit-identical bytes.
 - Deterministic by default: contributions are added in rank order, whatever order they arrive in (one that
-  arrives early is copied into a staging buffer of its key until its turn). Floating-point addition is not
+  arrives early waits in a staging buffer until its turn). Floating-point addition is not
   associative, so arrival order would otherwise change the last bits from run to run; in rank order a rerun,
   and a round re-summed on another server after a failover, give the same bits (as a ring all-reduce does).
-  Over sockets, the readers receive every rank's contribution but rank 0's straight into that key's staging
-  buffer for the rank (`landing`), not into a ring slot: an early one then waits there with no copy (copying
-  it out of the ring slot cost 10% of a torch job's throughput over TCP on two cores, docs/benchmarks.md). The
-  buffer is free when the next round in it arrives, by the argument for double buffering below.
+  Over sockets, the readers receive every rank's contribution but rank 0's straight into a staging buffer
+  (`landing`), not into a ring slot: an early one then waits there with no copy (copying it out of the ring slot
+  cost 10% of a torch job's throughput over TCP on two cores, docs/benchmarks.md). Staging buffers are lent by one
+  pool per engine and given back once their contribution is added (server/staging.py).
   An early contribution in a worker's shared-memory slot is copied into that staging buffer too, and every
   contribution is acknowledged as soon as it is in. (Keeping a view of the slot and acknowledging it only once
   added saved that copy, but kept it in the worker's window: workers whose hooks submit keys in different orders
@@ -31,7 +32,8 @@ any operation. Decisions and why:
   holding the whole sum to seed with. Each worker the dead server had answered resends its own contribution instead,
   flagged REPLAY: it goes in like any push, in rank order, and only the ranks still waiting are answered.
 - float16/bfloat16 accumulate in float32 and are narrowed once, into a wire-typed output buffer.
-- Accumulators are allocated once per key (on its first push), never per message.
+- Buffers are lent by the engine's pool (server/staging.py), never allocated per message: a round's accumulator from
+  its first contribution until the key's next round completes, a staging buffer until its contribution is added.
 - Exceptions in handling one slot are reported to that worker as an ERROR for the key; the engine keeps
   running (an event loop never dies silently).
 """
@@ -51,6 +53,7 @@ from gradwire.protocol.frames import DEPARTED_EVENT, JOIN_EVENT, REPLAY, REPLICA
 from gradwire.ring import Ring, RingClosed, Slot
 from gradwire.server import ops, replica
 from gradwire.server.rounds import Ack, Batching, Fail, FailRank, Forward, KeyOp, KeyState, Reply, Round
+from gradwire.server.staging import BufferPool
 from gradwire.transport.shm import NO_SLOT
 
 log = logging.getLogger("gradwire.server")
@@ -88,6 +91,7 @@ class Engine:
         self.joined = 0  # workers that have joined (hvd.join), as a bitmask: zeros stand in for their contributions
         self.departed = 0  # workers that have left the job (shutdown()) while others go on: their rounds fail
         self._zeros: dict[tuple[int, int], np.ndarray] = {}
+        self.pool = BufferPool()  # staging and lent round buffers (server/staging.py)
         self.seeded_answers = 0  # workers answered with a seeded sum (after a failover)
         self.replicated = 0  # rounds kept here for another server's keys (server/replica.py)
         self._thread = threading.Thread(target=self._run, name=f"gw-engine-{index}", daemon=True)
@@ -164,7 +168,7 @@ class Engine:
         self.num_workers = num_workers
         self.joined = self.departed = 0
         if forget:
-            self.keys = {}
+            self.keys, self.pool = {}, BufferPool()
             return
         for key, state in list(self.keys.items()):
             slices = state.slices if same else None
@@ -197,6 +201,8 @@ class Engine:
             return None
         if not current and state.unfinished(r):
             return None
+        if state.lent:
+            state.lend(r, self.pool)
         into = state.op.landing(state, r)
         return None if into is None else into.view(np.uint8)
 
@@ -207,15 +213,18 @@ class Engine:
         state = self.keys.get(key)
         if state is None or not state.kept or state.op.intercepts or length != state.length:
             return None
+        state.kept_round = rnd  # what its buffer holds from now on (one buffer for both rounds: KeyState.keep)
         return state.rounds[rnd & 1].out.view(np.uint8)
 
-    @staticmethod
-    def _stage(state: KeyState, r: Round, sender: int) -> np.ndarray:
-        """The staging buffer of `sender` in round `r`'s buffer, allocated once per key, rank and buffer."""
+    def _stage(self, state: KeyState, r: Round, sender: int) -> np.ndarray:
+        """The staging buffer of `sender` in round `r`'s buffer: a lent key's is lent by the pool until its
+        contribution is added (server/staging.py), a small key's is its own (KeyState.lend). One a contribution was
+        received into and never added (refused, or its round failed) stays where it is for the next."""
         stage = r.stage
-        if stage[sender] is None:
-            stage[sender] = np.empty(state.length // state.dtype.itemsize, state.dtype.wire)
-        return stage[sender]
+        buffer = stage[sender]
+        if buffer is None:
+            buffer = stage[sender] = self.pool.take(np.dtype(state.dtype.wire), state.length // state.dtype.itemsize)
+        return buffer
 
     def check(self, key: int, dtype: int, length: int) -> str | None:
         """Why a frame for `key` cannot be summed here, or None if it can (called by readers, before a slot)."""
@@ -244,6 +253,8 @@ class Engine:
         state = self.keys.get(slot.key)
         if state is None or not state.fits(slot.dtype, slot.length):  # readers check first
             raise TensorError(f"worker {slot.sender} pushed an undeclared or inconsistent key")
+        if state.shared and not state.kept:
+            state.own()  # a replica's key, promoted: its rounds get their own buffers again
         if state.op.intercepts and state.op.intercept(self, state, slot):
             return
         dtype = state.dtype
@@ -307,12 +318,18 @@ class Engine:
         dtype = state.dtype
         if r.count == 0:
             r.started = self.clock()
+        if state.lent and (sender == r.turn or not (self.deterministic or state.op.ordered)):
+            state.lend(r, self.pool)  # written from now on (an early one waits in a staging buffer instead)
         if not (self.deterministic or state.op.ordered):
             state.op.add(state, r, dtype, wire, r.count == 0)
         elif sender == r.turn:
             if not (landed and sender == state.first):  # else it was received into the accumulator (`landing`)
                 state.op.add(state, r, dtype, wire, sender == state.first)
-            state.drain(r, dtype)
+            lent = r.stage[sender]
+            if state.lent and landed and sender != state.first and lent is not None:  # into a staging buffer
+                self.pool.give(lent)
+                r.stage[sender] = None
+            state.drain(r, dtype, self.pool)
         else:  # early: it waits in its staging buffer (where a socket's reader received it, or copied from the ring
             # or the worker's shared slot), and is acknowledged now (see the module's docstring)
             if not landed:
@@ -324,6 +341,8 @@ class Engine:
 
     def _complete(self, state: KeyState, key: int, code: int, r: Round) -> None:
         """Every contribution is in: finish the round and answer the workers that pushed (not joined ones' zeros)."""
+        if state.lent:
+            state.give_back(r, self.pool)  # before any worker has this round's result: none can push the next yet
         state.landable = True
         state.op.finish(state, r)
         if state.narrow:
@@ -405,6 +424,8 @@ class Engine:
         if r.number > slot.round or (r.number == slot.round and r.count == state.need):
             return
         waiting = r.pushed if r.number == slot.round else 0
+        if state.lent:
+            state.lend(r, self.pool)
         if not slot.landed:  # a replica's forward may have been received into the round's buffer already
             state.op.seeded(state, r, slot.round, slot.data.view(dtype.wire))
         r.seed(slot.round, state.need, state.everyone, self.num_workers)
@@ -415,6 +436,8 @@ class Engine:
     def _seed(self, state: KeyState, r: Round, slot: Slot, dtype: dtypes.DType) -> None:
         """A seed (SEED, from a worker) or a round its key's server answered (REPLICA, kept here: server/replica.py,
         acknowledged once it is in)."""
+        if slot.flags & REPLICA and state.shared and not slot.landed:
+            state.kept_round = slot.round  # received into a ring slot: its bytes go into the one buffer now
         self._take_seed(state, r, slot, dtype)
         if slot.flags & REPLICA:
             self.replicated += 1

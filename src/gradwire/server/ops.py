@@ -29,6 +29,7 @@ class Reduce(KeyOp):
     """An elementwise reduction by a numpy ufunc."""
 
     reduction = True
+    lendable = True
 
     def __init__(self, name: str, ufunc: np.ufunc) -> None:
         self.name = name  # type: ignore[misc]
@@ -56,6 +57,7 @@ class Gather(KeyOp):
     name = "gather"
     ordered = True
     variable = True
+    lendable = True
 
     def add(self, state: KeyState, r: Round, dtype: dtypes.DType, wire: np.ndarray, first: bool) -> None:
         start = 0 if first else r.filled

@@ -19,7 +19,13 @@ from gradwire.transport.shm import NO_SLOT
 
 if TYPE_CHECKING:
     from gradwire.ring import Slot
+    from gradwire.server.staging import BufferPool
 
+
+# Keys of at least this many bytes have their buffers lent by the engine's pool (KeyState.lend). Below it a key's
+# own buffers cost little memory, and the pool's bookkeeping would cost more than the round's work is worth (measured
+# at 16 KiB, 2 workers: 7.5 us of the engine's per round with buffers of its own, 11-15 us lent).
+LEND_BYTES = 1 << 20
 
 # what the engine sends through (the server's repliers): the callables it is given
 # reply(key, round, dtype code, payload, pull slot per rank, bitmask of ranks) -> None: queue the result for them;
@@ -71,6 +77,7 @@ class KeyOp:
     variable: ClassVar[bool] = False  # a contribution may be shorter than the key (down to empty)
     trailer: ClassVar[int] = 0  # bytes each push carries after its data (per-push arguments; part of the key's length)
     intercepts: ClassVar[bool] = False  # `intercept` sees each push first
+    lendable: ClassVar[bool] = False  # its rounds only need a buffer while in use (KeyState.lend): no state across them
     asynchronous: bool = False  # pushes are not gathered into rounds (no staging: they go through the ring)
     reduction: ClassVar[bool] = False  # elementwise: a joined worker's zeros may stand in for its contribution
 
@@ -142,25 +149,40 @@ class Round:
         "virtual",
     )
 
-    def __init__(self, index: int, n: int, dtype: dtypes.DType, num_workers: int, first: int, wire: int = -1) -> None:
+    def __init__(
+        self, index: int, n: int, dtype: dtypes.DType, num_workers: int, first: int, wire: int = -1, lent: bool = False
+    ) -> None:
         self.index = index  # 0 or 1: the round numbers it holds are this, modulo 2
         self.number = -1  # the round it holds
         self.count = 0  # contributions in
         self.pushed = 0  # bitmask of ranks that pushed it
         self.turn = first  # deterministic mode: the rank whose contribution is added next
         self.staged = 0  # bitmask of ranks whose early contributions wait in `stage`
-        self.stage: list[np.ndarray | None] = [None] * num_workers  # their staging buffers, allocated on need
+        self.stage: list[np.ndarray | None] = [None] * num_workers  # their staging buffers, lent (server/staging.py)
         self.lengths = [0] * num_workers  # elements of each staged contribution (a gather's vary)
         self.seeded = False  # its sum came as a seed (a failover), not from contributions
         self.virtual = 0  # ranks not answered: joined ones' zeros stood in, or they replayed (REPLAY)
         self.filled = 0  # a gather's elements in
         self.started = 0.0  # when it got its first contribution (the engine's clock)
         self.pulls = [NO_SLOT] * num_workers  # each worker's shared-memory pull slot
+        if lent:  # lent by the engine's pool while the round needs it (KeyState.lend)
+            self.acc = self.out = self.result = None  # type: ignore[assignment]
+            return
         self.acc = np.empty(n, dtype.accumulate)
         # the result as it travels: narrowed (float16, bfloat16), or encoded (`wire` elements: a compressed key's)
         narrow = dtype.accumulate != dtype.wire or 0 <= wire != n
         self.out = np.empty(n if wire < 0 else wire, dtype.wire) if narrow else self.acc
         self.result: memoryview | list[memoryview] = memoryview(self.out).cast("B")  # KeyState makes it per rank
+
+    def buffers_of(self, other: Round | None, acc: np.ndarray, slices: list[tuple[int, int]] | None) -> None:
+        """Use `other`'s accumulator and result (a replica's two rounds share one: KeyState.keep), or, with None,
+        `acc` as both (a buffer of its own, or lent: never a narrowed or encoded key's)."""
+        if other is not None:
+            self.acc, self.out, self.result = other.acc, other.out, other.result
+            return
+        whole = memoryview(acc).cast("B")
+        self.result = whole if slices is None else [whole[a : a + b] for a, b in slices]
+        self.acc = self.out = acc  # last: a reader that sees it sees its result too (KeyState.lend)
 
     def begin(self, number: int, first: int) -> None:
         """Take round `number` (the previous one here complete)."""
@@ -190,6 +212,7 @@ class KeyState:
         "first",
         "held",
         "landable",
+        "lent",
         "length",
         "members",
         "key",
@@ -199,10 +222,12 @@ class KeyState:
         "need",
         "nexts",
         "kept",
+        "kept_round",
         "op",
         "replica",
         "rounds",
         "scratch",
+        "shared",
         "slices",
     )
 
@@ -235,12 +260,14 @@ class KeyState:
         self.length, n = op.lengths(length, dtype.itemsize)  # what each push carries; the accumulator's elements
         wire = self.length // dtype.itemsize
         self.narrow = dtype.accumulate != dtype.wire
+        # its rounds' buffers are lent by the engine's pool while they are needed (`lend`), or its own
+        self.lent = op.lendable and not self.narrow and wire == n and self.length >= LEND_BYTES
         self.rounds = (
-            Round(0, n, dtype, num_workers, self.first, wire),
-            Round(1, n, dtype, num_workers, self.first, wire),
+            Round(0, n, dtype, num_workers, self.first, wire, self.lent),
+            Round(1, n, dtype, num_workers, self.first, wire, self.lent),
         )
-        self.scratch = np.empty(n, dtype.accumulate) if self.narrow else self.rounds[0].acc
-        if slices is not None:  # what each round answers: one slice per rank (views made once, here)
+        self.scratch = np.empty(n if self.narrow else 0, dtype.accumulate)
+        if slices is not None and not self.lent:  # what each round answers: one slice per rank (views made once)
             for r in self.rounds:
                 whole = r.result
                 assert isinstance(whole, memoryview)
@@ -248,10 +275,73 @@ class KeyState:
         self.held = None  # what the operation keeps per key (server/optim.py)
         self.replica: int | None = None  # the server that keeps this key's last answered round (server/replica.py)
         self.kept = False  # this server only keeps the key's answered rounds for its server (a replica), not owns it
+        self.shared = False  # its two rounds share one buffer (`keep`)
+        self.kept_round = -1  # kept: the round last received into that buffer (Engine.replica_landing)
         # the first rank's contributions may be received straight into the accumulator (Engine.landing): only once a
         # round completed from contributions (before, after a failover, a seed may be written there meanwhile)
         self.landable = False
         op.setup(self, previous)
+
+    def keep(self, kept: bool) -> None:
+        """This server keeps the key only as its replica (`kept`), or owns it (declared by its owner, or promoted by a
+        failover). A replica keeps one round, the last its server answered, so its two rounds share one buffer: a
+        forward of round r+1 comes only once every worker has pushed r+1, hence has round r, and nobody asks for r
+        again (a forward cut off mid-frame leaves r+1 unanswered: the workers push it again to whoever owns the key
+        next). Not a key whose operation keeps state of its own (a server-side optimizer's parameters), which applies
+        every forwarded update. Called from the control thread, when the key is declared (before any traffic) or
+        promoted: an owner's rounds get their own buffers again on the engine's thread (`own`)."""
+        if kept and not self.kept and not self.op.intercepts and self.held is None:
+            if self.lent:  # a replica's buffer is its own: it holds the key's last round for as long as it is kept
+                self.rounds[0].buffers_of(None, self._buffer(), self.slices)
+                self.lent = False
+            self.rounds[1].buffers_of(self.rounds[0], self.rounds[0].acc, None)
+            self.shared = True
+        self.kept = kept
+
+    def _buffer(self) -> np.ndarray:
+        return np.empty(self.length // self.dtype.itemsize, self.dtype.accumulate)
+
+    def lend(self, r: Round, pool: BufferPool) -> np.ndarray:
+        """Round `r`'s accumulator (its result too), lent by `pool` if it has none. A key's rounds hold lent buffers
+        from their first contribution until the next round completes: that round's contributions came from every
+        worker, each after it had received this round's result (`give_back`). So a key holds one buffer between its
+        rounds, not two, and a round's buffer is one the pool has written before, not fresh pages (issue 33: a
+        1.2 GB tensor's second call paid for a second set of fresh round buffers). From the engine's thread and from
+        a reader (the first rank's contribution received into it: Engine.landing)."""
+        acc = r.acc
+        if acc is None:
+            with pool.lock:
+                acc = r.acc
+                if acc is None:
+                    acc = pool.take_locked(self.dtype.accumulate, self.length // self.dtype.itemsize)
+                    r.buffers_of(None, acc, self.slices)
+        return acc
+
+    def give_back(self, done: Round, pool: BufferPool) -> None:
+        """Round `done` completed: the other round's lent buffer goes back to the pool. Every worker pushed `done`
+        after it had the other round's result, so no reply of it is still being sent, and no failover can ask for it
+        (its forward to a replica was acknowledged before any worker had it)."""
+        other = self.rounds[1 - done.index]
+        acc = other.acc
+        if acc is None or other.number >= done.number or self.unfinished(other):
+            return
+        other.acc = other.out = other.result = None  # type: ignore[assignment]
+        pool.give(acc)
+
+    def own(self) -> None:
+        """An owned key whose rounds share a buffer (it was a replica): the round last received into it keeps it; the
+        other gets a buffer of its own and holds no round (its bytes were overwritten by the later one). On the
+        engine's thread, before it touches either round."""
+        latest = self.rounds[self.kept_round & 1] if self.kept_round >= 0 else self.rounds[0]
+        other = self.rounds[1 - latest.index]
+        if latest.out is latest.acc:
+            other.buffers_of(None, np.empty_like(latest.acc), self.slices)
+        else:  # narrowed or encoded: an accumulator and a result of its own
+            other.acc, other.out = np.empty_like(latest.acc), np.empty_like(latest.out)
+            whole = memoryview(other.out).cast("B")
+            other.result = whole if self.slices is None else [whole[a : a + b] for a, b in self.slices]
+        other.begin(-1, self.first)
+        self.shared = False
 
     def fits(self, code: int, length: int) -> bool:
         """A contribution of `length` bytes of dtype `code` may go into this key (a gather's may be shorter)."""
@@ -267,15 +357,18 @@ class KeyState:
             raise TensorError(f"round {number} arrived while round {r.number} is unfinished")
         r.begin(number, self.first)
 
-    def drain(self, r: Round, dtype: dtypes.DType) -> None:
+    def drain(self, r: Round, dtype: dtypes.DType, staging: BufferPool) -> None:
         """Deterministic sums, after rank `turn` was added to `r`: add the early contributions that are now next in
-        rank order."""
+        rank order (a lent key's staging buffers go back to the pool)."""
         r.turn = self.nexts[r.turn]
         while r.staged >> r.turn & 1:
             rank = r.turn
             source = r.stage[rank]
             assert source is not None
             self.op.add(self, r, dtype, source[: r.lengths[rank]], rank == self.first)
+            if self.lent:
+                r.stage[rank] = None
+                staging.give(source)
             r.staged &= ~(1 << rank)
             r.turn = self.nexts[rank]
 
