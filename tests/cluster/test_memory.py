@@ -116,11 +116,11 @@ def _server_buffers(server) -> int:
     return sum(engine.pool.allocated for engine in server.state.engines) + sum(own.values())
 
 
-def test_servers_hold_one_buffer_per_key_and_replica_and_what_is_in_flight():
-    """A 16 MiB tensor past the workers' budget, 3 workers, 2 servers: between calls each partition holds one buffer
-    (its last round's result) and its replica one; while rounds are in flight the pool lends more (at most a second
-    round buffer and two staging buffers per partition: 5 x 16 MiB in all), not two round buffers, two staging
-    buffers per rank above 0 and a replica's two per partition (8 x 16 MiB, before the pool)."""
+def test_servers_hold_buffers_for_rounds_in_flight_and_one_per_replicated_key():
+    """A 16 MiB tensor past the workers' budget, 3 workers, 2 servers: a round's buffer goes back to the pool once its
+    replies are sent, so between calls the servers hold no round buffers, only their replicas' one per partition, and
+    the pool what rounds and early contributions were in flight at once; not two round buffers, two staging buffers per
+    rank above 0 and a replica's two per partition (8 x 16 MiB, before the pool)."""
     size = 16 << 20
     with LocalCluster(num_workers=3, num_servers=2, partition_bytes=1 << 20, failover_copy_bytes=0) as c:
         grads = [np.ones(size // 4, np.float32) for _ in c.workers]
@@ -129,6 +129,11 @@ def test_servers_hold_one_buffer_per_key_and_replica_and_what_is_in_flight():
         assert sum(s.replicated_rounds for s in c.servers) == 4 * 16
         states = [st for s in c.servers for e in s.state.engines for st in e.keys.values()]
         assert sorted(st.kept for st in states) == [False] * 16 + [True] * 16
-        assert all(sum(r.acc is not None for r in st.rounds) == 1 for st in states if not st.kept)
+        deadline = time.monotonic() + 5  # the repliers give the last buffers back just after their sends
+        while any(r.acc is not None for st in states if not st.kept for r in st.rounds):
+            assert time.monotonic() < deadline, "round buffers still held after their replies were sent"
+            time.sleep(0.01)
         held = sum(_server_buffers(s) for s in c.servers)
-        assert 2 * size <= held <= 5 * size, held / size  # 3.1-3.6x measured
+        # 2.4x here: the replicas' 1x, the rest what was in flight at once (at most a round's buffer, the next round's
+        # and two early contributions per partition: 4x)
+        assert size <= held <= 5 * size, held / size

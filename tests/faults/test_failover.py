@@ -123,12 +123,12 @@ def _answer_one_then_die(cluster: LocalCluster, killed: threading.Event, after: 
     seen = {"rounds": 0}
     original = victim._queue_reply
 
-    def queue_reply(key, rnd, dtype, payload, pulls, ranks):
+    def queue_reply(key, rnd, dtype, payload, pulls, ranks, sent=None):
         if sliced and not isinstance(payload, list):
-            return original(key, rnd, dtype, payload, pulls, ranks)
+            return original(key, rnd, dtype, payload, pulls, ranks, sent)
         seen["rounds"] += 1
         if seen["rounds"] != after:
-            return original(key, rnd, dtype, payload, pulls, ranks)
+            return original(key, rnd, dtype, payload, pulls, ranks, sent)
         original(key, rnd, dtype, payload, pulls, ranks & 0b001)  # to worker 0 only, then die
         deadline = time.monotonic() + 5
         while victim.links[0].replies.qsize() and time.monotonic() < deadline:

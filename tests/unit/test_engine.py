@@ -227,10 +227,10 @@ def test_sums_stay_bit_identical_over_rounds_with_the_first_rank_landed():
 MIB = 1 << 20  # keys of this size have their buffers lent (rounds.LEND_BYTES)
 
 
-def test_buffers_are_lent_by_the_pool_one_per_key_between_rounds():
-    """Staging buffers go back to the engine's pool once their contribution is added, and a round's buffer once the
-    key's next round completes: a key holds one buffer between rounds, not two round buffers and (workers - 1) x 2
-    staging buffers. Small keys keep buffers of their own."""
+def test_buffers_are_lent_by_the_pool_one_per_key_between_rounds_at_most():
+    """Staging buffers go back to the engine's pool once their contribution is added, and a round's buffer at the
+    latest once the key's next round completes (here no reply says it was sent): a key holds one buffer between
+    rounds, not two round buffers and (workers - 1) x 2 staging buffers. Small keys keep buffers of their own."""
     replies = []
     engine = _engine(replies, [], [], workers=3)
     keys = range(10, 20)
@@ -302,3 +302,33 @@ def test_a_replica_keeps_one_buffer_per_key_and_its_owner_two_again():
         _push(engine, rank, np.full(4, rank + 1, np.float32), rnd=4)
     assert replies[-1][1] == 4 and replies[-1][4] == np.full(4, 3, np.float32).tobytes()
     assert bytes(state.rounds[1].result) == np.full(4, 30, np.float32).tobytes()
+
+
+def test_a_rounds_buffer_goes_back_once_its_replies_are_sent_unless_lent_again():
+    """The repliers say when a round's replies are all sent (Reply's `sent`): its buffer goes back then, so keys hold
+    no buffer between rounds. A reply thread that calls back late, after the round's buffer was lent again to a later
+    round, releases nothing."""
+    sent = []
+    engine = Engine(0, Ring(4, 64), 2, lambda *a: sent.append(a[6]), lambda s, m: None, lambda *a: None)
+    count = MIB // 4
+    for key in (8, 9):
+        engine.declare(key, dtypes.BY_NAME["float32"], MIB)
+    for rank in (0, 1):
+        _push(engine, rank, np.full(count, rank + 1, np.float32), key=9, rnd=1, land=True)
+    state = engine.keys[9]
+    assert state.rounds[1].acc is not None and sent[-1] is not None
+    sent[-1]()  # every reply of round 1 sent
+    assert state.rounds[1].acc is None and engine.pool.allocated == 2 * MIB  # the round's buffer and a staging one
+    for rank in (0, 1):  # key 8 takes them from the pool: nothing new
+        _push(engine, rank, np.full(count, 1, np.float32), key=8, rnd=1, land=True)
+    assert engine.pool.allocated == 2 * MIB
+    late = sent[-1]
+    for rnd in (2, 3):  # key 8 goes on; its round 1's replies call back only once round 3 holds the same buffer
+        for rank in (0, 1):
+            _push(engine, rank, np.full(count, rnd, np.float32), key=8, rnd=rnd, land=True)
+        if rnd == 2:
+            sent[-1]()
+    holder = engine.keys[8].rounds[1]
+    assert holder.number == 3 and holder.acc is not None
+    late()
+    assert holder.acc is not None  # lent again since: kept

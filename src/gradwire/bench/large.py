@@ -11,7 +11,7 @@ Each way runs as its own job on this machine, one after the other (2 workers; gr
 Reported per way: the first and second call (or step), the steady one (the median from the third on: a key's two
 round buffers serve alternate calls, so the second is a first too), the time to set up a model
 (wrapping it, broadcasting rank 0's parameters), and the peak RSS per worker (the largest over the workers), each
-beside gloo's.
+beside gloo's; and the largest peak RSS of gradwire's servers.
 """
 
 from __future__ import annotations
@@ -23,16 +23,56 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 GB = 1e9
 
 
 def _gradwire(n: int, k: int, task: list[str], env: dict[str, str]) -> list[dict]:
+    """The workers' rows, each with the largest peak RSS of the job's servers (`servers_rss`)."""
     cmd = [sys.executable, "-m", "gradwire", "launch", "-n", str(n), "-s", str(k), "--"]
     cmd += [sys.executable, "-m", "gradwire.bench.large_worker", *task]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=os.environ | env)
-    return _rows(proc, task)
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ | env) as p:
+        peaks: dict[int, int] = {}
+        watch = threading.Thread(target=_watch_servers, args=(p, peaks), daemon=True)
+        watch.start()
+        out, err = p.communicate(timeout=1200)
+        watch.join()
+    rows = _rows(subprocess.CompletedProcess(cmd, p.returncode, out, err), task)
+    return [row | {"servers_rss": max(peaks.values(), default=0)} for row in rows]
+
+
+def _watch_servers(launch: subprocess.Popen, peaks: dict[int, int]) -> None:
+    """Until the launcher exits: the peak RSS (VmHWM) of each `gradwire server` it started, read from /proc."""
+    while launch.poll() is None:
+        for pid in _children(launch.pid):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if b"gradwire\0server" not in f.read():
+                        continue
+                with open(f"/proc/{pid}/status") as f:
+                    hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+            except (OSError, StopIteration):
+                continue
+            peaks[pid] = max(peaks.get(pid, 0), hwm)
+        time.sleep(0.2)
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    found = []
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    return found
 
 
 def _gloo(n: int, task: list[str]) -> list[dict]:
@@ -72,6 +112,7 @@ def _summary(rows: list[dict]) -> dict:
         "second": times[min(1, len(times) - 1)],
         "steady": statistics.median(times[2:]) if len(times) > 2 else times[-1],
         "rss": max(r["peak_rss"] for r in rows),
+        "servers_rss": max(r.get("servers_rss", 0) for r in rows),
         "setup": max(r.get("setup", 0.0) for r in rows),
         "parameters": rows[0].get("parameters"),
     }
@@ -81,6 +122,7 @@ def _print(name: str, s: dict, peer: dict) -> None:
     print(
         f"| {name} | {s['first']:.2f} | {s['second']:.2f} | {s['steady']:.2f} | {s['first'] / s['steady']:.2f}x | "
         f"{peer['steady'] / s['steady']:.2f}x | {s['rss'] / GB:.2f} | {s['rss'] / peer['rss']:.2f}x |"
+        + (f" {s['servers_rss'] / GB:.2f} |" if s["servers_rss"] else " - |")
         + (f" {s['setup']:.1f} |" if s["setup"] else "")
     )
 
@@ -91,8 +133,11 @@ def run_large(args: argparse.Namespace) -> int:
     task = ["tensor", "--elements", str(elements), "--calls", str(args.calls)]
     print(f"one float32 tensor of {elements / 1e6:.0f}M elements ({elements * 4 / GB:.2f} GB), {args.calls} calls, ")
     print(f"{n} workers (gradwire: {k} servers), this machine; slowest rank's times, largest peak RSS per worker\n")
-    print("| way | 1st call s | 2nd call s | steady s | 1st / steady | speed x gloo | peak RSS GB | RSS x gloo |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| way | 1st call s | 2nd call s | steady s | 1st / steady | speed x gloo | peak RSS GB | RSS x gloo "
+        "| a server's peak RSS GB |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     gloo = _summary(_gloo(n, [*task, "--way", "gloo"]))
     _print("gloo all_reduce", gloo, gloo)
     ways = [
@@ -106,9 +151,10 @@ def run_large(args: argparse.Namespace) -> int:
     task = ["model", "--steps", str(args.steps)]
     print(f"\nGPT-2-medium-sized transformer, SGD, {args.steps} steps of one 64-token sequence per worker\n")
     print(
-        "| way | 1st step s | 2nd step s | steady s | 1st / steady | speed x DDP | peak RSS GB | RSS x DDP | setup s |"
+        "| way | 1st step s | 2nd step s | steady s | 1st / steady | speed x DDP | peak RSS GB | RSS x DDP "
+        "| a server's peak RSS GB | setup s |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     ddp = _summary(_gloo(n, [*task, "--way", "ddp"]))
     _print(f"DDP over gloo ({ddp['parameters'] / 1e6:.0f}M parameters)", ddp, ddp)
     mine = _summary(_gradwire(n, k, [*task, "--way", "optimizer"], {}))

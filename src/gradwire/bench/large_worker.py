@@ -130,7 +130,12 @@ def main() -> None:
     found = tensor(args) if args.task == "tensor" else model(args)
     found |= {"task": args.task, "way": args.way, "peak_rss": _peak_rss()}
     print("LARGE " + json.dumps(found), flush=True)
-    if args.way not in ("gloo", "ddp"):
+    if args.way in ("gloo", "ddp"):
+        import torch.distributed as dist
+
+        dist.barrier()  # a rank that tears gloo down while its peer still sends aborts ("terminate called ...")
+        dist.destroy_process_group()
+    else:
         import gradwire.torch as gw
 
         gw.shutdown()

@@ -9,9 +9,9 @@ any operation. Decisions and why:
 - Copy the first contribution, add the rest in place: one pass over memory per contribution, no zeroing.
 - Double-buffered rounds (`KeyState.rounds[round % 2]`, a `Round` each): a worker pushes round r+1 of a key
   only after it received the sum of round r, and round r+1 completes only when every worker has pushed it,
-  hence received round r. So when round r+1 completes, every reply of round r has been handed to the kernel, and
-  round r's buffer goes back to the pool. A fast worker's round r+1 goes into another buffer and never corrupts
-  round r.
+  hence received round r. So when round r+1 completes, every reply of round r has been handed to the kernel: round
+  r's buffer goes back to the pool then at the latest (it goes as soon as the repliers have sent its replies:
+  KeyState.lend). A fast worker's round r+1 goes into another buffer and never corrupts round r.
 - One buffer is sent to every worker, so all receive bit-identical bytes.
 - Deterministic by default: contributions are added in rank order, whatever order they arrive in (one that
   arrives early waits in a staging buffer until its turn). Floating-point addition is not
@@ -33,7 +33,7 @@ any operation. Decisions and why:
   flagged REPLAY: it goes in like any push, in rank order, and only the ranks still waiting are answered.
 - float16/bfloat16 accumulate in float32 and are narrowed once, into a wire-typed output buffer.
 - Buffers are lent by the engine's pool (server/staging.py), never allocated per message: a round's accumulator from
-  its first contribution until the key's next round completes, a staging buffer until its contribution is added.
+  its first contribution until its replies are sent, a staging buffer until its contribution is added.
 - Exceptions in handling one slot are reported to that worker as an ERROR for the key; the engine keeps
   running (an event loop never dies silently).
 """
@@ -146,7 +146,9 @@ class Engine:
         is atomic, so the engine sees either no state or a complete one. Redeclaring the same key is a no-op.
         """
         if key not in self.keys:
-            self.keys[key] = KeyState(dtype, length, self.num_workers, name, op, slices, members, key=key)
+            state = KeyState(dtype, length, self.num_workers, name, op, slices, members, key=key)
+            state.pool = self.pool
+            self.keys[key] = state
 
     def answer_one(self, slot: Slot, payload: memoryview) -> None:
         """Answer one push alone (a key's operation handled it outside the rounds)."""
@@ -155,7 +157,7 @@ class Engine:
     def answer_rank(self, key: int, rnd: int, code: int, payload: memoryview, pull: int, rank: int) -> None:
         pulls = [NO_SLOT] * self.num_workers
         pulls[rank] = pull
-        self._reply(key, rnd, code, payload, pulls, 1 << rank)
+        self._reply(key, rnd, code, payload, pulls, 1 << rank, None)
 
     def ack(self, rank: int, key: int, rnd: int) -> None:
         self._ack(rank, key, rnd)
@@ -173,9 +175,9 @@ class Engine:
         for key, state in list(self.keys.items()):
             slices = state.slices if same else None
             members = state.members if same else None
-            self.keys[key] = KeyState(
-                state.dtype, state.nbytes, num_workers, state.name, state.op, slices, members, state, key
-            )
+            fresh = KeyState(state.dtype, state.nbytes, num_workers, state.name, state.op, slices, members, state, key)
+            fresh.pool = self.pool
+            self.keys[key] = fresh
 
     def landing(self, key: int, rnd: int, sender: int) -> np.ndarray | None:
         """Where a reader may receive `sender`'s contribution to `key`'s round `rnd` directly (deterministic sums
@@ -406,13 +408,22 @@ class Engine:
                 self._contribute(state, r, rank, zeros, False)
                 r.virtual |= 1 << rank
 
-    def answer_round(self, key: int, code: int, r: Round, ranks: int) -> None:
-        """Send the result of round `r` to `ranks`: all of it, or each rank its slice."""
-        self._reply(key, r.number, code, r.result, r.pulls, ranks)
+    def answer_round(self, key: int, code: int, r: Round, ranks: int, sent: Callable[[], None] | None = None) -> None:
+        """Send the result of round `r` to `ranks`: all of it, or each rank its slice (`sent`: Reply's)."""
+        self._reply(key, r.number, code, r.result, r.pulls, ranks, sent)
 
-    def reply(self, key: int, rnd: int, code: int, payload: memoryview, pulls: list[int], ranks: int) -> None:
+    def reply(
+        self,
+        key: int,
+        rnd: int,
+        code: int,
+        payload: memoryview,
+        pulls: list[int],
+        ranks: int,
+        sent: Callable[[], None] | None = None,
+    ) -> None:
         """Send `payload` to `ranks` (from any thread: the repliers' queues are thread-safe)."""
-        self._reply(key, rnd, code, payload, pulls, ranks)
+        self._reply(key, rnd, code, payload, pulls, ranks, sent)
 
     def _take_seed(self, state: KeyState, r: Round, slot: Slot, dtype: dtypes.DType) -> None:
         """A worker resends a sum it holds (after a failover): complete the round with it, answer its pushers.

@@ -20,6 +20,7 @@ from gradwire.admin.metrics import Metrics
 from gradwire.errors import GradwireError
 from gradwire.protocol import frames
 from gradwire.protocol.frames import FrameType
+from gradwire.server.staging import Countdown
 from gradwire.transport import shm, tcp
 
 log = logging.getLogger("gradwire.server")
@@ -41,16 +42,19 @@ class ReplyItem:
 
 
 class ResultReply(ReplyItem):
-    """A round's result (or the worker's slice of it); `pull`: the worker's shared pull slot, or NO_SLOT."""
+    """A round's result (or the worker's slice of it); `pull`: the worker's shared pull slot, or NO_SLOT; `sent`
+    (or None): told once it is sent (the replier's, after the send that carried it: `WorkerLink._send_queued`)."""
 
-    __slots__ = ("dtype", "payload", "pull", "round")
+    __slots__ = ("dtype", "payload", "pull", "round", "sent")
 
-    def __init__(self, key: int, rnd: int, dtype: int, payload: memoryview, pull: int) -> None:
-        self.key, self.round, self.dtype, self.payload, self.pull = key, rnd, dtype, payload, pull
+    def __init__(
+        self, key: int, rnd: int, dtype: int, payload: memoryview, pull: int, sent: Countdown | None = None
+    ) -> None:
+        self.key, self.round, self.dtype, self.payload, self.pull, self.sent = key, rnd, dtype, payload, pull, sent
 
     @property
     def direct(self) -> bool:  # type: ignore[override]
-        return len(self.payload) <= DIRECT_REPLY_BYTES
+        return len(self.payload) <= DIRECT_REPLY_BYTES and self.sent is None
 
     def parts(self, link: WorkerLink, header: memoryview, epoch: int, sender: int) -> tuple[list, int]:
         payload, size = self.payload, len(self.payload)
@@ -255,6 +259,9 @@ class WorkerLink:
         except GradwireError as e:
             log.warning("cannot reply to worker %d: %s", self.conn.peer_rank, e)
             return False
+        for item in items:  # handed to the kernel (or copied into the worker's pull slot): the buffer is free for them
+            if type(item) is ResultReply and item.sent is not None:
+                item.sent.one()
         if pulled:
             self.metrics.pulled(pulled)
         return True

@@ -28,9 +28,10 @@ if TYPE_CHECKING:
 LEND_BYTES = 1 << 20
 
 # what the engine sends through (the server's repliers): the callables it is given
-# reply(key, round, dtype code, payload, pull slot per rank, bitmask of ranks) -> None: queue the result for them;
-# the payload is one view for all, or a list with each rank's view (a key declared with slices)
-Reply = Callable[[int, int, int, "memoryview | list[memoryview]", list[int], int], None]
+# reply(key, round, dtype code, payload, pull slot per rank, bitmask of ranks, sent) -> None: queue the result for
+# them; the payload is one view for all, or a list with each rank's view (a key declared with slices); `sent` (or
+# None): called once every one of those replies has been handed to the kernel (or its worker's shared slot)
+Reply = Callable[[int, int, int, "memoryview | list[memoryview]", list[int], int, "Callable[[], None] | None"], None]
 # fail(slot, message) -> None: send an ERROR for the slot's key to its sender
 Fail = Callable[["Slot", str], None]
 # ack(rank, key, round) -> None: tell one worker its contribution is in
@@ -58,7 +59,9 @@ class Outbox(Protocol):
 
     forward: Callable[[int, int, int, int, list, Callable[[], None]], None] | None
 
-    def answer_round(self, key: int, code: int, r: Round, ranks: int) -> None: ...
+    def answer_round(
+        self, key: int, code: int, r: Round, ranks: int, sent: Callable[[], None] | None = None
+    ) -> None: ...
 
     def answer_one(self, slot: Slot, payload: memoryview) -> None: ...
 
@@ -66,7 +69,16 @@ class Outbox(Protocol):
 
     def ack(self, rank: int, key: int, rnd: int) -> None: ...
 
-    def reply(self, key: int, rnd: int, code: int, payload: memoryview, pulls: list[int], ranks: int) -> None: ...
+    def reply(
+        self,
+        key: int,
+        rnd: int,
+        code: int,
+        payload: memoryview,
+        pulls: list[int],
+        ranks: int,
+        sent: Callable[[], None] | None = None,
+    ) -> None: ...
 
 
 class KeyOp:
@@ -117,12 +129,13 @@ class KeyOp:
         """Send round `r`'s result to `ranks`; with a replica, once the replica has it (server/replica.py), so that
         every result a worker has seen survives this server. The result stays put until then: its buffer takes a new
         round only once every worker has this one."""
+        sent = state.release_when_sent(r)
         if state.replica is None or outbox.forward is None:
-            outbox.answer_round(key, code, r, ranks)
+            outbox.answer_round(key, code, r, ranks, sent)
             return
         rnd, payload, pulls = r.number, r.result, list(r.pulls)
         whole = memoryview(r.out).cast("B")
-        done = lambda: outbox.reply(key, rnd, code, payload, pulls, ranks)  # noqa: E731
+        done = lambda: outbox.reply(key, rnd, code, payload, pulls, ranks, sent)  # noqa: E731
         outbox.forward(state.replica, key, rnd, code, [whole], done)
 
 
@@ -135,6 +148,7 @@ class Round:
         "count",
         "filled",
         "index",
+        "lends",
         "lengths",
         "number",
         "out",
@@ -165,6 +179,7 @@ class Round:
         self.filled = 0  # a gather's elements in
         self.started = 0.0  # when it got its first contribution (the engine's clock)
         self.pulls = [NO_SLOT] * num_workers  # each worker's shared-memory pull slot
+        self.lends = 0  # calls of KeyState.lend: a result's release once sent goes only if none came since
         if lent:  # lent by the engine's pool while the round needs it (KeyState.lend)
             self.acc = self.out = self.result = None  # type: ignore[assignment]
             return
@@ -222,6 +237,7 @@ class KeyState:
         "need",
         "nexts",
         "kept",
+        "pool",
         "kept_round",
         "op",
         "replica",
@@ -276,6 +292,7 @@ class KeyState:
         self.replica: int | None = None  # the server that keeps this key's last answered round (server/replica.py)
         self.kept = False  # this server only keeps the key's answered rounds for its server (a replica), not owns it
         self.shared = False  # its two rounds share one buffer (`keep`)
+        self.pool: BufferPool | None = None  # the engine's, which lends its rounds' buffers (`lend`)
         self.kept_round = -1  # kept: the round last received into that buffer (Engine.replica_landing)
         # the first rank's contributions may be received straight into the accumulator (Engine.landing): only once a
         # round completed from contributions (before, after a failover, a seed may be written there meanwhile)
@@ -302,31 +319,52 @@ class KeyState:
         return np.empty(self.length // self.dtype.itemsize, self.dtype.accumulate)
 
     def lend(self, r: Round, pool: BufferPool) -> np.ndarray:
-        """Round `r`'s accumulator (its result too), lent by `pool` if it has none. A key's rounds hold lent buffers
-        from their first contribution until the next round completes: that round's contributions came from every
-        worker, each after it had received this round's result (`give_back`). So a key holds one buffer between its
-        rounds, not two, and a round's buffer is one the pool has written before, not fresh pages (issue 33: a
-        1.2 GB tensor's second call paid for a second set of fresh round buffers). From the engine's thread and from
-        a reader (the first rank's contribution received into it: Engine.landing)."""
-        acc = r.acc
-        if acc is None:
-            with pool.lock:
-                acc = r.acc
-                if acc is None:
-                    acc = pool.take_locked(self.dtype.accumulate, self.length // self.dtype.itemsize)
-                    r.buffers_of(None, acc, self.slices)
+        """Round `r`'s accumulator (its result too), lent by `pool` if it has none (KeyOp.lendable, LEND_BYTES). A
+        round holds its buffer from its first contribution added until every reply of its result has been sent
+        (`release_when_sent`), or, where that is not known (a seeded round, a reply that was never sent), until the
+        key's next round completes (`give_back`). So a server holds buffers for the rounds in flight, not one or two
+        per key, and a round is written into pages the pool has written before rather than fresh ones (issue 33: a
+        1.2 GB tensor's first two calls paid seconds of page faults for each server's round buffers). From the
+        engine's thread and from a reader (the first rank's contribution received into it: Engine.landing)."""
+        with pool.lock:
+            r.lends += 1
+            acc = r.acc
+            if acc is None:
+                acc = pool.take_locked(self.dtype.accumulate, self.length // self.dtype.itemsize)
+                r.buffers_of(None, acc, self.slices)
         return acc
 
+    def release_when_sent(self, r: Round) -> Callable[[], None] | None:
+        """What the repliers call once every reply of round `r`'s result is sent (Reply's `sent`): its lent buffer
+        goes back to the pool. None for a round that keeps its result (not lent, or seeded: a worker the dead server
+        never answered may still push it and be answered from here). Every worker that pushed the round had its
+        reply; a replica had it before them (server/replica.py); so nothing needs the buffer once they are sent.
+        Not if it was lent again meanwhile (`lends`: a reply thread that was slow to call back)."""
+        pool = self.pool
+        if not self.lent or r.seeded or pool is None:
+            return None
+        acc, lends = r.acc, r.lends
+
+        def release() -> None:
+            with pool.lock:
+                if r.acc is acc and r.lends == lends:
+                    r.acc = r.out = r.result = None  # type: ignore[assignment]
+                    pool.give_locked(acc)
+
+        return release
+
     def give_back(self, done: Round, pool: BufferPool) -> None:
-        """Round `done` completed: the other round's lent buffer goes back to the pool. Every worker pushed `done`
-        after it had the other round's result, so no reply of it is still being sent, and no failover can ask for it
-        (its forward to a replica was acknowledged before any worker had it)."""
+        """Round `done` completed: the other round's lent buffer, if it still has one (its replies' `release` never
+        came), goes back to the pool. Every worker pushed `done` after it had the other round's result, so no reply of
+        it is still being sent, and no failover can ask for it (its forward to a replica was acknowledged before any
+        worker had it)."""
         other = self.rounds[1 - done.index]
-        acc = other.acc
-        if acc is None or other.number >= done.number or self.unfinished(other):
-            return
-        other.acc = other.out = other.result = None  # type: ignore[assignment]
-        pool.give(acc)
+        with pool.lock:
+            acc = other.acc
+            if acc is None or other.number >= done.number or self.unfinished(other):
+                return
+            other.acc = other.out = other.result = None  # type: ignore[assignment]
+            pool.give_locked(acc)
 
     def own(self) -> None:
         """An owned key whose rounds share a buffer (it was a replica): the round last received into it keeps it; the

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from gradwire.admin.node import NodeAdmin
 from gradwire.admin.stalls import watch_stalls
@@ -28,6 +29,7 @@ from gradwire.server.engine import Engine
 from gradwire.server.reader import Reader
 from gradwire.server.replica import Replicas
 from gradwire.server.replier import AckReply, ErrorReply, HeldReplies, ResultReply, WorkerLink
+from gradwire.server.staging import Countdown
 from gradwire.server.state import ServerState
 from gradwire.throttle import HandshakeGate
 from gradwire.transport import tcp
@@ -309,17 +311,25 @@ class Server:
     # -- the engines' outbox: replies to the workers ---------------------------------------------
 
     def _queue_reply(
-        self, key: int, rnd: int, dtype: int, payload: memoryview | list[memoryview], pulls: list[int], ranks: int
+        self,
+        key: int,
+        rnd: int,
+        dtype: int,
+        payload: memoryview | list[memoryview],
+        pulls: list[int],
+        ranks: int,
+        sent: Callable[[], None] | None = None,
     ) -> None:
         state = self.state
         if ranks == state.everyone:
             state.metrics.round_done()
         sliced = isinstance(payload, list)
         links, held = state.links, self._held
-        for rank in range(state.num_workers):
-            link = links.get(rank)
-            if link is not None and ranks >> rank & 1:
-                held.reply(link, ResultReply(key, rnd, dtype, payload[rank] if sliced else payload, pulls[rank]))
+        to = [(rank, link) for rank in range(state.num_workers) if ranks >> rank & 1 and (link := links.get(rank))]
+        countdown = Countdown(len(to), sent) if sent is not None and to else None
+        for rank, link in to:
+            item = ResultReply(key, rnd, dtype, payload[rank] if sliced else payload, pulls[rank], countdown)
+            held.reply(link, item)
 
     def _queue_ack(self, rank: int, key: int, rnd: int) -> None:
         link = self.state.links.get(rank)
