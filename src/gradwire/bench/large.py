@@ -8,8 +8,8 @@ Each way runs as its own job on this machine, one after the other (2 workers; gr
   all_reduce;
 - a GPT-2-medium-sized transformer (bench/large_worker.py) trained `--steps` steps with SGD: DistributedOptimizer
   against DDP over gloo.
-Reported per way: the first and second call (or step), the steady one (the median from the third on: a key's two
-round buffers serve alternate calls, so the second is a first too), the time to set up a model
+Reported per way: the first and second call (or step), the steady one (the median from the third on: the second
+was a first too while a key's two round buffers served alternate calls), the time to set up a model
 (wrapping it, broadcasting rank 0's parameters), and the peak RSS per worker (the largest over the workers), each
 beside gloo's; and the largest peak RSS of gradwire's servers.
 """
@@ -104,8 +104,8 @@ def _rows(proc: subprocess.CompletedProcess, task: list[str]) -> list[dict]:
 
 
 def _summary(rows: list[dict]) -> dict:
-    """The first, second and steady time (the median from the third on: a key's two round buffers serve alternate
-    calls, so the second is a first too), the slowest rank's; the largest peak RSS; setup."""
+    """The first, second and steady time (the median from the third on: the second call was a first too while a key's
+    two round buffers served alternate calls), the slowest rank's; the largest peak RSS; setup."""
     times = [max(r["times"][i] for r in rows) for i in range(len(rows[0]["times"]))]
     return {
         "first": times[0],

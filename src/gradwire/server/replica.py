@@ -3,7 +3,7 @@
 Sums (docs/faults.md): a tensor past the workers' GRADWIRE_FAILOVER_COPY_BYTES has each key's result forwarded to
 the key's replica (the next live server) before any worker gets it; the replica keeps it as that key's seed
 (server/engine.py), so when the key's server dies and the key moves to its replica, every round some worker has seen
-is answered from there, and the workers keep no copy. Costs: the replica's two round buffers per key, one more send
+is answered from there, and the workers keep no copy. Costs: one buffer per key on the replica, one more send
 of each result (1/n of what the key's server sends the workers), and one server-to-server round trip per answer.
 
 A replica that acknowledges nothing for `deadline` seconds (GRADWIRE_HEARTBEAT_TIMEOUT) while forwards wait for it is

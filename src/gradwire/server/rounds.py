@@ -140,8 +140,8 @@ class KeyOp:
 
 
 class Round:
-    """One of a key's two round buffers (double buffering: server/engine.py): the round it holds, whose
-    contributions are in, where each rank's answer goes, and the accumulator with its result."""
+    """One of a key's two rounds (double buffering: server/engine.py): the round it holds, whose contributions are
+    in, where each rank's answer goes, and the accumulator with its result (lent while needed: KeyState.lend)."""
 
     __slots__ = (
         "acc",
