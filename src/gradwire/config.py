@@ -71,8 +71,10 @@ class Config:
     servers_per_node: int = 1
     deterministic: bool = True
     server_failover: bool = True
-    # the most a worker keeps of sums for a failover; tensors past it have their last sums kept by a replica server
+    # the most a worker keeps of sums for a failover; tensors past it have their sums held in the workers' outputs
+    # until every worker has them (or, with failover_hold off, kept by a replica server)
     failover_copy_bytes: int = 256 * MiB
+    failover_hold: bool = True
     # tensors smaller than this travel uncompressed whatever compressor is asked for (BytePS's threshold)
     compression_min_bytes: int = 64 * KiB
     # the compressor DistributedOptimizer and the DDP wrappers use where none is passed ("": none), and its k

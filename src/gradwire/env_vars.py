@@ -258,9 +258,17 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "failover_copy_bytes",
         (),
         "the most each worker keeps of the sums it received, for a failover: the job's first tensors up to this "
-        "many bytes are copied on the workers (no cost to the servers); the sums of those past it are kept by a "
-        "replica server instead, which answers a round only once it has it (workers keep nothing of them). 0: "
-        "replicas for all. With one server, or once a server has died, workers copy every sum",
+        "many bytes are copied on the workers; the sums of those past it are held in the workers' outputs instead, "
+        "each call completing once every worker has its sums (GRADWIRE_FAILOVER_HOLD; no copy anywhere). 0: held "
+        "for all",
+    ),
+    EnvVar(
+        "GRADWIRE_FAILOVER_HOLD",
+        "failover_hold",
+        (),
+        "past GRADWIRE_FAILOVER_COPY_BYTES, workers hold each sum in the call's output until every worker has it (1); "
+        "0: a replica server keeps each sum instead, and answers a round only once it has it. Compressed and sliced "
+        "tensors always have replicas (with one server, or once a server has died, workers copy their sums)",
     ),
     EnvVar(
         "GRADWIRE_NUM_STANDBY",

@@ -45,16 +45,21 @@ def _copies(num_servers: int, **config) -> tuple[list[int], int]:
         return kept, sum(s.replicated_rounds for s in c.servers)
 
 
-def test_past_the_budget_the_last_sums_are_kept_by_replicas_not_by_workers():
-    kept, replicated = _copies(2, failover_copy_bytes=100 << 10)
+@pytest.mark.parametrize("hold", [True, False], ids=["held", "replicas"])
+def test_past_the_budget_workers_keep_no_copy_of_the_sums(hold):
+    """Past the budget the sums are held in the calls' outputs until every worker has them (by default: nothing
+    kept once the calls are done), or kept by replica servers (GRADWIRE_FAILOVER_HOLD=0)."""
+    kept, replicated = _copies(2, failover_copy_bytes=100 << 10, failover_hold=hold)
     assert kept == [4000, 4000]  # the small tensor only
-    assert replicated == 3 * 7  # 7 partitions, each round kept once on the other server
+    assert replicated == (0 if hold else 3 * 7)  # 7 partitions, each round kept once on the other server
 
 
-def test_workers_keep_the_copies_within_the_budget_or_with_one_server():
-    for num_servers, config in ((1, {"failover_copy_bytes": 0}), (2, {})):
+def test_workers_keep_the_copies_within_the_budget_or_with_one_server_and_no_holding():
+    for num_servers, config in ((1, {"failover_copy_bytes": 0, "failover_hold": False}), (2, {})):
         kept, replicated = _copies(num_servers, **config)
         assert kept == [404000, 404000] and replicated == 0, (num_servers, config)
+    kept, replicated = _copies(1, failover_copy_bytes=0)  # held needs no other server (a standby takes its keys)
+    assert kept == [0, 0] and replicated == 0
 
 
 def _worker_bytes(snapshot: tracemalloc.Snapshot) -> int:
@@ -65,9 +70,10 @@ def _worker_bytes(snapshot: tracemalloc.Snapshot) -> int:
 
 @pytest.mark.parametrize("budget", [2 << 20, 1 << 30], ids=["2MiB", "1GiB"])
 def test_a_workers_memory_for_failover_stays_within_the_budget_whatever_the_tensor(budget):
-    """16 MiB pushed and pulled in place with a 2 MiB budget: what the worker allocates stays under the budget
-    (a 1 MiB tensor's copies within it; the large one's sums kept by replicas), not a copy of the 16 MiB; with a
-    budget past both, the same measure sees the copies of both."""
+    """16 MiB pushed and pulled in place with a 2 MiB budget: what the worker allocates stays under the budget and one
+    partition per link (a 1 MiB tensor's copies within it; the large one's sums held in place, received through a
+    buffer of one partition where a shared slot was not free), not a copy of the 16 MiB; with a budget past both, the
+    same measure sees the copies of both."""
     with LocalCluster(num_workers=2, num_servers=2, partition_bytes=1 << 20, failover_copy_bytes=budget) as c:
         small = [np.ones(1 << 18, np.float32) for _ in c.workers]
         large = [np.ones(1 << 22, np.float32) for _ in c.workers]
@@ -87,7 +93,8 @@ def test_a_workers_memory_for_failover_stays_within_the_budget_whatever_the_tens
         kept = [sum(s.data.nbytes for s in w.failover.seeds.values()) for w in c.workers]
         if budget < 16 << 20:
             assert kept == [1 << 20, 1 << 20]
-            assert held < 2 * budget, held  # both workers: within their budgets, none of the 16 MiB
+            # both workers: within their budgets and a 1 MiB buffer per link, none of the 16 MiB
+            assert held < 2 * (budget + 2 * (1 << 20)), held
         else:
             assert kept == [17 << 20, 17 << 20]
             assert held > 2 * (17 << 20), held
@@ -116,24 +123,26 @@ def _server_buffers(server) -> int:
     return sum(engine.pool.allocated for engine in server.state.engines) + sum(own.values())
 
 
-def test_servers_hold_buffers_for_rounds_in_flight_and_one_per_replicated_key():
+@pytest.mark.parametrize("hold", [True, False], ids=["held", "replicas"])
+def test_servers_hold_buffers_for_rounds_in_flight_and_one_per_replicated_key(hold):
     """A 16 MiB tensor past the workers' budget, 3 workers, 2 servers: a round's buffer goes back to the pool once its
-    replies are sent, so between calls the servers hold no round buffers, only their replicas' one per partition, and
-    the pool what rounds and early contributions were in flight at once; not two round buffers, two staging buffers per
-    rank above 0 and a replica's two per partition (8 x 16 MiB, before the pool)."""
+    replies are sent, so between calls the servers hold no round buffers, only (with replicas) their replicas' one per
+    partition, and the pool what rounds and early contributions were in flight at once; not two round buffers, two
+    staging buffers per rank above 0 and a replica's two per partition (8 x 16 MiB, before the pool)."""
     size = 16 << 20
-    with LocalCluster(num_workers=3, num_servers=2, partition_bytes=1 << 20, failover_copy_bytes=0) as c:
+    config = dict(partition_bytes=1 << 20, failover_copy_bytes=0, failover_hold=hold)
+    with LocalCluster(num_workers=3, num_servers=2, **config) as c:
         grads = [np.ones(size // 4, np.float32) for _ in c.workers]
         c.run(lambda w: [w.push_pull_inplace(grads[w.rank], "g") for _ in range(4)])
         assert all((g == 81).all() for g in grads)  # 1 -> 3 -> 9 -> 27 -> 81
-        assert sum(s.replicated_rounds for s in c.servers) == 4 * 16
+        assert sum(s.replicated_rounds for s in c.servers) == (0 if hold else 4 * 16)
         states = [st for s in c.servers for e in s.state.engines for st in e.keys.values()]
-        assert sorted(st.kept for st in states) == [False] * 16 + [True] * 16
+        assert sorted(st.kept for st in states) == [False] * 16 + [True] * 16 * (not hold)
         deadline = time.monotonic() + 5  # the repliers give the last buffers back just after their sends
         while any(r.acc is not None for st in states if not st.kept for r in st.rounds):
             assert time.monotonic() < deadline, "round buffers still held after their replies were sent"
             time.sleep(0.01)
         held = sum(_server_buffers(s) for s in c.servers)
-        # 2.4x here: the replicas' 1x, the rest what was in flight at once (at most a round's buffer, the next round's
-        # and two early contributions per partition: 4x)
-        assert size <= held <= 5 * size, held / size
+        # 2.4x here with replicas: the replicas' 1x, the rest what was in flight at once (at most a round's buffer, the
+        # next round's and two early contributions per partition: 4x); held, the replicas' 1x less
+        assert (0 if hold else size) <= held <= (4 if hold else 5) * size, held / size

@@ -19,8 +19,8 @@ def _ours():
 @pytest.mark.parametrize("transport,shared,unix", [("auto", True, True), ("unix", False, True), ("tcp", False, False)])
 def test_sums_over_every_transport(transport, shared, unix):
     # window 1: two pull slots per link, so most of the 12 tensors in flight take the inline fallback
-    # failover_copy_bytes 0: every key is replicated, so every server also links to its replica
-    config = dict(transport=transport, window=1, partition_bytes=8192, failover_copy_bytes=0)
+    # failover_copy_bytes 0 and no holding: every key is replicated, so every server also links to its replica
+    config = dict(transport=transport, window=1, partition_bytes=8192, failover_copy_bytes=0, failover_hold=False)
     with LocalCluster(num_workers=3, num_servers=2, **config) as c:
         links = [link for w in c.workers for link in w.links]
         assert all((link.arena is not None) == shared for link in links)
@@ -37,6 +37,32 @@ def test_sums_over_every_transport(transport, shared, unix):
         replica_links = [link for s in c.servers for link in s.state.replicas._links.values()]
         assert len(replica_links) == 2
         assert all(link.conn.peer.startswith("unix:") == unix for link in replica_links)
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_held_sums_over_every_transport_in_place_and_not(transport):
+    """Sums held in the workers' outputs (past GRADWIRE_FAILOVER_COPY_BYTES): in place and out of place, averaged and
+    not, several tensors in flight; each call completes once every worker has its sums, and no server keeps any round
+    waiting for a receipt afterwards."""
+    config = dict(transport=transport, window=2, partition_bytes=8192, failover_copy_bytes=0)
+    with LocalCluster(num_workers=3, num_servers=2, **config) as c:
+
+        def job(w):
+            ins = [np.full(5000 + i, w.rank + i, np.float32) for i in range(6)]
+            handles = [
+                w.push_pull_async(x, f"t{i}", out=x if i % 2 else None, average=i % 3 == 0) for i, x in enumerate(ins)
+            ]
+            return [w.synchronize(h).copy() for h in handles]
+
+        for _ in range(3):
+            for results in c.run(job):
+                for i, r in enumerate(results):
+                    total = sum(rank + i for rank in range(3))
+                    assert np.all(r == (total / 3 if i % 3 == 0 else total)), i
+        assert all(t.held for w in c.workers for t in w.table.tensors.values())
+        assert all(len(link.holds) == 0 for w in c.workers for link in w.links)
+        assert all(len(s.state.receipts) == 0 for s in c.servers)
+        assert not any(s.state.replicas._links for s in c.servers)  # no replicas: nothing forwarded
 
 
 class _Recorder:

@@ -99,7 +99,9 @@ def test_a_hung_replica_is_reported_and_failed_over_not_waited_for():
     """Every key replicated; server 1 (server 0's replica) takes forwarded rounds but never acknowledges them: once
     GRADWIRE_HEARTBEAT_TIMEOUT passes, server 0 reports it lost, the scheduler fails it over as a dead server, and
     every sum is still the rank-order sum, long before the workers' GRADWIRE_TIMEOUT."""
-    config = dict(partition_bytes=4096, failover_copy_bytes=0, heartbeat_interval=0.2, heartbeat_timeout=2.0)
+    config = dict(
+        partition_bytes=4096, failover_copy_bytes=0, failover_hold=False, heartbeat_interval=0.2, heartbeat_timeout=2.0
+    )
     with LocalCluster(num_workers=3, num_servers=3, **config) as c:  # the workers wait 30 s at most
         hung = c.servers[1]
         for engine in hung.engines:  # takes the seed, never acknowledges it
@@ -141,15 +143,21 @@ def _answer_one_then_die(cluster: LocalCluster, killed: threading.Event, after: 
         engine._reply = queue_reply
 
 
-@pytest.mark.parametrize("copies", ["replica", "worker"])
+@pytest.mark.parametrize("copies", ["replica", "worker", "held"])
 def test_a_round_answered_to_some_workers_only_is_completed_from_a_copy(copies):
     """The trap: the server dies after sending a round's sum to worker 0 and before the others got it. Worker 0's
     input is gone (summed in place) and it has moved on; the others resend theirs. The round's sum comes from the
-    replica server, which had it before anyone was answered (tensors past GRADWIRE_FAILOVER_COPY_BYTES), or from
-    worker 0's copy, which it seeds (those within it)."""
-    budget = 0 if copies == "replica" else 1 << 30
+    replica server, which had it before anyone was answered (tensors past GRADWIRE_FAILOVER_COPY_BYTES with
+    GRADWIRE_FAILOVER_HOLD=0), or from worker 0's copy, which it seeds (those within it), or from worker 0's output,
+    which holds the sum, its call unfinished, until every worker has it (past the budget, by default)."""
+    budget = 1 << 30 if copies == "worker" else 0
     with LocalCluster(
-        num_workers=3, num_servers=2, partition_bytes=4096, failover_copy_bytes=budget, placement="equal"
+        num_workers=3,
+        num_servers=2,
+        partition_bytes=4096,
+        failover_copy_bytes=budget,
+        failover_hold=copies == "held",
+        placement="equal",
     ) as c:
         killed = threading.Event()
         _answer_one_then_die(c, killed, after=15)
@@ -161,6 +169,8 @@ def test_a_round_answered_to_some_workers_only_is_completed_from_a_copy(copies):
         assert c.servers[1].seeded_answers >= 2  # workers 1 and 2 got that round's sum from a copy
         seeded = c.scheduler.failovers[0]["seeds"]
         assert (seeded == 0) if copies == "replica" else (seeded >= 1)  # which copy: worker 0 seeded, or none had to
+        tensors = [t for w in c.workers for t in w.table.tensors.values()]
+        assert all(t.held == (copies == "held") for t in tensors)
 
 
 def test_with_failover_off_a_dead_server_aborts_the_job_naming_it():
@@ -326,9 +336,11 @@ def _narrow(name: str, acc: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize(
-    "n, copy_bytes", [(1, None), (2, None), (3, None), (4, None), (3, 0)], ids=["1", "2", "3", "4", "3-replicas"]
+    "n, copy_bytes, hold",
+    [(1, None, True), (2, None, True), (3, None, True), (4, None, True), (3, 0, True), (3, 0, False)],
+    ids=["1", "2", "3", "4", "3-held", "3-replicas"],
 )
-def test_every_op_of_every_dtype_is_exact_across_a_server_failover(n, copy_bytes):
+def test_every_op_of_every_dtype_is_exact_across_a_server_failover(n, copy_bytes, hold):
     """Each per-key operation (the four reductions, allgather with rows differing by rank, broadcast, reducescatter,
     alltoall with uneven splits) of each dtype gradwire carries, at odd sizes, all in flight at once, step after step,
     while a server is killed: every result is the exact one (reductions in rank order, in the accumulator's
@@ -372,7 +384,8 @@ def test_every_op_of_every_dtype_is_exact_across_a_server_failover(n, copy_bytes
                 out[step, tag] = worker.synchronize(handle).copy()
         return out
 
-    budget = {} if copy_bytes is None else {"failover_copy_bytes": copy_bytes}  # 0: every sum kept by a replica
+    # 0: every sum held in the workers' outputs (or kept by a replica: hold off; sliced and compressed keys always)
+    budget = {} if copy_bytes is None else {"failover_copy_bytes": copy_bytes, "failover_hold": hold}
     with LocalCluster(num_workers=n, num_servers=3, partition_bytes=256, **budget) as c:
         killed = threading.Event()
         killer = _kill_when(c, 1, rounds=25, killed=killed)

@@ -121,18 +121,20 @@ def reference() -> str:
 
 
 @pytest.mark.parametrize(
-    ("kill_at", "wait", "standby", "copy_bytes"),
-    [(3, True, 0, None), (12, False, 0, None), (12, False, 1, None), (3, True, 0, "0")],
+    ("kill_at", "wait", "standby", "hold"),
+    [(3, True, 0, None), (12, False, 0, None), (12, False, 1, None), (3, True, 0, "1"), (3, True, 0, "0")],
     ids=[
         "others-mid-round-onto-survivors",
         "anywhere-onto-survivors",
         "anywhere-to-a-standby",
+        "others-mid-round-held-in-the-outputs",
         "others-mid-round-onto-the-replicas",
     ],
 )
-def test_a_sigkilled_server_leaves_the_parameters_bit_identical(reference, kill_at, wait, standby, copy_bytes):
-    # copy_bytes "0": every sum kept by a replica server rather than by the workers (docs/faults.md)
-    budget = {"GRADWIRE_FAILOVER_COPY_BYTES": copy_bytes} if copy_bytes is not None else None
+def test_a_sigkilled_server_leaves_the_parameters_bit_identical(reference, kill_at, wait, standby, hold):
+    # hold set: no sum copied on the workers (a budget of 0); each held in the call's output until every worker has it
+    # ("1"), or kept by a replica server ("0") (docs/faults.md)
+    budget = {"GRADWIRE_FAILOVER_COPY_BYTES": "0", "GRADWIRE_FAILOVER_HOLD": hold} if hold is not None else None
     run = _run("server 1", kill_at, wait, standby, extra_env=budget)
     out = run["output"]
     assert run["code"] == 0, out

@@ -3,9 +3,9 @@
 Each way runs as its own job on this machine, one after the other (2 workers; gradwire with 2 dedicated servers by
 `gradwire launch`, gloo's ranks meeting through a file):
 - a float32 tensor of `--large-elements` (300M: 1.2 GB) summed `--calls` times: push_pull_inplace, push_pull (out of
-  place), and, for what a failover's copies cost, push_pull_inplace with the workers keeping every sum (a
-  GRADWIRE_FAILOVER_COPY_BYTES past the tensor: no replicas) and with failover off, against torch.distributed's
-  all_reduce;
+  place), and, for what a failover costs, push_pull_inplace with the sums kept by replica servers rather than held
+  in the outputs (GRADWIRE_FAILOVER_HOLD=0), with the workers keeping every sum (a GRADWIRE_FAILOVER_COPY_BYTES past
+  the tensor) and with failover off, against torch.distributed's all_reduce;
 - a GPT-2-medium-sized transformer (bench/large_worker.py) trained `--steps` steps with SGD: DistributedOptimizer
   against DDP over gloo.
 Reported per way: the first and second call (or step), the steady one (the median from the third on: the second
@@ -143,6 +143,7 @@ def run_large(args: argparse.Namespace) -> int:
     ways = [
         ("push_pull_inplace", "inplace", {}),
         ("push_pull (out of place)", "outofplace", {}),
+        ("push_pull_inplace, replicas keep the sums", "inplace", {"GRADWIRE_FAILOVER_HOLD": "0"}),
         ("push_pull_inplace, workers keep the copies", "inplace", {"GRADWIRE_FAILOVER_COPY_BYTES": str(1 << 40)}),
         ("push_pull_inplace, failover off", "inplace", {"GRADWIRE_SERVER_FAILOVER": "0"}),
     ]
@@ -160,6 +161,7 @@ def run_large(args: argparse.Namespace) -> int:
     mine = _summary(_gradwire(n, k, [*task, "--way", "optimizer"], {}))
     _print("DistributedOptimizer", mine, ddp)
     for name, env in (
+        ("DistributedOptimizer, replicas keep the sums", {"GRADWIRE_FAILOVER_HOLD": "0"}),
         ("DistributedOptimizer, workers keep the copies", {"GRADWIRE_FAILOVER_COPY_BYTES": str(1 << 40)}),
         ("DistributedOptimizer, failover off", {"GRADWIRE_SERVER_FAILOVER": "0"}),
     ):

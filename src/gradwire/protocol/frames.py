@@ -7,8 +7,8 @@ Layout (40 bytes)::
 
 A header is validated completely (`decode_header`) before any buffer is sized from it: the magic, the
 version, a known type, a known dtype for data frames, and the length against the receiver's maximum.
-Data frames (PUSHPULL, RESULT) carry raw array bytes; ACKS carries packed (key, round) pairs (`ACK_ENTRY`); every
-other type carries a JSON body.
+Data frames (PUSHPULL, RESULT) carry raw array bytes; ACKS, RECEIVED and EVERYONE carry packed (key, round) pairs
+(`ACK_ENTRY`); every other type carries a JSON body.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ VERSION = 1
 HEADER = struct.Struct("<IBBBBIIQIIQ")
 HEADER_SIZE = HEADER.size
 MAX_CONTROL_BYTES = 1 << 20
-ACK_ENTRY = struct.Struct("<QI")  # an ACKS frame's (key, round)
+ACK_ENTRY = struct.Struct("<QI")  # an ACKS, RECEIVED or EVERYONE frame's (key, round)
 
 
 class FrameType(enum.IntEnum):
@@ -45,6 +45,11 @@ class FrameType(enum.IntEnum):
     # server -> worker: its contributions to these (key, round)s are in (ACK_ENTRY each): the acknowledgements of one
     # batch of the engine, in one frame (server/replier.py)
     ACKS = 11
+    # worker -> server: the sums of these (key, round)s are in its outputs (ACK_ENTRY each), which hold them for a
+    # failover until every worker has them (held keys: docs/faults.md, server/receipts.py)
+    RECEIVED = 12
+    # server -> worker: every worker it answered these (key, round)s has them (ACK_ENTRY each): their calls complete
+    EVERYONE = 13
 
 
 # PUSHPULL flag: the payload is a sum the worker already received (resent to a key's new server after a failover;
@@ -57,12 +62,16 @@ REPLAY = 0x08
 # PUSHPULL flag: server -> server, an update a key's primary applied, for the replica to apply alike (the header's
 # status numbers it; the replica's ACK echoes the number). Parameter-server mode, server/replica.py.
 REPLICA = 0x04
+# PUSHPULL flag: worker -> server, the pusher holds the round's sum in its output until every worker has it, and says
+# when it has it (RECEIVED); the server tells every one of them once all have (EVERYONE). docs/faults.md, "held keys"
+HELD = 0x10
 # ring event flag (never on the wire): the set of joined workers changed (hvd.join); the slot's key is the bitmask
 JOIN_EVENT = 0x80
 # with JOIN_EVENT: the bitmask is of the workers that have left the job instead (shutdown() while others go on)
 DEPARTED_EVENT = 0x40
 
 DATA_TYPES = frozenset({FrameType.PUSHPULL, FrameType.RESULT})
+ENTRY_TYPES = frozenset({FrameType.ACKS, FrameType.RECEIVED, FrameType.EVERYONE})  # bodies of ACK_ENTRY pairs
 
 
 class Header(NamedTuple):
@@ -131,8 +140,8 @@ def decode_header(raw: bytes | bytearray | memoryview, max_payload: int) -> Head
             raise RemoteProtocolError(f"payload of {length} bytes is not a whole number of {dtype=} elements")
     elif length > MAX_CONTROL_BYTES:
         raise RemoteProtocolError(f"{frame_type.name} body of {length} bytes exceeds {MAX_CONTROL_BYTES}")
-    elif frame_type is FrameType.ACKS and length % ACK_ENTRY.size:
-        raise RemoteProtocolError(f"ACKS body of {length} bytes is not a whole number of entries")
+    elif frame_type in ENTRY_TYPES and length % ACK_ENTRY.size:
+        raise RemoteProtocolError(f"{frame_type.name} body of {length} bytes is not a whole number of entries")
     return Header(frame_type, flags, dtype, epoch, sender, key, rnd, status, length)
 
 
@@ -144,6 +153,12 @@ def encode_json(ftype: int, body: dict, *, epoch: int = 0, sender: int = 0, key:
     """A whole control frame: header and JSON body."""
     payload = json.dumps(body, separators=(",", ":")).encode()
     return encode_header(ftype, len(payload), epoch=epoch, sender=sender, key=key) + payload
+
+
+def encode_entries(ftype: int, pairs: list[tuple[int, int]], *, epoch: int = 0, sender: int = 0) -> bytes:
+    """A whole frame of (key, round) pairs (RECEIVED, EVERYONE)."""
+    body = b"".join(ACK_ENTRY.pack(key, rnd) for key, rnd in pairs)
+    return encode_header(ftype, len(body), epoch=epoch, sender=sender) + body
 
 
 def decode_json(payload: bytes) -> dict:

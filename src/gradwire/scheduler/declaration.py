@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 from gradwire.protocol.signature import Signature
 
+HOLDABLE_OPS = frozenset({"sum", "min", "max", "product"})
+
 
 @dataclass
 class Declaration:
@@ -28,6 +30,9 @@ class Declaration:
     members: list[int] | None = None  # the ranks that take part (a process set); None: every worker
     op_args: str | None = None  # the operation's declared arguments (canonical JSON: a server-side optimizer's)
     replicas: list[int | None] | None = None  # per key, the server holding a replica of its state (server/replica.py)
+    # its workers hold each round's sum in their outputs until every one has it, in place of a copy or a replica
+    # (docs/faults.md, "Held keys"; server/receipts.py)
+    held: bool = False
     ready: threading.Event = field(default_factory=threading.Event)  # set once every owning server knows its keys
     error: str | None = None
 
@@ -44,7 +49,19 @@ class Declaration:
         # the replica is gone, docs/ps-mode.md)
         replicas = self.replicas if self.key_op != "optimizer" else None
         replicated = [r is not None for r in replicas] if replicas is not None else None
-        return {"servers": self.servers, "partition_bytes": self.partition_bytes, "replicated": replicated}
+        return {
+            "servers": self.servers,
+            "partition_bytes": self.partition_bytes,
+            "replicated": replicated,
+            "held": self.held,
+        }
+
+    @property
+    def holdable(self) -> bool:
+        """Its workers may hold its sums in their outputs for a failover (`held`): a reduction whose every worker
+        pulls the whole result, as it is (a compressed key's workers get a decoded block, which is not what a seed
+        must carry; a sliced key's hold only their slice; a server-side optimizer's keep the parameters)."""
+        return self.key_op in HOLDABLE_OPS and self.slices is None
 
 
 def key_slices(sizes: list[int], slices: list[list[int]], itemsize: int) -> list[list[list[int]]]:

@@ -135,9 +135,18 @@ class Declarations:
                 raise _Refused(f"bad slices {slices} of {num} elements")
         return Signature(key_op, dtype, shape, slices, meta, members, op_args)
 
-    def restore(self, rank: int, body: messages.Declare, pbytes: int, servers: list[int], kept: dict[int, int]) -> None:
+    def restore(
+        self,
+        rank: int,
+        body: messages.Declare,
+        pbytes: int,
+        servers: list[int],
+        kept: dict[int, int],
+        held: bool = False,
+    ) -> None:
         """A tensor as worker `rank` reports it to a recovering scheduler (scheduler/recovery.py): placed already, its
-        keys on their servers, and on `kept`'s replicas (key -> the server that keeps its answered rounds)."""
+        keys on their servers, and on `kept`'s replicas (key -> the server that keeps its answered rounds), or its
+        sums `held` in the workers' outputs."""
         try:
             signature = self._signature(rank, body.name, body)
         except _Refused as e:
@@ -154,9 +163,10 @@ class Declarations:
                 (self.placement.local_loads if local else self.placement.loads)[server] += size
             self.declared_bytes += total
             decl = Declaration(shape, dtype, rank, servers, pbytes, keys, sizes, key_op, slices, meta, members, op_args)
+            decl.held = held
             if any(k in kept for k in keys):
                 decl.replicas = [kept.get(k) for k in keys]
-            elif key_op != "optimizer" and not local:
+            elif key_op != "optimizer" and not local and not held:
                 self.copied_bytes += total
             decl.ready.set()
             self.tensors[body.name] = decl
@@ -192,7 +202,11 @@ class Declarations:
             else:
                 decl.key_op, decl.slices, decl.meta, decl.members = key_op, slices, meta, members
                 decl.op_args = op_args
-                if self._replicated(op_args, among, sum(decl.sizes)):
+                if not self._replicated(op_args, among, sum(decl.sizes)):
+                    pass
+                elif decl.holdable and self.config.failover_hold:
+                    decl.held = True  # past the workers' copies: its sums are held in their outputs instead
+                else:
                     decl.replicas = [self._replica_of(s) for s in decl.servers]
         if decl is None:
             for c in calls:

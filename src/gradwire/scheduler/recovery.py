@@ -231,8 +231,8 @@ class Recovery:
         workers = [r for (role, _), (_, r) in reports.items() if role == "worker"]
         self.under_way = unfinished.failover(workers)
         self.recut = unfinished.recut(workers, roster.tuning)
-        for rank, declare, pbytes, servers in tensors.values():
-            declarations.restore(rank, declare, pbytes, servers, replicas)
+        for rank, declare, pbytes, servers, held in tensors.values():
+            declarations.restore(rank, declare, pbytes, servers, replicas, held)
         roster.barriers_passed = max(
             int(r.report.get("barriers", 0)) for _, r in reports.values() if r.role == "worker"
         )
@@ -323,18 +323,21 @@ class Recovery:
                     out[int(key)] = rank
         return out
 
-    def _tensors(self) -> dict[str, tuple[int, messages.Declare, int, list[int]]]:
+    def _tensors(self) -> dict[str, tuple[int, messages.Declare, int, list[int], bool]]:
         """Every tensor some worker has its declaration's answer for: (the rank that reported it first, its
-        declaration, its partition size, its servers). Workers agree on each, but for a failover some of them were
-        not told of (unfinished.py): the placement is that of the workers that know the latest epoch."""
-        out: dict[str, tuple[int, messages.Declare, int, list[int]]] = {}
+        declaration, its partition size, its servers, whether its sums are held).
+
+        Workers agree on each, but for a failover some of them were not told of (unfinished.py): the placement is
+        that of the workers that know the latest epoch."""
+        out: dict[str, tuple[int, messages.Declare, int, list[int], bool]] = {}
         workers = [(rank, r) for (role, rank), (_, r) in self._reports.items() if role == "worker"]
         for rank, resume in sorted(workers, key=lambda w: (-w[1].epoch, w[0])):  # a failover's REPLACE first
             for t in resume.report.get("tensors", []):
                 declare = decode(messages.Declare, t["declare"] | {"op": messages.Declare.op, "id": 0})
                 assert isinstance(declare, messages.Declare)
                 if declare.name not in out:
-                    out[declare.name] = (rank, declare, int(t["partition_bytes"]), [int(s) for s in t["servers"]])
+                    servers = [int(s) for s in t["servers"]]
+                    out[declare.name] = (rank, declare, int(t["partition_bytes"]), servers, bool(t.get("held")))
         return out
 
 

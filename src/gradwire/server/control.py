@@ -172,6 +172,8 @@ class ServerControl:
             time.sleep(0.001)
         for engine in state.engines:
             engine.reset(num_workers, forget=forget)
+        if state.receipts is not None:
+            state.receipts.reset()
         state.set_workers(num_workers)
         generation = " (a new generation)" if forget else ""
         log.info("epoch %d: starting afresh with %d workers%s", epoch, num_workers, generation)

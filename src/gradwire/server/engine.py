@@ -49,9 +49,10 @@ import numpy as np
 
 from gradwire.errors import TensorError, TensorMismatch
 from gradwire.protocol import dtypes
-from gradwire.protocol.frames import DEPARTED_EVENT, JOIN_EVENT, REPLAY, REPLICA, SEED
+from gradwire.protocol.frames import DEPARTED_EVENT, HELD, JOIN_EVENT, REPLAY, REPLICA, SEED
 from gradwire.ring import Ring, RingClosed, Slot
 from gradwire.server import ops, replica
+from gradwire.server.receipts import Receipts
 from gradwire.server.rounds import Ack, Batching, Fail, FailRank, Forward, KeyOp, KeyState, Reply, Round
 from gradwire.server.staging import BufferPool
 from gradwire.transport.shm import NO_SLOT
@@ -75,8 +76,10 @@ class Engine:
         forward: Forward | None = None,
         fail_rank: FailRank | None = None,
         batching: Batching | None = None,
+        receipts: Receipts | None = None,
     ) -> None:
         self.index = index
+        self.receipts = receipts  # whom each held round was answered to, until all have it (server/receipts.py)
         self._batching = batching  # replies held over a batch, sent at its end (server/replier.py); None: at once
         self._fail_rank = fail_rank
         self.forward = forward  # to a key's replica server (server/replica.py); None: no replicas
@@ -273,6 +276,8 @@ class Engine:
         if r.number != slot.round:
             state.begin(r, slot.round)
         r.pulls[slot.sender] = slot.pull
+        if slot.flags & HELD:
+            r.held = True  # its pushers hold its sum in their outputs until every one has it
         if r.seeded and r.count == state.need:
             # a worker the dead server never answered pushes a round whose sum came as a seed: answer it alone
             self.seeded_answers += 1
@@ -371,6 +376,8 @@ class Engine:
         can never complete, so every worker that pushed it is told at once, and so is every later pusher (instead of a
         wait until the timeout). Runs on the engine's thread (a ring event), in order with the pushes."""
         self.departed = mask
+        if self.receipts is not None:
+            self.receipts.depart(mask)  # nobody waits for them to have a held round
         for key, state in list(self.keys.items()):
             for r in state.rounds:
                 if state.unfinished(r) and not r.seeded:
@@ -409,7 +416,10 @@ class Engine:
                 r.virtual |= 1 << rank
 
     def answer_round(self, key: int, code: int, r: Round, ranks: int, sent: Callable[[], None] | None = None) -> None:
-        """Send the result of round `r` to `ranks`: all of it, or each rank its slice (`sent`: Reply's)."""
+        """Send the result of round `r` to `ranks`: all of it, or each rank its slice (`sent`: Reply's). A held
+        round's receipts are waited for from them (server/receipts.py)."""
+        if r.held and self.receipts is not None:
+            self.receipts.expect(key, r.number, ranks)
         self._reply(key, r.number, code, r.result, r.pulls, ranks, sent)
 
     def reply(

@@ -51,6 +51,9 @@ class Reader:
             if header.type == FrameType.SHM_ATTACH:
                 self.attach(link, frames.decode_json(conn.recv_body(header)))
                 continue
+            if header.type == FrameType.RECEIVED:  # sums of held keys are in its outputs (server/receipts.py)
+                self._received(conn, header)
+                continue
             if header.type != FrameType.PUSHPULL or header.flags & (REPLICA | JOIN_EVENT):
                 raise RemoteProtocolError(f"unexpected {header.type.name} frame (flags {header.flags:#x})")
             if header.sender != conn.peer_rank or header.epoch != state.epoch:
@@ -85,6 +88,15 @@ class Reader:
                 state.metrics.pushed(header.length)
             finally:
                 publish(engine.ring, seq, slot, conn, header, header.sender)
+
+    def _received(self, conn: tcp.Connection, header: frames.Header) -> None:
+        body = conn.recv_body(header)
+        if header.sender != conn.peer_rank or header.epoch != self.state.epoch or self.state.receipts is None:
+            raise RemoteProtocolError(
+                f"RECEIVED claims sender {header.sender} epoch {header.epoch}; connection is worker {conn.peer_rank} "
+                f"in epoch {self.state.epoch}"
+            )
+        self.state.receipts.received(conn.peer_rank, list(frames.ACK_ENTRY.iter_unpack(body)))
 
     def serve_replica(self, conn: tcp.Connection) -> None:
         """Read the updates a primary server forwards (its keys' replicas are here) into the rings, as worker pushes

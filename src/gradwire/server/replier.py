@@ -81,6 +81,16 @@ class AckReply(ReplyItem):
         self.key, self.round = key, rnd
 
 
+class EveryoneReply(AckReply):
+    """Every worker answered has this held round's sum (server/receipts.py): the worker's call may complete.
+    Consecutive ones travel in one EVERYONE frame (`frames_of`)."""
+
+    __slots__ = ()
+
+
+_ENTRY_FRAMES = {AckReply: FrameType.ACKS, EveryoneReply: FrameType.EVERYONE}  # replies merged into one frame each
+
+
 class ErrorReply(ReplyItem):
     """An ERROR for a key: queued like the rest, so it cannot overtake the key's ACK."""
 
@@ -106,17 +116,18 @@ class RestReply(ReplyItem):
 
 
 def frames_of(link: WorkerLink, items: list[ReplyItem], epoch: int, sender: int) -> tuple[list, int]:
-    """The parts of one send carrying `items` in order (consecutive ACKs merged into ACKS frames), and the bytes of
-    sums among them. The headers are packed into one buffer made for the batch: nothing the send leaves over refers
-    to memory that a later batch reuses."""
+    """The parts of one send carrying `items` in order (consecutive ACKs merged into ACKS frames, consecutive
+    EVERYONEs into EVERYONE frames), and the bytes of sums among them. The headers are packed into one buffer made for
+    the batch: nothing the send leaves over refers to memory that a later batch reuses."""
     size, ack = frames.HEADER_SIZE, frames.ACK_ENTRY
-    acks = sum(1 for item in items if type(item) is AckReply)
-    buffer = memoryview(bytearray(size * len(items) + ack.size * acks))
+    entries = sum(1 for item in items if type(item) in _ENTRY_FRAMES)
+    buffer = memoryview(bytearray(size * len(items) + ack.size * entries))
     parts: list = []
     pulled = at = i = 0
     while i < len(items):
         item = items[i]
-        if type(item) is not AckReply:
+        kind = type(item)
+        if kind not in _ENTRY_FRAMES:
             more, sums = item.parts(link, buffer[at : at + size], epoch, sender)
             parts += more
             pulled += sums
@@ -126,13 +137,13 @@ def frames_of(link: WorkerLink, items: list[ReplyItem], epoch: int, sender: int)
         start = at
         at += size
         count = 0
-        while i < len(items) and type(items[i]) is AckReply and count < MAX_ACKS:
-            ack.pack_into(buffer, at, items[i].key, items[i].round)
+        while i < len(items) and type(items[i]) is kind and count < MAX_ACKS:
+            ack.pack_into(buffer, at, items[i].key, items[i].round)  # type: ignore[attr-defined]
             at += ack.size
             count += 1
             i += 1
         body = count * ack.size
-        frames.pack_header_into(buffer[start : start + size], FrameType.ACKS, body, 0, epoch, sender, 0, 0)
+        frames.pack_header_into(buffer[start : start + size], _ENTRY_FRAMES[kind], body, 0, epoch, sender, 0, 0)
         parts.append(buffer[start:at])
     return parts, pulled
 

@@ -147,6 +147,7 @@ class Round:
         "acc",
         "count",
         "filled",
+        "held",
         "index",
         "lends",
         "lengths",
@@ -175,6 +176,7 @@ class Round:
         self.stage: list[np.ndarray | None] = [None] * num_workers  # their staging buffers, lent (server/staging.py)
         self.lengths = [0] * num_workers  # elements of each staged contribution (a gather's vary)
         self.seeded = False  # its sum came as a seed (a failover), not from contributions
+        self.held = False  # its pushers hold its sum in their outputs until every one has it (server/receipts.py)
         self.virtual = 0  # ranks not answered: joined ones' zeros stood in, or they replayed (REPLAY)
         self.filled = 0  # a gather's elements in
         self.started = 0.0  # when it got its first contribution (the engine's clock)
@@ -202,7 +204,7 @@ class Round:
     def begin(self, number: int, first: int) -> None:
         """Take round `number` (the previous one here complete)."""
         self.number, self.count, self.pushed = number, 0, 0
-        self.turn, self.staged, self.seeded = first, 0, False
+        self.turn, self.staged, self.seeded, self.held = first, 0, False, False
 
     def seed(self, number: int, need: int, everyone: int, past: int) -> None:
         """Round `number` is complete with a seed's sum (`past`: a turn past every rank)."""

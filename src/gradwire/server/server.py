@@ -27,8 +27,9 @@ from gradwire.server import compressed, optim
 from gradwire.server.control import ServerControl
 from gradwire.server.engine import Engine
 from gradwire.server.reader import Reader
+from gradwire.server.receipts import Receipts
 from gradwire.server.replica import Replicas
-from gradwire.server.replier import AckReply, ErrorReply, HeldReplies, ResultReply, WorkerLink
+from gradwire.server.replier import AckReply, ErrorReply, EveryoneReply, HeldReplies, ResultReply, WorkerLink
 from gradwire.server.staging import Countdown
 from gradwire.server.state import ServerState
 from gradwire.throttle import HandshakeGate
@@ -53,6 +54,7 @@ class Server:
         self.reader = Reader(state)
         self.control = ServerControl(state)
         self._held = HeldReplies()  # the engines' replies, held over each batch of their rings
+        state.receipts = Receipts(self._notify_everyone)
         self._listener = tcp.listen(config.host, 0)
         self.port = self._listener.getsockname()[1]
         self._unix_listener, self.unix_name = tcp.listen_unix()
@@ -136,6 +138,7 @@ class Server:
             deterministic=self.config.deterministic,
             forward=state.replicas.forward,
             batching=self._held,
+            receipts=state.receipts,
         )
 
     def _gauges(self) -> None:
@@ -330,6 +333,15 @@ class Server:
         for rank, link in to:
             item = ResultReply(key, rnd, dtype, payload[rank] if sliced else payload, pulls[rank], countdown)
             held.reply(link, item)
+
+    def _notify_everyone(self, rank: int, pairs: list[tuple[int, int]]) -> None:
+        """Every worker answered has the sums of these held rounds (server/receipts.py): tell worker `rank`, behind
+        the replies already held or queued for it."""
+        link = self.state.links.get(rank)
+        if link is not None:
+            for key, rnd in pairs:
+                link.hold(EveryoneReply(key, rnd))
+            link.flush()
 
     def _queue_ack(self, rank: int, key: int, rnd: int) -> None:
         link = self.state.links.get(rank)

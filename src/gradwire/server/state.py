@@ -10,6 +10,7 @@ import threading
 from gradwire.admin.metrics import Metrics
 from gradwire.config import Config
 from gradwire.server.engine import Engine
+from gradwire.server.receipts import Receipts
 from gradwire.server.replica import Replicas
 from gradwire.server.replier import WorkerLink
 from gradwire.transport import tcp
@@ -30,6 +31,7 @@ class ServerState:
         self.links: dict[int, WorkerLink] = {}  # by worker rank
         self.links_lock = threading.Lock()
         self.replicas: Replicas | None = None  # forwards to the servers replicating this one's keys
+        self.receipts: Receipts | None = None  # which workers have the sums of held keys (server/receipts.py)
         self.scheduler: tcp.Connection | None = None
         self.metrics = Metrics("server")
         self.done = threading.Event()

@@ -1,7 +1,8 @@
 """The receiving half of a worker's link to a server (`ServerLink`, worker/link.py, inherits it): its thread reads the
 server's frames and applies them. ACKS (a batch of the server engine's acknowledgements: window places and credit
 freed, one wake-up of the sender), RESULT (a partition's sum, read straight into its key's seed copy or its output,
-then delivered and recorded), ERROR (a tensor refused: its handle fails; or the job's abort)."""
+then delivered and recorded; a held key's is held there: worker/holding.py), EVERYONE (every worker has these held
+sums: their partitions are done), ERROR (a tensor refused: its handle fails; or the job's abort)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from gradwire.protocol import frames
 from gradwire.protocol.frames import FrameType
 from gradwire.transport import shm, tcp
 from gradwire.worker.credit import Credit
+from gradwire.worker.holding import Holds
 from gradwire.worker.work import Seed, Work
 
 if TYPE_CHECKING:
@@ -38,6 +40,7 @@ class Answers:
     network: bool
     arena: shm.Arena | None
     seeds: dict[int, Seed] | None
+    holds: Holds
     metrics: Metrics
     timeline: Timeline | None
     _cond: threading.Condition
@@ -59,6 +62,8 @@ class Answers:
                     self._on_result(header)
                 elif header.type == FrameType.ACKS:
                     self._on_acks(self.conn.recv_body(header))
+                elif header.type == FrameType.EVERYONE:
+                    self._on_everyone(self.conn.recv_body(header))
                 elif header.type == FrameType.ERROR:
                     self._on_error(header, frames.decode_json(self.conn.recv_body(header)))
                 else:
@@ -123,8 +128,13 @@ class Answers:
                 f"server {self.server} answered {work.tensor!r} round {header.round} with {header.length} bytes; "
                 f"expected round {work.round} with {work.nbytes}"
             )
-        seed = Seed.of(self.seeds, work) if self.seeds is not None else None
-        into = seed.data if seed is not None else work.out.reshape(-1).view(np.uint8)
+        held = work.held and self.seeds is not None
+        seed = Seed.of(self.seeds, work) if self.seeds is not None and not held else None
+        if held:  # over a socket, not into an input it would half overwrite if cut off (worker/holding.py)
+            shared = header.flags & shm.SHM_PAYLOAD
+            into = work.out.reshape(-1).view(np.uint8) if shared else self.holds.into(work)
+        else:
+            into = seed.data if seed is not None else work.out.reshape(-1).view(np.uint8)
         if header.flags & shm.SHM_PAYLOAD:
             if self.arena is None or header.status != work.pull_slot:
                 raise RemoteProtocolError(f"server {self.server} answered in pull slot {header.status}, not ours")
@@ -136,7 +146,25 @@ class Answers:
             with self._cond:
                 self._free_pull.append(work.pull_slot)
             work.pull_slot = shm.NO_SLOT
+        if held:
+            assert self.seeds is not None
+            self.holds.hold(work, into, self.seeds)  # done once every worker has the sum (`_on_everyone`)
+            return
         work.deliver(seed)
+        self._record(work, time.monotonic())
+        assert work.handle is not None
+        work.handle.part_done()
+
+    def _on_everyone(self, body: bytes) -> None:
+        """Every worker has these held sums (an EVERYONE frame): their partitions are done."""
+        assert self.seeds is not None
+        for work in self.holds.everyone(list(frames.ACK_ENTRY.iter_unpack(body)), self.seeds):
+            self.finish_held(work)
+
+    def finish_held(self, work: Work) -> None:
+        """A held partition's sum is needed for no failover any more: averaged in its output where the call
+        averages, and done."""
+        work.deliver(None)
         self._record(work, time.monotonic())
         assert work.handle is not None
         work.handle.part_done()

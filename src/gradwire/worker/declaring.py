@@ -128,7 +128,8 @@ class Declaring:
             if error is None:
                 assert reply is not None
                 # the job's partition size (the scheduler's answer), so every worker cuts the tensor the same way
-                self.table.placed(tensor, int(reply["partition_bytes"]), reply["servers"], reply.get("replicated"))
+                pbytes, servers = int(reply["partition_bytes"]), reply["servers"]
+                self.table.placed(tensor, pbytes, servers, reply.get("replicated"), bool(reply.get("held")))
             else:
                 tensor.error = error
                 self.table.forget(tensor)

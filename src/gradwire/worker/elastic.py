@@ -64,6 +64,7 @@ class Elastic:
         self.control.cancel_requests()
         for link in self.state.links:
             link.close(error)
+        self.failover.fail_held(error)
 
     def reset(self) -> None:
         """Re-form the job after a MembershipChanged (or at a commit, when workers are joining).

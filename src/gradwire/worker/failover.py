@@ -47,6 +47,9 @@ class Failover:
         # scheduler that resumes the job before every worker's is completes it (worker/report.py, recovery.py)
         self._last: tuple[messages.Replace, list[int]] | None = None
         self._over = False
+        # held partitions the dead servers had answered (worker/holding.py): done once the failover is over, when
+        # every seed their outputs were asked for has been sent
+        self._holding: list[tuple[ServerLink, Work]] = []
 
     @property
     def seeds(self) -> dict[int, Seed]:
@@ -81,6 +84,7 @@ class Failover:
         old = state.links[dead]
         with self._lock:
             orphans = old.detach(SHUTDOWN_JOIN_SECONDS)
+            self._holding += [(old, work) for work in old.holds.take_all()]
             standby = body.standby
             if standby and not self._replace_link(dead, standby):
                 return
@@ -173,8 +177,15 @@ class Failover:
         asked = [int(k) for k, rnd in body.keys if int(k) in seeds and seeds[int(k)].round == int(rnd)]
         sent = sum(self._seed(key, seeds[key]) for key in asked)
         with self._lock:
-            if self._last is not None and self._last[0].epoch <= body.epoch:
+            over = self._last is not None and self._last[0].epoch <= body.epoch
+            if over:
                 self._over = True  # every worker gets its SEED (most an empty one) when the failover is over
+            holding, self._holding = (self._holding, []) if over else ([], self._holding)
+        for link, work in holding:  # the seeds asked of their outputs are sent: the calls may complete
+            seed = seeds.get(work.key)
+            if seed is not None and seed.held and seed.round == work.round:
+                del seeds[work.key]
+            link.finish_held(work)
         if self.records:
             self.records[-1]["seeds"] += sent
         if body.keys:
@@ -188,9 +199,18 @@ class Failover:
         if server is None or seed.round < 0:
             return False
         flag = REPLAY if seed.contribution else SEED
-        work = Work("", key, seed.round, seed.dtype, seed.data, seed.data, 1, None, seed=flag)
+        data = seed.data.copy() if seed.held else seed.data  # a call's output: it may complete before this is sent
+        work = Work("", key, seed.round, seed.dtype, data, data, 1, None, seed=flag)
         self.state.links[server].submit(work, SEED_PRIORITY)
         return True
+
+    def fail_held(self, error: GradwireError) -> None:
+        """The job re-forms (elastic): the held partitions of a failover under way fail with their calls."""
+        with self._lock:
+            holding, self._holding = self._holding, []
+        for _, work in holding:
+            if work.handle is not None:
+                work.handle.fail(error)
 
     def resubmit(self, work: Work, priority: int) -> None:
         """Push a partition again, to its key's server now."""

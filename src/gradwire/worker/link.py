@@ -11,7 +11,8 @@ Failover (docs/faults.md): with `seeds` given, a link whose server dies keeps ev
 tells `on_lost`, and hands it over by `detach`/`retire` once the scheduler has moved the server's keys. Sums are
 received into the key's `Seed` copy first and only then copied to the output, so an in-place input is never
 half overwritten by a sum cut off mid-frame (it is resent whole), and the copy is what the worker seeds the key's
-new server with.
+new server with; a held key's sum stays in the output until every worker has it instead (worker/holding.py: the
+sender says what came in, RECEIVED, ahead of its next pushes).
 """
 
 from __future__ import annotations
@@ -32,11 +33,12 @@ from gradwire.errors import (
     LocalProtocolError,
 )
 from gradwire.protocol import frames
-from gradwire.protocol.frames import FrameType
+from gradwire.protocol.frames import HELD, FrameType
 from gradwire.transport import shm, tcp
 from gradwire.worker.answers import Answers
 from gradwire.worker.credit import Credit
 from gradwire.worker.flow import LIVENESS_SECONDS, Flow
+from gradwire.worker.holding import Holds
 from gradwire.worker.work import Seed, Work
 
 log = logging.getLogger("gradwire.worker")
@@ -78,6 +80,7 @@ class ServerLink(Answers):
         self.lost: BaseException | None = None  # the server died; work is kept for the failover
         self._redirect: Callable[[Work, int], None] | None = None  # once retired: where submits go instead
         self._cond = threading.Condition()
+        self.holds = Holds(self._cond, server)  # answered partitions of held keys, until every worker has them
         self._threads: list[threading.Thread] = []
         self._free_push = list(range(arena.push)) if arena else []
         self._free_pull = list(range(arena.pull)) if arena else []
@@ -158,6 +161,7 @@ class ServerLink(Answers):
                 self._closed = reason
             failed = self.flow.take_all()
             self._cond.notify_all()
+        failed += self.holds.take_all(self.seeds)
         self.credit.unpace(self.server)
         for work in failed:
             if work.handle is not None:
@@ -228,13 +232,26 @@ class ServerLink(Answers):
         while True:
             with self._cond:
                 batch = self._wait_to_send()
-                if not batch:
+                receipts = self.holds.take_receipts()
+                if not batch and (not receipts or self._closed is not None or self.lost is not None):
                     return
                 if self.arena is not None:
                     self._take_slots(batch)
-            if not self._send_batch(batch, headers):
+            if receipts and not self._send_receipts(receipts):
+                return
+            if batch and not self._send_batch(batch, headers):
                 return
             batch = []  # not the last partitions sent while waiting: they would keep their calls' outputs alive
+
+    def _send_receipts(self, receipts: list[tuple[int, int]]) -> bool:
+        """Tell the server which held sums are in (RECEIVED), ahead of the next pushes; False if the connection
+        failed."""
+        try:
+            self.conn.send([frames.encode_entries(FrameType.RECEIVED, receipts, epoch=self.epoch, sender=self.rank)])
+        except GradwireError as e:
+            self._broken(e)
+            return False
+        return True
 
     def _take_slots(self, batch: list[Work]) -> None:
         """(Holding the condition.) The shared slots of the pushes in `batch`, in flight now (Flow)."""
@@ -286,6 +303,8 @@ class ServerLink(Answers):
 
     def _pack_push(self, header: memoryview, work: Work, flags: int = 0, status: int = 0) -> None:
         """The PUSHPULL header of `work` into `header`."""
+        if work.held:
+            flags |= HELD
         frames.pack_header_into(
             header,
             FrameType.PUSHPULL,
@@ -308,6 +327,8 @@ class ServerLink(Answers):
             work = self._next(now)
             if work is not None:
                 return self._more(work, now)
+            if self.holds.receipts:
+                return []
             wake = self.flow.wake_at()
             self._cond.wait(None if wake is None else max(0.0, wake - now))
         return []

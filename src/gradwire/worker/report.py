@@ -45,6 +45,7 @@ class Report:
                     "declare": {k: v for k, v in self.declaring.body(t).fields().items() if k != "id"},
                     "partition_bytes": t.cut_bytes,
                     "servers": list(t.servers),
+                    "held": t.held,
                 }
                 for t in placed
             ]

@@ -42,6 +42,8 @@ class Tensor:
     partition_bytes: int = 0  # the partition size it is declared with (0: the worker's; local aggregation's own)
     # per key, whether a replica server keeps its last answered round (then this worker keeps no copy for failover)
     replicated: list[bool] = field(default_factory=list)
+    # each round's sums are held in the call's output until every worker has them (no copy: worker/holding.py)
+    held: bool = False
     cut_bytes: int = 0  # the partition size the job cut it with (the declaration's answer)
 
     def current(self, next_round: bool = False) -> Tensor:
@@ -105,11 +107,17 @@ class TensorTable:
         return tensor, True
 
     def placed(
-        self, tensor: Tensor, partition_bytes: int, servers: list[int], replicated: list[bool] | None = None
+        self,
+        tensor: Tensor,
+        partition_bytes: int,
+        servers: list[int],
+        replicated: list[bool] | None = None,
+        held: bool = False,
     ) -> None:
         """The declaration completed: cut the tensor as the job does (the scheduler's partition size), and record
-        its keys' servers (a failover may have moved it since the scheduler answered) and which have a replica (none
-        once a server has died: `unreplicate`)."""
+        its keys' servers (a failover may have moved it since the scheduler answered), which have a replica (none
+        once a server has died: `unreplicate`), and whether its sums are `held` (every worker is told the same, and
+        it stays so: docs/faults.md)."""
         num = int(np.prod(tensor.shape, dtype=np.int64))
         tensor.cut_bytes = partition_bytes
         tensor.parts = partition.split(num, tensor.dtype.itemsize, partition_bytes)
@@ -117,6 +125,7 @@ class TensorTable:
         tensor.servers = list(self._moves.get(tensor.name, servers))
         self.owner.update(zip(tensor.keys, tensor.servers, strict=True))
         tensor.replicated = [bool(r) for r in replicated or []] if not self.replicas_lost else []
+        tensor.held = held
 
     def forget(self, tensor: Tensor) -> None:
         """The declaration failed: forget it, so that the name may be declared again (with the shapes the workers

@@ -16,15 +16,26 @@ from gradwire.worker.tensors import Tensor
 class Seed:
     """What a worker keeps of its last answered round of one key (allocated once per key), to seed a new server with
     after a failover: the sum it received, or, for a key it pulls only a slice of (reducescatter, alltoall), its own
-    contribution, which it resends flagged REPLAY so that the round can be summed again for the ranks still waiting."""
+    contribution, which it resends flagged REPLAY so that the round can be summed again for the ranks still waiting.
+    A held key's (`held`) is no copy: it is the output of the call in flight, which holds the sum until every worker
+    has it (worker/holding.py)."""
 
-    __slots__ = ("contribution", "data", "dtype", "round")
+    __slots__ = ("contribution", "data", "dtype", "held", "round")
 
     def __init__(self, nbytes: int, dtype: int, contribution: bool = False) -> None:
         self.data = np.empty(nbytes, np.uint8)
         self.dtype = dtype
         self.round = -1  # none received yet
         self.contribution = contribution  # `data` is this worker's push, not the round's result
+        self.held = False  # `data` is the output of a call in flight, valid until it completes
+
+    @classmethod
+    def holding(cls, work: Work) -> Seed:
+        """The sum of `work`'s round, as it lies in its output (a held key's)."""
+        seed = cls.__new__(cls)
+        seed.data, seed.dtype, seed.round = work.out.reshape(-1).view(np.uint8), work.dtype, work.round
+        seed.contribution, seed.held = False, True
+        return seed
 
     @classmethod
     def of(cls, seeds: dict[int, Seed], work: Work) -> Seed | None:
@@ -67,6 +78,7 @@ class Work:
         "expand",
         "extra",
         "handle",
+        "held",
         "index",
         "key",
         "nbytes",
@@ -113,6 +125,7 @@ class Work:
         self.nbytes = out.nbytes  # what it pulls
         self.partial = partial  # it pulls only its slice of the key's result (so holds no sum to seed a failover)
         self.replayable = replayable  # a sliced round's: its contribution is kept instead (see Seed)
+        self.held = False  # its sum stays in the output, the call unfinished, until every worker has it (Seed.holding)
         self.average = average
         self.handle = handle
         self.acked = False  # the server has our contribution: the window slot and credit are free again
@@ -191,4 +204,6 @@ class Transfer:
             # answers that round from its own (a cut-off answer is then simply asked for again)
             partial, replayable = self.partial or sliced or kept, sliced and not self.partial and not kept
             args = (tensor.name, key, rnd, code, give, take, self.average, handle, part.index)
-            yield Work(*args, partial=partial, replayable=replayable).trail(extra)
+            work = Work(*args, partial=partial or tensor.held, replayable=replayable).trail(extra)
+            work.held = tensor.held and not partial  # sums only: the scheduler holds no sliced or read key's
+            yield work
