@@ -322,7 +322,18 @@ def test_a_server_failover_under_way_when_the_scheduler_dies_is_completed_by_the
     """A server dies after answering a round to worker 0 only (its sum must come from worker 0's copy); the scheduler
     dies in the middle of failing it over (`told`); a restarted one completes the failover from the reports: it
     tells the workers that were not told, and asks worker 0 for the seed. Every sum is the rank-order sum."""
-    config = {"partition_bytes": 4096, "failover_copy_bytes": 1 << 30, "scheduler_timeout": 20.0}
+    _failover_interrupted(told, standby, copy_bytes=1 << 30)
+
+
+@pytest.mark.parametrize("standby", [0, 1], ids=["onto-survivors", "to-a-standby"])
+def test_a_failover_of_held_sums_under_way_when_the_scheduler_dies_is_completed_by_the_next(standby):
+    """As above with every sum held in the workers' outputs (no copies): worker 0's output is the seed, and its call
+    completes only once the next scheduler's SEED says the failover is over."""
+    _failover_interrupted("worker 0", standby, copy_bytes=0)
+
+
+def _failover_interrupted(told: str, standby: int, copy_bytes: int) -> None:
+    config = {"partition_bytes": 4096, "failover_copy_bytes": copy_bytes, "scheduler_timeout": 20.0}
     with LocalCluster(num_workers=3, num_servers=2, num_standby=standby, heartbeat_interval=0.2, **config) as c:
         killed, interrupted, go = threading.Event(), threading.Event(), threading.Event()
         _answer_one_then_die(c, killed, after=15)
@@ -354,3 +365,4 @@ def test_a_server_failover_under_way_when_the_scheduler_dies_is_completed_by_the
             assert resumed["failover_under_way"] == 0 and record["why"] == "completed after the scheduler's death"
         assert record["seeds"] >= 1  # worker 0 held the round the others waited for
         assert all(not w.failover.latest() or w.failover.latest()["over"] for w in c.workers)
+        assert all(t.held == (copy_bytes == 0) for w in c.workers for t in w.table.tensors.values())

@@ -31,6 +31,9 @@ any operation. Decisions and why:
 - Replays (after a failover): a key whose ranks pull only their slice (reducescatter, alltoall) leaves no worker
   holding the whole sum to seed with. Each worker the dead server had answered resends its own contribution instead,
   flagged REPLAY: it goes in like any push, in rank order, and only the ranks still waiting are answered.
+  (Both: server/seeding.py. The landing buffers readers receive into: server/landing.py.)
+- Held rounds (pushes flagged HELD): their pushers keep the sum in their outputs until every one has it; the engine
+  says whom it answered (server/receipts.py), and each is told once all have it.
 - float16/bfloat16 accumulate in float32 and are narrowed once, into a wire-typed output buffer.
 - Buffers are lent by the engine's pool (server/staging.py), never allocated per message: a round's accumulator from
   its first contribution until its replies are sent, a staging buffer until its contribution is added.
@@ -51,16 +54,18 @@ from gradwire.errors import TensorError, TensorMismatch
 from gradwire.protocol import dtypes
 from gradwire.protocol.frames import DEPARTED_EVENT, HELD, JOIN_EVENT, REPLAY, REPLICA, SEED
 from gradwire.ring import Ring, RingClosed, Slot
-from gradwire.server import ops, replica
+from gradwire.server import ops
+from gradwire.server.landing import Landing
 from gradwire.server.receipts import Receipts
 from gradwire.server.rounds import Ack, Batching, Fail, FailRank, Forward, KeyOp, KeyState, Reply, Round
+from gradwire.server.seeding import Seeding
 from gradwire.server.staging import BufferPool
 from gradwire.transport.shm import NO_SLOT
 
 log = logging.getLogger("gradwire.server")
 
 
-class Engine:
+class Engine(Landing, Seeding):
     """Sums the keys of one ring. Thread-safety: only the engine's own thread touches key state."""
 
     def __init__(
@@ -182,55 +187,6 @@ class Engine:
             fresh.pool = self.pool
             self.keys[key] = fresh
 
-    def landing(self, key: int, rnd: int, sender: int) -> np.ndarray | None:
-        """Where a reader may receive `sender`'s contribution to `key`'s round `rnd` directly (deterministic sums
-        only; None: into a ring slot). Called by the one reader of that sender's connection, after `check`; the
-        buffer is allocated once per key, rank and round buffer."""
-        state = self.keys.get(key)
-        if state is None or not state.everyone >> sender & 1:
-            return None
-        if not (self.deterministic or state.op.ordered) or state.op.asynchronous:
-            return None
-        r = state.rounds[rnd & 1]
-        if sender != state.first:
-            return self._stage(state, r, sender).view(np.uint8)
-        # The first rank's contribution is added first: where the operation allows, it is received into the round's
-        # accumulator itself, which saves a pass over the partition (a copy out of the ring slot). Free at this
-        # point: a worker pushes round `rnd` only once it has round `rnd - 1`'s result, so every worker has round
-        # `rnd - 2`'s, the accumulator's last. Not where that does not hold (a misbehaving or replaying worker: the
-        # engine refuses or handles those from a ring slot), nor before a round completed from contributions alone.
-        if not state.landable or r.seeded:
-            return None
-        current = r.number == rnd
-        if current and (r.pushed >> sender & 1 or r.count >= state.need):
-            return None
-        if not current and state.unfinished(r):
-            return None
-        if state.lent:
-            state.lend(r, self.pool)
-        into = state.op.landing(state, r)
-        return None if into is None else into.view(np.uint8)
-
-    def replica_landing(self, key: int, rnd: int, length: int) -> np.ndarray | None:
-        """Where a forwarded result of a key this server only keeps (a replica) may be received directly: the round
-        buffer it will be the seed of (None: a ring slot). Its rounds are only ever seeds while it is kept, and they
-        come in order on one connection, so the buffer holds an older seed nobody will ask for again."""
-        state = self.keys.get(key)
-        if state is None or not state.kept or state.op.intercepts or length != state.length:
-            return None
-        state.kept_round = rnd  # what its buffer holds from now on (one buffer for both rounds: KeyState.keep)
-        return state.rounds[rnd & 1].out.view(np.uint8)
-
-    def _stage(self, state: KeyState, r: Round, sender: int) -> np.ndarray:
-        """The staging buffer of `sender` in round `r`'s buffer: a lent key's is lent by the pool until its
-        contribution is added (server/staging.py), a small key's is its own (KeyState.lend). One a contribution was
-        received into and never added (refused, or its round failed) stays where it is for the next."""
-        stage = r.stage
-        buffer = stage[sender]
-        if buffer is None:
-            buffer = stage[sender] = self.pool.take(np.dtype(state.dtype.wire), state.length // state.dtype.itemsize)
-        return buffer
-
     def check(self, key: int, dtype: int, length: int) -> str | None:
         """Why a frame for `key` cannot be summed here, or None if it can (called by readers, before a slot)."""
         state = self.keys.get(key)
@@ -311,14 +267,6 @@ class Engine:
                 f"{state.name!r}: worker(s) {_ranks(self.joined & state.everyone)} have joined (hvd.join): only "
                 "allreduce goes on without them (their contributions count as zeros)"
             )
-
-    @staticmethod
-    def _stale_replay(state: KeyState, r: Round, rnd: int, bit: int) -> bool:
-        """A replayed contribution (REPLAY, after a failover) that is not needed: its round is complete here already,
-        or past, or the sender's contribution is in (a second failover asked for it again)."""
-        if r.number != rnd:
-            return r.number > rnd
-        return r.count == state.need or bool(r.pushed & bit)
 
     def _contribute(self, state: KeyState, r: Round, sender: int, wire: np.ndarray, landed: bool) -> None:
         """Put `sender`'s contribution into round `r`, in rank order (deterministic) or as it comes."""
@@ -434,35 +382,6 @@ class Engine:
     ) -> None:
         """Send `payload` to `ranks` (from any thread: the repliers' queues are thread-safe)."""
         self._reply(key, rnd, code, payload, pulls, ranks, sent)
-
-    def _take_seed(self, state: KeyState, r: Round, slot: Slot, dtype: dtypes.DType) -> None:
-        """A worker resends a sum it holds (after a failover): complete the round with it, answer its pushers.
-
-        Stale seeds are dropped: the buffer already holds a later round (every worker had that sum), or this round
-        is complete already (another worker's seed, or every contribution came in). Any sum of a round is the same
-        bytes, so which seed wins does not matter.
-        """
-        if r.number > slot.round or (r.number == slot.round and r.count == state.need):
-            return
-        waiting = r.pushed if r.number == slot.round else 0
-        if state.lent:
-            state.lend(r, self.pool)
-        if not slot.landed:  # a replica's forward may have been received into the round's buffer already
-            state.op.seeded(state, r, slot.round, slot.data.view(dtype.wire))
-        r.seed(slot.round, state.need, state.everyone, self.num_workers)
-        if waiting:
-            self.seeded_answers += bin(waiting).count("1")
-            self.answer_round(slot.key, slot.dtype, r, waiting)
-
-    def _seed(self, state: KeyState, r: Round, slot: Slot, dtype: dtypes.DType) -> None:
-        """A seed (SEED, from a worker) or a round its key's server answered (REPLICA, kept here: server/replica.py,
-        acknowledged once it is in)."""
-        if slot.flags & REPLICA and state.shared and not slot.landed:
-            state.kept_round = slot.round  # received into a ring slot: its bytes go into the one buffer now
-        self._take_seed(state, r, slot, dtype)
-        if slot.flags & REPLICA:
-            self.replicated += 1
-            replica.acknowledge(slot.conn, slot.key, slot.round, slot.pull)
 
 
 def _ranks(mask: int) -> list[int]:
