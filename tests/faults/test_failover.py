@@ -29,25 +29,27 @@ def _gradient(rank: int, step: int, name: str) -> np.ndarray:
     return (rng.standard_normal(shape) * 10.0 ** rng.integers(-5, 6, shape)).astype(np.float32)
 
 
-def _expected(num_workers: int) -> dict[tuple[int, str], bytes]:
+def _expected(num_workers: int, average: bool = False) -> dict[tuple[int, str], bytes]:
     out = {}
     for step in range(STEPS):
         for name in SHAPES:
             total = _gradient(0, step, name)
             for rank in range(1, num_workers):
                 total += _gradient(rank, step, name)
+            if average:
+                np.divide(total, num_workers, out=total)
             out[step, name] = total.tobytes()
     return out
 
 
-def _train(worker, killed: threading.Event | None = None, kill_at: int = -1):
+def _train(worker, killed: threading.Event | None = None, kill_at: int = -1, average: bool = False):
     """Every step: all tensors in flight at once (in place, as the torch integration does), then wait."""
     sums = {}
     for step in range(STEPS):
         if step == kill_at and killed is not None:
             killed.wait(30)
         arrays = {name: _gradient(worker.rank, step, name) for name in SHAPES}
-        handles = [worker.push_pull_async(a, name, out=a) for name, a in arrays.items()]
+        handles = [worker.push_pull_async(a, name, out=a, average=average) for name, a in arrays.items()]
         for h in handles:
             worker.synchronize(h)
         sums.update({(step, name): a.tobytes() for name, a in arrays.items()})
@@ -125,12 +127,12 @@ def _answer_one_then_die(cluster: LocalCluster, killed: threading.Event, after: 
     seen = {"rounds": 0}
     original = victim._queue_reply
 
-    def queue_reply(key, rnd, dtype, payload, pulls, ranks, sent=None):
+    def queue_reply(key, rnd, dtype, payload, pulls, ranks, sent=None, flags=0):
         if sliced and not isinstance(payload, list):
-            return original(key, rnd, dtype, payload, pulls, ranks, sent)
+            return original(key, rnd, dtype, payload, pulls, ranks, sent, flags)
         seen["rounds"] += 1
         if seen["rounds"] != after:
-            return original(key, rnd, dtype, payload, pulls, ranks, sent)
+            return original(key, rnd, dtype, payload, pulls, ranks, sent, flags)
         original(key, rnd, dtype, payload, pulls, ranks & 0b001)  # to worker 0 only, then die
         deadline = time.monotonic() + 5
         while victim.links[0].replies.qsize() and time.monotonic() < deadline:
@@ -143,26 +145,28 @@ def _answer_one_then_die(cluster: LocalCluster, killed: threading.Event, after: 
         engine._reply = queue_reply
 
 
-@pytest.mark.parametrize("copies", ["replica", "worker", "held"])
+@pytest.mark.parametrize("copies", ["replica", "worker", "held", "held-averaged"])
 def test_a_round_answered_to_some_workers_only_is_completed_from_a_copy(copies):
     """The trap: the server dies after sending a round's sum to worker 0 and before the others got it. Worker 0's
     input is gone (summed in place) and it has moved on; the others resend theirs. The round's sum comes from the
     replica server, which had it before anyone was answered (tensors past GRADWIRE_FAILOVER_COPY_BYTES with
     GRADWIRE_FAILOVER_HOLD=0), or from worker 0's copy, which it seeds (those within it), or from worker 0's output,
-    which holds the sum, its call unfinished, until every worker has it (past the budget, by default)."""
+    which holds the sum, its call unfinished, until every worker has it (past the budget, by default); averaged there,
+    it seeds the round averaged, and the others take it as it is: the same bits."""
     budget = 1 << 30 if copies == "worker" else 0
+    held, average = copies.startswith("held"), copies.endswith("averaged")
     with LocalCluster(
         num_workers=3,
         num_servers=2,
         partition_bytes=4096,
         failover_copy_bytes=budget,
-        failover_hold=copies == "held",
+        failover_hold=held,
         placement="equal",
     ) as c:
         killed = threading.Event()
         _answer_one_then_die(c, killed, after=15)
-        results = c.run(lambda w: _train(w, killed, kill_at=STEPS - 2))
-        expected = _expected(3)
+        results = c.run(lambda w: _train(w, killed, kill_at=STEPS - 2, average=average))
+        expected = _expected(3, average)
         for rank, sums in enumerate(results):
             wrong = [k for k in expected if sums[k] != expected[k]]
             assert not wrong, f"worker {rank}: sums differ for {wrong[:5]}"
@@ -170,7 +174,7 @@ def test_a_round_answered_to_some_workers_only_is_completed_from_a_copy(copies):
         seeded = c.scheduler.failovers[0]["seeds"]
         assert (seeded == 0) if copies == "replica" else (seeded >= 1)  # which copy: worker 0 seeded, or none had to
         tensors = [t for w in c.workers for t in w.table.tensors.values()]
-        assert all(t.held == (copies == "held") for t in tensors)
+        assert all(t.held == held for t in tensors)
 
 
 def test_with_failover_off_a_dead_server_aborts_the_job_naming_it():

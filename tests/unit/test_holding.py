@@ -95,28 +95,47 @@ def _held_link(out: np.ndarray, send: np.ndarray, average: int = 1):
     return link, theirs, handle, work, seeds
 
 
-def _result(theirs: socket.socket, payload: np.ndarray, cut: int | None = None) -> None:
+def _result(theirs: socket.socket, payload: np.ndarray, cut: int | None = None, flags: int = 0) -> None:
     header = bytearray(frames.HEADER_SIZE)
-    frames.pack_header_into(header, FrameType.RESULT, payload.nbytes, 1, 1, 0, 7, 1)
+    frames.pack_header_into(header, FrameType.RESULT, payload.nbytes, 1, 1, 0, 7, 1, flags)
     theirs.sendall(bytes(header) + payload.tobytes()[:cut])
 
 
 @pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "out-of-place"])
-def test_a_held_sum_stays_in_the_output_as_the_seed_until_everyone_has_it_then_is_averaged(in_place):
+def test_a_held_sum_stays_in_the_output_as_the_seed_until_everyone_has_it(in_place):
     out = np.arange(8, dtype=np.float32)
     send = out if in_place else out.copy()
     link, theirs, handle, work, seeds = _held_link(out, send, average=2)
     _result(theirs, np.full(8, 6.0, np.float32))
     link._on_result(link.conn.recv_header())
     assert not handle.done()
-    assert out.tolist() == [6.0] * 8  # the sum, not yet averaged: what a seed must carry
-    assert seeds[7].held and seeds[7].round == 1 and np.shares_memory(seeds[7].data, out)
+    assert out.tolist() == [3.0] * 8  # averaged as it came in: the seed says so (frames.AVERAGED)
+    assert seeds[7].held and seeds[7].averaged and seeds[7].round == 1 and np.shares_memory(seeds[7].data, out)
     assert link.holds.receipts == [(7, 1)]  # the sender's next frame says so
     with pytest.raises(RemoteProtocolError, match="does not hold"):
         link._on_everyone(frames.ACK_ENTRY.pack(7, 2))
     link._on_everyone(frames.ACK_ENTRY.pack(7, 1))
     assert handle.wait(1.0).tolist() == [3.0] * 8
     assert 7 not in seeds and len(link.holds) == 0
+    link.conn.close()
+    theirs.close()
+
+
+def test_a_sum_seeded_averaged_is_taken_as_it_is_and_only_by_a_held_key():
+    """After a failover a held key's seed may come from an averaging call's output: the new server answers with
+    AVERAGED, and the workers copy it without dividing again (the same bits the holder has)."""
+    out = np.zeros(8, np.float32)
+    link, theirs, handle, work, seeds = _held_link(out, out.copy(), average=3)
+    _result(theirs, np.full(8, 1 / 3, np.float32), flags=frames.AVERAGED)
+    link._on_result(link.conn.recv_header())
+    assert out.tobytes() == np.full(8, 1 / 3, np.float32).tobytes() and seeds[7].averaged
+    link.conn.close()
+    theirs.close()
+    link, theirs, handle, work, seeds = _held_link(out, out.copy(), average=3)
+    work.held = False
+    _result(theirs, np.ones(8, np.float32), flags=frames.AVERAGED)
+    with pytest.raises(RemoteProtocolError, match="not held, with an averaged sum"):
+        link._on_result(link.conn.recv_header())
     link.conn.close()
     theirs.close()
 

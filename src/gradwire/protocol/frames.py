@@ -65,6 +65,9 @@ REPLICA = 0x04
 # PUSHPULL flag: worker -> server, the pusher holds the round's sum in its output until every worker has it, and says
 # when it has it (RECEIVED); the server tells every one of them once all have (EVERYONE). docs/faults.md, "held keys"
 HELD = 0x10
+# PUSHPULL (with SEED) and RESULT flag: the payload is a sum already averaged (a held key's seed comes from an averaging
+# call's output); a worker answered with it copies it as it is, without dividing again
+AVERAGED = 0x20
 # ring event flag (never on the wire): the set of joined workers changed (hvd.join); the slot's key is the bitmask
 JOIN_EVENT = 0x80
 # with JOIN_EVENT: the bitmask is of the workers that have left the job instead (shutdown() while others go on)

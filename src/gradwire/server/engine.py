@@ -52,7 +52,7 @@ import numpy as np
 
 from gradwire.errors import TensorError, TensorMismatch
 from gradwire.protocol import dtypes
-from gradwire.protocol.frames import DEPARTED_EVENT, HELD, JOIN_EVENT, REPLAY, REPLICA, SEED
+from gradwire.protocol.frames import AVERAGED, DEPARTED_EVENT, HELD, JOIN_EVENT, REPLAY, REPLICA, SEED
 from gradwire.ring import Ring, RingClosed, Slot
 from gradwire.server import ops
 from gradwire.server.landing import Landing
@@ -368,7 +368,7 @@ class Engine(Landing, Seeding):
         round's receipts are waited for from them (server/receipts.py)."""
         if r.held and self.receipts is not None:
             self.receipts.expect(key, r.number, ranks)
-        self._reply(key, r.number, code, r.result, r.pulls, ranks, sent)
+        self._reply(key, r.number, code, r.result, r.pulls, ranks, sent, AVERAGED if r.seeded and r.averaged else 0)
 
     def reply(
         self,

@@ -45,12 +45,20 @@ class ResultReply(ReplyItem):
     """A round's result (or the worker's slice of it); `pull`: the worker's shared pull slot, or NO_SLOT; `sent`
     (or None): told once it is sent (the replier's, after the send that carried it: `WorkerLink._send_queued`)."""
 
-    __slots__ = ("dtype", "payload", "pull", "round", "sent")
+    __slots__ = ("dtype", "flags", "payload", "pull", "round", "sent")
 
     def __init__(
-        self, key: int, rnd: int, dtype: int, payload: memoryview, pull: int, sent: Countdown | None = None
+        self,
+        key: int,
+        rnd: int,
+        dtype: int,
+        payload: memoryview,
+        pull: int,
+        sent: Countdown | None = None,
+        flags: int = 0,
     ) -> None:
         self.key, self.round, self.dtype, self.payload, self.pull, self.sent = key, rnd, dtype, payload, pull, sent
+        self.flags = flags  # the frame's (frames.AVERAGED)
 
     @property
     def direct(self) -> bool:  # type: ignore[override]
@@ -61,12 +69,14 @@ class ResultReply(ReplyItem):
         if self.pull != shm.NO_SLOT and link.arena is not None:
             # the worker offered a shared pull slot: one memcpy here, none through the kernel
             np.copyto(link.arena.pull_slot(self.pull, size), np.frombuffer(payload, np.uint8))
-            shared = (shm.SHM_PAYLOAD, self.pull)
+            shared = (shm.SHM_PAYLOAD | self.flags, self.pull)
             frames.pack_header_into(
                 header, FrameType.RESULT, size, self.dtype, epoch, sender, self.key, self.round, *shared
             )
             return [header], size
-        frames.pack_header_into(header, FrameType.RESULT, size, self.dtype, epoch, sender, self.key, self.round)
+        frames.pack_header_into(
+            header, FrameType.RESULT, size, self.dtype, epoch, sender, self.key, self.round, self.flags
+        )
         return [header, payload], size
 
 

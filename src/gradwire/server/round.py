@@ -15,6 +15,7 @@ class Round:
 
     __slots__ = (
         "acc",
+        "averaged",
         "count",
         "filled",
         "held",
@@ -46,6 +47,7 @@ class Round:
         self.stage: list[np.ndarray | None] = [None] * num_workers  # their staging buffers, lent (server/staging.py)
         self.lengths = [0] * num_workers  # elements of each staged contribution (a gather's vary)
         self.seeded = False  # its sum came as a seed (a failover), not from contributions
+        self.averaged = False  # that seed's sum was averaged already (a held key's: frames.AVERAGED)
         self.held = False  # its pushers hold its sum in their outputs until every one has it (server/receipts.py)
         self.virtual = 0  # ranks not answered: joined ones' zeros stood in, or they replayed (REPLAY)
         self.filled = 0  # a gather's elements in
@@ -79,7 +81,7 @@ class Round:
     def seed(self, number: int, need: int, everyone: int, past: int) -> None:
         """Round `number` is complete with a seed's sum (`past`: a turn past every rank)."""
         self.number, self.count, self.pushed = number, need, everyone
-        self.turn, self.staged, self.seeded = past, 0, True
+        self.turn, self.staged, self.seeded, self.averaged = past, 0, True, False
 
     def fail(self, first: int) -> None:
         """Forget the contributions in (the round can never complete): it starts again with the next push."""

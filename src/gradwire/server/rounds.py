@@ -30,10 +30,27 @@ if TYPE_CHECKING:
 LEND_BYTES = 1 << 20
 
 # what the engine sends through (the server's repliers): the callables it is given
-# reply(key, round, dtype code, payload, pull slot per rank, bitmask of ranks, sent) -> None: queue the result for
-# them; the payload is one view for all, or a list with each rank's view (a key declared with slices); `sent` (or
-# None): called once every one of those replies has been handed to the kernel (or its worker's shared slot)
-Reply = Callable[[int, int, int, "memoryview | list[memoryview]", list[int], int, "Callable[[], None] | None"], None]
+
+
+class Reply(Protocol):
+    """reply(key, round, dtype code, payload, pull slot per rank, bitmask of ranks, sent, flags): queue the result for
+    them; the payload is one view for all, or a list with each rank's view (a key declared with slices); `sent` (or
+    None): called once every one of those replies has been handed to the kernel (or its worker's shared slot);
+    `flags`: the RESULT frames' (frames.AVERAGED)."""
+
+    def __call__(
+        self,
+        key: int,
+        rnd: int,
+        code: int,
+        payload: memoryview | list[memoryview],
+        pulls: list[int],
+        ranks: int,
+        sent: Callable[[], None] | None = None,
+        flags: int = 0,
+    ) -> None: ...
+
+
 # fail(slot, message) -> None: send an ERROR for the slot's key to its sender
 Fail = Callable[["Slot", str], None]
 # ack(rank, key, round) -> None: tell one worker its contribution is in

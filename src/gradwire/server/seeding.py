@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from gradwire.protocol import dtypes
-from gradwire.protocol.frames import REPLICA
+from gradwire.protocol.frames import AVERAGED, REPLICA
 from gradwire.ring import Slot
 from gradwire.server import replica
 from gradwire.server.round import Round
@@ -48,6 +48,7 @@ class Seeding:
         if not slot.landed:  # a replica's forward may have been received into the round's buffer already
             state.op.seeded(state, r, slot.round, slot.data.view(dtype.wire))
         r.seed(slot.round, state.need, state.everyone, self.num_workers)
+        r.averaged = bool(slot.flags & AVERAGED)  # answered as it is: its workers do not divide it again
         if waiting:
             self.seeded_answers += bin(waiting).count("1")
             self.answer_round(slot.key, slot.dtype, r, waiting)

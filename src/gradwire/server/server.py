@@ -322,6 +322,7 @@ class Server:
         pulls: list[int],
         ranks: int,
         sent: Callable[[], None] | None = None,
+        flags: int = 0,
     ) -> None:
         state = self.state
         if ranks == state.everyone:
@@ -331,7 +332,7 @@ class Server:
         to = [(rank, link) for rank in range(state.num_workers) if ranks >> rank & 1 and (link := links.get(rank))]
         countdown = Countdown(len(to), sent) if sent is not None and to else None
         for rank, link in to:
-            item = ResultReply(key, rnd, dtype, payload[rank] if sliced else payload, pulls[rank], countdown)
+            item = ResultReply(key, rnd, dtype, payload[rank] if sliced else payload, pulls[rank], countdown, flags)
             held.reply(link, item)
 
     def _notify_everyone(self, rank: int, pairs: list[tuple[int, int]]) -> None:

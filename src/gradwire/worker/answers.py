@@ -128,13 +128,13 @@ class Answers:
                 f"server {self.server} answered {work.tensor!r} round {header.round} with {header.length} bytes; "
                 f"expected round {work.round} with {work.nbytes}"
             )
-        held = work.held and self.seeds is not None
-        seed = Seed.of(self.seeds, work) if self.seeds is not None and not held else None
-        if held:  # over a socket, not into an input it would half overwrite if cut off (worker/holding.py)
-            shared = header.flags & shm.SHM_PAYLOAD
-            into = work.out.reshape(-1).view(np.uint8) if shared else self.holds.into(work)
-        else:
-            into = seed.data if seed is not None else work.out.reshape(-1).view(np.uint8)
+        if work.held and self.seeds is not None:
+            self._on_held_result(work, header)
+            return
+        if header.flags & frames.AVERAGED:  # only a held key's seed is sent averaged
+            raise RemoteProtocolError(f"server {self.server} answered {work.tensor!r}, not held, with an averaged sum")
+        seed = Seed.of(self.seeds, work) if self.seeds is not None else None
+        into = seed.data if seed is not None else work.out.reshape(-1).view(np.uint8)
         if header.flags & shm.SHM_PAYLOAD:
             if self.arena is None or header.status != work.pull_slot:
                 raise RemoteProtocolError(f"server {self.server} answered in pull slot {header.status}, not ours")
@@ -146,14 +146,29 @@ class Answers:
             with self._cond:
                 self._free_pull.append(work.pull_slot)
             work.pull_slot = shm.NO_SLOT
-        if held:
-            assert self.seeds is not None
-            self.holds.hold(work, into, self.seeds)  # done once every worker has the sum (`_on_everyone`)
-            return
         work.deliver(seed)
         self._record(work, time.monotonic())
         assert work.handle is not None
         work.handle.part_done()
+
+    def _on_held_result(self, work: Work, header: frames.Header) -> None:
+        """A held key's sum: from the shared slot, or over the socket into the output (in place, into a buffer of one
+        partition: a sum cut off mid-frame must not overwrite the contribution pushed again), averaged into the
+        output in the same pass; it stays there until every worker has it (`_on_everyone`)."""
+        assert self.seeds is not None
+        if header.flags & shm.SHM_PAYLOAD:
+            if self.arena is None or header.status != work.pull_slot:
+                raise RemoteProtocolError(f"server {self.server} answered in pull slot {header.status}, not ours")
+            received = self.arena.pull_slot(work.pull_slot, work.nbytes)
+        else:
+            received = self.holds.into(work)
+            self.conn.recv_into(memoryview(received))
+        self._take(header.key, answered_at=work.t_result)
+        self.holds.hold(work, received, self.seeds, bool(header.flags & frames.AVERAGED))
+        if work.pull_slot != shm.NO_SLOT:  # the slot's bytes are in the output now
+            with self._cond:
+                self._free_pull.append(work.pull_slot)
+            work.pull_slot = shm.NO_SLOT
 
     def _on_everyone(self, body: bytes) -> None:
         """Every worker has these held sums (an EVERYONE frame): their partitions are done."""
@@ -162,9 +177,7 @@ class Answers:
             self.finish_held(work)
 
     def finish_held(self, work: Work) -> None:
-        """A held partition's sum is needed for no failover any more: averaged in its output where the call
-        averages, and done."""
-        work.deliver(None)
+        """A held partition's sum is needed for no failover any more: done."""
         self._record(work, time.monotonic())
         assert work.handle is not None
         work.handle.part_done()

@@ -13,7 +13,7 @@ import time
 
 from gradwire.errors import GradwireError, JobAborted
 from gradwire.protocol import messages
-from gradwire.protocol.frames import REPLAY, SEED
+from gradwire.protocol.frames import AVERAGED, REPLAY, SEED
 from gradwire.tuning import Tuning
 from gradwire.worker.connecting import Connecting, LinkHooks
 from gradwire.worker.control import Control
@@ -198,7 +198,7 @@ class Failover:
             server = self.table.owner.get(key)
         if server is None or seed.round < 0:
             return False
-        flag = REPLAY if seed.contribution else SEED
+        flag = REPLAY if seed.contribution else SEED | (AVERAGED if seed.averaged else 0)
         data = seed.data.copy() if seed.held else seed.data  # a call's output: it may complete before this is sent
         work = Work("", key, seed.round, seed.dtype, data, data, 1, None, seed=flag)
         self.state.links[server].submit(work, SEED_PRIORITY)

@@ -1,11 +1,12 @@
 """Held keys: a worker's side (docs/faults.md, "Held keys"; the server's: server/receipts.py).
 
 A tensor past the workers' GRADWIRE_FAILOVER_COPY_BYTES keeps no copy of its sums anywhere. Each partition's sum is
-received into the call's output (its own push flagged HELD), and stays there, the call unfinished, until its server
-says that every worker it answered has that sum (EVERYONE). Meanwhile the output is this worker's seed of the round
-(`Seed.holding`): if the server dies before some worker has the sum, the scheduler asks one that has it to seed the
-key's new server from its output. Once every worker has it, no failover can need the round again, and the call
-completes: the sum averaged in place where the call averages (the seed is the sum as the server sent it).
+received into the call's output (its own push flagged HELD), averaged there where the call averages, and stays
+there, the call unfinished, until its server says that every worker it answered has that sum (EVERYONE). Meanwhile
+the output is this worker's seed of the round (`Seed.holding`): if the server dies before some worker has the sum,
+the scheduler asks one that has it to seed the key's new server from its output, flagged AVERAGED where it is
+averaged (the new server answers with that flag, and the workers it answers copy the result as it is: the same bits).
+Once every worker has it, no failover can need the round again, and the call completes.
 
 What it costs: each call completes one worker-server-worker round trip after its last sum arrived (small frames,
 batched: RECEIVED from the link's sender, EVERYONE from the server's repliers), and, where the output is the input
@@ -48,11 +49,15 @@ class Holds:
             self._bounce = np.empty(work.nbytes, np.uint8)
         return self._bounce[: work.nbytes]
 
-    def hold(self, work: Work, received: np.ndarray, seeds: dict[int, Seed]) -> None:
-        """`work`'s sum is in `received` (`into`'s): into its output, which holds it as the key's seed until
+    def hold(self, work: Work, received: np.ndarray, seeds: dict[int, Seed], averaged: bool = False) -> None:
+        """`work`'s sum is in `received` (`into`'s, or a shared slot): into its output, averaged where the call
+        averages (one pass; not a sum that came `averaged`, a seed's), which holds it as the key's seed until
         `everyone`; then say so to the server (the sender's next RECEIVED)."""
-        seed = Seed.holding(work)
-        if received.ctypes.data != seed.data.ctypes.data:
+        seed = Seed.holding(work, averaged or work.average > 1)
+        if work.average > 1 and not averaged:
+            # integers: the quotient truncated toward zero, as Horovod's average of an integer tensor (Work.deliver)
+            np.divide(received.view(work.out.dtype), work.average, out=work.out.reshape(-1), casting="unsafe")
+        elif received.ctypes.data != seed.data.ctypes.data:
             np.copyto(seed.data, received)
         seeds[work.key] = seed
         with self._cond:

@@ -20,7 +20,7 @@ class Seed:
     A held key's (`held`) is no copy: it is the output of the call in flight, which holds the sum until every worker
     has it (worker/holding.py)."""
 
-    __slots__ = ("contribution", "data", "dtype", "held", "round")
+    __slots__ = ("averaged", "contribution", "data", "dtype", "held", "round")
 
     def __init__(self, nbytes: int, dtype: int, contribution: bool = False) -> None:
         self.data = np.empty(nbytes, np.uint8)
@@ -28,13 +28,14 @@ class Seed:
         self.round = -1  # none received yet
         self.contribution = contribution  # `data` is this worker's push, not the round's result
         self.held = False  # `data` is the output of a call in flight, valid until it completes
+        self.averaged = False  # `data` is the sum averaged (a held key's, by the call that holds it)
 
     @classmethod
-    def holding(cls, work: Work) -> Seed:
-        """The sum of `work`'s round, as it lies in its output (a held key's)."""
+    def holding(cls, work: Work, averaged: bool) -> Seed:
+        """The sum of `work`'s round, as it lies in its output (a held key's), `averaged` or not."""
         seed = cls.__new__(cls)
         seed.data, seed.dtype, seed.round = work.out.reshape(-1).view(np.uint8), work.dtype, work.round
-        seed.contribution, seed.held = False, True
+        seed.contribution, seed.held, seed.averaged = False, True, averaged
         return seed
 
     @classmethod
