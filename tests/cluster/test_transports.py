@@ -112,3 +112,29 @@ def test_the_server_maps_a_well_formed_offer():
     finally:
         arena.unlink()
         arena.close()
+
+
+def test_a_held_call_whose_sums_no_worker_is_told_all_have_times_out_naming_why():
+    """A server that never says every worker has a held round (a bug, or a worker that never says it has it): the
+    call fails at GRADWIRE_TIMEOUT, naming the server whose sums it holds, rather than hanging."""
+    import dataclasses
+
+    from gradwire.errors import GradwireTimeout
+
+    with LocalCluster(num_workers=2, num_servers=1, failover_copy_bytes=0) as c:
+        c.run(lambda w: w.push_pull(np.ones(100, np.float32), "g"))  # declared, and held
+        c.servers[0].state.receipts._notify = lambda rank, pairs: None
+        for w in c.workers:
+            w.state.config = dataclasses.replace(w.config, timeout=1.0)
+        errors = c.run(lambda w: _timeout_of(lambda: w.push_pull(np.ones(100, np.float32), "g")))
+        for e in errors:
+            assert isinstance(e, GradwireTimeout), e
+            assert "sums held until every worker has them, from server 0" in str(e)
+
+
+def _timeout_of(call):
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - returned for the test to check
+        return e
+    return None

@@ -15,6 +15,7 @@ from gradwire.protocol import dtypes, messages
 from gradwire.protocol.frames import DEPARTED_EVENT, JOIN_EVENT, FrameType
 from gradwire.scheduler import client
 from gradwire.server import ops
+from gradwire.server.held import Held
 from gradwire.server.reader import claim
 from gradwire.server.state import ServerState
 
@@ -134,8 +135,9 @@ class ServerControl:
                 address = (body.addresses or {})[str(target)]
                 if state.replicas.ensure(int(target), address):
                     engine.keys[key].replica = int(target)
-                    if engine.keys[key].held is not None:  # a server-side optimizer's state (server/optim.py)
-                        engine.keys[key].held.replica = int(target)
+                    held = engine.keys[key].held
+                    if isinstance(held, Held):  # a server-side optimizer's state (server/optim.py), not a residual
+                        held.replica = int(target)
         self._reply(body.id)
 
     def _joined(self, body: messages.Joined) -> None:

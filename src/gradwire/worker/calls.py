@@ -358,8 +358,13 @@ class Calls:
         return self.synchronize(handle)
 
     def _describe_outstanding(self, name: str) -> str:
-        busy = [f"server {link.server} ({link.conn.peer})" for link in self.state.links if name in link.outstanding()]
-        return f"; partitions still out on {', '.join(busy)}" if busy else ""
+        links = self.state.links
+        held = [f"server {link.server}" for link in links if name in link.held()]
+        busy = [f"server {link.server} ({link.conn.peer})" for link in links if name in link.outstanding()]
+        out = f"; partitions still out on {', '.join(busy)}" if busy else ""
+        if held:  # answered here; another worker has not said it has the sums (worker/holding.py)
+            out += f"; sums held until every worker has them, from {', '.join(held)}"
+        return out
 
     def join(self) -> int:
         """Horovod's join: this worker is out of data. Until every worker has joined, the others' allreduces go on

@@ -65,6 +65,10 @@ class Holds:
             self.receipts.append((work.key, work.round))
             self._cond.notify()
 
+    def tensors(self) -> set[str]:
+        """(Holding the condition.) The tensors with partitions held."""
+        return {work.tensor for work, _ in self._held.values()}
+
     def take_receipts(self) -> list[tuple[int, int]]:
         """(Holding the condition.) The receipts to send now."""
         receipts, self.receipts = self.receipts, []

@@ -150,9 +150,15 @@ class ServerLink(Answers):
             return self.flow.rounds(keys)
 
     def outstanding(self) -> list[str]:
-        """Tensors with partitions queued or unanswered on this link (for timeout messages)."""
+        """Tensors with partitions queued or unanswered on this link, or answered and held until every worker has
+        them (for timeout messages)."""
         with self._cond:
-            return sorted(self.flow.tensors())
+            return sorted(self.flow.tensors() | self.holds.tensors())
+
+    def held(self) -> list[str]:
+        """Tensors with sums answered here and held until the server says every worker has them."""
+        with self._cond:
+            return sorted(self.holds.tensors())
 
     def close(self, reason: BaseException) -> None:
         """Fail everything queued or in flight with `reason` and stop both threads."""
