@@ -202,12 +202,11 @@ class Declarations:
             else:
                 decl.key_op, decl.slices, decl.meta, decl.members = key_op, slices, meta, members
                 decl.op_args = op_args
-                if not self._replicated(op_args, among, sum(decl.sizes)):
-                    pass
-                elif decl.holdable and self.config.failover_hold:
-                    decl.held = True  # past the workers' copies: its sums are held in their outputs instead
-                else:
-                    decl.replicas = [self._replica_of(s) for s in decl.servers]
+                if self._replicated(op_args, among, sum(decl.sizes)):
+                    if decl.holdable and self.config.failover_hold:
+                        decl.held = True  # past the workers' copies: its sums are held in their outputs instead
+                    else:
+                        decl.replicas = [self._replica_of(s) for s in decl.servers]
         if decl is None:
             for c in calls:
                 c.answer({"error": error, "abort": False})

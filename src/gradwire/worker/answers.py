@@ -20,7 +20,7 @@ from gradwire.protocol import frames
 from gradwire.protocol.frames import FrameType
 from gradwire.transport import shm, tcp
 from gradwire.worker.credit import Credit
-from gradwire.worker.holding import Holds
+from gradwire.worker.holding import Holds, release
 from gradwire.worker.work import Seed, Work
 
 if TYPE_CHECKING:
@@ -136,16 +136,11 @@ class Answers:
         seed = Seed.of(self.seeds, work) if self.seeds is not None else None
         into = seed.data if seed is not None else work.out.reshape(-1).view(np.uint8)
         if header.flags & shm.SHM_PAYLOAD:
-            if self.arena is None or header.status != work.pull_slot:
-                raise RemoteProtocolError(f"server {self.server} answered in pull slot {header.status}, not ours")
-            np.copyto(into, self.arena.pull_slot(work.pull_slot, work.nbytes))
+            np.copyto(into, self._pulled(work, header))
         else:
             self.conn.recv_into(memoryview(into))
         self._take(header.key, answered_at=work.t_result)
-        if work.pull_slot != shm.NO_SLOT:
-            with self._cond:
-                self._free_pull.append(work.pull_slot)
-            work.pull_slot = shm.NO_SLOT
+        self._free_pull_slot(work)
         work.deliver(seed)
         self._record(work, time.monotonic())
         assert work.handle is not None
@@ -157,15 +152,23 @@ class Answers:
         output in the same pass; it stays there until every worker has it (`_on_everyone`)."""
         assert self.seeds is not None
         if header.flags & shm.SHM_PAYLOAD:
-            if self.arena is None or header.status != work.pull_slot:
-                raise RemoteProtocolError(f"server {self.server} answered in pull slot {header.status}, not ours")
-            received = self.arena.pull_slot(work.pull_slot, work.nbytes)
+            received = self._pulled(work, header)
         else:
             received = self.holds.into(work)
             self.conn.recv_into(memoryview(received))
         self._take(header.key, answered_at=work.t_result)
         self.holds.hold(work, received, self.seeds, bool(header.flags & frames.AVERAGED))
-        if work.pull_slot != shm.NO_SLOT:  # the slot's bytes are in the output now
+        self._free_pull_slot(work)  # its bytes are in the output now
+
+    def _pulled(self, work: Work, header: frames.Header) -> np.ndarray:
+        """The answer in `work`'s shared pull slot (the server copied it there: SHM_PAYLOAD)."""
+        if self.arena is None or header.status != work.pull_slot:
+            raise RemoteProtocolError(f"server {self.server} answered in pull slot {header.status}, not ours")
+        return self.arena.pull_slot(work.pull_slot, work.nbytes)
+
+    def _free_pull_slot(self, work: Work) -> None:
+        """`work`'s answer is out of its pull slot: the slot may take the next pull."""
+        if work.pull_slot != shm.NO_SLOT:
             with self._cond:
                 self._free_pull.append(work.pull_slot)
             work.pull_slot = shm.NO_SLOT
@@ -173,7 +176,7 @@ class Answers:
     def _on_everyone(self, body: bytes) -> None:
         """Every worker has these held sums (an EVERYONE frame): their partitions are done."""
         assert self.seeds is not None
-        for work in self.holds.everyone(list(frames.ACK_ENTRY.iter_unpack(body)), self.seeds):
+        for work in release(self.holds.everyone(list(frames.ACK_ENTRY.iter_unpack(body))), self.seeds):
             self.finish_held(work)
 
     def finish_held(self, work: Work) -> None:

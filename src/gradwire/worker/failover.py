@@ -17,6 +17,7 @@ from gradwire.protocol.frames import AVERAGED, REPLAY, SEED
 from gradwire.tuning import Tuning
 from gradwire.worker.connecting import Connecting, LinkHooks
 from gradwire.worker.control import Control
+from gradwire.worker.holding import release
 from gradwire.worker.link import ServerLink
 from gradwire.worker.recut import Retuning
 from gradwire.worker.state import SHUTDOWN_JOIN_SECONDS, WorkerState
@@ -49,7 +50,7 @@ class Failover:
         self._over = False
         # held partitions the dead servers had answered (worker/holding.py): done once the failover is over, when
         # every seed their outputs were asked for has been sent
-        self._holding: list[tuple[ServerLink, Work]] = []
+        self._holding: list[tuple[ServerLink, list[tuple[Work, Seed]]]] = []
 
     @property
     def seeds(self) -> dict[int, Seed]:
@@ -84,7 +85,7 @@ class Failover:
         old = state.links[dead]
         with self._lock:
             orphans = old.detach(SHUTDOWN_JOIN_SECONDS)
-            self._holding += [(old, work) for work in old.holds.take_all()]
+            self._holding.append((old, old.holds.take_all()))
             standby = body.standby
             if standby and not self._replace_link(dead, standby):
                 return
@@ -181,11 +182,9 @@ class Failover:
             if over:
                 self._over = True  # every worker gets its SEED (most an empty one) when the failover is over
             holding, self._holding = (self._holding, []) if over else ([], self._holding)
-        for link, work in holding:  # the seeds asked of their outputs are sent: the calls may complete
-            seed = seeds.get(work.key)
-            if seed is not None and seed.held and seed.round == work.round:
-                del seeds[work.key]
-            link.finish_held(work)
+        for link, held in holding:  # the seeds asked of their outputs are sent: the calls may complete
+            for work in release(held, seeds):
+                link.finish_held(work)
         if self.records:
             self.records[-1]["seeds"] += sent
         if body.keys:
@@ -208,9 +207,10 @@ class Failover:
         """The job re-forms (elastic): the held partitions of a failover under way fail with their calls."""
         with self._lock:
             holding, self._holding = self._holding, []
-        for _, work in holding:
-            if work.handle is not None:
-                work.handle.fail(error)
+        for _, held in holding:
+            for work in release(held, self.hooks.seeds):
+                if work.handle is not None:
+                    work.handle.fail(error)
 
     def resubmit(self, work: Work, priority: int) -> None:
         """Push a partition again, to its key's server now."""

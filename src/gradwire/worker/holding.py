@@ -74,8 +74,8 @@ class Holds:
         receipts, self.receipts = self.receipts, []
         return receipts
 
-    def everyone(self, pairs: list[tuple[int, int]], seeds: dict[int, Seed]) -> list[Work]:
-        """Every worker has these rounds' sums (EVERYONE): their partitions, done holding (their seeds dropped)."""
+    def everyone(self, pairs: list[tuple[int, int]]) -> list[tuple[Work, Seed]]:
+        """Every worker has these rounds' sums (EVERYONE): their partitions, done holding, with their seeds."""
         done = []
         with self._cond:
             for pair in pairs:
@@ -86,18 +86,19 @@ class Holds:
                         "which this worker does not hold"
                     )
                 done.append(held)
-        for work, seed in done:
-            if seeds.get(work.key) is seed:
-                del seeds[work.key]
-        return [work for work, _ in done]
+        return done
 
-    def take_all(self, seeds: dict[int, Seed] | None = None) -> list[Work]:
-        """Every partition held (the link closed, or its server failed over and the seeds were sent); with `seeds`,
-        their seeds dropped."""
+    def take_all(self) -> list[tuple[Work, Seed]]:
+        """Every partition held, with its seed (the link closed, or its server failed over)."""
         with self._cond:
             held, self._held = list(self._held.values()), {}
             self.receipts = []
-        for work, seed in held if seeds is not None else ():
-            if seeds.get(work.key) is seed:
-                del seeds[work.key]
-        return [work for work, _ in held]
+        return held
+
+
+def release(held: list[tuple[Work, Seed]], seeds: dict[int, Seed] | None) -> list[Work]:
+    """Held partitions done holding: their seeds out of `seeds` (where a later round's has not replaced them)."""
+    for work, seed in held if seeds is not None else ():
+        if seeds.get(work.key) is seed:
+            del seeds[work.key]
+    return [work for work, _ in held]

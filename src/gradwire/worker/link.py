@@ -38,7 +38,7 @@ from gradwire.transport import shm, tcp
 from gradwire.worker.answers import Answers
 from gradwire.worker.credit import Credit
 from gradwire.worker.flow import LIVENESS_SECONDS, Flow
-from gradwire.worker.holding import Holds
+from gradwire.worker.holding import Holds, release
 from gradwire.worker.work import Seed, Work
 
 log = logging.getLogger("gradwire.worker")
@@ -150,10 +150,9 @@ class ServerLink(Answers):
             return self.flow.rounds(keys)
 
     def outstanding(self) -> list[str]:
-        """Tensors with partitions queued or unanswered on this link, or answered and held until every worker has
-        them (for timeout messages)."""
+        """Tensors with partitions queued or unanswered on this link (for timeout messages; held ones: `held`)."""
         with self._cond:
-            return sorted(self.flow.tensors() | self.holds.tensors())
+            return sorted(self.flow.tensors())
 
     def held(self) -> list[str]:
         """Tensors with sums answered here and held until the server says every worker has them."""
@@ -167,7 +166,7 @@ class ServerLink(Answers):
                 self._closed = reason
             failed = self.flow.take_all()
             self._cond.notify_all()
-        failed += self.holds.take_all(self.seeds)
+        failed += release(self.holds.take_all(), self.seeds)
         self.credit.unpace(self.server)
         for work in failed:
             if work.handle is not None:
