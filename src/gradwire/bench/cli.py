@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="KIB,...",
         help="CPU seconds per GB of workers and servers by partition size (KiB, comma-separated; TCP, the first of "
-        "--sizes)",
+        "--sizes), beside the floor of a Python data path with nothing else in it (bench/floor.py)",
     )
     parser.add_argument(
         "--netem",

@@ -6,6 +6,10 @@ same push_pull job (n workers, k servers, one tensor of SIZE bytes, TCP only, as
 size (GRADWIRE_PARTITION_BYTES) and reports the CPU seconds the workers and the servers spent per GB reduced, and each
 figure over the largest partition size's: the per-partition overhead, apart for both roles. gloo's ring on the same
 tensor in the same run gives the yardstick. Rounds alternate the sizes so that the machine's drift hits them alike.
+
+Beside it, the floor (bench/floor.py): the same partition sizes through a Python data path with nothing else in it,
+one worker and one server, the worker with one thread and with two (a sender woken by its receiver, as gradwire's
+links are built), in the same rounds: what Python itself sets, and what the data path's shape adds.
 """
 
 from __future__ import annotations
@@ -13,7 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 
+from gradwire.bench.floor import MODES
 from gradwire.bench.runner import MiB, Timing, run_gloo, run_gradwire
 
 KiB = 1 << 10
@@ -25,20 +32,63 @@ def run_partitions(args: argparse.Namespace, env: dict[str, str]) -> int:
     n, k = args.num_workers, args.num_servers
     runs: dict[int, list[Timing]] = {p: [] for p in parts}
     gloo: list[Timing] = []
+    floors: dict[tuple[str, int], list[dict]] = {(mode, p): [] for mode in MODES for p in parts}
     for _ in range(args.rounds):
         for p in parts:
             job = env | {"GRADWIRE_PARTITION_BYTES": str(p), "GRADWIRE_TRANSPORT": "tcp"}
             runs[p] += run_gradwire(n, k, [size], args.repeats, args.warmup, job)
+            for mode in MODES:
+                floors[mode, p].append(run_floor(p, size, FLOOR_REPEATS, mode))
         gloo += run_gloo(n, [size], args.repeats, args.warmup)
     rows = [_row(p, runs[p]) for p in parts]
     base = rows[-1] if rows else None
     gloo_cpu = statistics.median(t.cpu_per_gb() for t in gloo)
+    floor_rows = [_floor_row(mode, p, floors[mode, p]) for mode in MODES for p in parts]
     if args.json:
-        for row in rows:
+        for row in rows + floor_rows:
             print(json.dumps(row | {"gloo_cpu_seconds_per_gb": gloo_cpu}))
         return 0
     print(table(rows, base, gloo_cpu, n, k, size))
+    print()
+    print(floor_table(floor_rows, size))
     return 0
+
+
+FLOOR_REPEATS = 40  # calls per floor measurement (each a few tens of milliseconds)
+
+
+def run_floor(partition: int, size: int, repeats: int, mode: str) -> dict:
+    """One floor measurement (bench/floor.py) in a process of its own."""
+    argv = [sys.executable, "-m", "gradwire.bench.floor", str(partition), str(size), str(repeats), mode]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _floor_row(mode: str, partition: int, runs: list[dict]) -> dict:
+    """The medians of a floor shape's runs at one partition size."""
+    row = {"floor": mode, "partition_bytes": partition, "runs": len(runs)}
+    for field in ("seconds_per_call", "worker_cpu_seconds_per_gb", "server_cpu_seconds_per_gb"):
+        row[field] = statistics.median(r[field] for r in runs)
+    return row
+
+
+def floor_table(rows: list[dict], size: int) -> str:
+    """The floor's markdown table: per shape and partition size, CPU per GB and each over the largest size's."""
+    lines = [
+        f"the floor (bench/floor.py): push_pull of {size / MiB:g} MiB, one worker, one server, TCP loopback",
+        "",
+        "| worker | partition | workers' CPU s/GB | x largest | servers' CPU s/GB | x largest |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for mode in MODES:
+        mine = [r for r in rows if r["floor"] == mode]
+        w0, s0 = mine[-1]["worker_cpu_seconds_per_gb"], mine[-1]["server_cpu_seconds_per_gb"]
+        for row in mine:
+            w, s = row["worker_cpu_seconds_per_gb"], row["server_cpu_seconds_per_gb"]
+            lines.append(
+                f"| {mode} | {row['partition_bytes'] / KiB:g} KiB | {w:.2f} | {w / w0:.2f}x | {s:.2f} | {s / s0:.2f}x |"
+            )
+    return "\n".join(lines)
 
 
 def _row(partition: int, timings: list[Timing]) -> dict:

@@ -1,0 +1,162 @@
+"""The floor under `gradwire bench --partitions`: what a partition costs a Python data path with nothing else in it.
+
+One worker and one summation server over TCP loopback, each a process of its own; the worker pushes SIZE bytes in
+partitions of P bytes (a window of 4, or fewer where 4 would pass 256 KiB), the server adds each into a sum buffer and
+answers it at once, the worker receives every sum into its output. No flow-control state, metrics, handles, locks
+or keys beyond a number: only the frames, the system calls and the summing. Two shapes of worker:
+
+- `one-thread`: the thread that receives an answer sends the next push itself;
+- `two-threads`: as gradwire's links are built, a sender thread waits on a condition that the receiving thread
+  notifies as each answer frees a window place.
+
+Their CPU seconds per GB by partition size, beside gradwire's own in the same run, say how much of gradwire's
+per-partition cost Python itself sets and how much the data path's shape adds. Run as
+`python -m gradwire.bench.floor PARTITION SIZE REPEATS MODE`: one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import sys
+import threading
+import time
+
+import numpy as np
+
+HEADER = struct.Struct("<QQ")  # the partition's number, its length
+MODES = ("one-thread", "two-threads")
+
+
+def window(partition: int) -> int:
+    return max(1, min(4, (256 << 10) // partition))
+
+
+def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if not n:
+            raise ConnectionError("the peer closed the connection")
+        got += n
+
+
+def serve(sock: socket.socket, size: int, partition: int) -> None:
+    """Answer one call: each partition pushed is summed (onto zeros: one worker) and sent back at once."""
+    zeros = np.zeros(partition // 4, np.float32)
+    total = np.empty_like(zeros)
+    pushed = np.empty_like(zeros)
+    into, header = memoryview(pushed).cast("B"), bytearray(HEADER.size)
+    done = 0
+    while done < size:
+        _recv_exactly(sock, memoryview(header))
+        index, n = HEADER.unpack(header)
+        _recv_exactly(sock, into[:n])
+        np.add(zeros[: n // 4], pushed[: n // 4], out=total[: n // 4])
+        sock.sendmsg([HEADER.pack(index, n), memoryview(total).cast("B")[:n]])
+        done += n
+
+
+class Worker:
+    """One push_pull of `data` into `out` through the server at the other end of `sock`."""
+
+    def __init__(self, sock: socket.socket, data: np.ndarray, out: np.ndarray, partition: int) -> None:
+        self.sock, self.partition, self.window = sock, partition, window(partition)
+        self.send_view, self.out_view = memoryview(data).cast("B"), memoryview(out).cast("B")
+        self.size = len(self.send_view)
+        self.sent = self.index = self.in_flight = 0
+        self.cond = threading.Condition()
+
+    def push(self) -> None:
+        n = min(self.partition, self.size - self.sent)
+        self.sock.sendmsg([HEADER.pack(self.index, n), self.send_view[self.sent : self.sent + n]])
+        self.sent += n
+        self.index += 1
+
+    def answer(self, header: bytearray) -> int:
+        """Receive the next sum into the output; its length."""
+        _recv_exactly(self.sock, memoryview(header))
+        index, n = HEADER.unpack(header)
+        at = index * self.partition
+        _recv_exactly(self.sock, self.out_view[at : at + n])
+        return n
+
+    def one_thread(self) -> None:
+        for _ in range(self.window):
+            if self.sent < self.size:
+                self.push()
+        header, received = bytearray(HEADER.size), 0
+        while received < self.size:
+            received += self.answer(header)
+            if self.sent < self.size:
+                self.push()
+
+    def two_threads(self) -> None:
+        sender = threading.Thread(target=self._send_loop)
+        sender.start()
+        header, received = bytearray(HEADER.size), 0
+        while received < self.size:
+            received += self.answer(header)
+            with self.cond:
+                self.in_flight -= 1
+                self.cond.notify()
+        sender.join()
+
+    def _send_loop(self) -> None:
+        while True:
+            with self.cond:
+                while self.sent < self.size and self.in_flight >= self.window:
+                    self.cond.wait()
+                if self.sent >= self.size:
+                    return
+                self.in_flight += 1
+            self.push()
+
+
+def measure(partition: int, size: int, repeats: int, mode: str) -> dict:
+    """CPU seconds per GB of the worker and of the server over `repeats` calls (this process forks the server)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    worker_sock = socket.create_connection(listener.getsockname())
+    server_sock, _ = listener.accept()
+    listener.close()
+    for s in (worker_sock, server_sock):
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the server
+        worker_sock.close()
+        cpu = time.process_time()
+        for _ in range(repeats):
+            serve(server_sock, size, partition)
+        os.write(write_end, str(time.process_time() - cpu).encode())
+        os._exit(0)
+    server_sock.close()
+    data = np.random.default_rng(0).random(size // 4, dtype=np.float32)
+    out = np.empty_like(data)
+    cpu, wall = time.process_time(), time.perf_counter()
+    for _ in range(repeats):
+        worker = Worker(worker_sock, data, out, partition)
+        worker.one_thread() if mode == "one-thread" else worker.two_threads()
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    os.waitpid(pid, 0)
+    server_cpu = float(os.read(read_end, 64))
+    os.close(read_end)
+    os.close(write_end)
+    worker_sock.close()
+    if not np.array_equal(out, data):
+        raise AssertionError("the sums came back wrong")
+    gb = repeats * size / 1e9
+    return {
+        "mode": mode,
+        "partition_bytes": partition,
+        "worker_cpu_seconds_per_gb": cpu / gb,
+        "server_cpu_seconds_per_gb": server_cpu / gb,
+        "seconds_per_call": wall / repeats,
+    }
+
+
+if __name__ == "__main__":
+    part, nbytes, reps, how = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    print(json.dumps(measure(part, nbytes, reps, how)), flush=True)
