@@ -15,6 +15,15 @@ from gradwire.bench.runner import MiB, Timing, run_gloo, run_gradwire
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    _job_arguments(parser)
+    _netem_arguments(parser)
+    _training_arguments(parser)
+    _fault_arguments(parser)
+    _model_arguments(parser)
+
+
+def _job_arguments(parser: argparse.ArgumentParser) -> None:
+    """The job every mode runs (workers, servers, sizes, repeats), the data-path settings it imposes, what is timed."""
     parser.add_argument("-n", "--num-workers", type=int, default=4)
     parser.add_argument("-s", "--num-servers", type=int, default=4)
     parser.add_argument("--sizes", default="4,16,64", help="MiB per tensor, comma-separated")
@@ -22,7 +31,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2, help="alternations of gradwire and gloo jobs")
     parser.add_argument("--partition-bytes", type=int, default=None)
+    parser.add_argument("--window", type=int, default=None, help="GRADWIRE_WINDOW for the gradwire jobs")
+    parser.add_argument(
+        "--placement", choices=("model", "auto", "equal"), default=None, help="GRADWIRE_PLACEMENT for the gradwire jobs"
+    )
+    parser.add_argument("--pacing", type=int, default=None, help="GRADWIRE_PACING for the gradwire jobs (0: off)")
     parser.add_argument("--json", action="store_true", help="one JSON object per measurement")
+    parser.add_argument(
+        "--collective",
+        default="allreduce",
+        choices=[
+            "allreduce",
+            "allgather",
+            "broadcast",
+            "reducescatter",
+            *(f"allreduce-{m}" for m in ("onebit", "topk", "randomk", "dithering")),
+        ],
+        help="what to time, against gloo's same collective (each rank ends with SIZE bytes; see bench/workers.py)",
+    )
+
     parser.add_argument(
         "--partitions",
         default=None,
@@ -30,6 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="CPU seconds per GB of workers and servers by partition size (KiB, comma-separated; TCP, the first of "
         "--sizes), beside the floor of a Python data path with nothing else in it (bench/floor.py)",
     )
+
+
+def _netem_arguments(parser: argparse.ArgumentParser) -> None:
+    """Across an emulated network: the configurations, what to record of them."""
     parser.add_argument(
         "--netem",
         action="store_true",
@@ -39,42 +70,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--configs", default=None, help="with --netem: n:k:worker_rate:server_rate,... (default: the full matrix)"
     )
     parser.add_argument(
-        "--failover",
-        action="store_true",
-        help="SIGKILL a server (with and without a standby) and a worker mid-run: detection and recovery times",
-    )
-    parser.add_argument(
-        "--elastic",
-        action="store_true",
-        help="the elastic example with worker 2 SIGKILLed at a random moment, --runs times: completions, hangs, "
-        "times to the re-formed job and to the replacement, accuracy",
-    )
-    parser.add_argument("--runs", type=int, default=20, help="with --elastic: runs with a kill")
-    parser.add_argument("--seed", type=int, default=0, help="with --elastic: the moments' random seed")
-    parser.add_argument("--timeout", type=float, default=180, help="with --elastic: a run's deadline (then: a hang)")
-    parser.add_argument("--failover-mib", type=float, default=2.0, help="with --failover: MiB per tensor (8 tensors)")
-    parser.add_argument(
-        "--failover-rate", default="100mbit", help="with --failover --netem: every emulated link's rate (tc's spelling)"
-    )
-    parser.add_argument(
-        "--kill",
-        choices=("server", "worker", "scheduler"),
-        default=None,
-        help="with --failover: only this process's trials (default: server and worker; scheduler: SIGKILLed and "
-        "restarted, or its standby taking the job over)",
-    )
-    parser.add_argument("--window", type=int, default=None, help="GRADWIRE_WINDOW for the gradwire jobs")
-    parser.add_argument(
-        "--placement", choices=("model", "auto", "equal"), default=None, help="GRADWIRE_PLACEMENT for the gradwire jobs"
-    )
-    parser.add_argument(
-        "--section", default="netem", help="with --write-docs: the marked section to replace (netem, placement)"
-    )
-    parser.add_argument("--pacing", type=int, default=None, help="GRADWIRE_PACING for the gradwire jobs (0: off)")
-    parser.add_argument(
         "--links", default=None, metavar="DIR", help="with --netem: sample every link's use over time into DIR"
     )
     parser.add_argument("--plot", default=None, help="with --netem: write a PNG of time against n")
+    parser.add_argument(
+        "--hand-tuned",
+        action="store_true",
+        help="with --netem: impose the partition/window settings hand-tuning found (Topology.tuning()) instead of "
+        "gradwire's own choice from the measured links",
+    )
+    parser.add_argument("--write-docs", default=None, help="with --netem: replace the netem section of this file")
+    parser.add_argument(
+        "--section", default="netem", help="with --write-docs: the marked section to replace (netem, placement)"
+    )
+
+
+def _training_arguments(parser: argparse.ArgumentParser) -> None:
+    """Training on the emulated network: end to end, scaling with replayed compute, compression, Keras, drift."""
     parser.add_argument(
         "--train",
         action="store_true",
@@ -114,13 +126,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--settle", type=int, default=12, help="with --drift: steps after the change that are not timed (every way)"
     )
+
+
+def _fault_arguments(parser: argparse.ArgumentParser) -> None:
+    """Failover and elastic runs: what is killed, when, how often."""
     parser.add_argument(
-        "--hand-tuned",
+        "--failover",
         action="store_true",
-        help="with --netem: impose the partition/window settings hand-tuning found (Topology.tuning()) instead of "
-        "gradwire's own choice from the measured links",
+        help="SIGKILL a server (with and without a standby) and a worker mid-run: detection and recovery times",
     )
-    parser.add_argument("--write-docs", default=None, help="with --netem: replace the netem section of this file")
+    parser.add_argument(
+        "--kill",
+        choices=("server", "worker", "scheduler"),
+        default=None,
+        help="with --failover: only this process's trials (default: server and worker; scheduler: SIGKILLed and "
+        "restarted, or its standby taking the job over)",
+    )
+    parser.add_argument("--failover-mib", type=float, default=2.0, help="with --failover: MiB per tensor (8 tensors)")
+    parser.add_argument(
+        "--failover-rate", default="100mbit", help="with --failover --netem: every emulated link's rate (tc's spelling)"
+    )
+    parser.add_argument(
+        "--elastic",
+        action="store_true",
+        help="the elastic example with worker 2 SIGKILLed at a random moment, --runs times: completions, hangs, "
+        "times to the re-formed job and to the replacement, accuracy",
+    )
+    parser.add_argument("--runs", type=int, default=20, help="with --elastic: runs with a kill")
+    parser.add_argument("--seed", type=int, default=0, help="with --elastic: the moments' random seed")
+    parser.add_argument("--timeout", type=float, default=180, help="with --elastic: a run's deadline (then: a hang)")
+
+
+def _model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Parameter-server mode, accuracy to the same epochs, and large models."""
     parser.add_argument(
         "--ps",
         action="store_true",
@@ -139,12 +177,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "compensation LAMBDA, on --async-runs seeds each",
     )
     parser.add_argument(
-        "--large",
-        action="store_true",
-        help="a 1.2 GB tensor and a 0.35B-parameter transformer: first and steady calls, peak RSS per worker, against "
-        "gloo and DDP",
-    )
-    parser.add_argument(
         "--accuracy",
         action="store_true",
         help="the digits CNN to the same epochs, uncompressed and with onebit, top-k 1%% and PowerSGD rank 2: test "
@@ -158,27 +190,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="digits",
         help="with --accuracy: the README demo's digits CNN, or the larger MNIST-1D task (the bench extra's mnist1d)",
     )
+    parser.add_argument(
+        "--large",
+        action="store_true",
+        help="a 1.2 GB tensor and a 0.35B-parameter transformer: first and steady calls, peak RSS per worker, against "
+        "gloo and DDP",
+    )
     parser.add_argument("--large-elements", type=int, default=300_000_000, help="with --large: the tensor's elements")
     parser.add_argument(
         "--calls", type=int, default=4, help="with --large: calls on the tensor (steady: the median from the third on)"
-    )
-    parser.add_argument(
-        "--collective",
-        default="allreduce",
-        choices=[
-            "allreduce",
-            "allgather",
-            "broadcast",
-            "reducescatter",
-            *(f"allreduce-{m}" for m in ("onebit", "topk", "randomk", "dithering")),
-        ],
-        help="what to time, against gloo's same collective (each rank ends with SIZE bytes; see bench/workers.py)",
     )
 
 
 def run(args: argparse.Namespace) -> int:
     sizes = [int(float(s) * MiB) for s in args.sizes.split(",")]
     os.environ["GRADWIRE_BENCH_COLLECTIVE"] = args.collective  # read by the benchmark's worker processes
+    env = _job_env(args)
+    code = _run_mode(args, sizes, env)
+    return _compare(args, sizes, env) if code is None else code
+
+
+def _job_env(args: argparse.Namespace) -> dict[str, str]:
+    """The GRADWIRE_* settings the options impose on the gradwire jobs (none: the defaults)."""
     env = {"GRADWIRE_PARTITION_BYTES": str(args.partition_bytes)} if args.partition_bytes else {}
     if args.window:
         env["GRADWIRE_WINDOW"] = str(args.window)
@@ -186,6 +219,11 @@ def run(args: argparse.Namespace) -> int:
         env["GRADWIRE_PLACEMENT"] = args.placement
     if args.pacing is not None:
         env["GRADWIRE_PACING"] = str(args.pacing)
+    return env
+
+
+def _run_mode(args: argparse.Namespace, sizes: list[int], env: dict[str, str]) -> int | None:
+    """The benchmark a mode option names, run (its exit code); None: no mode, the plain comparison."""
     if args.partitions:
         from gradwire.bench.partitions import run_partitions
 
@@ -226,6 +264,11 @@ def run(args: argparse.Namespace) -> int:
         from gradwire.bench.netem_cli import run_netem
 
         return run_netem(args, sizes, env)
+    return None
+
+
+def _compare(args: argparse.Namespace, sizes: list[int], env: dict[str, str]) -> int:
+    """gradwire (its own transport choice, then TCP only) against gloo's ring, alternating, per size."""
     n, k = args.num_workers, args.num_servers
     results: dict[tuple[str, int], list[Timing]] = {}
     for _ in range(args.rounds):
