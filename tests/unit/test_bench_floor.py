@@ -35,6 +35,15 @@ def test_a_wrong_sum_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
         floor.measure(64 * KiB, 1 << 20, 1, "one-thread")
 
 
+def test_a_server_that_fails_is_an_error_not_a_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fails(sock, size, part):  # the forked server dies before answering anything
+        raise RuntimeError("a server bug")
+
+    monkeypatch.setattr(floor, "serve", fails)
+    with pytest.raises((ConnectionError, RuntimeError)):
+        floor.measure(64 * KiB, 1 << 20, 1, "two-threads")
+
+
 def test_the_window_stays_within_256_kib() -> None:
     assert [floor.window(p) for p in (16 * KiB, 64 * KiB, 128 * KiB, 4 << 20)] == [4, 4, 2, 1]
 

@@ -48,10 +48,10 @@ def serve(sock: socket.socket, size: int, partition: int) -> None:
     zeros = np.zeros(partition // 4, np.float32)
     total = np.empty_like(zeros)
     pushed = np.empty_like(zeros)
-    into, header = memoryview(pushed).cast("B"), bytearray(HEADER.size)
+    into, header = memoryview(pushed).cast("B"), memoryview(bytearray(HEADER.size))
     done = 0
     while done < size:
-        _recv_exactly(sock, memoryview(header))
+        _recv_exactly(sock, header)
         index, n = HEADER.unpack(header)
         _recv_exactly(sock, into[:n])
         np.add(zeros[: n // 4], pushed[: n // 4], out=total[: n // 4])
@@ -67,6 +67,7 @@ class Worker:
         self.send_view, self.out_view = memoryview(data).cast("B"), memoryview(out).cast("B")
         self.size = len(self.send_view)
         self.sent = self.index = self.in_flight = 0
+        self.stopped = False
         self.cond = threading.Condition()
 
     def push(self) -> None:
@@ -75,9 +76,9 @@ class Worker:
         self.sent += n
         self.index += 1
 
-    def answer(self, header: bytearray) -> int:
+    def answer(self, header: memoryview) -> int:
         """Receive the next sum into the output; its length."""
-        _recv_exactly(self.sock, memoryview(header))
+        _recv_exactly(self.sock, header)
         index, n = HEADER.unpack(header)
         at = index * self.partition
         _recv_exactly(self.sock, self.out_view[at : at + n])
@@ -87,32 +88,43 @@ class Worker:
         for _ in range(self.window):
             if self.sent < self.size:
                 self.push()
-        header, received = bytearray(HEADER.size), 0
+        header, received = memoryview(bytearray(HEADER.size)), 0
         while received < self.size:
             received += self.answer(header)
             if self.sent < self.size:
                 self.push()
 
     def two_threads(self) -> None:
-        sender = threading.Thread(target=self._send_loop)
+        errors: list[OSError] = []
+        sender = threading.Thread(target=self._send_loop, args=(errors,), daemon=True)
         sender.start()
-        header, received = bytearray(HEADER.size), 0
-        while received < self.size:
-            received += self.answer(header)
+        try:
+            header, received = memoryview(bytearray(HEADER.size)), 0
+            while received < self.size:
+                received += self.answer(header)
+                with self.cond:
+                    self.in_flight -= 1
+                    self.cond.notify()
+        finally:  # a receive that failed stops the sender too
             with self.cond:
-                self.in_flight -= 1
+                self.stopped = True
                 self.cond.notify()
-        sender.join()
+            sender.join()
+        if errors:
+            raise errors[0]
 
-    def _send_loop(self) -> None:
-        while True:
-            with self.cond:
-                while self.sent < self.size and self.in_flight >= self.window:
-                    self.cond.wait()
-                if self.sent >= self.size:
-                    return
-                self.in_flight += 1
-            self.push()
+    def _send_loop(self, errors: list[OSError]) -> None:
+        try:
+            while True:
+                with self.cond:
+                    while not self.stopped and self.sent < self.size and self.in_flight >= self.window:
+                        self.cond.wait()
+                    if self.stopped or self.sent >= self.size:
+                        return
+                    self.in_flight += 1
+                self.push()
+        except OSError as e:  # the server is gone: the receiver says so too
+            errors.append(e)
 
 
 def measure(partition: int, size: int, repeats: int, mode: str) -> dict:
@@ -125,26 +137,35 @@ def measure(partition: int, size: int, repeats: int, mode: str) -> dict:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     read_end, write_end = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the server
-        worker_sock.close()
-        cpu = time.process_time()
-        for _ in range(repeats):
-            serve(server_sock, size, partition)
-        os.write(write_end, str(time.process_time() - cpu).encode())
-        os._exit(0)
+    if pid == 0:  # the server: its CPU seconds down the pipe, or nothing if it failed
+        code = 1
+        try:
+            worker_sock.close()
+            cpu = time.process_time()
+            for _ in range(repeats):
+                serve(server_sock, size, partition)
+            os.write(write_end, str(time.process_time() - cpu).encode())
+            code = 0
+        finally:
+            os._exit(code)
     server_sock.close()
+    os.close(write_end)  # so that a server that died reads as an empty pipe, not a wait
     data = np.random.default_rng(0).random(size // 4, dtype=np.float32)
     out = np.empty_like(data)
     cpu, wall = time.process_time(), time.perf_counter()
-    for _ in range(repeats):
-        worker = Worker(worker_sock, data, out, partition)
-        worker.one_thread() if mode == "one-thread" else worker.two_threads()
-    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
-    os.waitpid(pid, 0)
-    server_cpu = float(os.read(read_end, 64))
-    os.close(read_end)
-    os.close(write_end)
-    worker_sock.close()
+    try:
+        for _ in range(repeats):
+            worker = Worker(worker_sock, data, out, partition)
+            worker.one_thread() if mode == "one-thread" else worker.two_threads()
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    finally:  # closing its end ends a server still waiting for pushes
+        worker_sock.close()
+        reported = os.read(read_end, 64)
+        os.close(read_end)
+        _, status = os.waitpid(pid, 0)
+    if not reported:
+        raise RuntimeError(f"the floor's server failed (wait status {status})")
+    server_cpu = float(reported)
     if not np.array_equal(out, data):
         raise AssertionError("the sums came back wrong")
     gb = repeats * size / 1e9

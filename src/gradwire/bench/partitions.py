@@ -82,12 +82,8 @@ def floor_table(rows: list[dict], size: int) -> str:
     ]
     for mode in MODES:
         mine = [r for r in rows if r["floor"] == mode]
-        w0, s0 = mine[-1]["worker_cpu_seconds_per_gb"], mine[-1]["server_cpu_seconds_per_gb"]
         for row in mine:
-            w, s = row["worker_cpu_seconds_per_gb"], row["server_cpu_seconds_per_gb"]
-            lines.append(
-                f"| {mode} | {row['partition_bytes'] / KiB:g} KiB | {w:.2f} | {w / w0:.2f}x | {s:.2f} | {s / s0:.2f}x |"
-            )
+            lines.append(f"| {mode} | {row['partition_bytes'] / KiB:g} KiB | {_cpu_cells(row, mine[-1])} |")
     return "\n".join(lines)
 
 
@@ -113,11 +109,15 @@ def table(rows: list[dict], base: dict | None, gloo_cpu: float, n: int, k: int, 
         "|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
-        w, s = row["worker_cpu_seconds_per_gb"], row["server_cpu_seconds_per_gb"]
-        w0 = base["worker_cpu_seconds_per_gb"] if base else float("nan")
-        s0 = base["server_cpu_seconds_per_gb"] if base else float("nan")
         lines.append(
-            f"| {row['partition_bytes'] / KiB:g} KiB | {row['seconds_median']:.4f} | {w:.2f} | {w / w0:.2f}x | "
-            f"{s:.2f} | {s / s0:.2f}x |"
+            f"| {row['partition_bytes'] / KiB:g} KiB | {row['seconds_median']:.4f} | {_cpu_cells(row, base)} |"
         )
     return "\n".join(lines)
+
+
+def _cpu_cells(row: dict, base: dict | None) -> str:
+    """A row's workers' and servers' CPU per GB, each also over `base`'s (the largest partition size's)."""
+    w, s = row["worker_cpu_seconds_per_gb"], row["server_cpu_seconds_per_gb"]
+    w0 = base["worker_cpu_seconds_per_gb"] if base else float("nan")
+    s0 = base["server_cpu_seconds_per_gb"] if base else float("nan")
+    return f"{w:.2f} | {w / w0:.2f}x | {s:.2f} | {s / s0:.2f}x"
