@@ -107,7 +107,7 @@ def test_a_held_sum_stays_in_the_output_as_the_seed_until_everyone_has_it(in_pla
     send = out if in_place else out.copy()
     link, theirs, handle, work, seeds = _held_link(out, send, average=2)
     _result(theirs, np.full(8, 6.0, np.float32))
-    link._on_result(link.conn.recv_header())
+    link._read_frames()
     assert not handle.done()
     assert out.tolist() == [3.0] * 8  # averaged as it came in: the seed says so (frames.AVERAGED)
     assert seeds[7].held and seeds[7].averaged and seeds[7].round == 1 and np.shares_memory(seeds[7].data, out)
@@ -127,7 +127,7 @@ def test_a_sum_seeded_averaged_is_taken_as_it_is_and_only_by_a_held_key():
     out = np.zeros(8, np.float32)
     link, theirs, handle, work, seeds = _held_link(out, out.copy(), average=3)
     _result(theirs, np.full(8, 1 / 3, np.float32), flags=frames.AVERAGED)
-    link._on_result(link.conn.recv_header())
+    link._read_frames()
     assert out.tobytes() == np.full(8, 1 / 3, np.float32).tobytes() and seeds[7].averaged
     link.conn.close()
     theirs.close()
@@ -135,7 +135,7 @@ def test_a_sum_seeded_averaged_is_taken_as_it_is_and_only_by_a_held_key():
     work.held = False
     _result(theirs, np.ones(8, np.float32), flags=frames.AVERAGED)
     with pytest.raises(RemoteProtocolError, match="not held, with an averaged sum"):
-        link._on_result(link.conn.recv_header())
+        link._read_frames()
     link.conn.close()
     theirs.close()
 
@@ -148,7 +148,8 @@ def test_an_in_place_held_sum_cut_off_mid_frame_leaves_the_contribution_whole():
     _result(theirs, np.full(1 << 16, -1.0, np.float32), cut=100_000)
     theirs.close()
     with pytest.raises(tcp.ConnectionClosed):
-        link._on_result(link.conn.recv_header())
+        for _ in range(3):  # each as the link loop calls it, the socket readable: what came, then the end
+            link._read_frames()
     assert out.tolist() == list(range(1 << 16))
     assert not handle.done() and 7 not in seeds
     link.conn.close()
@@ -158,7 +159,7 @@ def test_a_closed_link_fails_the_calls_it_holds():
     out = np.zeros(4, np.float32)
     link, theirs, handle, work, seeds = _held_link(out, out.copy())
     _result(theirs, np.ones(4, np.float32))
-    link._on_result(link.conn.recv_header())
+    link._read_frames()
     link.close(RemoteProtocolError("gone"))
     with pytest.raises(RemoteProtocolError, match="gone"):
         handle.wait(1.0)

@@ -23,12 +23,12 @@ def test_an_answer_that_overtakes_the_senders_stamp_still_times_every_stage_from
     out = np.zeros(4, np.float32)
     handle = Handle("t", out, 1, lambda h: None)
     work = Work("t", 7, 1, dtypes.from_numpy(out.dtype).code, out, out, 1, handle)
-    work.t_queued = work.t_sent = time.monotonic()  # taken by the sender, whose send has not returned yet
+    work.t_queued = work.t_sent = time.monotonic()  # taken to be sent; the socket has not taken it all yet
     link.flow.pending[7], link.flow.in_flight = work, 1
     header = bytearray(frames.HEADER_SIZE)
     frames.pack_header_into(header, FrameType.RESULT, out.nbytes, work.dtype, 1, 0, 7, 1)
     theirs.sendall(bytes(header) + np.full(4, 2, np.float32).tobytes())
-    link._on_result(link.conn.recv_header())
+    link._read_frames()
     assert handle.wait(1.0).tolist() == [2.0] * 4
     assert work.t_pushed >= work.t_sent
     assert min(link.metrics._seconds) >= 0.0 and link.metrics.bytes_pulled == out.nbytes
@@ -96,8 +96,8 @@ def test_small_partitions_leave_several_to_a_send_and_the_window_still_bounds_wh
     server = tcp.Connection(theirs, 1 << 20)
     link = ServerLink(tcp.Connection(ours, 1 << 20), server=0, rank=0, epoch=1, window=4, credit=Credit(1 << 20))
     sends = []
-    send = link.conn.send
-    link.conn.send = lambda parts: (sends.append(len(parts)), send(parts))[1]
+    send = link.conn.send_some
+    link.conn.send_some = lambda parts: (sends.append(len(parts)), send(parts))[1]
     works, outs = _works(10)
     link.submit_all(works, 0)
     link.start()

@@ -63,6 +63,7 @@ class Connection:
         self._ahead = bytearray(2 * RECV_AHEAD)
         self._ahead_view = memoryview(self._ahead)
         self._start = self._end = 0
+        self.drained = False  # receiving without waiting: the socket gave less than asked (see `fill_nowait`)
         if sock.family != socket.AF_UNIX:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -89,6 +90,18 @@ class Connection:
                 sent = 0
         _advance(views, sent)
         return views
+
+    def send_some(self, views: list[memoryview]) -> None:
+        """Send what the socket takes now of `views` (whole frames, in order, cast to bytes), and drop it from the list:
+        what is left must go before any other frame. For one sending thread (a worker's link loop: worker/loop.py).
+        Raises ConnectionClosed."""
+        try:
+            sent = self.sock.sendmsg(views[:MAX_PARTS], [], socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return
+        except OSError as e:
+            raise ConnectionClosed(f"send to {self.peer_role} {self.peer_rank} failed: {e}") from None
+        _advance(views, sent)
 
     def send_json(self, ftype: int, body: dict, **fields: int) -> None:
         """Send a control frame with a JSON body."""
@@ -129,6 +142,47 @@ class Connection:
             got += took
             self._end += n - took
 
+    # -- receiving without waiting (one thread: a worker's link loop, worker/loop.py) ------------------------------
+
+    def header_nowait(self) -> Header | None:
+        """The next header, validated, if its bytes are read ahead whole; else None (then `fill_nowait`)."""
+        size = frames.HEADER_SIZE
+        start = self._start
+        if self._end - start < size:
+            return None
+        self._start = start + size
+        return frames.decode_header(self._ahead_view[start : start + size], self.max_payload)
+
+    def fill_nowait(self) -> bool:
+        """Receive what the socket holds into the read-ahead buffer (at most RECV_AHEAD bytes); False if it holds
+        nothing now, or held less than was asked for at the last receive (`drained`: no system call to learn it is
+        empty; the caller waits for the socket to be readable again). Raises ConnectionClosed."""
+        if self.drained:
+            return False
+        self._make_room()
+        n = self._recv([self._ahead_view[self._end : self._end + RECV_AHEAD]], False, wait=False)
+        self._end += n
+        self.drained = n < RECV_AHEAD
+        return n > 0
+
+    def recv_into_nowait(self, view: memoryview, got: int) -> int:
+        """Fill `view` on from byte `got` with what was read ahead and what the socket holds now, each receive
+        scattering past `view` into the read-ahead buffer (as `recv_into`); returns how far `view` is filled."""
+        total = len(view)
+        ahead = min(self._end - self._start, total - got)
+        if ahead:
+            view[got : got + ahead] = self._ahead_view[self._start : self._start + ahead]
+            self._start += ahead
+            got += ahead
+        while got < total and not self.drained:
+            self._make_room()
+            n = self._recv([view[got:], self._ahead_view[self._end : self._end + RECV_AHEAD]], False, wait=False)
+            self.drained = n < total - got + RECV_AHEAD
+            took = min(n, total - got)
+            got += took
+            self._end += n - took
+        return got
+
     def _fill(self, idle_ok: bool) -> None:
         """Receive more into the read-ahead buffer (at least one byte, at most RECV_AHEAD)."""
         self._make_room()
@@ -144,12 +198,15 @@ class Connection:
             self._ahead_view[:rest] = self._ahead_view[self._start : self._end]
             self._start, self._end = 0, rest
 
-    def _recv(self, buffers: list[memoryview], idle_ok: bool) -> int:
-        """One receive into `buffers`, in order; at least one byte. `idle_ok`: a timeout is waited through."""
+    def _recv(self, buffers: list[memoryview], idle_ok: bool, wait: bool = True) -> int:
+        """One receive into `buffers`, in order; at least one byte. `idle_ok`: a timeout is waited through. Without
+        `wait`: 0 if the socket holds nothing now."""
         while True:
             try:
-                n = self.sock.recvmsg_into(buffers)[0]
+                n = self.sock.recvmsg_into(buffers, 0, 0 if wait else socket.MSG_DONTWAIT)[0]
             except (TimeoutError, BlockingIOError):  # BlockingIOError: the kernel's timeout (`set_frame_timeout`)
+                if not wait:
+                    return 0
                 if idle_ok:
                     continue
                 raise GradwireTimeout(f"timed out reading from {self.peer_role} {self.peer_rank}") from None

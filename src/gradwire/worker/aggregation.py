@@ -10,7 +10,7 @@ links, flow control and servers that already carry the rest:
 3. **Local all-gather**: the host's workers gather the L slices of the total through the colocated server again
    (`name@gather`), each into the whole output.
 
-Each stage starts when the one before completes, on this module's own thread (never a link's receiver). The sums are
+Each stage starts when the one before completes, on this module's own thread (never the link loop). The sums are
 deterministic (each server adds in rank order: the host's workers, then the hosts in order), not bit-identical to the
 flat sum. On where it pays: at least two hosts, the same number (at least two) of workers on each, a colocated server
 on every worker host, reductions of all the job's workers of at least LOCAL_MIN_BYTES (smaller ones go direct: three

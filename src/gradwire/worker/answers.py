@@ -1,14 +1,17 @@
-"""The receiving half of a worker's link to a server (`ServerLink`, worker/link.py, inherits it): its thread reads the
-server's frames and applies them. ACKS (a batch of the server engine's acknowledgements: window places and credit
-freed, one wake-up of the sender), RESULT (a partition's sum, read straight into its key's seed copy or its output,
-then delivered and recorded; a held key's is held there: worker/holding.py), EVERYONE (every worker has these held
-sums: their partitions are done), ERROR (a tensor refused: its handle fails; or the job's abort)."""
+"""The receiving half of a worker's link to a server (`ServerLink`, worker/link.py, inherits it), run by the link loop
+(worker/loop.py) whenever the socket has bytes: `on_readable` reads every frame that has arrived, without waiting,
+and applies it. ACKS (a batch of the server engine's acknowledgements: window places and credit freed, for the loop's
+next pass to fill), RESULT (a partition's sum, read straight into its key's seed copy or its output, then delivered
+and recorded; a held key's is held there: worker/holding.py), EVERYONE (every worker has these held sums: their
+partitions are done), ERROR (a tensor refused: its handle fails; or the job's abort). A frame whose payload has not
+all arrived is resumed on the next call where it stopped (`_into`, `_then`)."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -43,9 +46,16 @@ class Answers:
     holds: Holds
     metrics: Metrics
     timeline: Timeline | None
-    _cond: threading.Condition
+    _lock: threading.Lock
+    _closed: BaseException | None
+    lost: BaseException | None
     _free_push: list[int]
     _free_pull: list[int]
+
+    def _init_answers(self) -> None:
+        self._into: memoryview | None = None  # where the payload being received goes
+        self._got = 0  # its bytes in so far
+        self._then: Callable[[], None] | None = None  # what to do once it is all in
 
     def _broken(self, error: GradwireError) -> None:
         raise NotImplementedError
@@ -53,30 +63,62 @@ class Answers:
     def close(self, reason: BaseException) -> None:
         raise NotImplementedError
 
-    def _recv_loop(self) -> None:
-        np.seterr(all="ignore")  # averaging inf or nan gives inf or nan, as in the sum (see server/engine.py)
+    def on_readable(self) -> None:
+        """Read and apply every frame the socket holds now (module docstring)."""
         try:
-            while True:
-                header = self.conn.recv_header()
-                if header.type == FrameType.RESULT:
-                    self._on_result(header)
-                elif header.type == FrameType.ACKS:
-                    self._on_acks(self.conn.recv_body(header))
-                elif header.type == FrameType.EVERYONE:
-                    self._on_everyone(self.conn.recv_body(header))
-                elif header.type == FrameType.ERROR:
-                    self._on_error(header, frames.decode_json(self.conn.recv_body(header)))
-                else:
-                    raise RemoteProtocolError(f"server {self.server} sent an unexpected {header.type.name}")
+            self._read_frames()
         except GradwireError as e:
             self._broken(e)
-        except Exception as e:  # as in _send_loop
+        except Exception as e:  # as in Pushes.pump
             log.exception("worker %d: the receiver from server %d failed", self.rank, self.server)
             self.close(LocalProtocolError(f"worker {self.rank}: the receiver from server {self.server} failed: {e!r}"))
 
+    def _read_frames(self) -> None:
+        conn = self.conn
+        conn.drained = False  # the socket is readable
+        while self._closed is None and self.lost is None:
+            if self._into is not None:
+                self._got = conn.recv_into_nowait(self._into, self._got)
+                if self._got < len(self._into):
+                    return
+                then, self._into, self._then = self._then, None, None
+                assert then is not None
+                then()
+                continue
+            header = conn.header_nowait()
+            if header is None:
+                if not conn.fill_nowait():
+                    return
+                continue
+            self._on_header(header)
+
+    def _on_header(self, header: frames.Header) -> None:
+        if header.type == FrameType.RESULT:
+            self._on_result(header)
+        elif header.type == FrameType.ACKS:
+            self._body(header, self._on_acks)
+        elif header.type == FrameType.EVERYONE:
+            self._body(header, self._on_everyone)
+        elif header.type == FrameType.ERROR:
+            self._body(header, lambda body: self._on_error(header, frames.decode_json(body)))
+        else:
+            raise RemoteProtocolError(f"server {self.server} sent an unexpected {header.type.name}")
+
+    def _receive(self, into: np.ndarray, then: Callable[[], None]) -> None:
+        """Receive the frame's payload into `into` (as it arrives), then `then()`."""
+        if not len(into):
+            then()
+            return
+        self._into, self._got, self._then = memoryview(into).cast("B"), 0, then
+
+    def _body(self, header: frames.Header, then: Callable[[bytes], None]) -> None:
+        """Receive a control frame's body (its length was checked with its header), then `then(body)`."""
+        body = np.empty(header.length, np.uint8)
+        self._receive(body, lambda: then(body.tobytes()))
+
     def _take(self, key: int, answered_at: float | None = None) -> Work:
         """`key`'s contribution is acknowledged, or (`answered_at`: when its sum began to arrive) answered."""
-        with self._cond:
+        with self._lock:
             taken = self.flow.on_ack(key) if answered_at is None else self.flow.on_answer(key, answered_at)
             if taken is None:
                 raise RemoteProtocolError(f"server {self.server} answered key {key:016x}, which is not in flight")
@@ -85,17 +127,15 @@ class Answers:
                 if work.push_slot != shm.NO_SLOT:  # the server has summed it: the slot may take the next push
                     self._free_push.append(work.push_slot)
                     work.push_slot = shm.NO_SLOT
-            if newly_acked or answered_at is not None:  # a freed window place, or a freed unanswered place
-                self._cond.notify()
         if newly_acked:
             self.credit.release(work.push_bytes, self.network)
         return work
 
     def _on_acks(self, body: bytes) -> None:
         """The server has these contributions (an ACKS frame: one batch of its engine's): their window places and
-        credit are free, with one wake-up of the sender."""
+        credit are free."""
         freed: list[int] = []
-        with self._cond:
+        with self._lock:
             for key, rnd in frames.ACK_ENTRY.iter_unpack(body):
                 taken = self.flow.on_ack(key)
                 if taken is None:
@@ -110,18 +150,16 @@ class Answers:
                         self._free_push.append(work.push_slot)
                         work.push_slot = shm.NO_SLOT
                     freed.append(work.push_bytes)
-            if freed:
-                self._cond.notify()
         if freed:
             self.credit.release_all(freed, self.network)
 
     def _on_result(self, header: frames.Header) -> None:
-        with self._cond:  # answered (Flow.on_answer) only once the sum is in whole: cut off, it is pushed again
+        with self._lock:  # answered (Flow.on_answer) only once the sum is in whole: cut off, it is pushed again
             work = self.flow.pending.get(header.key)
         if work is None:
             raise RemoteProtocolError(f"server {self.server} answered key {header.key:016x}, which is not in flight")
         work.t_result = time.monotonic()
-        if not work.t_pushed:  # the answer came before the sender thread stamped the end of its send
+        if not work.t_pushed:  # the answer came before the socket took the whole push (a loaded machine)
             work.t_pushed = work.t_result
         if header.round != work.round or header.length != work.nbytes:
             raise RemoteProtocolError(
@@ -137,9 +175,13 @@ class Answers:
         into = seed.data if seed is not None else work.out.reshape(-1).view(np.uint8)
         if header.flags & shm.SHM_PAYLOAD:
             np.copyto(into, self._pulled(work, header))
+            self._result_in(work, seed)
         else:
-            self.conn.recv_into(memoryview(into))
-        self._take(header.key, answered_at=work.t_result)
+            self._receive(into, lambda: self._result_in(work, seed))
+
+    def _result_in(self, work: Work, seed: Seed | None) -> None:
+        """`work`'s sum is in whole: answered, delivered, recorded."""
+        self._take(work.key, answered_at=work.t_result)
         self._free_pull_slot(work)
         work.deliver(seed)
         self._record(work, time.monotonic())
@@ -150,14 +192,17 @@ class Answers:
         """A held key's sum: from the shared slot, or over the socket into the output (in place, into a buffer of one
         partition: a sum cut off mid-frame must not overwrite the contribution pushed again), averaged into the
         output in the same pass; it stays there until every worker has it (`_on_everyone`)."""
-        assert self.seeds is not None
+        averaged = bool(header.flags & frames.AVERAGED)
         if header.flags & shm.SHM_PAYLOAD:
-            received = self._pulled(work, header)
+            self._held_in(work, self._pulled(work, header), averaged)
         else:
             received = self.holds.into(work)
-            self.conn.recv_into(memoryview(received))
-        self._take(header.key, answered_at=work.t_result)
-        self.holds.hold(work, received, self.seeds, bool(header.flags & frames.AVERAGED))
+            self._receive(received, lambda: self._held_in(work, received, averaged))
+
+    def _held_in(self, work: Work, received: np.ndarray, averaged: bool) -> None:
+        assert self.seeds is not None
+        self._take(work.key, answered_at=work.t_result)
+        self.holds.hold(work, received, self.seeds, averaged)
         self._free_pull_slot(work)  # its bytes are in the output now
 
     def _pulled(self, work: Work, header: frames.Header) -> np.ndarray:
@@ -169,8 +214,7 @@ class Answers:
     def _free_pull_slot(self, work: Work) -> None:
         """`work`'s answer is out of its pull slot: the slot may take the next pull."""
         if work.pull_slot != shm.NO_SLOT:
-            with self._cond:
-                self._free_pull.append(work.pull_slot)
+            self._free_pull.append(work.pull_slot)
             work.pull_slot = shm.NO_SLOT
 
     def _on_everyone(self, body: bytes) -> None:

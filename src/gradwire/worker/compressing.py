@@ -1,6 +1,6 @@
 """A worker's side of compressed sums (docs/compression.md): each partition of a compressed tensor is encoded before
 its push, with this worker's error feedback (and momentum, where asked), and the block the server answers is decoded
-into the caller's output as it arrives (`Expand`, on the link's receiver thread). A server-side optimizer's gradient
+into the caller's output as it arrives (`Expand`, on the link loop). A server-side optimizer's gradient
 is encoded the same way (`CompressedGradient`); its answer, the parameters, lands as it is.
 
 Error feedback: what encoding dropped of a partition (its residual) is added to the same partition's next gradient,
@@ -163,7 +163,7 @@ class Coder(Protocol):
 
 
 class CodedExpand:
-    """Hands a key's answered block to its coder (Work.deliver), on the link's receiver thread."""
+    """Hands a key's answered block to its coder (Work.deliver), on the link loop."""
 
     __slots__ = ("coder", "count", "entry", "key", "round", "start")
 

@@ -58,6 +58,7 @@ class Connecting:
         for index, server in enumerate(servers):
             links.append(LostLink(index, hooks.resubmit) if server.get("lost") else self.link(index, server, hooks))
         self.state.links = links
+        self.state.loop.start()
         for link in links:
             link.start()
 
@@ -79,6 +80,7 @@ class Connecting:
             state.config.unanswered,
             seeds=hooks.seeds,
             on_lost=hooks.on_lost,
+            loop=state.loop,
         )
         weights = [float(w) for w in state.placement.get("weights") or []]
         if link.transport == "tcp" and index < len(weights):  # only links on the network are paced

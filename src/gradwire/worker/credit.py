@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Sequence
 
-log = logging.getLogger("gradwire.worker")
 PACE_GIVE_UP_SECONDS = 0.2  # a paced link waits at most this long for the others to catch up (see Credit)
 
 
@@ -23,7 +21,11 @@ class Credit:
     n = 4, k = 2 with colocated servers the flows to the colocated servers (a third of the dedicated ones'
     bytes each) finished first, and the dedicated servers then worked alone with the workers' links half idle
     (measured: 2.05 s a step against 1.70 s of bytes on the busiest link). Pacing only delays: a link that has
-    waited PACE_GIVE_UP_SECONDS goes anyway, so no order of events can hang on it.
+    waited PACE_GIVE_UP_SECONDS goes anyway (its link asks with `paced=False`: worker/link.py), so no order of events
+    can hang on it.
+
+    Nothing here waits: `take` says whether the bytes may go now, and the link loop (worker/loop.py) asks again after
+    the next event. Thread-safe: the loop takes and gives back; a failover or a closing link gives back from others.
     """
 
     def __init__(self, limit: int, lead: int = 0) -> None:
@@ -33,13 +35,6 @@ class Credit:
         self._shares: dict[int, float] = {}  # paced server -> its share
         self._queued: dict[int, int] = {}  # paced server -> bytes submitted, not yet sent
         self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)  # senders waiting for credit
-        # senders waiting for their turn (pacing), each on its server's condition: wake-ups only where one may now go
-        # (a release of credit, and then every push, woke every paced sender of the worker, eight at n = 8, most of
-        # them to wait again)
-        self._turns: dict[int, threading.Condition] = {}  # paced server -> its condition (on `_lock`)
-        self._pace_waiters: dict[int, int] = {}  # paced server -> senders waiting for its turn
-        self._credit_waiters = 0
         # the network links' use, for the scheduler's drift check (tuning.Drift): the time some push over a socket was
         # unacknowledged, and the bytes acknowledged; shared-memory links move bytes at memory speed and are not counted
         self._net_used = 0
@@ -49,42 +44,37 @@ class Credit:
 
     def busy(self) -> tuple[float, int]:
         """(seconds some push over a network link was unacknowledged, bytes acknowledged on network links)."""
-        with self._cond:
+        with self._lock:
             now = time.monotonic()
             return self.busy_seconds + (now - self._busy_since if self._net_used else 0.0), self.busy_bytes
 
     def set_lead(self, lead: int) -> None:
         """The pacing lead from now on (it is a number of partitions' bytes: the partition size changed)."""
-        with self._cond:
+        with self._lock:
             self.lead = lead
-            self._wake_turns(everyone=True)
 
     def pace(self, server: int, share: float) -> None:
         """Pace the link to `server` (from now on) with this share of the bytes."""
         if self.lead <= 0 or share <= 0:
             return
-        with self._cond:
+        with self._lock:
             self._shares[server] = share
             self._queued.setdefault(server, 0)
-            self._turns.setdefault(server, threading.Condition(self._lock))
 
     def unpace(self, server: int) -> None:
         """The link is gone (its work moves elsewhere): nobody waits for it any more."""
-        with self._cond:
+        with self._lock:
             self._shares.pop(server, None)
             self._queued.pop(server, None)
-            self._wake_turns(everyone=True)
 
     def queue(self, server: int, n: int) -> None:
         """`n` more bytes are waiting to be sent to `server`."""
         if server in self._shares:
-            with self._cond:
+            with self._lock:
                 if server in self._queued:
                     self._queued[server] += n
-                    if self._pace_waiters:  # more behind: its own sender's turn may have come
-                        self._wake_turns()
 
-    def _may_send(self, server: int) -> bool:
+    def may_send(self, server: int) -> bool:
         """Whether the link to `server` is within `lead` bytes of the most behind link, its bytes still to send over
         its share (per push: written out)."""
         share = self._shares.get(server)
@@ -100,22 +90,14 @@ class Credit:
     def _has_credit(self, n: int) -> bool:
         return self.used == 0 or self.used + n <= self.limit
 
-    def acquire(self, n: int, server: int = -1, network: bool = False, wait: bool = True) -> bool:
-        """Take `n` bytes of credit for a push to `server` (its turn, when paced); `network`: over a socket. Without
-        `wait`, take it only if that needs no waiting (False: not taken)."""
-        with self._cond:
-            if not self._may_send(server):
-                if not wait:
-                    return False
-                self._wait_turn(server)
+    def take(self, n: int, server: int = -1, network: bool = False, paced: bool = True) -> bool:
+        """Take `n` bytes of credit for a push to `server`, if its turn has come (when paced; `paced=False`: its
+        wait is over) and the credit is there; `network`: over a socket. False: not taken, ask again later."""
+        with self._lock:
+            if paced and not self.may_send(server):
+                return False
             if not self._has_credit(n):
-                if not wait:
-                    return False
-                self._credit_waiters += 1
-                try:
-                    self._cond.wait_for(lambda: self._has_credit(n))
-                finally:
-                    self._credit_waiters -= 1
+                return False
             self.used += n
             if network:
                 if not self._net_used:
@@ -123,28 +105,7 @@ class Credit:
                 self._net_used += max(n, 1)
             if server in self._queued:
                 self._queued[server] = max(0, self._queued[server] - n)
-                if self._pace_waiters:  # the others' turn may have come
-                    self._wake_turns()
             return True
-
-    def _wait_turn(self, server: int) -> None:
-        """(Holding the lock.) Wait until the link to `server` may send, or PACE_GIVE_UP_SECONDS."""
-        turn = self._turns[server]
-        self._pace_waiters[server] = self._pace_waiters.get(server, 0) + 1
-        try:
-            if not turn.wait_for(lambda: self._may_send(server), PACE_GIVE_UP_SECONDS):
-                log.debug("pacing: the link to server %d waited %.1f s and goes anyway", server, PACE_GIVE_UP_SECONDS)
-        finally:
-            self._pace_waiters[server] -= 1
-            if not self._pace_waiters[server]:
-                del self._pace_waiters[server]
-
-    def _wake_turns(self, everyone: bool = False) -> None:
-        """(Holding the lock.) Wake the paced senders whose turn has come (`everyone`: all of them)."""
-        for server in self._pace_waiters:
-            turn = self._turns.get(server)
-            if turn is not None and (everyone or self._may_send(server)):
-                turn.notify_all()
 
     def release(self, n: int, network: bool = False, acked: bool = True) -> None:
         """Give back the credit of `n` bytes pushed (`acked`: the server has them; else abandoned, after a failover)."""
@@ -153,12 +114,10 @@ class Credit:
     def release_all(self, sizes: Sequence[int], network: bool = False, acked: bool = True) -> None:
         """Give back the credit of several pushes at once (an ACKS frame's), `sizes` their bytes; as `release`."""
         total = sum(sizes)
-        with self._cond:
+        with self._lock:
             self.used -= total
             if network:
-                self._net_used -= total + sizes.count(0)  # a push of 0 bytes counts 1 (see `acquire`)
+                self._net_used -= total + sizes.count(0)  # a push of 0 bytes counts 1 (see `take`)
                 self.busy_bytes += total if acked else 0
                 if not self._net_used:
                     self.busy_seconds += time.monotonic() - self._busy_since
-            if self._credit_waiters:  # pacing does not depend on the credit in use: only these may go now
-                self._cond.notify_all()

@@ -53,7 +53,7 @@ class Handle:
             self._remaining += parts
 
     def part_done(self) -> None:
-        """One partition's sum has arrived (called by receiver threads)."""
+        """One partition's sum has arrived (called on the link loop)."""
         with self._lock:
             self._remaining -= 1
             last = self._remaining == 0 and not self._completed

@@ -9,7 +9,7 @@ averaged (the new server answers with that flag, and the workers it answers copy
 Once every worker has it, no failover can need the round again, and the call completes.
 
 What it costs: each call completes one worker-server-worker round trip after its last sum arrived (small frames,
-batched: RECEIVED from the link's sender, EVERYONE from the server's repliers), and, where the output is the input
+batched: RECEIVED from the link loop, EVERYONE from the server's repliers), and, where the output is the input
 too (in place), one copy of each sum from a buffer of one partition (`bounce`): a sum cut off mid-frame by a dying
 server must not have overwritten the contribution that the worker then pushes again. Memory: that buffer per link,
 whatever the model's size.
@@ -26,15 +26,15 @@ from gradwire.worker.work import Seed, Work
 
 
 class Holds:
-    """One link's held partitions: answered, waiting for every worker to have their sums. Guarded by the link's
-    condition (`cond`), which the sender waits on for receipts to send."""
+    """One link's held partitions: answered, waiting for every worker to have their sums. Guarded by the link's lock;
+    filled and emptied on the link loop (worker/loop.py), whose next pass over the link sends the receipts."""
 
-    def __init__(self, cond: threading.Condition, server: int) -> None:
-        self._cond = cond
+    def __init__(self, lock: threading.Lock, server: int) -> None:
+        self._lock = lock
         self._server = server
         self._held: dict[tuple[int, int], tuple[Work, Seed]] = {}
-        self.receipts: list[tuple[int, int]] = []  # (key, round)s received, for the sender to say so (RECEIVED)
-        self._bounce = np.empty(0, np.uint8)  # the receiver's only
+        self.receipts: list[tuple[int, int]] = []  # (key, round)s received, for the link to say so (RECEIVED)
+        self._bounce = np.empty(0, np.uint8)  # the loop's only
 
     def __len__(self) -> int:
         return len(self._held)
@@ -52,7 +52,7 @@ class Holds:
     def hold(self, work: Work, received: np.ndarray, seeds: dict[int, Seed], averaged: bool = False) -> None:
         """`work`'s sum is in `received` (`into`'s, or a shared slot): into its output, averaged where the call
         averages (one pass; not a sum that came `averaged`, a seed's), which holds it as the key's seed until
-        `everyone`; then say so to the server (the sender's next RECEIVED)."""
+        `everyone`; then say so to the server (the link's next RECEIVED)."""
         seed = Seed.holding(work, averaged or work.average > 1)
         if work.average > 1 and not averaged:
             # integers: the quotient truncated toward zero, as Horovod's average of an integer tensor (Work.deliver)
@@ -60,24 +60,23 @@ class Holds:
         elif received.ctypes.data != seed.data.ctypes.data:
             np.copyto(seed.data, received)
         seeds[work.key] = seed
-        with self._cond:
+        with self._lock:
             self._held[(work.key, work.round)] = (work, seed)
             self.receipts.append((work.key, work.round))
-            self._cond.notify()
 
     def tensors(self) -> set[str]:
-        """(Holding the condition.) The tensors with partitions held."""
+        """(Holding the lock.) The tensors with partitions held."""
         return {work.tensor for work, _ in self._held.values()}
 
     def take_receipts(self) -> list[tuple[int, int]]:
-        """(Holding the condition.) The receipts to send now."""
+        """(Holding the lock.) The receipts to send now."""
         receipts, self.receipts = self.receipts, []
         return receipts
 
     def everyone(self, pairs: list[tuple[int, int]]) -> list[tuple[Work, Seed]]:
         """Every worker has these rounds' sums (EVERYONE): their partitions, done holding, with their seeds."""
         done = []
-        with self._cond:
+        with self._lock:
             for pair in pairs:
                 held = self._held.pop(pair, None)
                 if held is None:
@@ -90,7 +89,7 @@ class Holds:
 
     def take_all(self) -> list[tuple[Work, Seed]]:
         """Every partition held, with its seed (the link closed, or its server failed over)."""
-        with self._cond:
+        with self._lock:
             held, self._held = list(self._held.values()), {}
             self.receipts = []
         return held

@@ -39,7 +39,7 @@ class LostLink:
     def start(self) -> None:
         pass
 
-    def close(self, reason: BaseException) -> None:
+    def close(self, reason: BaseException, farewell: bytes | None = None) -> None:
         pass
 
     def join(self, timeout: float) -> None:

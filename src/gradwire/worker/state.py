@@ -16,6 +16,7 @@ from gradwire.protocol.messages import AddressBook
 from gradwire.tuning import Tuning
 from gradwire.worker.credit import Credit
 from gradwire.worker.link import ServerLink
+from gradwire.worker.loop import LinkLoop
 from gradwire.worker.lost_link import LostLink
 
 SHUTDOWN_JOIN_SECONDS = 5.0  # how long a closing worker waits for each of its threads
@@ -43,6 +44,7 @@ class WorkerState:
         self.slot_limit = config.partition_bytes  # the servers' slot size (the address book's)
         self.lock = threading.Lock()  # guards the tensor table and the counters below
         self.links: list[ServerLink | LostLink] = []  # by server index
+        self.loop = LinkLoop(f"gw-links-{id(self):x}")  # moves every link's frames (started with the first link)
         self.credit: Credit | None = None
         self.timeline: Timeline | None = None
         self.metrics = Metrics("worker")

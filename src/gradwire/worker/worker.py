@@ -13,7 +13,7 @@ from gradwire.admin import timeline
 from gradwire.admin.node import NodeAdmin
 from gradwire.admin.timeline import Timeline
 from gradwire.config import Config
-from gradwire.errors import GradwireError, JobAborted
+from gradwire.errors import JobAborted
 from gradwire.protocol import messages
 from gradwire.protocol.frames import FrameType, encode_header
 from gradwire.tuning import SETTINGS
@@ -219,16 +219,13 @@ class Worker:
         if self.calls.aggregation is not None:
             self.calls.aggregation.close()
         for link in state.links:
-            try:
-                link.conn.send([encode_header(FrameType.BYE, 0)])
-            except GradwireError:
-                pass
-            link.close(JobAborted("worker shut down"))
+            link.close(JobAborted("worker shut down"), farewell=encode_header(FrameType.BYE, 0))
         self.control.send(messages.Bye(final, error))
         if final and self.control.conn is not None:
             self.control.conn.close()
         for link in state.links:
             link.join(SHUTDOWN_JOIN_SECONDS)
+        state.loop.stop(SHUTDOWN_JOIN_SECONDS)
         if final:
             self.control.join_thread()
         if self.admin is not None:
