@@ -15,7 +15,7 @@ from gradwire.errors import GradwireTimeout, JobAborted
 from gradwire.protocol import messages
 from gradwire.scheduler import client
 from gradwire.testing import LocalCluster
-from gradwire.transport import tcp
+from gradwire.transport import endpoints, tcp
 from tests.faults.test_elastic import _sum_until_reset
 from tests.faults.test_failover import STEPS, _answer_one_then_die, _expected, _train
 
@@ -153,7 +153,7 @@ def test_with_no_scheduler_back_in_time_every_call_fails_naming_it():
 def test_a_node_follows_no_scheduler_of_an_older_term_nor_one_without_the_secret():
     """Fencing: a scheduler answering with a term no newer than the node's own is refused, as is one that fails the
     job secret's handshake; the node gives up at GRADWIRE_SCHEDULER_TIMEOUT."""
-    listener = tcp.listen("127.0.0.1", 0)
+    listener = endpoints.listen("127.0.0.1", 0)
     port = listener.getsockname()[1]
     secret = "s" * 64
     stale = {"term": 2}

@@ -21,7 +21,7 @@ from gradwire.scheduler.lease import Proof
 from gradwire.scheduler.recovery import Recovery
 from gradwire.scheduler.roster import Roster
 from gradwire.testing import LocalCluster
-from gradwire.transport import tcp
+from gradwire.transport import endpoints, tcp
 from tests.faults.test_scheduler_recovery import SIZES, reference, same, step
 
 SETTINGS = {"partition_bytes": 64 * 1024, "heartbeat_interval": 0.2, "heartbeat_timeout": 5.0}
@@ -134,7 +134,7 @@ def test_a_node_s_promise_tells_a_closed_connection_from_a_silent_one():
     config = Config(heartbeat_timeout=2.0, scheduler_standby="127.0.0.1:1")
     clock = [5.0]
     promise = Promise(config, clock=lambda: clock[0])
-    listener = tcp.listen("127.0.0.1", 0)
+    listener = endpoints.listen("127.0.0.1", 0)
     accepted: list = []
     threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True).start()
     conn = tcp.Connection(
@@ -156,7 +156,7 @@ def test_a_node_s_promise_tells_a_closed_connection_from_a_silent_one():
     conn.close()
     promise.lost(conn, tcp.PeerClosed("closed"))  # our own close is not the scheduler's
     assert promise.report()["dropped"] is False
-    tcp.close_listener(listener)
+    endpoints.close_listener(listener)
 
 
 def test_a_node_still_in_the_rendezvous_answers_beats_and_still_gets_its_book():

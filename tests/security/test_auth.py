@@ -10,7 +10,7 @@ from gradwire.protocol import frames
 from gradwire.protocol.frames import FrameType
 from gradwire.protocol.handshake import Handshake
 from gradwire.testing import LocalCluster
-from gradwire.transport import tcp
+from gradwire.transport import endpoints, tcp
 
 SECRET = "correct horse battery staple"
 
@@ -55,7 +55,7 @@ def test_a_peer_without_the_secret_is_dropped_before_anything_else_is_read(clust
 @pytest.mark.parametrize("target", ["scheduler", "server"])
 def test_a_wrong_secret_is_refused_on_both_sides(cluster, target):
     with pytest.raises(AuthenticationError):
-        tcp.connect(_addresses(cluster)[target], secret=b"wrong", role="worker", rank=0, max_payload=0, timeout=5)
+        endpoints.connect(_addresses(cluster)[target], secret=b"wrong", role="worker", rank=0, max_payload=0, timeout=5)
     _still_works(cluster)
 
 
@@ -95,7 +95,9 @@ def test_the_secret_never_appears_in_reprs_errors_or_logs(cluster, caplog):
     texts += [repr(link.conn) for link in cluster.workers[0].links]
     for target in ("scheduler", "server"):
         try:
-            tcp.connect(_addresses(cluster)[target], secret=b"wrong", role="worker", rank=0, max_payload=0, timeout=5)
+            endpoints.connect(
+                _addresses(cluster)[target], secret=b"wrong", role="worker", rank=0, max_payload=0, timeout=5
+            )
         except AuthenticationError as e:
             texts.append(str(e))
     texts += [r.getMessage() for r in caplog.records]

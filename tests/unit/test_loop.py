@@ -24,6 +24,7 @@ class _Counting:
         self.ours, self.theirs = socket.socketpair()
         self.lock = threading.Lock()
         self.value = self.seen = 0
+        self.dirty = True
         self.removed = False
         self.fail_on_pump: Exception | None = None
         self.errors: list[Exception] = []
@@ -31,6 +32,7 @@ class _Counting:
     def bump(self) -> None:
         with self.lock:
             self.value += 1
+            self.dirty = True
 
     def fileno(self) -> int:
         return self.ours.fileno()
@@ -38,7 +40,11 @@ class _Counting:
     def on_readable(self) -> None:
         self.ours.recv(4096)
 
+    def needs_pump(self, now: float) -> bool:
+        return self.dirty
+
     def pump(self, now: float) -> bool:
+        self.dirty = False
         if self.fail_on_pump is not None:
             raise self.fail_on_pump
         with self.lock:
@@ -142,3 +148,26 @@ def test_a_link_whose_server_does_not_read_holds_up_no_other_link():
     loop.stop(2)
     stuck_theirs.close()
     live_theirs.close()
+
+
+def test_a_push_short_of_credit_waits_without_spinning_the_loop_and_goes_once_credit_is_back():
+    loop = LinkLoop("test-loop").start()
+    ours, theirs = socket.socketpair()
+    link = ServerLink(tcp.Connection(ours, 1 << 24), 0, 0, 1, window=4, credit=Credit(6000), loop=loop)
+    link.start()
+    first, second = _work(1, np.ones(1000, np.float32)), _work(2, np.ones(1000, np.float32))  # 4000 bytes each
+    link.submit_all([first, second], 0)
+    server = tcp.Connection(theirs, 1 << 24)
+    payload = np.empty(1000, np.float32)
+    assert server.recv_header().key == 1
+    server.recv_into(memoryview(payload))
+    passes = loop.passes
+    time.sleep(0.5)  # past PACE_GIVE_UP_SECONDS: a timer for a pacing turn would now fire at every pass
+    assert loop.passes - passes < 20 and link._waiting == [second]
+    body = frames.ACK_ENTRY.pack(1, 1)
+    server.send([frames.encode_header(FrameType.ACKS, len(body)), body])
+    assert server.recv_header().key == 2
+    link.close(RuntimeError("done"))
+    link.join(2)
+    loop.stop(2)
+    theirs.close()

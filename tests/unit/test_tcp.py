@@ -9,13 +9,13 @@ import pytest
 from gradwire.errors import GradwireTimeout, RemoteProtocolError
 from gradwire.protocol import frames
 from gradwire.protocol.frames import FrameType
-from gradwire.transport import tcp
+from gradwire.transport import endpoints, tcp
 
 
 @pytest.fixture
 def pair():
     ours, theirs = socket.socketpair()
-    tcp.set_frame_timeout(ours, 0.2)
+    endpoints.set_frame_timeout(ours, 0.2)
     yield tcp.Connection(ours, 1 << 20), theirs
     ours.close()
     theirs.close()

@@ -11,7 +11,7 @@ from gradwire.errors import GradwireError, GradwireTimeout, JobAborted, RemotePr
 from gradwire.protocol import messages
 from gradwire.protocol.frames import MAX_CONTROL_BYTES, FrameType, decode_json, encode_header
 from gradwire.scheduler import probe
-from gradwire.transport import tcp
+from gradwire.transport import endpoints, tcp
 
 log = logging.getLogger("gradwire.rendezvous")
 
@@ -67,7 +67,7 @@ def join(
 
 
 def _register(config: Config, role: str, timeout: float, registration: dict) -> tcp.Connection:
-    conn = tcp.connect(
+    conn = endpoints.connect(
         config.scheduler_address,
         secret=config.secret_bytes(),
         role=role,
@@ -214,7 +214,7 @@ def _refusal(conn: tcp.Connection, answer: messages.Message, term: int) -> str |
 
 def _connect(address: str, config: Config, message: messages.Resume, timeout: float) -> tcp.Connection:
     """A connection to the scheduler at `address`, authenticated as `message`'s node."""
-    return tcp.connect(
+    return endpoints.connect(
         split_address(address),
         secret=config.secret_bytes(),
         role=message.role,

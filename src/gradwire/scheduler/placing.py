@@ -105,8 +105,8 @@ def link_sharers(workers: Sequence[Node], servers: Sequence[Node], hosts: dict[s
 
 
 def host_of(node: Node) -> str:
-    """The host a node runs on, as the job tells hosts apart: its host identity (transport/tcp.host_identity), or the
-    node alone where it gave none."""
+    """The host a node runs on, as the job tells hosts apart: its host identity (transport/endpoints.host_identity), or
+    the node alone where it gave none."""
     return node.host_id or f"{node.role}{node.rank}"
 
 

@@ -40,7 +40,7 @@ from gradwire.scheduler.roster import Roster
 from gradwire.scheduler.status import cluster_status, node_families
 from gradwire.scheduler.synchronisation import Synchronisation
 from gradwire.throttle import HandshakeGate
-from gradwire.transport import tcp
+from gradwire.transport import endpoints, tcp
 from gradwire.tuning import Tuning
 
 log = logging.getLogger("gradwire.scheduler")
@@ -81,7 +81,7 @@ class Scheduler:
                 "`gradwire launch` makes one for you"
             )
         host, port = config.scheduler_address
-        self._listener = tcp.listen(host, port)
+        self._listener = endpoints.listen(host, port)
         self.address = f"{host}:{self._listener.getsockname()[1]}"
 
     # what tests and tools read of the job
@@ -96,7 +96,7 @@ class Scheduler:
             routes = {"/metrics": self.metrics.exposition, "/status": json_handler(self.status)}
             self.admin = AdminServer(self.config.admin_host, self.config.admin_port, routes)
             self.metrics.collector(lambda: node_families(self.roster))
-        self._thread(tcp.accept_forever, "accept", self._listener, self.roster.done, self._serve, "gw-sched-conn")
+        self._thread(endpoints.accept_forever, "accept", self._listener, self.roster.done, self._serve, "gw-sched-conn")
         self._thread(self.rendezvous.watch_deadline, "deadline")
         self._thread(self._watch_recovery, "recovery")
         if self.config.heartbeat_timeout > 0:
@@ -223,7 +223,7 @@ class Scheduler:
         if self.admin is not None:
             self.admin.stop()
             self.admin = None
-        tcp.close_listener(self._listener)  # free the port at once: a restarted scheduler may bind it again
+        endpoints.close_listener(self._listener)  # free the port at once: a restarted scheduler may bind it again
         for node in list(self.roster.nodes):
             node.conn.close()
 

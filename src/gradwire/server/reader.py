@@ -15,7 +15,7 @@ from gradwire.protocol.frames import JOIN_EVENT, REPLAY, REPLICA, SEED, FrameTyp
 from gradwire.ring import Ring, RingClosed, Slot
 from gradwire.server.replier import WorkerLink
 from gradwire.server.state import ServerState
-from gradwire.transport import shm, tcp
+from gradwire.transport import endpoints, shm, tcp
 
 log = logging.getLogger("gradwire.server")
 
@@ -102,7 +102,7 @@ class Reader:
         """Read the updates a primary server forwards (its keys' replicas are here) into the rings, as worker pushes
         are; the engines apply them and acknowledge (server/replica.py)."""
         state = self.state
-        tcp.set_frame_timeout(conn.sock, state.config.frame_timeout)
+        endpoints.set_frame_timeout(conn.sock, state.config.frame_timeout)
         try:
             while True:
                 header = conn.recv_header(idle_ok=True)

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from gradwire.errors import GradwireError, GradwireTimeout
 from gradwire.protocol import frames
 from gradwire.protocol.frames import REPLICA, FrameType
-from gradwire.transport import tcp
+from gradwire.transport import endpoints, tcp
 
 log = logging.getLogger("gradwire.server")
 
@@ -82,7 +82,8 @@ class Replicas:
         on_lost: Callable[[int, str], None] | None = None,
     ) -> None:
         self.rank, self._secret, self._max_payload, self._timeout = rank, secret, max_payload, timeout
-        # a replica on this host and namespace is reached by Unix socket, as workers reach servers (tcp.connect_node)
+        # a replica on this host and namespace is reached by Unix socket, as workers reach servers
+        # (endpoints.connect_node)
         self._host_id, self._buffer_bytes, self._transport = host_id, buffer_bytes, transport
         self._links: dict[int, _Link] = {}
         self._lock = threading.Lock()
@@ -99,7 +100,7 @@ class Replicas:
             if link is not None and not link.dead:
                 return True
             try:
-                conn, _ = tcp.connect_node(
+                conn, _ = endpoints.connect_node(
                     address,
                     self._host_id,
                     self._transport,

@@ -33,7 +33,7 @@ from gradwire.server.replier import AckReply, ErrorReply, EveryoneReply, HeldRep
 from gradwire.server.staging import Countdown
 from gradwire.server.state import ServerState
 from gradwire.throttle import HandshakeGate
-from gradwire.transport import tcp
+from gradwire.transport import endpoints, tcp
 
 log = logging.getLogger("gradwire.server")
 
@@ -55,9 +55,9 @@ class Server:
         self.control = ServerControl(state)
         self._held = HeldReplies()  # the engines' replies, held over each batch of their rings
         state.receipts = Receipts(self._notify_everyone)
-        self._listener = tcp.listen(config.host, 0)
+        self._listener = endpoints.listen(config.host, 0)
         self.port = self._listener.getsockname()[1]
-        self._unix_listener, self.unix_name = tcp.listen_unix()
+        self._unix_listener, self.unix_name = endpoints.listen_unix()
         self._gate = HandshakeGate(config.max_pending_handshakes, log)
         self.admin: NodeAdmin | None = None
         self.refusals = self._gate.refusals
@@ -85,7 +85,7 @@ class Server:
             port=self.port,
             slot_bytes=config.partition_bytes,
             unix=self.unix_name,
-            host_id=tcp.host_identity(self.config.host_id),
+            host_id=endpoints.host_identity(self.config.host_id),
             standby=config.standby,
             colocated=config.colocated,
             link_rate=config.link_rate_bytes(),
@@ -99,7 +99,7 @@ class Server:
             state.secret,
             config.partition_bytes,
             config.timeout,
-            tcp.host_identity(config.host_id),
+            endpoints.host_identity(config.host_id),
             config.socket_buffer_bytes,
             config.transport,
             deadline=config.heartbeat_timeout,
@@ -110,7 +110,7 @@ class Server:
         for engine in state.engines:
             engine.start()
         for listener in (self._listener, self._unix_listener):
-            self._thread(tcp.accept_forever, "accept", listener, self.state.done, self._serve, "gw-server-conn")
+            self._thread(endpoints.accept_forever, "accept", listener, self.state.done, self._serve, "gw-server-conn")
         self._thread(self._control_loop, "control")
         self.admin.start_heartbeat(lambda: state.scheduler)
         if config.stall_seconds > 0:
@@ -208,8 +208,10 @@ class Server:
         state.done.set()
         if self.admin is not None:
             self.admin.stop()
-        tcp.close_listener(self._listener)  # shutdown() first: a bare close() left each acceptor blocked, and the port
-        tcp.close_listener(self._unix_listener)  # listening, for the life of the process
+        endpoints.close_listener(
+            self._listener
+        )  # shutdown() first: a bare close() left each acceptor blocked, and the port
+        endpoints.close_listener(self._unix_listener)  # listening, for the life of the process
         for engine in state.engines:
             engine.ring.close()
         if state.replicas is not None:
@@ -258,7 +260,7 @@ class Server:
 
     def _serve(self, sock, addr) -> None:
         state = self.state
-        tcp.configure(sock, self.config.socket_buffer_bytes)
+        endpoints.configure(sock, self.config.socket_buffer_bytes)
         peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else "unix"
         conn = tcp.Connection(sock, self.config.partition_bytes, peer=peer)
         link = self._authenticate(conn)
@@ -268,7 +270,7 @@ class Server:
             self.reader.serve_replica(link.conn)
             return
         # from here a frame, once begun, must arrive whole within the frame timeout; idle between frames is fine
-        tcp.set_frame_timeout(sock, self.config.frame_timeout)
+        endpoints.set_frame_timeout(sock, self.config.frame_timeout)
         self._thread(link.reply_loop, "reply", state.epoch, state.rank)
         try:
             self.reader.read_loop(link)

@@ -51,6 +51,7 @@ class Answers:
     lost: BaseException | None
     _free_push: list[int]
     _free_pull: list[int]
+    dirty: bool
 
     def _init_answers(self) -> None:
         self._into: memoryview | None = None  # where the payload being received goes
@@ -123,6 +124,7 @@ class Answers:
             if taken is None:
                 raise RemoteProtocolError(f"server {self.server} answered key {key:016x}, which is not in flight")
             work, newly_acked = taken
+            self.dirty = True  # a window place or an unanswered place is free
             if newly_acked:
                 if work.push_slot != shm.NO_SLOT:  # the server has summed it: the slot may take the next push
                     self._free_push.append(work.push_slot)
@@ -150,6 +152,7 @@ class Answers:
                         self._free_push.append(work.push_slot)
                         work.push_slot = shm.NO_SLOT
                     freed.append(work.push_bytes)
+            self.dirty = True
         if freed:
             self.credit.release_all(freed, self.network)
 
@@ -203,6 +206,7 @@ class Answers:
         assert self.seeds is not None
         self._take(work.key, answered_at=work.t_result)
         self.holds.hold(work, received, self.seeds, averaged)
+        self.dirty = True  # a receipt to send
         self._free_pull_slot(work)  # its bytes are in the output now
 
     def _pulled(self, work: Work, header: frames.Header) -> np.ndarray:

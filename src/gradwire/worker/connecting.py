@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from gradwire.protocol.frames import FrameType
 from gradwire.scheduler.client import join
-from gradwire.transport import shm, tcp
+from gradwire.transport import endpoints, shm, tcp
 from gradwire.worker.link import ServerLink
 from gradwire.worker.lost_link import LostLink
 from gradwire.worker.state import WorkerState
@@ -45,7 +45,7 @@ class Connecting:
             "port": 0,
             "admin": admin_port,
             "admin_host": admin_host,
-            "host_id": tcp.host_identity(self.state.config.host_id),
+            "host_id": endpoints.host_identity(self.state.config.host_id),
             "link_rate": config.link_rate_bytes(),
         }
         conn, book = join(config, "worker", **self.registration)
@@ -99,8 +99,8 @@ class Connecting:
             buffer_bytes=state.config.socket_buffer_bytes,
         )
         transport = state.config.transport
-        host_id = tcp.host_identity(state.config.host_id)
-        conn, unix = tcp.connect_node(server, host_id, transport, what="server", log=log, **options)  # type: ignore[arg-type]
+        host_id = endpoints.host_identity(state.config.host_id)
+        conn, unix = endpoints.connect_node(server, host_id, transport, what="server", log=log, **options)  # type: ignore[arg-type]
         return conn, self._attach_shared(conn) if unix and transport == "auto" else None
 
     def _attach_shared(self, conn: tcp.Connection) -> shm.Arena | None:

@@ -75,6 +75,11 @@ class Credit:
                     self._queued[server] += n
 
     def may_send(self, server: int) -> bool:
+        """Whether the link to `server` has its turn now (pacing; thread-safe)."""
+        with self._lock:
+            return self._may_send(server)
+
+    def _may_send(self, server: int) -> bool:
         """Whether the link to `server` is within `lead` bytes of the most behind link, its bytes still to send over
         its share (per push: written out)."""
         share = self._shares.get(server)
@@ -94,7 +99,7 @@ class Credit:
         """Take `n` bytes of credit for a push to `server`, if its turn has come (when paced; `paced=False`: its
         wait is over) and the credit is there; `network`: over a socket. False: not taken, ask again later."""
         with self._lock:
-            if paced and not self.may_send(server):
+            if paced and not self._may_send(server):
                 return False
             if not self._has_credit(n):
                 return False

@@ -81,6 +81,7 @@ class ServerLink(Answers, Pushes):
         self._farewell: bytes | None = None  # the frame to send last, as it closes (BYE)
         self._free_push = list(range(arena.push)) if arena else []  # the loop's
         self._free_pull = list(range(arena.pull)) if arena else []
+        self.dirty = True  # see LinkLoop
         self._init_pushes()
         self._init_answers()
 
@@ -93,6 +94,7 @@ class ServerLink(Answers, Pushes):
         """The window and the cap on unanswered partitions from now on (the scheduler re-derived them). Thread-safe."""
         with self._lock:
             self.flow.set_limits(self._fitting(window), unanswered_cap)
+            self.dirty = True
         self.loop.wake()
 
     @property
@@ -136,6 +138,7 @@ class ServerLink(Answers, Pushes):
                 queued = sum(work.push_bytes for work in works if not work.seed)
                 if queued:  # seeds take no credit
                     self.credit.queue(self.server, queued)
+                self.dirty = True
         if redirect is None:
             self.loop.wake()
             return
@@ -202,6 +205,7 @@ class ServerLink(Answers, Pushes):
         """Send a frame ahead of the next pushes (from any thread)."""
         with self._lock:
             self._control.append(frame)
+            self.dirty = True
         self.loop.wake()
 
     def _broken(self, error: GradwireError) -> None:

@@ -37,7 +37,13 @@ class LoopLink(Protocol):
 
     def on_readable(self) -> None: ...
 
+    # something changed that may let it push: set by the link, by other threads (under its lock), and by the loop on a
+    # writable socket; cleared as it pumps
+    dirty: bool
+
     def pump(self, now: float) -> bool: ...  # whether it has bytes the socket did not take (wait to write)
+
+    def needs_pump(self, now: float) -> bool: ...  # dirty, or waiting for credit, or its time has come
 
     def wake_at(self) -> float | None: ...  # when to pump it again with no other event, or None
 
@@ -182,12 +188,15 @@ class LinkLoop:
         self._apply_requests()
         for key, mask in events:
             link = key.data
-            if link is not None and mask & selectors.EVENT_READ and link in self._links:
-                self._guarded(link, link.on_readable)
+            if link is not None and link in self._links:
+                if mask & selectors.EVENT_WRITE:
+                    link.dirty = True
+                if mask & selectors.EVENT_READ:
+                    self._guarded(link, link.on_readable)
         now = time.monotonic()
         for link, writing in list(self._links.items()):
-            if link not in self._links:
-                continue  # removed by another link's event
+            if link not in self._links or not link.needs_pump(now):
+                continue  # removed by another link's event, or nothing to do
             wants = self._guarded(link, link.pump, now)
             if wants != writing and link in self._links:
                 self._links[link] = bool(wants)

@@ -54,6 +54,7 @@ class Pushes:
     _free_push: list[int]
     _free_pull: list[int]
     _control: list[bytes]  # frames other threads asked to send (`send_control`)
+    dirty: bool  # see LinkLoop
 
     def _init_pushes(self) -> None:
         self._headers = memoryview(bytearray(frames.HEADER_SIZE * SEND_BATCH_FRAMES))
@@ -79,7 +80,18 @@ class Pushes:
             self.close(LocalProtocolError(f"worker {self.rank}: the sender to server {self.server} failed: {e!r}"))
         return False
 
+    def needs_pump(self, now: float) -> bool:
+        """Whether `pump` may have something to do: the link is `dirty` (a submit, an acknowledgement or answer, a
+        receipt, new limits, a writable socket), a push waits for credit (any link's acknowledgement may give it
+        back), or the time `wake_at` asked for has come. The loop asks before each pump (most passes are for one
+        link)."""
+        if self.dirty or self._waiting:
+            return True
+        at = self.wake_at()
+        return at is not None and at <= now
+
     def _pump(self, now: float) -> bool:
+        self.dirty = False  # before the state is read: a change after it sets it again
         while self._closed is None and self.lost is None:
             if not self._unsent:
                 self._unsent, self._unsent_pushes = self._next_frames(now)
@@ -93,13 +105,12 @@ class Pushes:
         return False
 
     def wake_at(self) -> float | None:
-        """When to pump again with no other event: the liveness rule's time (worker/flow.py), or the end of a wait for
-        a pacing turn."""
-        at = self.flow.wake_at()
-        if self._turn_since is not None:
-            give_up = self._turn_since + credits.PACE_GIVE_UP_SECONDS
-            at = give_up if at is None else min(at, give_up)
-        return at
+        """When to pump again with no other event: with partitions waiting, the end of their wait for a pacing turn
+        (None if they wait for credit: an acknowledgement gives it back); else the liveness rule's time
+        (worker/flow.py), which cannot let a partition go before the waiting ones."""
+        if self._waiting:
+            return None if self._turn_since is None else self._turn_since + credits.PACE_GIVE_UP_SECONDS
+        return self.flow.wake_at()
 
     def _next_frames(self, now: float) -> tuple[list[memoryview], list[Work]]:
         """The frames to send next and the pushes among them: frames asked for, receipts, then a batch."""
@@ -127,10 +138,12 @@ class Pushes:
 
     def _credit_for(self, work: Work, now: float) -> bool:
         """Take `work`'s credit if it is there and its pacing turn has come, or it has waited for that turn long
-        enough; else note since when it waits."""
+        enough; else note since when it waits for its turn (not while it is short of credit: no timer needed)."""
         waited = self._turn_since is not None and now - self._turn_since >= credits.PACE_GIVE_UP_SECONDS
         if not self.credit.take(work.push_bytes, self.server, self.network, paced=not waited):
-            if self._turn_since is None:
+            if waited or self.credit.may_send(self.server):
+                self._turn_since = None  # short of credit, not of a turn
+            elif self._turn_since is None:
                 self._turn_since = now
             return False
         if waited:
