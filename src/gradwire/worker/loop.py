@@ -27,6 +27,8 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+import numpy as np
+
 log = logging.getLogger("gradwire.worker")
 
 
@@ -151,6 +153,9 @@ class LinkLoop:
                 done.set()
 
     def _run(self) -> None:
+        # averaging inf or nan into an output (Work.deliver) gives inf or nan, as in the sum (server/engine.py): no
+        # warning for it (numpy's error state is the thread's own)
+        np.seterr(all="ignore")
         try:
             while not self._stopping:
                 self._pass()
