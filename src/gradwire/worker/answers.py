@@ -9,60 +9,29 @@ all arrived is resumed on the next call where it stopped (`_into`, `_then`)."""
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from gradwire.admin.metrics import Metrics
-from gradwire.admin.timeline import Timeline
 from gradwire.errors import GradwireError, LocalProtocolError, RemoteProtocolError, TensorError, abort_error
 from gradwire.protocol import frames
 from gradwire.protocol.frames import FrameType
-from gradwire.transport import shm, tcp
-from gradwire.worker.credit import Credit
-from gradwire.worker.holding import Holds, release
+from gradwire.transport import shm
+from gradwire.worker.holding import release
+from gradwire.worker.link_state import LinkState
 from gradwire.worker.work import Seed, Work
-
-if TYPE_CHECKING:
-    from gradwire.worker.flow import Flow
 
 log = logging.getLogger("gradwire.worker")
 
 
-class Answers:
-    """What the link's receiving thread does; the state is the link's own (declared here for the reader)."""
-
-    conn: tcp.Connection
-    server: int
-    rank: int
-    flow: Flow
-    credit: Credit
-    network: bool
-    arena: shm.Arena | None
-    seeds: dict[int, Seed] | None
-    holds: Holds
-    metrics: Metrics
-    timeline: Timeline | None
-    _lock: threading.Lock
-    _closed: BaseException | None
-    lost: BaseException | None
-    _free_push: list[int]
-    _free_pull: list[int]
-    dirty: bool
+class Answers(LinkState):
+    """What the link loop does with what a link receives; the state is the link's (worker/link_state.py)."""
 
     def _init_answers(self) -> None:
         self._into: memoryview | None = None  # where the payload being received goes
         self._got = 0  # its bytes in so far
         self._then: Callable[[], None] | None = None  # what to do once it is all in
-
-    def _broken(self, error: GradwireError) -> None:
-        raise NotImplementedError
-
-    def close(self, reason: BaseException) -> None:
-        raise NotImplementedError
 
     def on_readable(self) -> None:
         """Read and apply every frame the socket holds now (module docstring)."""

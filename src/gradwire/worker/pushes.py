@@ -12,21 +12,17 @@ asked to send go ahead of the pushes.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 
 import numpy as np
 
-from gradwire.admin.metrics import Metrics
-from gradwire.admin.timeline import Timeline
 from gradwire.errors import GradwireError, LocalProtocolError
 from gradwire.protocol import frames
 from gradwire.protocol.frames import HELD, FrameType
-from gradwire.transport import shm, tcp
+from gradwire.transport import shm
 from gradwire.worker import credit as credits
-from gradwire.worker.credit import Credit
-from gradwire.worker.flow import LIVENESS_SECONDS, Flow
-from gradwire.worker.holding import Holds
+from gradwire.worker.flow import LIVENESS_SECONDS
+from gradwire.worker.link_state import LinkState
 from gradwire.worker.work import Work
 
 log = logging.getLogger("gradwire.worker")
@@ -34,27 +30,8 @@ SEND_BATCH_BYTES = 256 << 10
 SEND_BATCH_FRAMES = 64
 
 
-class Pushes:
-    """What the link loop does to send a link's frames; the state is the link's own (declared here for the reader)."""
-
-    conn: tcp.Connection
-    server: int
-    rank: int
-    epoch: int
-    flow: Flow
-    credit: Credit
-    network: bool
-    arena: shm.Arena | None
-    holds: Holds
-    metrics: Metrics
-    timeline: Timeline | None
-    _lock: threading.Lock
-    _closed: BaseException | None
-    lost: BaseException | None
-    _free_push: list[int]
-    _free_pull: list[int]
-    _control: list[bytes]  # frames other threads asked to send (`send_control`)
-    dirty: bool  # see LinkLoop
+class Pushes(LinkState):
+    """What the link loop does to send a link's frames; the state is the link's (worker/link_state.py)."""
 
     def _init_pushes(self) -> None:
         self._headers = memoryview(bytearray(frames.HEADER_SIZE * SEND_BATCH_FRAMES))
@@ -62,12 +39,6 @@ class Pushes:
         self._unsent_pushes: list[Work] = []  # the pushes among them
         self._waiting: list[Work] = []  # let go by flow control, waiting for credit or their pacing turn
         self._turn_since: float | None = None  # since when the head of `_waiting` has waited
-
-    def _broken(self, error: GradwireError) -> None:
-        raise NotImplementedError
-
-    def close(self, reason: BaseException) -> None:
-        raise NotImplementedError
 
     def pump(self, now: float) -> bool:
         """Send what may go now (module docstring); whether bytes are left for the socket to take later."""
