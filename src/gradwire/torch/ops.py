@@ -139,6 +139,23 @@ def push_pull_async(
             worker, tensor, source, average, name, priority, inplace, members, servers
         )
         return TorchHandle(coded, output, landing, tensor.dtype, Compression.none, None, 1)
+    wire, staged, output = _wire_and_output(tensor, source, wire, inplace)
+    array, dtype = as_numpy(wire)
+    worker_average = average and dtype != "bfloat16"
+    handle = worker.push_pull_async(
+        array, name, worker_average, priority, out=array, dtype=dtype, op=op, members=members, compression=servers
+    )
+    divide_by = (worker.size if members is None else len(members)) if average and not worker_average else 1
+    unwrap = compression if servers is None else Compression.none
+    return TorchHandle(handle, output, wire, ctx, unwrap, staged, divide_by)
+
+
+def _wire_and_output(
+    tensor: torch.Tensor, source: torch.Tensor, wire: torch.Tensor, inplace: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The CPU tensor the sum is pushed from and lands in (a device tensor's staged copy, or a contiguous one), the
+    staging copy if any, and the tensor the result is (`tensor` in place; else the wire where it is a fresh copy of
+    the input's kind, or a new one)."""
     staged = None
     if wire.device.type != "cpu":
         staged = torch.empty(wire.shape, dtype=wire.dtype, pin_memory=torch.cuda.is_available())
@@ -152,14 +169,7 @@ def push_pull_async(
         output = wire  # a fresh copy already: the sum lands in it, and it is the result
     else:  # compressed or staged: the result is decompressed (or copied back) into a tensor of the input's kind
         output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-    array, dtype = as_numpy(wire)
-    worker_average = average and dtype != "bfloat16"
-    handle = worker.push_pull_async(
-        array, name, worker_average, priority, out=array, dtype=dtype, op=op, members=members, compression=servers
-    )
-    divide_by = (worker.size if members is None else len(members)) if average and not worker_average else 1
-    unwrap = compression if servers is None else Compression.none
-    return TorchHandle(handle, output, wire, ctx, unwrap, staged, divide_by)
+    return wire, staged, output
 
 
 def _sorted_out(compression: Any) -> tuple[Any, dict | None]:

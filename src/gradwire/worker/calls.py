@@ -92,22 +92,7 @@ class Calls:
             raise TensorError(f"push_pull of {name!r} needs a numpy array, got {type(array).__name__}", tensor=name)
         # np.ascontiguousarray turns a 0-dim array into shape (1,): keep the caller's shape (a scalar is a tensor)
         src = array if array.flags.c_contiguous else np.ascontiguousarray(array).reshape(array.shape)
-        if out is None:
-            out = np.empty_like(src)
-        elif out.shape != src.shape or out.dtype != src.dtype:
-            raise TensorError(
-                f"worker {self.rank}: push_pull of {name!r} got an input of {src.dtype}{list(src.shape)} but an "
-                f"output of {out.dtype}{list(out.shape)}; pass an output of the input's shape and dtype",
-                tensor=name,
-                rank=self.rank,
-            )
-        elif not out.flags.c_contiguous:
-            raise TensorError(
-                f"worker {self.rank}: the output of push_pull {name!r} must be C-contiguous (got strides "
-                f"{out.strides}); pass np.ascontiguousarray(out) or no output",
-                tensor=name,
-                rank=self.rank,
-            )
+        out = self._output(src, out, name)
         args = None
         if compression is not None and self.compressing.applies(src, op, dtype):
             args = self.compressing.arguments(compression, name)
@@ -269,6 +254,43 @@ class Calls:
         )
         return self.launch(tensor, out, Transfer(src, sum(counts[: self.rank]), out.reshape(-1), first, 1, priority))
 
+    def _check_parameters(self, array: np.ndarray | None, out: np.ndarray, name: str) -> None:
+        """A server-side optimizer's tensor: C-contiguous float32 or float64 parameters, and an input like them."""
+        if out.dtype.name not in update.DTYPES or not out.flags.c_contiguous:
+            raise TensorError(
+                f"worker {self.rank}: a server-side optimizer's tensor {name!r} must be C-contiguous float32 or "
+                f"float64, got {out.dtype}",
+                tensor=name,
+                rank=self.rank,
+            )
+        if array is not None and (array.shape != out.shape or array.dtype != out.dtype):
+            raise TensorError(
+                f"worker {self.rank}: update of {name!r}: input {array.dtype}{list(array.shape)}, parameters "
+                f"{out.dtype}{list(out.shape)}",
+                tensor=name,
+                rank=self.rank,
+            )
+
+    def _output(self, src: np.ndarray, out: np.ndarray | None, name: str) -> np.ndarray:
+        """Where push_pull's sum of `src` lands: `out`, checked (the input's shape and dtype, C-contiguous), or new."""
+        if out is None:
+            return np.empty_like(src)
+        if out.shape != src.shape or out.dtype != src.dtype:
+            raise TensorError(
+                f"worker {self.rank}: push_pull of {name!r} got an input of {src.dtype}{list(src.shape)} but an "
+                f"output of {out.dtype}{list(out.shape)}; pass an output of the input's shape and dtype",
+                tensor=name,
+                rank=self.rank,
+            )
+        if not out.flags.c_contiguous:
+            raise TensorError(
+                f"worker {self.rank}: the output of push_pull {name!r} must be C-contiguous (got strides "
+                f"{out.strides}); pass np.ascontiguousarray(out) or no output",
+                tensor=name,
+                rank=self.rank,
+            )
+        return out
+
     def update_async(
         self,
         array: np.ndarray | None,
@@ -290,20 +312,7 @@ class Calls:
         writes go to the servers alone, outside the rounds (any worker, any time between its updates).
         `hyper`: the algorithm's hyper-parameters for this push, in the order of update.HYPER."""
         self.state.check_usable()
-        if out.dtype.name not in update.DTYPES or not out.flags.c_contiguous:
-            raise TensorError(
-                f"worker {self.rank}: a server-side optimizer's tensor {name!r} must be C-contiguous float32 or "
-                f"float64, got {out.dtype}",
-                tensor=name,
-                rank=self.rank,
-            )
-        if array is not None and (array.shape != out.shape or array.dtype != out.dtype):
-            raise TensorError(
-                f"worker {self.rank}: update of {name!r}: input {array.dtype}{list(array.shape)}, parameters "
-                f"{out.dtype}{list(out.shape)}",
-                tensor=name,
-                rank=self.rank,
-            )
+        self._check_parameters(array, out, name)
         send = np.ascontiguousarray(array).reshape(-1) if array is not None else out.reshape(-1)[:0]
         if args.get("compressor") and not self.compressing.applies(out, "sum", None):
             args = {k: v for k, v in args.items() if k != "compressor"}  # float64, or too small to gain
