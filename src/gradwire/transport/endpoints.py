@@ -12,7 +12,6 @@ import struct
 import threading
 from collections.abc import Callable
 
-from gradwire.errors import AuthenticationError, GradwireTimeout, RemoteProtocolError
 from gradwire.transport.tcp import Connection
 
 
@@ -127,15 +126,7 @@ def connect(
     else:
         sock = socket.create_connection(address, timeout=timeout)
         peer = f"{address[0]}:{address[1]}"
-    configure(sock, buffer_bytes)
-    conn = Connection(sock, max_payload, peer=peer)
-    try:
-        conn.handshake(secret, role, rank, initiator=True)
-    except BaseException:
-        conn.close()
-        raise
-    sock.settimeout(None)
-    return conn
+    return _authenticated(sock, peer, True, secret, role, rank, max_payload, timeout, buffer_bytes)
 
 
 def connect_node(
@@ -166,12 +157,29 @@ def accept(
 ) -> Connection:
     """Accept one connection and authenticate it. Raises on a failed handshake (the socket is closed)."""
     sock, addr = listener.accept()
+    return _authenticated(sock, f"{addr[0]}:{addr[1]}", False, secret, role, rank, max_payload, timeout, buffer_bytes)
+
+
+def _authenticated(
+    sock: socket.socket,
+    peer: str,
+    initiator: bool,
+    secret: bytes,
+    role: str,
+    rank: int,
+    max_payload: int,
+    timeout: float,
+    buffer_bytes: int,
+) -> Connection:
+    """`sock` (connected or accepted) as a connection, once the mutual handshake has passed; closed if it did not.
+    The handshake has `timeout` (a silent peer cannot hold an accept loop past it); the connection then blocks
+    without one."""
     configure(sock, buffer_bytes)
-    sock.settimeout(timeout)  # a silent peer cannot hold the accept loop past the handshake timeout
-    conn = Connection(sock, max_payload, peer=f"{addr[0]}:{addr[1]}")
+    sock.settimeout(timeout)
+    conn = Connection(sock, max_payload, peer=peer)
     try:
-        conn.handshake(secret, role, rank, initiator=False)
-    except (AuthenticationError, RemoteProtocolError, GradwireTimeout, OSError):
+        conn.handshake(secret, role, rank, initiator=initiator)
+    except BaseException:
         conn.close()
         raise
     sock.settimeout(None)

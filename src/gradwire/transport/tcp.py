@@ -129,17 +129,7 @@ class Connection:
         """Fill `view` completely: from what was read ahead, then from the socket, each receive scattering into what
         is left of `view` and, past it, into the read-ahead buffer (the next frames' headers come in the same call)."""
         view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
-        total = len(view)
-        got = min(self._end - self._start, total)
-        if got:
-            view[:got] = self._ahead_view[self._start : self._start + got]
-            self._start += got
-        while got < total:
-            self._make_room()
-            n = self._recv([view[got:], self._ahead_view[self._end : self._end + RECV_AHEAD]], False)
-            took = min(n, total - got)
-            got += took
-            self._end += n - took
+        self._scatter_into(view, 0, wait=True)
 
     # -- receiving without waiting (one thread: a worker's link loop, worker/loop.py) ------------------------------
 
@@ -167,15 +157,21 @@ class Connection:
     def recv_into_nowait(self, view: memoryview, got: int) -> int:
         """Fill `view` on from byte `got` with what was read ahead and what the socket holds now, each receive
         scattering past `view` into the read-ahead buffer (as `recv_into`); returns how far `view` is filled."""
+        return self._scatter_into(view, got, wait=False)
+
+    def _scatter_into(self, view: memoryview, got: int, wait: bool) -> int:
+        """`view` on from byte `got`: what was read ahead first, then receives scattering into the rest of `view` and
+        past it into the read-ahead buffer; all of it (`wait`), or as far as the socket holds now (`drained` says it
+        held less than asked). Returns how far `view` is filled."""
         total = len(view)
         ahead = min(self._end - self._start, total - got)
         if ahead:
             view[got : got + ahead] = self._ahead_view[self._start : self._start + ahead]
             self._start += ahead
             got += ahead
-        while got < total and not self.drained:
+        while got < total and (wait or not self.drained):
             self._make_room()
-            n = self._recv([view[got:], self._ahead_view[self._end : self._end + RECV_AHEAD]], False, wait=False)
+            n = self._recv([view[got:], self._ahead_view[self._end : self._end + RECV_AHEAD]], False, wait=wait)
             self.drained = n < total - got + RECV_AHEAD
             took = min(n, total - got)
             got += took

@@ -21,7 +21,7 @@ class Credit:
     n = 4, k = 2 with colocated servers the flows to the colocated servers (a third of the dedicated ones'
     bytes each) finished first, and the dedicated servers then worked alone with the workers' links half idle
     (measured: 2.05 s a step against 1.70 s of bytes on the busiest link). Pacing only delays: a link that has
-    waited PACE_GIVE_UP_SECONDS goes anyway (its link asks with `paced=False`: worker/link.py), so no order of events
+    waited PACE_GIVE_UP_SECONDS goes anyway (its link asks with `paced=False`: worker/pushes.py), so no order of events
     can hang on it.
 
     Nothing here waits: `take` says whether the bytes may go now, and the link loop (worker/loop.py) asks again after

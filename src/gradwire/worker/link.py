@@ -77,7 +77,6 @@ class ServerLink(Answers, Pushes):
         self._own_loop = loop is None
         self.loop = loop or LinkLoop(f"gw-link-{server}")
         self._removed = threading.Event()  # out of the loop: its socket closed
-        self._control: list[bytes] = []
         self._farewell: bytes | None = None  # the frame to send last, as it closes (BYE)
         self._free_push = list(range(arena.push)) if arena else []  # the loop's
         self._free_pull = list(range(arena.pull)) if arena else []
@@ -200,13 +199,6 @@ class ServerLink(Answers, Pushes):
 
     def __repr__(self) -> str:
         return f"<ServerLink worker {self.rank} to server {self.server} ({self.conn.peer})>"
-
-    def send_control(self, frame: bytes) -> None:
-        """Send a frame ahead of the next pushes (from any thread)."""
-        with self._lock:
-            self._control.append(frame)
-            self.dirty = True
-        self.loop.wake()
 
     def _broken(self, error: GradwireError) -> None:
         """The connection failed. A dead server (closed connection) with failover on: keep the work, tell the

@@ -37,7 +37,6 @@ class LinkState:
     lost: BaseException | None  # the server died; its work is kept for the failover
     _free_push: list[int]  # the shared slots free (the loop's)
     _free_pull: list[int]
-    _control: list[bytes]  # frames other threads asked to send (`send_control`)
     dirty: bool  # something changed that may let it push (see LinkLoop)
 
     def _broken(self, error: GradwireError) -> None:

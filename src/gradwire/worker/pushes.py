@@ -5,8 +5,7 @@
 A batch is the partitions flow control lets go together, within SEND_BATCH_BYTES and SEND_BATCH_FRAMES: small
 partitions then cost one system call for several, and a large one still goes alone. A partition flow control let go
 but whose credit (or pacing turn) is not there yet waits at the head of the next batch, as a sender thread used to wait
-holding it; pacing never holds it past PACE_GIVE_UP_SECONDS. Receipts of held sums (RECEIVED) and frames other threads
-asked to send go ahead of the pushes.
+holding it; pacing never holds it past PACE_GIVE_UP_SECONDS. Receipts of held sums (RECEIVED) go ahead of the pushes.
 """
 
 from __future__ import annotations
@@ -84,12 +83,11 @@ class Pushes(LinkState):
         return self.flow.wake_at()
 
     def _next_frames(self, now: float) -> tuple[list[memoryview], list[Work]]:
-        """The frames to send next and the pushes among them: frames asked for, receipts, then a batch."""
+        """The frames to send next and the pushes among them: receipts, then a batch."""
         with self._lock:
-            control, self._control = self._control, []
             receipts = self.holds.take_receipts()
             batch, self._waiting = (self._waiting, []) if self._waiting else (self._batch(now), [])
-        parts: list[memoryview] = [memoryview(frame) for frame in control]
+        parts: list[memoryview] = []
         if receipts:
             received = frames.encode_entries(FrameType.RECEIVED, receipts, epoch=self.epoch, sender=self.rank)
             parts.append(memoryview(received))
