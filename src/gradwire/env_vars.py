@@ -89,7 +89,12 @@ ENV_VARS: tuple[EnvVar, ...] = (
         (),
         "receive slots per server engine ring; a full ring is backpressure",
     ),
-    EnvVar("GRADWIRE_ENGINES", "engines", (), "engine threads per server (each owns a share of the keys)"),
+    EnvVar(
+        "GRADWIRE_ENGINES",
+        "engines",
+        (),
+        "engines per server, each owning a share of the keys: one runs on the server's link loop; more, on threads",
+    ),
     EnvVar(
         "GRADWIRE_SECRET",
         "secret",

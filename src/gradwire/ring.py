@@ -16,6 +16,7 @@ published sequence and handles the batch in order, then *releases* it so produce
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -80,6 +81,9 @@ class Ring:
         self._cursor = -1  # highest contiguous published sequence
         self._released = -1  # highest sequence the consumer has released
         self._closed = False
+        self._space_wanted = False  # a `try_claim` found the ring full: tell `on_space` at the next release
+        self.on_space: Callable[[], None] | None = None
+        self.on_publish: Callable[[], None] | None = None  # told after each publish (a consumer that does not `wait`)
         self._lock = threading.Lock()
         self._not_full = threading.Condition(self._lock)
         self._not_empty = threading.Condition(self._lock)
@@ -93,6 +97,19 @@ class Ring:
                 raise GradwireTimeout(f"ring full for {timeout}s: the engine is not keeping up")
             if self._closed:
                 raise RingClosed("ring closed")
+            seq = self._next
+            self._next += 1
+            return seq
+
+    def try_claim(self) -> int | None:
+        """Claim the next sequence, or None while the ring is full (for a thread that must not block: the server's
+        link loop). After a None, `on_space` (if set) is called once slots are released."""
+        with self._lock:
+            if self._closed:
+                raise RingClosed("ring closed")
+            if self._next - self._released > self.capacity:
+                self._space_wanted = True
+                return None
             seq = self._next
             self._next += 1
             return seq
@@ -111,6 +128,8 @@ class Ring:
             if cursor != self._cursor:
                 self._cursor = cursor
                 self._not_empty.notify()
+        if self.on_publish is not None:
+            self.on_publish()
 
     def wait(self, after: int, timeout: float | None = None) -> int:
         """Block until a sequence above `after` is published; return the highest contiguous one."""
@@ -126,6 +145,9 @@ class Ring:
         with self._lock:
             self._released = upto
             self._not_full.notify_all()
+            wanted, self._space_wanted = self._space_wanted, False
+        if wanted and self.on_space is not None:
+            self.on_space()
 
     def close(self) -> None:
         """Wake every waiter; later claims and waits raise RingClosed."""
@@ -133,6 +155,14 @@ class Ring:
             self._closed = True
             self._not_full.notify_all()
             self._not_empty.notify_all()
+            wanted, self._space_wanted = self._space_wanted, False
+        if wanted and self.on_space is not None:
+            self.on_space()  # its next try_claim raises RingClosed
+
+    @property
+    def cursor(self) -> int:
+        """The highest contiguous published sequence, read without waiting (a consumer that polls: `Engine.inline`)."""
+        return self._cursor
 
     @property
     def occupancy(self) -> int:

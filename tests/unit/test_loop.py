@@ -1,5 +1,5 @@
-"""The link loop (worker/loop.py): one thread moves every link's frames; wake-ups are never lost, a link blocked on its
-socket holds no other, and a link's failure is that link's alone."""
+"""The link loop (transport/loop.py): one thread moves every link's frames; wake-ups are never lost, a link blocked
+on its socket holds no other, and a link's failure is that link's alone."""
 
 import socket
 import threading
@@ -10,10 +10,10 @@ import numpy as np
 from gradwire.protocol import dtypes, frames
 from gradwire.protocol.frames import FrameType
 from gradwire.transport import tcp
+from gradwire.transport.loop import LinkLoop
 from gradwire.worker.credit import Credit
 from gradwire.worker.handle import Handle
 from gradwire.worker.link import ServerLink
-from gradwire.worker.loop import LinkLoop
 from gradwire.worker.work import Work
 
 

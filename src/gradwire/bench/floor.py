@@ -6,7 +6,7 @@ answers it at once, the worker receives every sum into its output. No flow-contr
 or keys beyond a number: only the frames, the system calls and the summing. Two shapes of worker:
 
 - `one-thread`: the thread that receives an answer sends the next push itself;
-- `two-threads`: as gradwire's links were built before the link loop (worker/loop.py), a sender thread waits on a
+- `two-threads`: as gradwire's links were built before the link loop (transport/loop.py), a sender thread waits on a
   condition that the receiving thread notifies as each answer frees a window place.
 
 Their CPU seconds per GB by partition size, beside gradwire's own in the same run, say how much of gradwire's

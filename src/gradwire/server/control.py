@@ -169,7 +169,7 @@ class ServerControl:
             state.epoch = epoch  # frames of the old epoch are refused from now on
             links = list(state.links.values())
         for link in links:
-            link.conn.close()
+            link.close()
         while (state.links or any(e.ring.occupancy for e in state.engines)) and time.monotonic() < deadline:
             time.sleep(0.001)
         for engine in state.engines:

@@ -103,40 +103,60 @@ class Engine(Landing, Seeding):
         self.seeded_answers = 0  # workers answered with a seeded sum (after a failover)
         self.replicated = 0  # rounds kept here for another server's keys (server/replica.py)
         self._thread = threading.Thread(target=self._run, name=f"gw-engine-{index}", daemon=True)
+        self._next_seq = 0  # the next slot of the ring to handle
+        self.inline = False  # run by the server's link loop (`handle_published`), not a thread of its own
+        self._holding = False  # inline: the loop's thread holds each batch's replies (`Batching.begin`)
 
     def start(self) -> None:
+        """Run on a thread of its own (GRADWIRE_ENGINES > 1); else the link loop runs it (`handle_published`)."""
         self._thread.start()
 
     def join(self, timeout: float | None = None) -> None:
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
 
     def _run(self) -> None:
         # Sums follow IEEE arithmetic (an overflow is inf, which AMP's loss scaling looks for), whatever the
-        # process's warning filters say. numpy's error state is per thread: set once, no per-message cost.
+        # process's warning filters say. numpy's error state is per thread: set once, no per-message cost. (The link
+        # loop sets it on its own thread: transport/loop.py.)
         np.seterr(all="ignore")
         if self._batching is not None:
             self._batching.begin()
-        next_seq = 0
         while True:
             try:
-                available = self.ring.wait(next_seq - 1)
+                available = self.ring.wait(self._next_seq - 1)
             except RingClosed:
                 return
-            for seq in range(next_seq, available + 1):
-                slot = self.ring.slot(seq)
-                if not slot.valid:
-                    continue
-                try:
-                    self.on_event(slot)
-                except Exception as e:  # noqa: BLE001 - reported to the pusher, the engine goes on
-                    log.exception(
-                        "engine %d: key %016x round %d from worker %d", self.index, slot.key, slot.round, slot.sender
-                    )
-                    self._fail(slot, f"server failed to sum key {slot.key:016x}: {e}")
-            if self._batching is not None:
-                self._batching.flush()
-            self.ring.release(available)
-            next_seq = available + 1
+            self._handle(available)
+
+    def handle_published(self) -> None:
+        """Handle what is published in the ring, without waiting (the engine the server's link loop runs inline:
+        after each of its passes, and when a push finds the ring full)."""
+        available = self.ring.cursor
+        if available < self._next_seq:
+            return
+        if self._batching is not None and not self._holding:
+            self._batching.begin()  # the loop's thread holds the replies of each batch from now on
+            self._holding = True
+        self._handle(available)
+
+    def _handle(self, available: int) -> None:
+        """One batch: every published slot up to `available`, in order; then the batch's replies go, and the slots."""
+        for seq in range(self._next_seq, available + 1):
+            slot = self.ring.slot(seq)
+            if not slot.valid:
+                continue
+            try:
+                self.on_event(slot)
+            except Exception as e:  # noqa: BLE001 - reported to the pusher, the engine goes on
+                log.exception(
+                    "engine %d: key %016x round %d from worker %d", self.index, slot.key, slot.round, slot.sender
+                )
+                self._fail(slot, f"server failed to sum key {slot.key:016x}: {e}")
+        if self._batching is not None:
+            self._batching.flush()
+        self._next_seq = available + 1
+        self.ring.release(available)
 
     def declare(
         self,

@@ -1,19 +1,30 @@
-"""The readers: per worker connection a thread that checks each frame against its key's declaration, claims a slot in
-the ring of the engine that owns the key, receives the payload straight into it (or into the key's landing buffer, or
-finds it in the worker's shared push slot) and publishes it; and per server whose keys this one replicates, a thread
-that does the same for the updates it forwards. Every slot a server fills is claimed by `claim`; a frame's is
-published by `publish` (control.py publishes its join and departure events itself).
+"""The readers: what a server does with the frames its workers send. The server's link loop (transport/loop.py) reads
+every worker connection without waiting (`Incoming`, one per connection): each frame is checked against its key's
+declaration, a slot is claimed in the ring of the engine that owns the key, the payload is received straight into it
+(or into the key's landing buffer, or found in the worker's shared push slot) as it arrives, and the slot is
+published. Per server whose keys this one replicates, a thread does the same for the updates it forwards
+(`serve_replica`). Every slot a server fills is claimed by `claim` or `Ring.try_claim`; a frame's is published by
+`publish` (control.py publishes its join and departure events itself).
+
+On the loop nothing waits: a payload cut off by the socket is resumed where it stopped; a frame whose engine's ring is
+full keeps its header and waits until the engine frees a slot (`Ring.on_space` wakes the loop); a frame begun and not
+continued within GRADWIRE_FRAME_TIMEOUT fails its connection, as a blocking receive's timeout did (its slot is
+published empty, so the engine never waits on it).
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 
-from gradwire.errors import GradwireError, RemoteProtocolError
+import numpy as np
+
+from gradwire.errors import GradwireError, GradwireTimeout, RemoteProtocolError
 from gradwire.protocol import frames
 from gradwire.protocol.frames import JOIN_EVENT, REPLAY, REPLICA, SEED, FrameType
 from gradwire.ring import Ring, RingClosed, Slot
-from gradwire.server.replier import WorkerLink
+from gradwire.server.replier import ErrorReply, WorkerLink
 from gradwire.server.state import ServerState
 from gradwire.transport import endpoints, shm, tcp
 
@@ -36,61 +47,209 @@ def publish(ring: Ring, seq: int, slot: Slot, conn: object, header: frames.Heade
     ring.publish(seq)
 
 
+class Incoming:
+    """One worker connection on the server's link loop (transport/loop.py's `LoopLink`): the frame being read and where
+    its payload goes. Its frames are the `Reader`'s to apply; it has nothing to push (replies go from the engines and
+    the repliers: replier.py)."""
+
+    dirty = False
+
+    def __init__(self, link: WorkerLink, reader: Reader, on_closed: Callable[[Incoming], None]) -> None:
+        self.link, self.conn = link, link.conn
+        self._reader = reader
+        self._on_closed = on_closed
+        self.into: memoryview | None = None  # where the payload being received goes
+        self.got = 0  # its bytes in so far
+        self.then: Callable[[Incoming], None] | None = None  # what to do once it is all in
+        self.claimed: tuple[Ring, int, Slot, frames.Header] | None = None  # the ring slot a push is received for
+        self.waiting: frames.Header | None = None  # a push whose engine's ring was full, taken up once it has room
+        self.deadline: float | None = None  # a frame begun must go on arriving by then (GRADWIRE_FRAME_TIMEOUT)
+        self.ended = False
+        self.fresh = True  # the handshake may have read its first frames ahead: read them on the first pass
+        link.closer = lambda: reader.end(self)
+
+    def __repr__(self) -> str:
+        return f"<Incoming from worker {self.conn.peer_rank} at {self.conn.peer}>"
+
+    def fileno(self) -> int:
+        return self.conn.sock.fileno()
+
+    def on_readable(self) -> None:
+        self._reader.on_readable(self)
+
+    def pump(self, now: float) -> bool:
+        self._reader.on_time(self, now)
+        return False
+
+    def needs_pump(self, now: float) -> bool:
+        return self.fresh or self.waiting is not None or (self.deadline is not None and now >= self.deadline)
+
+    def wake_at(self) -> float | None:
+        return self.deadline
+
+    def on_removed(self) -> None:
+        self.ended = True
+        self._reader.unclaim(self)
+        self._on_closed(self)
+
+    def on_error(self, error: Exception) -> None:
+        """A bug escaped the reader (the loop logged it and removes this connection: `on_removed` cleans up)."""
+
+
 class Reader:
     def __init__(self, state: ServerState) -> None:
         self.state = state
-        self._scratch = bytearray(1 << 16)  # where refused payloads are read and dropped
+        self._scratch = np.empty(1 << 16, np.uint8)  # where refused payloads are read and dropped
 
-    def read_loop(self, link: WorkerLink) -> None:
-        """Read a worker's frames until its BYE (or an error, raised)."""
-        conn, state, engines = link.conn, self.state, self.state.engines
-        while True:
-            header = conn.recv_header(idle_ok=True)
-            if header.type == FrameType.BYE:
-                return
-            if header.type == FrameType.SHM_ATTACH:
-                self.attach(link, frames.decode_json(conn.recv_body(header)))
+    # -- a worker connection's frames, on the link loop ------------------------------------------------------------
+
+    def on_readable(self, incoming: Incoming) -> None:
+        """Read and apply every frame the connection holds now (module docstring)."""
+        try:
+            self._read_frames(incoming)
+        except (GradwireError, RingClosed) as e:
+            self.end(incoming, e)
+
+    def on_time(self, incoming: Incoming, now: float) -> None:
+        """A frame begun and cut off past its deadline fails the connection; a push that waited for a ring slot tries
+        again; a connection just added reads what its handshake read ahead."""
+        if incoming.fresh:
+            incoming.fresh = False
+            self.on_readable(incoming)
+        elif incoming.deadline is not None and now >= incoming.deadline:
+            timeout = self.state.config.frame_timeout
+            self.end(incoming, GradwireTimeout(f"a frame begun has not gone on arriving for {timeout:g}s"))
+        elif incoming.waiting is not None:
+            self.on_readable(incoming)
+
+    def end(self, incoming: Incoming, error: BaseException | None = None) -> None:
+        """Stop reading the connection (a BYE, an error, or the server closing it: `WorkerLink.close`, from any
+        thread): it leaves the loop, which then closes it (`Incoming.on_removed`)."""
+        if error is not None and not incoming.ended and not self.state.done.is_set():
+            # a worker that went away is routine (it is named elsewhere); a bad frame is not
+            routine = isinstance(error, tcp.ConnectionClosed)
+            conn = incoming.conn
+            (log.info if routine else log.warning)(
+                "closing connection to worker %d (%s): %s", conn.peer_rank, conn.peer, error
+            )
+        incoming.ended = True
+        self.state.loop.remove(incoming)
+
+    def unclaim(self, incoming: Incoming) -> None:
+        """A push cut off for good: its slot goes to the engine empty (a slot never published would stall the ring)."""
+        if incoming.claimed is not None:
+            ring, seq, slot, header = incoming.claimed
+            incoming.claimed = None
+            slot.valid = False
+            publish(ring, seq, slot, incoming.conn, header, header.sender)
+
+    def _read_frames(self, incoming: Incoming) -> None:
+        conn = incoming.conn
+        conn.drained = False  # the socket is readable
+        while not incoming.ended:
+            if incoming.into is not None:
+                incoming.got = conn.recv_into_nowait(incoming.into, incoming.got)
+                if incoming.got < len(incoming.into):
+                    break
+                then, incoming.into, incoming.then = incoming.then, None, None
+                assert then is not None
+                then(incoming)
                 continue
-            if header.type == FrameType.RECEIVED:  # sums of held keys are in its outputs (server/receipts.py)
-                self._received(conn, header)
+            header, incoming.waiting = incoming.waiting or conn.header_nowait(), None
+            if header is None:
+                if not conn.fill_nowait():
+                    break
                 continue
-            if header.type != FrameType.PUSHPULL or header.flags & (REPLICA | JOIN_EVENT):
-                raise RemoteProtocolError(f"unexpected {header.type.name} frame (flags {header.flags:#x})")
-            if header.sender != conn.peer_rank or header.epoch != state.epoch:
+            if not self._on_frame(incoming, header):
+                incoming.waiting = header  # its ring is full
+                break
+        begun = incoming.into is not None or (incoming.waiting is None and conn.read_ahead > 0)
+        incoming.deadline = time.monotonic() + self.state.config.frame_timeout if begun else None
+
+    def _on_frame(self, incoming: Incoming, header: frames.Header) -> bool:
+        """Apply one frame whose header is in; False if it must wait for a ring slot (taken up again later)."""
+        link, state = incoming.link, self.state
+        kind = header.type
+        if kind == FrameType.PUSHPULL and not header.flags & (REPLICA | JOIN_EVENT):
+            if header.sender != link.conn.peer_rank or header.epoch != state.epoch:
                 raise RemoteProtocolError(
                     f"frame claims sender {header.sender} epoch {header.epoch}; connection is worker "
-                    f"{conn.peer_rank} in epoch {state.epoch}"
+                    f"{link.conn.peer_rank} in epoch {state.epoch}"
                 )
-            in_shm = header.flags & shm.SHM_PAYLOAD
-            engine = engines[header.key % len(engines)]
-            problem = engine.check(header.key, header.dtype, header.length)
-            if problem is not None:  # the tensor's error, not the server's: refuse it, keep the stream in sync
-                if not in_shm:
-                    self._discard(conn, header.length)
-                conn.send_json(FrameType.ERROR, {"message": problem}, key=header.key)
-                continue
-            if in_shm:
-                push, pull = _check_slots(link, header)
-            seq, slot = claim(engine.ring)
-            try:
-                if in_shm:  # the payload already lies in the worker's push slot: the engine sums from there
-                    assert link.arena is not None
-                    slot.data, slot.pull = link.arena.push_slot(push, header.length), pull
-                else:
-                    # a seed or a replay may be stale (dropped by the engine): never into a staging buffer in use
-                    resent = header.flags & (SEED | REPLAY)
-                    landing = None if resent else engine.landing(header.key, header.round, header.sender)
-                    slot.landed = landing is not None
-                    into = landing[: header.length] if landing is not None else slot.array[: header.length]
-                    conn.recv_into(memoryview(into))
-                    slot.data, slot.pull = into, shm.NO_SLOT
-                slot.valid = True
-                state.metrics.pushed(header.length)
-            finally:
-                publish(engine.ring, seq, slot, conn, header, header.sender)
+            return self._on_push(incoming, header)
+        if kind == FrameType.BYE:
+            self.end(incoming)
+        elif kind == FrameType.SHM_ATTACH:
+            self._body(incoming, header, lambda body: self.attach(link, frames.decode_json(body)))
+        elif kind == FrameType.RECEIVED:  # sums of held keys are in its outputs (server/receipts.py)
+            self._body(incoming, header, lambda body: self._received(link.conn, header, body))
+        else:
+            raise RemoteProtocolError(f"unexpected {kind.name} frame (flags {header.flags:#x})")
+        return True
 
-    def _received(self, conn: tcp.Connection, header: frames.Header) -> None:
-        body = conn.recv_body(header)
+    def _on_push(self, incoming: Incoming, header: frames.Header) -> bool:
+        link = incoming.link
+        in_shm = header.flags & shm.SHM_PAYLOAD
+        engine = self.state.engine_of(header.key)
+        problem = engine.check(header.key, header.dtype, header.length)
+        if problem is not None:  # the tensor's error, not the server's: refuse it, keep the stream in sync
+            if not in_shm:
+                self._discard(incoming, header.length)
+            link.reply(ErrorReply(header.key, problem))
+            return True
+        if in_shm:
+            push, pull = _check_slots(link, header)
+        seq = engine.ring.try_claim()
+        if seq is None and engine.inline:  # the engine runs on this thread: let it free what it can now
+            engine.handle_published()
+            seq = engine.ring.try_claim()
+        if seq is None:
+            return False
+        slot = engine.ring.slot(seq)
+        slot.valid = slot.landed = False
+        incoming.claimed = (engine.ring, seq, slot, header)
+        if in_shm:  # the payload already lies in the worker's push slot: the engine sums from there
+            assert link.arena is not None
+            slot.data, slot.pull = link.arena.push_slot(push, header.length), pull
+            self._pushed(incoming)
+            return True
+        # a seed or a replay may be stale (dropped by the engine): never into a staging buffer in use
+        resent = header.flags & (SEED | REPLAY)
+        landing = None if resent else engine.landing(header.key, header.round, header.sender)
+        slot.landed = landing is not None
+        into = landing[: header.length] if landing is not None else slot.array[: header.length]
+        slot.data, slot.pull = into, shm.NO_SLOT
+        self._receive(incoming, into, self._pushed)
+        return True
+
+    def _pushed(self, incoming: Incoming) -> None:
+        """A push's payload is in whole: its slot goes to the engine."""
+        assert incoming.claimed is not None
+        ring, seq, slot, header = incoming.claimed
+        incoming.claimed = None
+        slot.valid = True
+        self.state.metrics.pushed(header.length)
+        publish(ring, seq, slot, incoming.conn, header, header.sender)
+
+    def _receive(self, incoming: Incoming, into: np.ndarray, then: Callable[[Incoming], None]) -> None:
+        """Receive the frame's payload into `into` (as it arrives), then `then(incoming)`."""
+        if not len(into):
+            then(incoming)
+            return
+        incoming.into, incoming.got, incoming.then = memoryview(into).cast("B"), 0, then
+
+    def _body(self, incoming: Incoming, header: frames.Header, then: Callable[[bytes], None]) -> None:
+        """Receive a control frame's body (its length was checked with its header), then `then(body)`."""
+        body = np.empty(header.length, np.uint8)
+        self._receive(incoming, body, lambda _: then(body.tobytes()))
+
+    def _discard(self, incoming: Incoming, length: int) -> None:
+        """Receive and drop a refused payload, a scratch buffer at a time."""
+        chunk = min(length, len(self._scratch))
+        rest = length - chunk
+        self._receive(incoming, self._scratch[:chunk], lambda _: self._discard(incoming, rest) if rest else None)
+
+    def _received(self, conn: tcp.Connection, header: frames.Header, body: bytes) -> None:
         if header.sender != conn.peer_rank or header.epoch != self.state.epoch or self.state.receipts is None:
             raise RemoteProtocolError(
                 f"RECEIVED claims sender {header.sender} epoch {header.epoch}; connection is worker {conn.peer_rank} "
@@ -129,13 +288,6 @@ class Reader:
                 log.warning("closing the replica connection from server %d: %s", conn.peer_rank, e)
         finally:
             conn.close()
-
-    def _discard(self, conn: tcp.Connection, length: int) -> None:
-        scratch = memoryview(self._scratch)
-        while length > 0:
-            chunk = min(length, len(scratch))
-            conn.recv_into(scratch[:chunk])
-            length -= chunk
 
     def attach(self, link: WorkerLink, body: dict) -> None:
         """Map the worker's shared slots (transport/shm.py) and say whether it worked."""

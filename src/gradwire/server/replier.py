@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -187,7 +188,7 @@ class HeldReplies:
 
 
 class WorkerLink:
-    """A server's connection to one worker: the reader thread and the reply queue with its thread."""
+    """A server's connection to one worker: the reply queue with its thread (the link loop reads it: reader.py)."""
 
     def __init__(self, conn: tcp.Connection, metrics: Metrics | None = None) -> None:
         self.conn = conn
@@ -202,6 +203,14 @@ class WorkerLink:
         self._queued = 0
         self._order = threading.Lock()
         self._ids: tuple[int, int] | None = None  # (epoch, server rank) for headers, once the replier runs
+        self.closer: Callable[[], None] | None = None  # closes it through the link loop (reader.py's Incoming)
+
+    def close(self) -> None:
+        """Stop serving this worker (from any thread): the link loop lets go of the connection and closes it."""
+        if self.closer is not None:
+            self.closer()
+        else:
+            self.conn.close()
 
     def reply(self, item: ReplyItem) -> None:
         """Send a reply to this worker (a sum, an ACK or an ERROR), in order with every other reply to it: behind

@@ -3,9 +3,12 @@ keeps the life cycle and the connections and wires the parts (docs/architecture.
 engines (engine.py), the repliers (replier.py) and the control connection (control.py), all sharing one
 `ServerState` (state.py).
 
-Threads: one acceptor; per worker connection a reader (claims a ring slot, `recv_into` it, publishes) and a replier
-(sends finished sums from a queue, so an engine never blocks on a slow socket); one thread per engine; one on the
-scheduler connection (shutdown, abort).
+Threads: the link loop (transport/loop.py), which reads every worker connection (reader.py: claims a ring slot, receives
+the payload into it as it arrives, publishes) and, after each pass, runs the engine on what was published (one engine,
+the default: a partition is never handed between threads); with GRADWIRE_ENGINES > 1 a thread per engine instead; per
+worker connection a replier (sends what the socket did not take at once from a queue, so an engine never blocks on a
+slow socket); an acceptor per listener, each connection's handshake on a thread of its own; one on the scheduler
+connection (shutdown, abort).
 """
 
 from __future__ import annotations
@@ -21,12 +24,12 @@ from gradwire.config import Config
 from gradwire.errors import GradwireError, RemoteProtocolError
 from gradwire.protocol import messages
 from gradwire.protocol.frames import FrameType
-from gradwire.ring import Ring, RingClosed, Slot
+from gradwire.ring import Ring, Slot
 from gradwire.scheduler.client import join
 from gradwire.server import compressed, optim
 from gradwire.server.control import ServerControl
 from gradwire.server.engine import Engine
-from gradwire.server.reader import Reader
+from gradwire.server.reader import Incoming, Reader
 from gradwire.server.receipts import Receipts
 from gradwire.server.replica import Replicas
 from gradwire.server.replier import AckReply, ErrorReply, EveryoneReply, HeldReplies, ResultReply, WorkerLink
@@ -108,7 +111,16 @@ class Server:
         for i in range(config.engines):
             state.engines.append(self._engine(i))
         for engine in state.engines:
-            engine.start()
+            engine.ring.on_space = state.loop.wake  # a push that found the ring full is taken up (reader.py)
+        if len(state.engines) == 1:  # the engine runs on the link loop, after each pass: no hand-off per partition
+            (engine,) = state.engines
+            engine.inline = True
+            engine.ring.on_publish = state.loop.wake  # a join event or a replica's update, published by another thread
+            state.loop.after_pass = engine.handle_published
+        else:
+            for engine in state.engines:
+                engine.start()
+        state.loop.start()
         for listener in (self._listener, self._unix_listener):
             self._thread(endpoints.accept_forever, "accept", listener, self.state.done, self._serve, "gw-server-conn")
         self._thread(self._control_loop, "control")
@@ -216,7 +228,8 @@ class Server:
             engine.ring.close()
         if state.replicas is not None:
             state.replicas.close()
-        for link in list(state.links.values()):
+        state.loop.stop(self.config.timeout)  # every worker connection leaves it and is closed (`_closed`)
+        for link in list(state.links.values()):  # any the loop never took
             link.replies.put(None)
             link.conn.close()
         if state.scheduler is not None:
@@ -269,23 +282,25 @@ class Server:
         if isinstance(link, ReplicaPeer):  # a server whose keys this one replicates
             self.reader.serve_replica(link.conn)
             return
-        # from here a frame, once begun, must arrive whole within the frame timeout; idle between frames is fine
+        # from here a frame, once begun, must arrive whole within the frame timeout (reader.py); idle between frames
+        # is fine. The socket's own timeouts bound the replier's blocking sends.
         endpoints.set_frame_timeout(sock, self.config.frame_timeout)
         self._thread(link.reply_loop, "reply", state.epoch, state.rank)
-        try:
-            self.reader.read_loop(link)
-        except (GradwireError, RingClosed) as e:
-            if not state.done.is_set():  # a worker that went away is routine (it is named elsewhere); a bad frame not
-                routine = isinstance(e, tcp.ConnectionClosed)
-                (log.info if routine else log.warning)(
-                    "closing connection to worker %d (%s): %s", conn.peer_rank, conn.peer, e
-                )
-        finally:
-            link.replies.put(None)
-            conn.close()
-            link.release()
-            if state.links.get(conn.peer_rank) is link:
-                del state.links[conn.peer_rank]
+        incoming = Incoming(link, self.reader, self._closed)
+        if state.done.is_set():
+            self._closed(incoming)
+        else:
+            state.loop.add(incoming)
+
+    def _closed(self, incoming: Incoming) -> None:
+        """A worker connection left the link loop (reader.py: a BYE, an error, or the server closing it): close it."""
+        state, link = self.state, incoming.link
+        link.replies.put(None)
+        link.conn.close()
+        link.release()
+        with state.links_lock:
+            if state.links.get(link.conn.peer_rank) is link:
+                del state.links[link.conn.peer_rank]
 
     def _authenticate(self, conn: tcp.Connection) -> WorkerLink | ReplicaPeer | None:
         """The handshake, within the handshake timeout and the cap on pending handshakes; None if refused."""

@@ -14,6 +14,7 @@ from gradwire.server.receipts import Receipts
 from gradwire.server.replica import Replicas
 from gradwire.server.replier import WorkerLink
 from gradwire.transport import tcp
+from gradwire.transport.loop import LinkLoop
 
 
 class ServerState:
@@ -30,6 +31,7 @@ class ServerState:
         self.engines: list[Engine] = []
         self.links: dict[int, WorkerLink] = {}  # by worker rank
         self.links_lock = threading.Lock()
+        self.loop = LinkLoop("gw-server-links")  # reads every worker connection (reader.py)
         self.replicas: Replicas | None = None  # forwards to the servers replicating this one's keys
         self.receipts: Receipts | None = None  # which workers have the sums of held keys (server/receipts.py)
         self.scheduler: tcp.Connection | None = None

@@ -1,11 +1,11 @@
 """Connections (TCP or Unix sockets) that move frames with `sendmsg` and `recv_into`: blocking, for a thread per
 direction (servers, the scheduler, control connections), or without waiting (`*_nowait`, `send_some`), for a worker's
-link loop (worker/loop.py). How connections begin is transport/endpoints.py's.
+link loop (transport/loop.py). How connections begin is transport/endpoints.py's.
 
 On this machine's loopback, prototypes of the data path measured (shared/MEASUREMENTS.md) blocking sockets with a
 thread per connection at 0.89x gloo's throughput, the same as epoll, and far ahead of pyzmq (0.62x, a copy per
 receive) and asyncio (0.57x). 75-95% of the CPU goes to kernel copies, and socket calls release the GIL, so threads
-are not the limit at partition sizes of 64 KiB and up (below that they are: worker/loop.py).
+are not the limit at partition sizes of 64 KiB and up (below that they are: transport/loop.py).
 `sendmsg([header, memoryview])` sends the array's own memory and `recv_into` writes straight into the destination: no
 payload copy in user space on either side.
 
@@ -92,7 +92,7 @@ class Connection:
 
     def send_some(self, views: list[memoryview]) -> None:
         """Send what the socket takes now of `views` (whole frames, in order, cast to bytes), and drop it from the list:
-        what is left must go before any other frame. For one sending thread (a worker's link loop: worker/loop.py).
+        what is left must go before any other frame. For one sending thread (a worker's link loop: transport/loop.py).
         Raises ConnectionClosed."""
         try:
             sent = self.sock.sendmsg(views[:MAX_PARTS], [], socket.MSG_DONTWAIT)
@@ -131,7 +131,12 @@ class Connection:
         view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
         self._scatter_into(view, 0, wait=True)
 
-    # -- receiving without waiting (one thread: a worker's link loop, worker/loop.py) ------------------------------
+    # -- receiving without waiting (one thread: a link loop, transport/loop.py) ------------------------------
+
+    @property
+    def read_ahead(self) -> int:
+        """Bytes received and not yet consumed (with no payload being received: a frame begun, or more)."""
+        return self._end - self._start
 
     def header_nowait(self) -> Header | None:
         """The next header, validated, if its bytes are read ahead whole; else None (then `fill_nowait`)."""

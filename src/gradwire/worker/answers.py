@@ -1,5 +1,5 @@
 """The receiving half of a worker's link to a server (`ServerLink`, worker/link.py, inherits it), run by the link loop
-(worker/loop.py) whenever the socket has bytes: `on_readable` reads every frame that has arrived, without waiting,
+(transport/loop.py) whenever the socket has bytes: `on_readable` reads every frame that has arrived, without waiting,
 and applies it. ACKS (a batch of the server engine's acknowledgements: window places and credit freed, for the loop's
 next pass to fill), RESULT (a partition's sum, read straight into its key's seed copy or its output, then delivered
 and recorded; a held key's is held there: worker/holding.py), EVERYONE (every worker has these held sums: their

@@ -24,7 +24,7 @@ class Credit:
     waited PACE_GIVE_UP_SECONDS goes anyway (its link asks with `paced=False`: worker/pushes.py), so no order of events
     can hang on it.
 
-    Nothing here waits: `take` says whether the bytes may go now, and the link loop (worker/loop.py) asks again after
+    Nothing here waits: `take` says whether the bytes may go now, and the link loop (transport/loop.py) asks again after
     the next event. Thread-safe: the loop takes and gives back; a failover or a closing link gives back from others.
     """
 

@@ -27,7 +27,7 @@ from gradwire.worker.work import Seed, Work
 
 class Holds:
     """One link's held partitions: answered, waiting for every worker to have their sums. Guarded by the link's lock;
-    filled and emptied on the link loop (worker/loop.py), whose next pass over the link sends the receipts."""
+    filled and emptied on the link loop (transport/loop.py), whose next pass over the link sends the receipts."""
 
     def __init__(self, lock: threading.Lock, server: int) -> None:
         self._lock = lock

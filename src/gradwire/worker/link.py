@@ -1,5 +1,5 @@
 """A worker's link to one server: one full-duplex connection, both of whose directions the worker's link loop moves
-(worker/loop.py: one thread for all of a worker's links).
+(transport/loop.py: one thread for all of a worker's links).
 
 The link pushes the next partitions that flow control lets go (worker/flow.py: priority, the window, the cap, the
 job-wide order) once the worker's credit (bytes in flight over all servers, and pacing: worker/credit.py) allows
@@ -28,11 +28,11 @@ from gradwire.admin.metrics import Metrics
 from gradwire.admin.timeline import Timeline
 from gradwire.errors import GradwireError, JobAborted, LocalProtocolError
 from gradwire.transport import shm, tcp
+from gradwire.transport.loop import LinkLoop
 from gradwire.worker.answers import Answers
 from gradwire.worker.credit import Credit
 from gradwire.worker.flow import Flow
 from gradwire.worker.holding import Holds, release
-from gradwire.worker.loop import LinkLoop
 from gradwire.worker.pushes import Pushes
 from gradwire.worker.work import Seed, Work
 

@@ -1,5 +1,5 @@
 """The sending half of a worker's link to a server (`ServerLink`, worker/link.py, inherits it), run by the link loop
-(worker/loop.py) after every pass: `pump` pushes what flow control lets go (worker/flow.py) and credit allows
+(transport/loop.py) after every pass: `pump` pushes what flow control lets go (worker/flow.py) and credit allows
 (worker/credit.py), several small partitions to one send, and says whether the socket left bytes to send later.
 
 A batch is the partitions flow control lets go together, within SEND_BATCH_BYTES and SEND_BATCH_FRAMES: small

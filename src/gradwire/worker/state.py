@@ -13,10 +13,10 @@ from gradwire.admin.timeline import Timeline
 from gradwire.config import Config
 from gradwire.errors import ConfigError, JobAborted, MembershipChanged
 from gradwire.protocol.messages import AddressBook
+from gradwire.transport.loop import LinkLoop
 from gradwire.tuning import Tuning
 from gradwire.worker.credit import Credit
 from gradwire.worker.link import ServerLink
-from gradwire.worker.loop import LinkLoop
 from gradwire.worker.lost_link import LostLink
 
 SHUTDOWN_JOIN_SECONDS = 5.0  # how long a closing worker waits for each of its threads

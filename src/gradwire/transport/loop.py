@@ -1,20 +1,23 @@
-"""The link loop: one thread that moves every frame of a worker's links to its servers, both ways.
+"""The link loop: one thread that moves the frames of all of a process's links, both ways: a worker's links to its
+servers (worker/link.py) and a server's links to its workers (server/reader.py's `Incoming`).
 
 Why one thread: a partition's cost on the data path was its threads', not its bookkeeping's. With a sender and a
 receiver thread per link, every small partition took a wake-up of a sender by a receiver and a pass of the GIL
 between nine threads (docs/benchmarks.md, "The floor": one condition and wake-up per partition between two threads
 doubled the cost of a bare Python worker, 2.84x of its 4 MiB cost per GB at 32 KiB against 1.65x with one thread).
 Here one thread waits on every link's socket at once (`selectors`: epoll), reads whatever arrived on each without
-waiting (the link's `on_readable`), and then lets each link push what its acknowledgements, flow control and credit
-now allow (`pump`), so the receiver of an acknowledgement sends the next push itself. Sockets stay blocking for
-everything else; the loop's receives and sends pass MSG_DONTWAIT.
+waiting (the link's `on_readable`), and then lets each link that may act do so (`pump`: a worker's link pushes what
+its acknowledgements, flow control and credit now allow, so the receiver of an acknowledgement sends the next push
+itself; a server's link takes up a frame that waited for a ring slot, or gives up on one cut off too long). Sockets
+stay blocking for everything else; the loop's receives and sends pass MSG_DONTWAIT.
 
-Other threads (a call's submit, a re-tune, a failover, shutdown) change a link's state under the link's lock and
-`wake` the loop: one byte on a socket pair, written only when no wake-up is pending, so a burst of submits costs one.
-Only the loop thread touches the selector: a link joins it by `add` and leaves by `remove`, both requests the loop
-carries out between its passes (at once when called from the loop itself, or when the loop is not running).
-Everything a link does on the loop must not block: a link's errors end that link (it closes or is lost), never the
-loop (STYLE.md: event loops never die silently; an unexpected error is logged with its link and fails that link).
+Other threads (a call's submit, a re-tune, a failover, an engine that freed ring slots, shutdown) change a link's state
+under the link's lock and `wake` the loop: one byte on a socket pair, written only when no wake-up is pending, so a
+burst of them costs one. Only the loop thread touches the selector: a link joins it by `add` and leaves by `remove`,
+both requests the loop carries out between its passes (at once when called from the loop itself, or when the loop is
+not running). Everything a link does on the loop must not block: a link's errors end that link (it closes or is
+lost), never the loop (STYLE.md: event loops never die silently; an unexpected error is logged with its link and fails
+that link alone).
 """
 
 from __future__ import annotations
@@ -29,11 +32,11 @@ from typing import Protocol
 
 import numpy as np
 
-log = logging.getLogger("gradwire.worker")
+log = logging.getLogger("gradwire.transport")
 
 
 class LoopLink(Protocol):
-    """What the loop needs of a link (worker/link.py's `ServerLink`)."""
+    """What the loop needs of a link (worker/link.py's `ServerLink`, server/reader.py's `Incoming`)."""
 
     def fileno(self) -> int: ...
 
@@ -55,7 +58,7 @@ class LoopLink(Protocol):
 
 
 class LinkLoop:
-    """One worker's link loop (module docstring). `add`, `remove`, `wake` and `stop` are thread-safe."""
+    """One process's link loop (module docstring). `add`, `remove`, `wake` and `stop` are thread-safe."""
 
     def __init__(self, name: str = "gw-links") -> None:
         self.name = name
@@ -63,6 +66,7 @@ class LinkLoop:
         self._waker: socket.socket | None = None
         self._wakee: socket.socket | None = None
         self._woken = False  # a wake-up byte is pending: another would add nothing
+        self._again = False  # woken from the loop's own thread: the next pass does not wait
         self._lock = threading.Lock()
         self._requests: list[tuple[Callable[[], None], threading.Event]] = []
         self._links: dict[LoopLink, bool] = {}  # link -> whether it waits to write
@@ -71,6 +75,13 @@ class LinkLoop:
         self._accepting = False  # the thread runs and takes requests
         self._stopping = False
         self.passes = 0  # the loop's passes, for tests and the curious
+        # run at the end of every pass (a server's engine runs inline: server/engine.py `handle_published`)
+        self.after_pass: Callable[[], None] | None = None
+
+    @property
+    def alive(self) -> bool:
+        """Whether the loop's thread runs."""
+        return self._thread is not None and self._thread.is_alive()
 
     def on_loop(self) -> bool:
         """Whether the calling thread is the loop's."""
@@ -99,7 +110,11 @@ class LinkLoop:
             self._thread.join(timeout)
 
     def wake(self) -> None:
-        """Have the loop pass over every link again soon (something changed that may let one push)."""
+        """Have the loop pass over every link again soon (something changed that may let one push). On the loop's own
+        thread no byte is needed: its next wait returns at once."""
+        if self.on_loop():
+            self._again = True
+            return
         if not self._woken and self._waker is not None:
             self._woken = True
             try:
@@ -178,7 +193,9 @@ class LinkLoop:
     def _pass(self) -> None:
         """Wait for a socket, a wake-up or the earliest link's time; read what came; let every link push."""
         assert self._selector is not None and self._wakee is not None
-        events = self._selector.select(self._timeout())
+        timeout = 0.0 if self._again else self._timeout()
+        self._again = False
+        events = self._selector.select(timeout)
         self.passes += 1
         for key, _ in events:
             if key.data is None:
@@ -207,6 +224,8 @@ class LinkLoop:
                 self._links[link] = bool(wants)
                 events_wanted = selectors.EVENT_READ | (selectors.EVENT_WRITE if wants else 0)
                 self._selector.modify(self._fds[link], events_wanted, link)
+        if self.after_pass is not None:
+            self.after_pass()
 
     def _guarded(self, link: LoopLink, action: Callable[..., bool | None], *args: float) -> bool | None:
         """`action(*args)`; an exception that escaped the link's own handlers is logged and fails that link alone."""
