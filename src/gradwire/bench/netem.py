@@ -1,8 +1,9 @@
 """`gradwire bench --netem`: gradwire push_pull against gloo's ring all_reduce across emulated links.
 
 For each configuration both systems run in the same emulated cluster, one after the other, with the same sizes.
-Each measurement is reported beside its theoretical bound (topology.py) and the CPU use of the whole machine
-during the job, so that a result limited by this machine's two cores rather than by the links is visible.
+Each measurement is reported beside its theoretical bound (topology.py) and the CPU use of the job's processes, over
+the whole job and over the timed calls alone, so that a result limited by this machine's two cores rather than by
+the links is visible.
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 
+from gradwire.bench.runner import CpuSampler
 from gradwire.netem import EmulatedCluster, Topology, links, parse_rate
 from gradwire.netem.jobs import start_gloo, start_gradwire
 from gradwire.netem.links import LinkSampler
@@ -47,6 +50,7 @@ class Record:
     placement: str = ""  # GRADWIRE_PLACEMENT of the gradwire job
     links_busy: dict[str, float] = field(default_factory=dict)  # with --links: mean use per kind of link (links.py)
     per_host: int = 1  # workers per worker host, sharing its link
+    calls_cpu_utilization: float | None = None  # the same over the timed calls alone (`timed_calls`)
 
     @property
     def layout(self) -> str:
@@ -75,13 +79,49 @@ def _worker_argv(system: str, sizes: list[int], repeats: int, warmup: int) -> li
 
 
 def timed(job_start, timeout: float) -> tuple[list[dict], float]:
+    """Run a job: rank 0's rows, and the CPU use of the job's processes over (its wall time x cores)."""
+    rows, whole, _ = timed_calls(job_start, timeout)
+    return rows, whole
+
+
+def timed_calls(job_start, timeout: float) -> tuple[list[dict], float, float | None]:
+    """`timed`, and the CPU use over the timed calls alone: the workers' own CPU in their timed calls (their CPU
+    lines, bench/workers.py) and the job's other processes' (servers, scheduler; sampled from /proc) over the same
+    span, per size, over (the spans x cores); None where the workers print no CPU lines. The whole job's figure
+    includes each process's start (imports, rendezvous) and warm-up; this one is the data path's."""
     before, t0 = os.times(), time.monotonic()
     job = job_start()
-    outputs = job.wait(timeout)
+    sampler, stop = CpuSampler([p.pid for p in job.services]), threading.Event()
+    thread = threading.Thread(target=_sample, args=(sampler, stop), name="cpu-sampler", daemon=True)
+    thread.start()
+    try:
+        outputs = job.wait(timeout)
+    finally:
+        stop.set()
+        thread.join()
     after, wall = os.times(), time.monotonic() - t0
     cpu = (after.children_user - before.children_user) + (after.children_system - before.children_system)
     rows = [json.loads(line) for line in outputs[0].splitlines() if line.startswith("{")]
-    return rows, cpu / (wall * (os.cpu_count() or 1))
+    lines = [json.loads(line[4:]) for out in outputs for line in out.splitlines() if line.startswith("CPU ")]
+    cores = os.cpu_count() or 1
+    return rows, cpu / (wall * cores), _calls_cpu(lines, sampler, cores)
+
+
+def _sample(sampler: CpuSampler, stop: threading.Event) -> None:
+    while not stop.wait(0.05):
+        sampler.sample()
+
+
+def _calls_cpu(lines: list[dict], sampler: CpuSampler, cores: int) -> float | None:
+    if not lines:
+        return None
+    spent = spans = 0.0
+    for size in {line["bytes"] for line in lines}:
+        mine = [line for line in lines if line["bytes"] == size]
+        start, end = min(line["start"] for line in mine), max(line["end"] for line in mine)
+        spent += sum(line["cpu"] for line in mine) + sampler.between(start, end)
+        spans += end - start
+    return spent / (spans * cores) if spans > 0 else None
 
 
 def run_config(
@@ -101,7 +141,9 @@ def run_config(
             argv = _worker_argv(system, sizes, repeats, warmup)
             sampler = LinkSampler(cluster).start() if links_dir else None
             try:
-                rows, cpu = timed(lambda start=start, argv=argv: start(cluster, argv, os.environ | env), timeout)
+                rows, cpu, calls_cpu = timed_calls(
+                    lambda start=start, argv=argv: start(cluster, argv, os.environ | env), timeout
+                )
             finally:
                 if sampler is not None:
                     sampler.stop()
@@ -126,6 +168,7 @@ def run_config(
                         env.get("GRADWIRE_PLACEMENT", "model") if system == "gradwire" else "",
                         busy,
                         topo.per_host,
+                        calls_cpu,
                     )
                 )
     return records
@@ -162,7 +205,7 @@ def table(configs: list[list[Record]]) -> str:
     """Markdown: per configuration and size, both systems' time, bound and ratio, and gloo's time over ours."""
     lines = [
         "| n | k | worker / server rate | partition, window | size | gradwire s | x its bound | gloo s | x its bound "
-        "| gloo / gradwire | CPU use (gradwire, gloo) |",
+        "| gloo / gradwire | CPU use (gradwire, gloo): whole job; timed calls |",
         "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for records in configs:
@@ -177,9 +220,14 @@ def table(configs: list[list[Record]]) -> str:
                 f"| {r.partition_bytes // 1024} KiB, {r.window} | {r.bytes / MiB:g} MiB "
                 f"| {r.seconds_median:.2f} | {r.ratio_to_bound:.2f} "
                 f"| {g.seconds_median:.2f} | {g.ratio_to_bound:.2f} | {g.seconds_median / r.seconds_median:.2f}x "
-                f"| {r.cpu_utilization:.0%}, {g.cpu_utilization:.0%} |"
+                f"| {r.cpu_utilization:.0%}, {g.cpu_utilization:.0%}; {_pct(r.calls_cpu_utilization)}, "
+                f"{_pct(g.calls_cpu_utilization)} |"
             )
     return "\n".join(lines)
+
+
+def _pct(share: float | None) -> str:
+    return "?" if share is None else f"{share:.0%}"
 
 
 def plot(records: list[Record], path: str) -> None:
