@@ -40,6 +40,41 @@ def test_full_ring_is_backpressure():
     assert ring.claim(timeout=1) == 2
 
 
+def test_a_full_ring_says_no_without_waiting_and_tells_once_it_has_room():
+    """`try_claim` is for the server's link loop, which must never block: None while full, and `on_space` called at
+    the next release (once), so the loop takes the waiting push up again; `close` calls it too (the retry then raises)."""
+    ring = Ring(2, 8)
+    told = []
+    ring.on_space = lambda: told.append(ring.occupancy)
+    a, b = ring.try_claim(), ring.try_claim()
+    assert (a, b) == (0, 1)
+    ring.release(-1)
+    assert told == []  # nobody found it full yet: no call per release
+    assert ring.try_claim() is None
+    ring.publish(a)
+    ring.publish(b)
+    assert ring.cursor == 1  # read without waiting
+    ring.release(0)
+    assert told == [1] and ring.try_claim() == 2
+    ring.release(1)
+    assert told == [1]
+    assert ring.try_claim() == 3 and ring.try_claim() is None
+    ring.close()
+    assert len(told) == 2
+    with pytest.raises(RingClosed):
+        ring.try_claim()
+
+
+def test_a_publish_tells_a_consumer_that_does_not_wait():
+    ring = Ring(4, 8)
+    published = []
+    ring.on_publish = lambda: published.append(ring.cursor)
+    a, b = ring.claim(), ring.claim()
+    ring.publish(b)
+    ring.publish(a)
+    assert published == [-1, 1]  # told after each publish; the cursor moves only over a contiguous prefix
+
+
 def test_consumer_sees_only_a_contiguous_prefix():
     ring = Ring(4, 8)
     a, b = ring.claim(), ring.claim()

@@ -56,6 +56,7 @@ from gradwire.protocol.frames import AVERAGED, DEPARTED_EVENT, HELD, JOIN_EVENT,
 from gradwire.ring import Ring, RingClosed, Slot
 from gradwire.server import ops
 from gradwire.server.landing import Landing
+from gradwire.server.membership import Membership, ranks_of
 from gradwire.server.receipts import Receipts
 from gradwire.server.rounds import Ack, Batching, Fail, FailRank, Forward, KeyOp, KeyState, Reply, Round
 from gradwire.server.seeding import Seeding
@@ -65,7 +66,7 @@ from gradwire.transport.shm import NO_SLOT
 log = logging.getLogger("gradwire.server")
 
 
-class Engine(Landing, Seeding):
+class Engine(Landing, Seeding, Membership):
     """Sums the keys of one ring. Thread-safety: only the engine's own thread touches key state."""
 
     def __init__(
@@ -284,7 +285,7 @@ class Engine(Landing, Seeding):
         r.virtual = 0
         if self.joined & state.everyone and not state.op.reduction:
             raise TensorMismatch(
-                f"{state.name!r}: worker(s) {_ranks(self.joined & state.everyone)} have joined (hvd.join): only "
+                f"{state.name!r}: worker(s) {ranks_of(self.joined & state.everyone)} have joined (hvd.join): only "
                 "allreduce goes on without them (their contributions count as zeros)"
             )
 
@@ -324,65 +325,6 @@ class Engine(Landing, Seeding):
             dtypes.narrow(state.dtype, r.acc, r.out)
         state.op.answer(self, state, key, code, r, state.everyone & ~r.virtual)
 
-    def set_joined(self, mask: int) -> None:
-        """Workers in `mask` have joined (hvd.join: out of data): the rounds of sums go on with zeros in their place,
-        those begun already included. Runs on the engine's thread (a ring event), in order with the pushes."""
-        self.joined = mask
-        if not mask:
-            return
-        for key, state in list(self.keys.items()):
-            if not state.op.reduction:
-                continue
-            for r in state.rounds:
-                if state.unfinished(r) and not r.seeded:
-                    self._join_in(state, r)
-                    if r.count == state.need:
-                        self._complete(state, key, state.dtype.code, r)
-
-    def set_departed(self, mask: int) -> None:
-        """Workers in `mask` have left the job (shutdown()) while others go on: a round that needs a push of theirs
-        can never complete, so every worker that pushed it is told at once, and so is every later pusher (instead of a
-        wait until the timeout). Runs on the engine's thread (a ring event), in order with the pushes."""
-        self.departed = mask
-        if self.receipts is not None:
-            self.receipts.depart(mask)  # nobody waits for them to have a held round
-        for key, state in list(self.keys.items()):
-            for r in state.rounds:
-                if state.unfinished(r) and not r.seeded:
-                    self._fail_departed(state, key, r)
-
-    def _fail_departed(self, state: KeyState, key: int, r: Round) -> bool:
-        """Fail round `r` where a worker that has left owes a push to it; True if it did."""
-        missing = self.departed & state.everyone & ~r.pushed & ~self.joined
-        if not missing:
-            return False
-        who = ", ".join(map(str, _ranks(missing)))
-        message = (
-            f"worker {who} left the job (shutdown(), or its process ended) before pushing round {r.number} of "
-            f"{state.name!r}, which can never complete: every worker must make the same calls before it shuts down"
-        )
-        pushers = [rank for rank in state.members if r.pushed >> rank & 1 and not r.virtual >> rank & 1]
-        r.fail(state.first)
-        for rank in pushers:
-            if self._fail_rank is not None:
-                self._fail_rank(rank, key, message)
-        return True
-
-    def _join_in(self, state: KeyState, r: Round) -> None:
-        """Zeros for every joined member that has not pushed round `r`."""
-        missing = self.joined & state.everyone & ~r.pushed
-        if not missing or not state.op.reduction:
-            return
-        zeros = self._zeros.get((state.dtype.code, state.length))
-        if zeros is None:  # one per dtype and size, never written
-            zeros = self._zeros[(state.dtype.code, state.length)] = np.zeros(
-                state.length // state.dtype.itemsize, state.dtype.wire
-            )
-        for rank in state.members:
-            if missing >> rank & 1:
-                self._contribute(state, r, rank, zeros, False)
-                r.virtual |= 1 << rank
-
     def answer_round(self, key: int, code: int, r: Round, ranks: int, sent: Callable[[], None] | None = None) -> None:
         """Send the result of round `r` to `ranks`: all of it, or each rank its slice (`sent`: Reply's). A held
         round's receipts are waited for from them (server/receipts.py)."""
@@ -402,7 +344,3 @@ class Engine(Landing, Seeding):
     ) -> None:
         """Send `payload` to `ranks` (from any thread: the repliers' queues are thread-safe)."""
         self._reply(key, rnd, code, payload, pulls, ranks, sent)
-
-
-def _ranks(mask: int) -> list[int]:
-    return [r for r in range(mask.bit_length()) if mask >> r & 1]

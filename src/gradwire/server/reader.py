@@ -27,6 +27,7 @@ from gradwire.ring import Ring, RingClosed, Slot
 from gradwire.server.replier import ErrorReply, WorkerLink
 from gradwire.server.state import ServerState
 from gradwire.transport import endpoints, shm, tcp
+from gradwire.transport.payload import Payload
 
 log = logging.getLogger("gradwire.server")
 
@@ -58,9 +59,8 @@ class Incoming:
         self.link, self.conn = link, link.conn
         self._reader = reader
         self._on_closed = on_closed
-        self.into: memoryview | None = None  # where the payload being received goes
-        self.got = 0  # its bytes in so far
-        self.then: Callable[[Incoming], None] | None = None  # what to do once it is all in
+        self.payload = Payload()  # the frame's payload being received, if any
+        self.push_in = lambda: reader.pushed(self)  # what follows a push's payload
         self.claimed: tuple[Ring, int, Slot, frames.Header] | None = None  # the ring slot a push is received for
         self.waiting: frames.Header | None = None  # a push whose engine's ring was full, taken up once it has room
         self.deadline: float | None = None  # a frame begun must go on arriving by then (GRADWIRE_FRAME_TIMEOUT)
@@ -147,13 +147,9 @@ class Reader:
         conn = incoming.conn
         conn.drained = False  # the socket is readable
         while not incoming.ended:
-            if incoming.into is not None:
-                incoming.got = conn.recv_into_nowait(incoming.into, incoming.got)
-                if incoming.got < len(incoming.into):
+            if incoming.payload.pending:
+                if not incoming.payload.resume(conn):
                     break
-                then, incoming.into, incoming.then = incoming.then, None, None
-                assert then is not None
-                then(incoming)
                 continue
             header, incoming.waiting = incoming.waiting or conn.header_nowait(), None
             if header is None:
@@ -163,7 +159,7 @@ class Reader:
             if not self._on_frame(incoming, header):
                 incoming.waiting = header  # its ring is full
                 break
-        begun = incoming.into is not None or (incoming.waiting is None and conn.read_ahead > 0)
+        begun = incoming.payload.pending or (incoming.waiting is None and conn.read_ahead > 0)
         incoming.deadline = time.monotonic() + self.state.config.frame_timeout if begun else None
 
     def _on_frame(self, incoming: Incoming, header: frames.Header) -> bool:
@@ -211,7 +207,7 @@ class Reader:
         if in_shm:  # the payload already lies in the worker's push slot: the engine sums from there
             assert link.arena is not None
             slot.data, slot.pull = link.arena.push_slot(push, header.length), pull
-            self._pushed(incoming)
+            self.pushed(incoming)
             return True
         # a seed or a replay may be stale (dropped by the engine): never into a staging buffer in use
         resent = header.flags & (SEED | REPLAY)
@@ -219,10 +215,10 @@ class Reader:
         slot.landed = landing is not None
         into = landing[: header.length] if landing is not None else slot.array[: header.length]
         slot.data, slot.pull = into, shm.NO_SLOT
-        self._receive(incoming, into, self._pushed)
+        incoming.payload.expect(into, incoming.push_in)
         return True
 
-    def _pushed(self, incoming: Incoming) -> None:
+    def pushed(self, incoming: Incoming) -> None:
         """A push's payload is in whole: its slot goes to the engine."""
         assert incoming.claimed is not None
         ring, seq, slot, header = incoming.claimed
@@ -231,23 +227,16 @@ class Reader:
         self.state.metrics.pushed(header.length)
         publish(ring, seq, slot, incoming.conn, header, header.sender)
 
-    def _receive(self, incoming: Incoming, into: np.ndarray, then: Callable[[Incoming], None]) -> None:
-        """Receive the frame's payload into `into` (as it arrives), then `then(incoming)`."""
-        if not len(into):
-            then(incoming)
-            return
-        incoming.into, incoming.got, incoming.then = memoryview(into).cast("B"), 0, then
-
     def _body(self, incoming: Incoming, header: frames.Header, then: Callable[[bytes], None]) -> None:
         """Receive a control frame's body (its length was checked with its header), then `then(body)`."""
         body = np.empty(header.length, np.uint8)
-        self._receive(incoming, body, lambda _: then(body.tobytes()))
+        incoming.payload.expect(body, lambda: then(body.tobytes()))
 
     def _discard(self, incoming: Incoming, length: int) -> None:
         """Receive and drop a refused payload, a scratch buffer at a time."""
         chunk = min(length, len(self._scratch))
         rest = length - chunk
-        self._receive(incoming, self._scratch[:chunk], lambda _: self._discard(incoming, rest) if rest else None)
+        incoming.payload.expect(self._scratch[:chunk], lambda: self._discard(incoming, rest) if rest else None)
 
     def _received(self, conn: tcp.Connection, header: frames.Header, body: bytes) -> None:
         if header.sender != conn.peer_rank or header.epoch != self.state.epoch or self.state.receipts is None:

@@ -4,7 +4,7 @@ and applies it. ACKS (a batch of the server engine's acknowledgements: window pl
 next pass to fill), RESULT (a partition's sum, read straight into its key's seed copy or its output, then delivered
 and recorded; a held key's is held there: worker/holding.py), EVERYONE (every worker has these held sums: their
 partitions are done), ERROR (a tensor refused: its handle fails; or the job's abort). A frame whose payload has not
-all arrived is resumed on the next call where it stopped (`_into`, `_then`)."""
+all arrived is resumed on the next call where it stopped (transport/payload.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from gradwire.errors import GradwireError, LocalProtocolError, RemoteProtocolErr
 from gradwire.protocol import frames
 from gradwire.protocol.frames import FrameType
 from gradwire.transport import shm
+from gradwire.transport.payload import Payload
 from gradwire.worker.holding import release
 from gradwire.worker.link_state import LinkState
 from gradwire.worker.work import Seed, Work
@@ -29,9 +30,7 @@ class Answers(LinkState):
     """What the link loop does with what a link receives; the state is the link's (worker/link_state.py)."""
 
     def _init_answers(self) -> None:
-        self._into: memoryview | None = None  # where the payload being received goes
-        self._got = 0  # its bytes in so far
-        self._then: Callable[[], None] | None = None  # what to do once it is all in
+        self._payload = Payload()  # the frame's payload being received, if any
 
     def on_readable(self) -> None:
         """Read and apply every frame the socket holds now (module docstring)."""
@@ -47,13 +46,9 @@ class Answers(LinkState):
         conn = self.conn
         conn.drained = False  # the socket is readable
         while self._closed is None and self.lost is None:
-            if self._into is not None:
-                self._got = conn.recv_into_nowait(self._into, self._got)
-                if self._got < len(self._into):
+            if self._payload.pending:
+                if not self._payload.resume(conn):
                     return
-                then, self._into, self._then = self._then, None, None
-                assert then is not None
-                then()
                 continue
             header = conn.header_nowait()
             if header is None:
@@ -76,10 +71,7 @@ class Answers(LinkState):
 
     def _receive(self, into: np.ndarray, then: Callable[[], None]) -> None:
         """Receive the frame's payload into `into` (as it arrives), then `then()`."""
-        if not len(into):
-            then()
-            return
-        self._into, self._got, self._then = memoryview(into).cast("B"), 0, then
+        self._payload.expect(into, then)
 
     def _body(self, header: frames.Header, then: Callable[[bytes], None]) -> None:
         """Receive a control frame's body (its length was checked with its header), then `then(body)`."""
