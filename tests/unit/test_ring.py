@@ -42,7 +42,7 @@ def test_full_ring_is_backpressure():
 
 def test_a_full_ring_says_no_without_waiting_and_tells_once_it_has_room():
     """`try_claim` is for the server's link loop, which must never block: None while full, and `on_space` called at
-    the next release (once), so the loop takes the waiting push up again; `close` calls it too (the retry then raises)."""
+    the next release (once), so the loop takes the waiting push up again; `close` calls it too (a retry raises)."""
     ring = Ring(2, 8)
     told = []
     ring.on_space = lambda: told.append(ring.occupancy)

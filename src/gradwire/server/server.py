@@ -108,18 +108,7 @@ class Server:
             deadline=config.heartbeat_timeout,
             on_lost=self._replica_lost,
         )
-        for i in range(config.engines):
-            state.engines.append(self._engine(i))
-        for engine in state.engines:
-            engine.ring.on_space = state.loop.wake  # a push that found the ring full is taken up (reader.py)
-        if len(state.engines) == 1:  # the engine runs on the link loop, after each pass: no hand-off per partition
-            (engine,) = state.engines
-            engine.inline = True
-            engine.ring.on_publish = state.loop.wake  # a join event or a replica's update, published by another thread
-            state.loop.after_pass = engine.handle_published
-        else:
-            for engine in state.engines:
-                engine.start()
+        self._start_engines()
         state.loop.start()
         for listener in (self._listener, self._unix_listener):
             self._thread(endpoints.accept_forever, "accept", listener, self.state.done, self._serve, "gw-server-conn")
@@ -130,6 +119,22 @@ class Server:
         self._gauges()
         log.info("server %d%s serving on %s:%d", state.rank, " (standby)" * state.standby, config.host, self.port)
         return self
+
+    def _start_engines(self) -> None:
+        """One engine (the default) runs on the link loop, after each of its passes: a partition is never handed
+        between threads. More engines (GRADWIRE_ENGINES) run on threads of their own."""
+        state = self.state
+        state.engines.extend(self._engine(i) for i in range(self.config.engines))
+        for engine in state.engines:
+            engine.ring.on_space = state.loop.wake  # a push that found the ring full is taken up (reader.py)
+        if len(state.engines) == 1:
+            (engine,) = state.engines
+            engine.inline = True
+            engine.ring.on_publish = state.loop.wake  # a join event or a replica's update, published by another thread
+            state.loop.after_pass = engine.handle_published
+        else:
+            for engine in state.engines:
+                engine.start()
 
     @staticmethod
     def _thread(target, name: str, *args) -> None:
