@@ -52,7 +52,7 @@ import numpy as np
 
 from gradwire.errors import TensorError, TensorMismatch
 from gradwire.protocol import dtypes
-from gradwire.protocol.frames import AVERAGED, DEPARTED_EVENT, HELD, JOIN_EVENT, REPLAY, REPLICA, SEED
+from gradwire.protocol.frames import AVERAGED, HELD, JOIN_EVENT, REPLAY, REPLICA, SEED
 from gradwire.ring import Ring, RingClosed, Slot
 from gradwire.server import ops
 from gradwire.server.landing import Landing
@@ -227,10 +227,7 @@ class Engine(Landing, Seeding, Membership):
     def on_event(self, slot: Slot) -> None:
         """Add one contribution (or take a seed); publish the sum when the round is complete."""
         if slot.flags & JOIN_EVENT:
-            if slot.flags & DEPARTED_EVENT:
-                self.set_departed(slot.key)
-            else:
-                self.set_joined(slot.key)
+            self.on_membership(slot)
             return
         state = self.keys.get(slot.key)
         if state is None or not state.fits(slot.dtype, slot.length):  # readers check first

@@ -10,6 +10,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from gradwire.protocol.frames import DEPARTED_EVENT
+from gradwire.ring import Slot
 from gradwire.server.receipts import Receipts
 from gradwire.server.round import Round
 from gradwire.server.rounds import FailRank, KeyState
@@ -26,6 +28,14 @@ class Membership:
     _zeros: dict[tuple[int, int], np.ndarray]
     _contribute: Callable[..., None]
     _complete: Callable[..., None]
+
+    def on_membership(self, slot: Slot) -> None:
+        """A ring event from the scheduler (server/control.py): the workers in `slot.key`'s mask have joined, or (flag
+        DEPARTED_EVENT) have left."""
+        if slot.flags & DEPARTED_EVENT:
+            self.set_departed(slot.key)
+        else:
+            self.set_joined(slot.key)
 
     def set_joined(self, mask: int) -> None:
         """Workers in `mask` have joined (hvd.join: out of data): the rounds of sums go on with zeros in their place,
