@@ -95,24 +95,24 @@ class Ring:
                 lambda: self._closed or self._next - self._released <= self.capacity, timeout
             ):
                 raise GradwireTimeout(f"ring full for {timeout}s: the engine is not keeping up")
-            if self._closed:
-                raise RingClosed("ring closed")
-            seq = self._next
-            self._next += 1
-            return seq
+            return self._next_locked()
 
     def try_claim(self) -> int | None:
         """Claim the next sequence, or None while the ring is full (for a thread that must not block: the server's
         link loop). After a None, `on_space` (if set) is called once slots are released."""
         with self._lock:
-            if self._closed:
-                raise RingClosed("ring closed")
-            if self._next - self._released > self.capacity:
+            if not self._closed and self._next - self._released > self.capacity:
                 self._space_wanted = True
                 return None
-            seq = self._next
-            self._next += 1
-            return seq
+            return self._next_locked()
+
+    def _next_locked(self) -> int:
+        """(Holding the lock, with room.) The next sequence, claimed; RingClosed once closed."""
+        if self._closed:
+            raise RingClosed("ring closed")
+        seq = self._next
+        self._next += 1
+        return seq
 
     def slot(self, seq: int) -> Slot:
         """The slot a claimed or published sequence maps to."""
