@@ -125,7 +125,7 @@ def _answer_one_then_die(cluster: LocalCluster, killed: threading.Event, after: 
     worker 0 only, then dies (`killed` is set once it is dead); the other workers wait for that round."""
     victim = cluster.servers[0]
     seen = {"rounds": 0}
-    original = victim._queue_reply
+    original = victim.outgoing.reply
 
     def queue_reply(key, rnd, dtype, payload, pulls, ranks, sent=None, flags=0):
         if sliced and not isinstance(payload, list):
@@ -140,7 +140,6 @@ def _answer_one_then_die(cluster: LocalCluster, killed: threading.Event, after: 
         time.sleep(0.05)
         threading.Thread(target=lambda: (cluster.kill_server(0), killed.set()), daemon=True).start()
 
-    victim._queue_reply = queue_reply
     for engine in victim.engines:
         engine._reply = queue_reply
 

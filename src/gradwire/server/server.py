@@ -16,24 +16,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 
 from gradwire.admin.node import NodeAdmin
 from gradwire.admin.stalls import watch_stalls
 from gradwire.config import Config
 from gradwire.errors import GradwireError, RemoteProtocolError
 from gradwire.protocol import messages
-from gradwire.protocol.frames import FrameType
-from gradwire.ring import Ring, Slot
+from gradwire.ring import Ring
 from gradwire.scheduler.client import join
 from gradwire.server import compressed, optim
 from gradwire.server.control import ServerControl
 from gradwire.server.engine import Engine
+from gradwire.server.outgoing import Outgoing
 from gradwire.server.reader import Incoming, Reader
 from gradwire.server.receipts import Receipts
 from gradwire.server.replica import Replicas
-from gradwire.server.replier import AckReply, ErrorReply, EveryoneReply, HeldReplies, ResultReply, WorkerLink
-from gradwire.server.staging import Countdown
+from gradwire.server.replier import WorkerLink
 from gradwire.server.state import ServerState
 from gradwire.throttle import HandshakeGate
 from gradwire.transport import endpoints, tcp
@@ -56,8 +54,8 @@ class Server:
         self.state = state = ServerState(config)
         self.reader = Reader(state)
         self.control = ServerControl(state)
-        self._held = HeldReplies()  # the engines' replies, held over each batch of their rings
-        state.receipts = Receipts(self._notify_everyone)
+        self.outgoing = Outgoing(state)  # what the engines send the workers
+        state.receipts = Receipts(self.outgoing.everyone)
         self._listener = endpoints.listen(config.host, 0)
         self.port = self._listener.getsockname()[1]
         self._unix_listener, self.unix_name = endpoints.listen_unix()
@@ -148,13 +146,13 @@ class Server:
             index,
             ring,
             state.num_workers,
-            self._queue_reply,
-            self._fail,
-            self._queue_ack,
-            fail_rank=self._fail_rank,
+            self.outgoing.reply,
+            self.outgoing.fail,
+            self.outgoing.ack,
+            fail_rank=self.outgoing.fail_rank,
             deterministic=self.config.deterministic,
             forward=state.replicas.forward,
-            batching=self._held,
+            batching=self.outgoing.held,
             receipts=state.receipts,
         )
 
@@ -332,62 +330,6 @@ class Server:
             return None
         finally:
             self._gate.leave()
-
-    # -- the engines' outbox: replies to the workers ---------------------------------------------
-
-    def _queue_reply(
-        self,
-        key: int,
-        rnd: int,
-        dtype: int,
-        payload: memoryview | list[memoryview],
-        pulls: list[int],
-        ranks: int,
-        sent: Callable[[], None] | None = None,
-        flags: int = 0,
-    ) -> None:
-        state = self.state
-        if ranks == state.everyone:
-            state.metrics.round_done()
-        sliced = isinstance(payload, list)
-        links, held = state.links, self._held
-        to = [(rank, link) for rank in range(state.num_workers) if ranks >> rank & 1 and (link := links.get(rank))]
-        countdown = Countdown(len(to), sent) if sent is not None and to else None
-        for rank, link in to:
-            item = ResultReply(key, rnd, dtype, payload[rank] if sliced else payload, pulls[rank], countdown, flags)
-            held.reply(link, item)
-
-    def _notify_everyone(self, rank: int, pairs: list[tuple[int, int]]) -> None:
-        """Every worker answered has the sums of these held rounds (server/receipts.py): tell worker `rank`, behind
-        the replies already held or queued for it."""
-        link = self.state.links.get(rank)
-        if link is not None:
-            for key, rnd in pairs:
-                link.hold(EveryoneReply(key, rnd))
-            link.flush()
-
-    def _queue_ack(self, rank: int, key: int, rnd: int) -> None:
-        link = self.state.links.get(rank)
-        if link is not None:
-            self._held.reply(link, AckReply(key, rnd))
-
-    def _fail(self, slot: Slot, message: str) -> None:
-        conn = slot.conn
-        link = self.state.links.get(slot.sender)
-        if link is not None and link.conn is conn:  # behind the replies to that worker held or queued (its ACKs)
-            link.reply(ErrorReply(slot.key, message))
-        elif isinstance(conn, tcp.Connection):
-            try:
-                conn.send_json(FrameType.ERROR, {"message": message}, key=slot.key)
-            except GradwireError:
-                pass
-
-    def _fail_rank(self, rank: int, key: int, message: str) -> None:
-        """An ERROR for `key` to worker `rank` (a round that can never complete: engine.set_departed), behind the
-        replies already queued for it (its ACK for that key among them)."""
-        link = self.state.links.get(rank)
-        if link is not None:
-            self._held.reply(link, ErrorReply(key, message))
 
     # -- stalls and the scheduler ----------------------------------------------------------------
 
