@@ -67,23 +67,25 @@ from .delay_compensation import dc_adam_, delay_compensation_
 from .exchange import (
     allgather,
     allgather_async,
-    alltoall,
-    alltoall_async,
     broadcast,
     broadcast_,
     broadcast_async,
     broadcast_async_,
     grouped_allgather,
     grouped_allgather_async,
-    grouped_reducescatter,
-    grouped_reducescatter_async,
-    reducescatter,
-    reducescatter_async,
     sparse_allreduce_async,
 )
 from .hook import PushPullHookState, push_pull_hook
 from .objects import allgather_object, broadcast_object
 from .optimizer import DistributedOptimizer
+from .scatter import (
+    alltoall,
+    alltoall_async,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
+    reducescatter,
+    reducescatter_async,
+)
 from .server_optimizer import ServerOptimizer
 from .sync_batch_norm import SyncBatchNorm
 
