@@ -187,6 +187,11 @@ class Config:
                 f"(GRADWIRE_PARTITION_BYTES={self.partition_bytes})"
             )
         self._check_scheduler()
+        self._check_wire()
+        self._check_membership()
+
+    def _check_wire(self) -> None:
+        """What travels and how: compression, the failover copies, the transport."""
         if self.compressor not in ("", "none", "onebit", "topk", "randomk", "dithering", "powersgd"):
             raise ConfigError(
                 "GRADWIRE_COMPRESSOR must be onebit, topk, randomk, dithering, powersgd or empty, "
@@ -197,6 +202,9 @@ class Config:
                 raise ConfigError(f"GRADWIRE_{name.upper()} must be >= 0, got {getattr(self, name)}")
         if self.transport not in ("auto", "unix", "tcp"):
             raise ConfigError(f"GRADWIRE_TRANSPORT must be auto, unix or tcp, got {self.transport!r}")
+
+    def _check_membership(self) -> None:
+        """Who may join (elastic bounds, standby servers), where servers go, and how long anything may wait."""
         if self.min_workers < 0 or self.min_workers > self.num_workers:
             raise ConfigError(
                 f"GRADWIRE_MIN_WORKERS={self.min_workers} must lie in [0, GRADWIRE_NUM_WORKERS={self.num_workers}]"

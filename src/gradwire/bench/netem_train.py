@@ -11,6 +11,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 from gradwire.bench.netem import timed
 from gradwire.errors import GradwireError
@@ -58,21 +59,7 @@ def run_train_config(
     results = []
     with EmulatedCluster(topo) as cluster:
         for way in DRIFT_WAYS if drift else ways:
-            timed_from = warmup + settle
-            trained = way if way in COMPRESSION_WAYS else way.split("-")[0]  # (the drift ways differ by settings)
-            module = "gradwire.bench.train_keras" if way in KERAS_WAYS else "gradwire.bench.train"
-            argv = [sys.executable, "-m", module, trained, str(steps), str(timed_from)]
-            if way == "mwms":
-                start = start_tf_ring
-                job_env = os.environ | env
-            elif way.startswith("ddp"):
-                start = start_gloo
-                job_env = os.environ | env
-            else:
-                start = start_gradwire
-                job_env = os.environ | env | {"GLOO_SOCKET_IFNAME": "eth0"}
-                if way.endswith("-fixed"):
-                    job_env |= {"GRADWIRE_ADAPT": "0"}
+            start, argv, job_env = _way_job(way, steps, warmup + settle, env)
             progress, rate = None, f"{drift[0]} -> {drift[1]}" if drift else topo.worker_rate
             if drift and way.endswith("-rendezvous"):
                 cluster.reshape(drift[1])
@@ -103,6 +90,22 @@ def run_train_config(
         r["x_ddp_samples_per_s"] = r["samples_per_s"] / ddp["samples_per_s"]  # over the peer's (MWMS for Keras)
         r["peer"] = ddp["way"]
     return results
+
+
+def _way_job(way: str, steps: int, timed_from: int, env: dict[str, str]) -> tuple[Callable, list[str], dict[str, str]]:
+    """How to start one way's training job: the job starter (gradwire's, gloo's or TensorFlow's ring), the workers'
+    command line and their environment."""
+    trained = way if way in COMPRESSION_WAYS else way.split("-")[0]  # (the drift ways differ by settings)
+    module = "gradwire.bench.train_keras" if way in KERAS_WAYS else "gradwire.bench.train"
+    argv = [sys.executable, "-m", module, trained, str(steps), str(timed_from)]
+    if way == "mwms":
+        return start_tf_ring, argv, os.environ | env
+    if way.startswith("ddp"):
+        return start_gloo, argv, os.environ | env
+    job_env = os.environ | env | {"GLOO_SOCKET_IFNAME": "eth0"}
+    if way.endswith("-fixed"):
+        job_env |= {"GRADWIRE_ADAPT": "0"}
+    return start_gradwire, argv, job_env
 
 
 def _train_row(topo: Topology, way: str, rate: str, drift: tuple[str, str] | None, row: dict, cpu: float) -> dict:

@@ -130,6 +130,11 @@ def main(way: str, steps: int, warmup: int) -> None:
             row["pushed_bytes_per_step"] = pushed / max(1, steps)
         print(json.dumps(row))
         sys.stdout.flush()
+    _end(way)
+
+
+def _end(way: str) -> None:
+    """Leave the job: gradwire's shutdown, or gloo's barrier and an immediate exit."""
     import torch.distributed as dist
 
     if not way.startswith("ddp"):

@@ -10,7 +10,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
@@ -109,20 +109,7 @@ def start_gradwire(
         rate = env_for(link_rate=h.up) if given else {}
         return base | rate | env_for(host=h.address, rank=rank)
 
-    services = [scheduler, *(proc for proc, _ in standby)] + [
-        cluster.spawn(h, [sys.executable, "-m", "gradwire", "server"], node_env(h, h.index), stdout=subprocess.DEVNULL)
-        for h in topo.of("server")
-    ]
-    if topo.colocate:  # in the worker's namespace: same host, same link
-        services += [
-            cluster.spawn(
-                h,
-                [sys.executable, "-m", "gradwire", "server"],
-                node_env(h, topo.servers + h.index) | env_for(colocated=True),
-                stdout=subprocess.DEVNULL,
-            )
-            for h in topo.of("worker")
-        ]
+    services = [scheduler, *(proc for proc, _ in standby), *_start_servers(cluster, node_env)]
     workers = [
         cluster.spawn(
             h,
@@ -183,6 +170,21 @@ def _drain(stream: IO[str], output: IO[str] | None = None) -> None:
             if output is not None:
                 output.write(line)
                 output.flush()
+
+
+def _start_servers(cluster: EmulatedCluster, node_env: Callable[[Host, int], dict[str, str]]) -> list:
+    """The dedicated servers, each on its own host, and with the topology's `colocate` one more in each worker's
+    namespace (same host, same link)."""
+    topo, server = cluster.topology, [sys.executable, "-m", "gradwire", "server"]
+    started = [cluster.spawn(h, server, node_env(h, h.index), stdout=subprocess.DEVNULL) for h in topo.of("server")]
+    if topo.colocate:
+        started += [
+            cluster.spawn(
+                h, server, node_env(h, topo.servers + h.index) | env_for(colocated=True), stdout=subprocess.DEVNULL
+            )
+            for h in topo.of("worker")
+        ]
+    return started
 
 
 def start_gloo(cluster: EmulatedCluster, argv: Sequence[str], env: Mapping[str, str] | None = None) -> Job:
