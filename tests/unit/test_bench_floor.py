@@ -20,7 +20,7 @@ def test_every_sum_comes_back_into_its_place(mode: str, partition: int) -> None:
 
 
 def test_a_wrong_sum_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    def wrong(sock, size, part):  # the forked server: answers every partition with zeros
+    def wrong(sock, size, part, parts=1):  # the forked server: answers every partition with zeros
         header, pushed = bytearray(floor.HEADER.size), memoryview(bytearray(part))
         done = 0
         while done < size:
@@ -36,7 +36,7 @@ def test_a_wrong_sum_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_server_that_fails_is_an_error_not_a_wait(monkeypatch: pytest.MonkeyPatch) -> None:
-    def fails(sock, size, part):  # the forked server dies before answering anything
+    def fails(sock, size, part, parts=1):  # the forked server dies before answering anything
         raise RuntimeError("a server bug")
 
     monkeypatch.setattr(floor, "serve", fails)
@@ -46,6 +46,12 @@ def test_a_server_that_fails_is_an_error_not_a_wait(monkeypatch: pytest.MonkeyPa
 
 def test_the_window_stays_within_256_kib() -> None:
     assert [floor.window(p) for p in (16 * KiB, 64 * KiB, 128 * KiB, 4 << 20)] == [4, 4, 2, 1]
+
+
+def test_a_batched_frame_carries_partitions_up_to_256_kib() -> None:
+    sizes = (16 * KiB, 32 * KiB, 128 * KiB, 4 << 20)
+    assert [floor.per_frame(p, "batched") for p in sizes] == [8, 8, 2, 1]
+    assert [floor.per_frame(p, "one-thread") for p in sizes] == [1, 1, 1, 1]
 
 
 def test_the_floor_table_is_over_the_largest_size() -> None:

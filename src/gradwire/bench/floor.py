@@ -3,11 +3,14 @@
 One worker and one summation server over TCP loopback, each a process of its own; the worker pushes SIZE bytes in
 partitions of P bytes (a window of 4, or fewer where 4 would pass 256 KiB), the server adds each into a sum buffer and
 answers it at once, the worker receives every sum into its output. No flow-control state, metrics, handles, locks
-or keys beyond a number: only the frames, the system calls and the summing. Two shapes of worker:
+or keys beyond a number: only the frames, the system calls and the summing. Three shapes of worker:
 
 - `one-thread`: the thread that receives an answer sends the next push itself;
 - `two-threads`: as gradwire's links were built before the link loop (transport/loop.py), a sender thread waits on a
-  condition that the receiving thread notifies as each answer frees a window place.
+  condition that the receiving thread notifies as each answer frees a window place;
+- `batched`: as `one-thread`, but each frame carries several partitions back to back (up to 256 KiB: `per_frame`),
+  which the server still sums one by one (as a server's engine sums each key) and answers in one frame: what a
+  partition costs when frames, system calls and passes are paid per batch (gradwire has one frame per partition).
 
 Their CPU seconds per GB by partition size, beside gradwire's own in the same run, say how much of gradwire's
 per-partition cost Python itself sets and how much the data path's shape adds. Run as
@@ -27,11 +30,17 @@ import time
 import numpy as np
 
 HEADER = struct.Struct("<QQ")  # the partition's number, its length
-MODES = ("one-thread", "two-threads")
+MODES = ("one-thread", "two-threads", "batched")
+BATCHED_WINDOW = 2  # frames in flight in the `batched` shape
 
 
 def window(partition: int) -> int:
     return max(1, min(4, (256 << 10) // partition))
+
+
+def per_frame(partition: int, mode: str) -> int:
+    """Partitions a frame carries: one, or in the `batched` shape as many as fit in 256 KiB (at most 8)."""
+    return max(1, min(8, (256 << 10) // partition)) if mode == "batched" else 1
 
 
 def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
@@ -43,18 +52,22 @@ def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
-def serve(sock: socket.socket, size: int, partition: int) -> None:
-    """Answer one call: each partition pushed is summed (onto zeros: one worker) and sent back at once."""
+def serve(sock: socket.socket, size: int, partition: int, parts: int = 1) -> None:
+    """Answer one call: each frame pushed (of up to `parts` partitions) is summed partition by partition (onto zeros:
+    one worker) and sent back at once."""
     zeros = np.zeros(partition // 4, np.float32)
-    total = np.empty_like(zeros)
-    pushed = np.empty_like(zeros)
+    total = np.empty(parts * partition // 4, np.float32)
+    pushed = np.empty_like(total)
     into, header = memoryview(pushed).cast("B"), memoryview(bytearray(HEADER.size))
+    step = partition // 4
     done = 0
     while done < size:
         _recv_exactly(sock, header)
         index, n = HEADER.unpack(header)
         _recv_exactly(sock, into[:n])
-        np.add(zeros[: n // 4], pushed[: n // 4], out=total[: n // 4])
+        for at in range(0, n // 4, step):
+            end = min(at + step, n // 4)
+            np.add(zeros[: end - at], pushed[at:end], out=total[at:end])
         sock.sendmsg([HEADER.pack(index, n), memoryview(total).cast("B")[:n]])
         done += n
 
@@ -62,8 +75,10 @@ def serve(sock: socket.socket, size: int, partition: int) -> None:
 class Worker:
     """One push_pull of `data` into `out` through the server at the other end of `sock`."""
 
-    def __init__(self, sock: socket.socket, data: np.ndarray, out: np.ndarray, partition: int) -> None:
-        self.sock, self.partition, self.window = sock, partition, window(partition)
+    def __init__(self, sock: socket.socket, data: np.ndarray, out: np.ndarray, partition: int, parts: int = 1) -> None:
+        self.sock, self.partition = sock, partition
+        self.frame = parts * partition  # bytes a frame carries at most
+        self.window = window(partition) if parts == 1 else BATCHED_WINDOW
         self.send_view, self.out_view = memoryview(data).cast("B"), memoryview(out).cast("B")
         self.size = len(self.send_view)
         self.sent = self.index = self.in_flight = 0
@@ -71,7 +86,7 @@ class Worker:
         self.cond = threading.Condition()
 
     def push(self) -> None:
-        n = min(self.partition, self.size - self.sent)
+        n = min(self.frame, self.size - self.sent)
         self.sock.sendmsg([HEADER.pack(self.index, n), self.send_view[self.sent : self.sent + n]])
         self.sent += n
         self.index += 1
@@ -80,7 +95,7 @@ class Worker:
         """Receive the next sum into the output; its length."""
         _recv_exactly(self.sock, header)
         index, n = HEADER.unpack(header)
-        at = index * self.partition
+        at = index * self.frame
         _recv_exactly(self.sock, self.out_view[at : at + n])
         return n
 
@@ -135,6 +150,7 @@ def measure(partition: int, size: int, repeats: int, mode: str) -> dict:
     listener.close()
     for s in (worker_sock, server_sock):
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    parts = per_frame(partition, mode)
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # the server: its CPU seconds down the pipe, or nothing if it failed
@@ -143,7 +159,7 @@ def measure(partition: int, size: int, repeats: int, mode: str) -> dict:
             worker_sock.close()
             cpu = time.process_time()
             for _ in range(repeats):
-                serve(server_sock, size, partition)
+                serve(server_sock, size, partition, parts)
             os.write(write_end, str(time.process_time() - cpu).encode())
             code = 0
         finally:
@@ -155,8 +171,8 @@ def measure(partition: int, size: int, repeats: int, mode: str) -> dict:
     cpu, wall = time.process_time(), time.perf_counter()
     try:
         for _ in range(repeats):
-            worker = Worker(worker_sock, data, out, partition)
-            worker.one_thread() if mode == "one-thread" else worker.two_threads()
+            worker = Worker(worker_sock, data, out, partition, parts)
+            worker.two_threads() if mode == "two-threads" else worker.one_thread()
         cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     finally:  # closing its end ends a server still waiting for pushes
         worker_sock.close()
