@@ -241,6 +241,10 @@ class Engine(Landing, Seeding, Membership):
         if slot.flags & (SEED | REPLICA):
             self._seed(state, r, slot, dtype)
             return
+        self._on_contribution(state, r, slot)
+
+    def _on_contribution(self, state: KeyState, r: Round, slot: Slot) -> None:
+        """A worker's push into round buffer `r` of its key: added, then acknowledged, or the round completes."""
         bit = 1 << slot.sender
         if not state.everyone & bit:
             raise TensorError(f"worker {slot.sender} is not among the ranks {state.members} of {state.name!r}")
@@ -261,7 +265,7 @@ class Engine(Landing, Seeding, Membership):
             raise TensorError(f"worker {slot.sender} pushed round {slot.round} twice")
         if r.count == 0:
             self._first_in(state, r)
-        self._contribute(state, r, slot.sender, slot.data.view(dtype.wire), slot.landed)
+        self._contribute(state, r, slot.sender, slot.data.view(state.dtype.wire), slot.landed)
         if replay:
             r.virtual |= bit  # its sender had its slice from the dead server: no answer, no acknowledgement
         if self.joined and r.count < state.need:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from gradwire.errors import GradwireError
 from gradwire.protocol.frames import FrameType
 from gradwire.ring import Slot
-from gradwire.server.replier import AckReply, ErrorReply, EveryoneReply, HeldReplies, ResultReply
+from gradwire.server.replier import AckReply, ErrorReply, EveryoneReply, HeldReplies, ReplyItem, ResultReply
 from gradwire.server.staging import Countdown
 from gradwire.server.state import ServerState
 from gradwire.transport import tcp
@@ -50,9 +50,7 @@ class Outgoing:
 
     def ack(self, rank: int, key: int, rnd: int) -> None:
         """Worker `rank`'s contribution to round `rnd` of `key` is in."""
-        link = self.state.links.get(rank)
-        if link is not None:
-            self.held.reply(link, AckReply(key, rnd))
+        self._hold_for(rank, AckReply(key, rnd))
 
     def everyone(self, rank: int, pairs: list[tuple[int, int]]) -> None:
         """Every worker answered has the sums of these held rounds (server/receipts.py): tell worker `rank`, behind
@@ -78,6 +76,10 @@ class Outgoing:
     def fail_rank(self, rank: int, key: int, message: str) -> None:
         """An ERROR for `key` to worker `rank` (a round that can never complete: engine.set_departed), behind the
         replies already queued for it (its ACK for that key among them)."""
+        self._hold_for(rank, ErrorReply(key, message))
+
+    def _hold_for(self, rank: int, item: ReplyItem) -> None:
+        """`item` to worker `rank`, held over the batch (none if it is not connected)."""
         link = self.state.links.get(rank)
         if link is not None:
-            self.held.reply(link, ErrorReply(key, message))
+            self.held.reply(link, item)

@@ -200,14 +200,7 @@ class KeyState(Lending):
         key: int = 0,
     ) -> None:
         self.name = name  # the tensor's, for stall reports
-        # the ranks that contribute to its rounds (a process set), in the order their contributions go in
-        self.members = sorted(members) if members is not None else list(range(num_workers))
-        self.need = len(self.members)
-        self.everyone = sum(1 << r for r in self.members)
-        self.first = self.members[0] if self.members else 0
-        self.nexts = [num_workers] * (num_workers + 1)  # the member after each rank, in rank order (past the last)
-        for a, b in zip(self.members, self.members[1:], strict=False):
-            self.nexts[a] = b
+        self._set_members(members, num_workers)
         self.op = op
         self.slices = slices  # (start byte, bytes) of the result each rank pulls; None: all of it
         self.dtype = dtype
@@ -238,6 +231,17 @@ class KeyState(Lending):
         # round completed from contributions (before, after a failover, a seed may be written there meanwhile)
         self.landable = False
         op.setup(self, previous)
+
+    def _set_members(self, members: list[int] | None, num_workers: int) -> None:
+        """The ranks that contribute to its rounds (a process set; None: every worker), in the order their
+        contributions go in: how many, their bitmask, the first, and the member after each rank."""
+        self.members = sorted(members) if members is not None else list(range(num_workers))
+        self.need = len(self.members)
+        self.everyone = sum(1 << r for r in self.members)
+        self.first = self.members[0] if self.members else 0
+        self.nexts = [num_workers] * (num_workers + 1)  # the member after each rank, in rank order (past the last)
+        for a, b in zip(self.members, self.members[1:], strict=False):
+            self.nexts[a] = b
 
     def fits(self, code: int, length: int) -> bool:
         """A contribution of `length` bytes of dtype `code` may go into this key (a gather's may be shorter)."""

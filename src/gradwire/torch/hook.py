@@ -177,14 +177,7 @@ def _overlapped(
 ) -> torch.futures.Future[torch.Tensor]:
     """The bucket's gradients are on their way already: wait for their sums and hand DDP the bucket."""
     params = bucket.parameters()
-    ids = tuple(id(p) for p in params)
-    if bucket.index() >= len(state.planned) or state.planned[bucket.index()] != ids:
-        raise TensorError(
-            f"worker {state.worker.rank}: DDP's bucket {bucket.index()} changed its parameters after gradwire's "
-            "hook cut its sub-buckets; build the PushPullHookState after DDP's first iteration, or pass "
-            "overlap=False",
-            rank=state.worker.rank,
-        )
+    _check_planned(state, bucket, params)
     # unused in this forward (find_unused_parameters): zeros take its place in the sum, and its gradient is left to
     # DDP (which leaves a parameter no rank used without one)
     absent = [p for p in params if id(p) not in sync.handles and p.grad is None]
@@ -223,6 +216,19 @@ def _overlapped(
     for handle, _group in taken:
         handle.handle.add_done_callback(complete)
     return future
+
+
+def _check_planned(state: PushPullHookState, bucket: dist.GradBucket, params: list[torch.Tensor]) -> None:
+    """The bucket holds the parameters the hook cut its sub-buckets for (DDP may rebuild buckets after its first
+    iteration)."""
+    ids = tuple(id(p) for p in params)
+    if bucket.index() >= len(state.planned) or state.planned[bucket.index()] != ids:
+        raise TensorError(
+            f"worker {state.worker.rank}: DDP's bucket {bucket.index()} changed its parameters after gradwire's "
+            "hook cut its sub-buckets; build the PushPullHookState after DDP's first iteration, or pass "
+            "overlap=False",
+            rank=state.worker.rank,
+        )
 
 
 def _powersgd_bucket(
