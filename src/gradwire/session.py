@@ -12,6 +12,7 @@ import threading
 import traceback
 from collections.abc import Iterator
 
+from gradwire import standalone
 from gradwire.config import Config
 from gradwire.errors import ConfigError
 from gradwire.launch import torchrun
@@ -37,21 +38,42 @@ def init(config: Config | None = None) -> None:
     global _worker
     if _worker is not None:
         return
+    alone = None
     if config is None:
         env: dict[str, str] = dict(os.environ)
         if torchrun.detected(env):  # torchrun started us and no scheduler was given: start the job's roles
             env |= torchrun.bootstrap(env)
         config = Config.from_env(env)
+        if standalone.needed(config, env):  # no job to join (`python train.py`): one of one worker, made here
+            alone = standalone.Standalone(config)
+            config = alone.worker_config
     if config.role != "worker":
         raise ConfigError(
             f"init() starts a worker, but GRADWIRE_ROLE={config.role}; run servers with `gradwire server`"
         )
-    _worker = Worker(config).start()
+    _worker = _start(config, alone)
     while _departed:  # registered anew: the last generation's connections may close now
         _departed.pop().leave()
     if not _atexit_registered:
         atexit.register(_shutdown_at_exit)
         _atexit_registered.append(True)
+
+
+def _start(config: Config, alone: standalone.Standalone | None) -> Worker:
+    """The worker, started (in a job of its own where `alone` holds that job's other roles)."""
+    worker = Worker(config)
+    if alone is None:
+        return worker.start()
+    worker.state.standalone = True
+    try:
+        worker.start()
+        alone.started()
+    except BaseException:
+        worker.shutdown()
+        alone.stop()
+        raise
+    _standalone.append(alone)
+    return worker
 
 
 def shutdown() -> None:
@@ -62,6 +84,17 @@ def shutdown() -> None:
         worker, _worker = _worker, None
         worker.shutdown(final=False)
         _departed.append(worker)
+    _end_standalone()
+
+
+def _end_standalone() -> None:
+    """A one-worker job made by `init` ends with its worker: its scheduler and server go too (a later `init` makes
+    another)."""
+    while _standalone:
+        alone = _standalone.pop()
+        while _departed:
+            _departed.pop().leave()
+        alone.stop()
 
 
 def _shutdown_at_exit() -> None:
@@ -72,6 +105,7 @@ def _shutdown_at_exit() -> None:
         worker.shutdown(final=True, error=_uncaught())
     while _departed:
         _departed.pop().leave()
+    _end_standalone()
 
 
 def _uncaught() -> str | None:
@@ -86,6 +120,7 @@ def _uncaught() -> str | None:
 
 
 _atexit_registered: list[bool] = []
+_standalone: list[standalone.Standalone] = []  # the roles of the one-worker job `init` made, if it made one
 _departed: list[Worker] = []  # shut down, their scheduler connection open until init() or exit (Worker.leave)
 
 

@@ -12,7 +12,8 @@ from typing import Protocol
 import numpy as np
 
 from gradwire.errors import JobAborted, TensorError
-from gradwire.protocol import messages, update
+from gradwire.protocol import messages, operations, update
+from gradwire.worker import single
 from gradwire.worker.compressing import Coder, CompressedGradient, CompressedTransfer, Compressing
 from gradwire.worker.control import Control
 from gradwire.worker.declaring import Declaring
@@ -96,6 +97,8 @@ class Calls:
         args = None
         if compression is not None and self.compressing.applies(src, op, dtype):
             args = self.compressing.arguments(compression, name)
+        if single.applies(self.state, op, members):
+            return single.answered(name, out, src)
         if self.aggregation is not None and self.aggregation.applies(src, op, members):
             return self.aggregation.push_pull_async(src, name, average, priority, out, dtype, op, args)
         if args is not None:
@@ -191,6 +194,8 @@ class Calls:
         src = np.ascontiguousarray(array).reshape(array.shape)
         first, count = slices[self.rank] if len(slices) == self.size else (0, -1)
         self._check_output(f"reduce-scatter of {name!r} with slices {slices}", name, out, count, src.dtype)
+        if single.applies(self.state, op, members):
+            return single.answered(name, out, src.reshape(-1)[first : first + count])
         tensor = self.declaring.declare(
             name,
             src.shape,
@@ -241,6 +246,8 @@ class Calls:
         first, count = slices[self.rank] if slices is not None else (0, total)
         self._check_output(f"gather of {name!r}", name, out, count, array.dtype)
         src = np.ascontiguousarray(array).reshape(-1)
+        if single.applies(self.state, operations.GATHER, members):
+            return single.answered(name, out, src[first : first + count])
         tensor = self.declaring.declare(
             name,
             shape or (total,),

@@ -51,6 +51,7 @@ class WorkerState:
         self.abort: JobAborted | None = None  # why the job ended for this worker
         self.membership_error: MembershipChanged | None = None  # elastic: why calls fail until reset()
         self.closed = False
+        self.standalone = False  # in a one-worker job init() made itself (gradwire/standalone.py)
         self.active = 0  # push_pull handles in flight
         self.clock_skew = 0.0  # the scheduler's wall clock minus this host's (seconds)
 
