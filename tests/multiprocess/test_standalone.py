@@ -45,3 +45,21 @@ def test_several_workers_without_a_scheduler_is_an_error_not_a_wait():
     code, output = _run(_env(WORLD_SIZE="4"), timeout=60)
     assert code != 0
     assert "4 workers expected" in output and "GRADWIRE_SCHEDULER" in output, output
+
+
+def test_the_bench_baseline_of_one_process_trains_without_gradwire():
+    # `python -m gradwire.bench.train plain`: the figure beside the no-launcher job's (docs/migrating.md)
+    import json
+
+    done = subprocess.run(
+        [sys.executable, "-m", "gradwire.bench.train", "plain", "2", "1"],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    row = json.loads(done.stdout.strip().splitlines()[-1])
+    assert row["way"] == "plain" and len(row["times"]) == 2 and row["samples_per_step"] == 32, row
+    assert "pushed_bytes_per_step" not in row, row

@@ -7,6 +7,7 @@ from a profile instead (bench/replay.py: `gradwire bench --netem --scale`). The 
 - `optimizer`: gradwire's DistributedOptimizer (Horovod's shape);
 - `hook`: torch's DistributedDataParallel with gradwire's comm hook (DDP's buckets through the summation servers);
 - `ddp`: torch's DistributedDataParallel over gloo, the peer;
+- `plain`: no distribution at all, one process (the baseline of a job of one: docs/migrating.md, "One process");
 - `optimizer-onebit`, `optimizer-topk`, `optimizer-powersgd`: DistributedOptimizer with the servers' compressors
   (onebit, top-k 1%, error feedback) and PowerSGD rank 2 through the servers (docs/compression.md); `ddp-powersgd`: DDP
   over gloo with torch's PowerSGD hook (rank 2), the peer's own compression; `hook-powersgd`: DDP with gradwire's
@@ -71,9 +72,14 @@ def _gloo(rank: int, world: int) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
 
 
+def _ours(way: str) -> bool:
+    """Whether `way` trains through gradwire (not DDP over gloo, not alone)."""
+    return not way.startswith(("ddp", "plain"))
+
+
 def _data_path(way: str) -> dict:
     """gradwire's settings now (they change where the links drift: scheduler/adapt.py)."""
-    if way.startswith("ddp"):
+    if not _ours(way):
         return {}
     import gradwire
 
@@ -82,7 +88,7 @@ def _data_path(way: str) -> dict:
 
 def _pushed(way: str) -> int:
     """The bytes this worker has pushed so far (gradwire's metrics; 0 for DDP)."""
-    if way.startswith("ddp"):
+    if not _ours(way):
         return 0
     import gradwire
 
@@ -126,7 +132,7 @@ def main(way: str, steps: int, warmup: int) -> None:
         recuts = [bisect.bisect(starts, r["at"]) - 1 for r in data_path.get("recuts") or []]
         row |= {"partition_bytes": partitions, "derived_again": data_path.get("derived_again"), "recut_steps": recuts}
         row["window"] = data_path.get("window")
-        if not way.startswith("ddp"):
+        if _ours(way):
             row["pushed_bytes_per_step"] = pushed / max(1, steps)
         print(json.dumps(row))
         sys.stdout.flush()
@@ -137,7 +143,7 @@ def _end(way: str) -> None:
     """Leave the job: gradwire's shutdown, or gloo's barrier and an immediate exit."""
     import torch.distributed as dist
 
-    if not way.startswith("ddp"):
+    if _ours(way):
         import gradwire.torch as gw
 
         gw.shutdown()
@@ -174,6 +180,8 @@ def _distributed(way: str) -> tuple:
 
     net = model()
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    if way == "plain":
+        return net, opt, 0, 1
     if way.startswith("ddp"):
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         _gloo(rank, world)
