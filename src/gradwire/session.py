@@ -69,7 +69,8 @@ def _start(config: Config, alone: standalone.Standalone | None) -> Worker:
         worker.start()
         alone.started()
     except BaseException:
-        worker.shutdown()
+        with contextlib.suppress(Exception):  # what stopped the start is the error to raise
+            worker.shutdown()
         alone.stop()
         raise
     _standalone.append(alone)

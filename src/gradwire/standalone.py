@@ -9,8 +9,9 @@ parameter-server mode's server-side optimizer needs a server), and the worker ma
 reductions, gathers and reduce-scatters, whose result with one worker is its own input, are answered in place
 (worker/single.py), with no frame and no server thread taking the training thread's interpreter.
 
-More workers than one (GRADWIRE_NUM_WORKERS, DMLC_NUM_WORKER or WORLD_SIZE above 1) with no scheduler is a mistake to
-say, not a job to start: every one of them would be a job of its own.
+More workers than one (GRADWIRE_NUM_WORKERS, DMLC_NUM_WORKER or WORLD_SIZE above 1, or another launcher's count of its
+processes: `OTHER_LAUNCHERS`) with no scheduler is a mistake to say, not a job to start: every one of them would be a
+job of its own.
 """
 
 from __future__ import annotations

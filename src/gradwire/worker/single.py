@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from gradwire.errors import TensorError
 from gradwire.protocol import operations
 from gradwire.worker.handle import Handle
 from gradwire.worker.state import WorkerState
@@ -27,8 +28,8 @@ def answered(name: str, out: np.ndarray, result: np.ndarray) -> Handle:
     """A completed handle whose output `out` holds `result` (copied into it, unless it already lies there: a call in
     place)."""
     flat, source = out.reshape(-1), result.reshape(-1)
-    if flat.size != source.size:
-        raise ValueError(f"{name!r}: {source.size} elements for an output of {flat.size}")
+    if flat.size != source.size:  # a slice past the input's end (the usual path's declaration would refuse it)
+        raise TensorError(f"{name!r}: {source.size} elements for an output of {flat.size}", tensor=name)
     if flat.size and flat.ctypes.data != source.ctypes.data:
         np.copyto(flat, source, casting="no")
     return Handle(name, out, 0, _answered)
