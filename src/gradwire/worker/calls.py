@@ -1,5 +1,5 @@
 """The calls a training process makes: push_pull (allreduce), reduce-scatter, gather (allgather, broadcast,
-alltoall) and a server-side update, each asynchronous with a handle to synchronize; and hvd.join. A call numbers the
+alltoall) and a server-side update (worker/updates.py), each asynchronous with a handle to synchronize; and hvd.join. A call numbers the
 tensor's next round, cuts it into its partitions (a `Work` each) and submits each to its server's link, at once or
 when the tensor's declaration completes.
 """
@@ -12,9 +12,9 @@ from typing import Protocol
 import numpy as np
 
 from gradwire.errors import JobAborted, TensorError
-from gradwire.protocol import messages, operations, update
+from gradwire.protocol import messages, operations
 from gradwire.worker import single
-from gradwire.worker.compressing import Coder, CompressedGradient, CompressedTransfer, Compressing
+from gradwire.worker.compressing import Coder, CompressedTransfer, Compressing
 from gradwire.worker.control import Control
 from gradwire.worker.declaring import Declaring
 from gradwire.worker.handle import Handle
@@ -22,6 +22,7 @@ from gradwire.worker.launching import Launching
 from gradwire.worker.recut import Recut
 from gradwire.worker.state import WorkerState
 from gradwire.worker.tensors import Tensor, TensorTable
+from gradwire.worker.updates import Updates
 from gradwire.worker.work import Transfer
 
 log = logging.getLogger("gradwire.worker")
@@ -50,7 +51,7 @@ class Aggregation(Protocol):
     def close(self) -> None: ...
 
 
-class Calls:
+class Calls(Updates):
     def __init__(
         self, state: WorkerState, table: TensorTable, control: Control, declaring: Declaring, recut: Recut
     ) -> None:
@@ -234,14 +235,7 @@ class Calls:
         worker's).
         """
         self.state.check_usable()
-        counts = [int(c) for c in counts]
-        if len(counts) != self.size or counts[self.rank] != array.size or min(counts) < 0:
-            raise TensorError(
-                f"worker {self.rank}: gather of {name!r} got counts {counts} for {self.size} workers and "
-                f"{array.size} elements of its own",
-                tensor=name,
-                rank=self.rank,
-            )
+        counts = self._gather_counts(name, counts, array.size)
         total = sum(counts)
         first, count = slices[self.rank] if slices is not None else (0, total)
         self._check_output(f"gather of {name!r}", name, out, count, array.dtype)
@@ -261,22 +255,17 @@ class Calls:
         )
         return self.launch(tensor, out, Transfer(src, sum(counts[: self.rank]), out.reshape(-1), first, 1, priority))
 
-    def _check_parameters(self, array: np.ndarray | None, out: np.ndarray, name: str) -> None:
-        """A server-side optimizer's tensor: C-contiguous float32 or float64 parameters, and an input like them."""
-        if out.dtype.name not in update.DTYPES or not out.flags.c_contiguous:
+    def _gather_counts(self, name: str, counts: list[int], own: int) -> list[int]:
+        """A gather's `counts` as ints, checked: one per worker, this worker's its own `own` elements, none negative."""
+        counts = [int(c) for c in counts]
+        if len(counts) != self.size or counts[self.rank] != own or min(counts) < 0:
             raise TensorError(
-                f"worker {self.rank}: a server-side optimizer's tensor {name!r} must be C-contiguous float32 or "
-                f"float64, got {out.dtype}",
+                f"worker {self.rank}: gather of {name!r} got counts {counts} for {self.size} workers and "
+                f"{own} elements of its own",
                 tensor=name,
                 rank=self.rank,
             )
-        if array is not None and (array.shape != out.shape or array.dtype != out.dtype):
-            raise TensorError(
-                f"worker {self.rank}: update of {name!r}: input {array.dtype}{list(array.shape)}, parameters "
-                f"{out.dtype}{list(out.shape)}",
-                tensor=name,
-                rank=self.rank,
-            )
+        return counts
 
     def _output(self, src: np.ndarray, out: np.ndarray | None, name: str) -> np.ndarray:
         """Where push_pull's sum of `src` lands: `out`, checked (the input's shape and dtype, C-contiguous), or new."""
@@ -297,45 +286,6 @@ class Calls:
                 rank=self.rank,
             )
         return out
-
-    def update_async(
-        self,
-        array: np.ndarray | None,
-        name: str,
-        out: np.ndarray,
-        args: dict,
-        kind: int = update.GRAD,
-        hyper: list[float] | None = None,
-        which: int = 0,
-        priority: int = 0,
-        members: list[int] | None = None,
-    ) -> Handle:
-        """Parameter-server mode (docs/ps-mode.md): tensor `name`'s servers hold its parameters and the state of the
-        optimizer `args` (protocol/update.py). `kind` GRAD: push the gradients `array`; the new parameters land in
-        `out` once every member's are in (or, asynchronous, once this worker is within the staleness bound). INIT
-        (every member, once): the first member's parameters `array` are installed and land in `out` on every member.
-        READ: tensor `which` of the servers' state lands in `out` (`array` None). WRITE: `array` becomes tensor
-        `which` (-1: the parameters, with the optimizer's state afresh); the parameters land in `out`. Reads and
-        writes go to the servers alone, outside the rounds (any worker, any time between its updates).
-        `hyper`: the algorithm's hyper-parameters for this push, in the order of update.HYPER."""
-        self.state.check_usable()
-        self._check_parameters(array, out, name)
-        send = np.ascontiguousarray(array).reshape(-1) if array is not None else out.reshape(-1)[:0]
-        if args.get("compressor") and not self.compressing.applies(out, "sum", None):
-            args = {k: v for k, v in args.items() if k != "compressor"}  # float64, or too small to gain
-        tensor = self.declaring.declare(
-            name, out.shape, out.dtype, "optimizer", wait=False, members=members, op_args=args
-        )
-        extra = update.trailer(kind, which, hyper)
-        if kind == update.GRAD and args.get("compressor"):
-            store = self.compressing
-            transfer = CompressedGradient(
-                send, 0, out.reshape(-1), 0, 1, priority, extra, args=args["compressor"], store=store
-            )
-            return self.launch(tensor, out, transfer)
-        direct = kind in (update.READ, update.WRITE)
-        transfer = Transfer(send, 0, out.reshape(-1), 0, 1, priority, extra, partial=direct, same_round=direct)
-        return self.launch(tensor, out, transfer)
 
     def synchronize(self, handle: Handle) -> np.ndarray:
         """Wait for a handle; returns the output array, raises the error that failed it.
