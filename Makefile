@@ -3,10 +3,12 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+NATIVE_STAMP := $(VENV)/.native-installed
+NATIVE_SOURCES := native/pyproject.toml native/CMakeLists.txt $(wildcard native/cpp/*) $(wildcard native/src/gradwire_native/*)
 
-.PHONY: install demo test bench lint clean
+.PHONY: install demo test bench lint sanitize clean
 
-install: $(STAMP)
+install: $(STAMP) $(NATIVE_STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,11 +22,18 @@ $(STAMP): pyproject.toml constraints.txt
 		apt-get install -y -qq iproute2 >/dev/null 2>&1; } || echo "note: iproute2 not installed; netem tests will skip"
 	touch $(STAMP)
 
+# the native data path (native/: C++17, nanobind), built with the system's compiler by the backend [dev] installed;
+# rebuilt when its sources change (incrementally: native/build keeps CMake's tree)
+$(NATIVE_STAMP): $(STAMP) $(NATIVE_SOURCES)
+	$(PY) -m pip install --quiet -c constraints.txt --no-build-isolation --no-deps --force-reinstall ./native
+	touch $(NATIVE_STAMP)
+
 demo: install
 	$(PY) examples/digits_demo.py
 
+# GRADWIRE_EXPECT_NATIVE: a missing extension fails the suite here instead of skipping its tests
 test: install
-	$(PY) -m pytest -q --durations=25
+	GRADWIRE_EXPECT_NATIVE=1 $(PY) -m pytest -q --durations=25
 
 bench: install
 	$(VENV)/bin/gradwire bench -n 4 -s 4 --sizes 4,16,64
@@ -33,5 +42,18 @@ lint: install
 	$(VENV)/bin/ruff check src tests examples
 	$(VENV)/bin/ruff format --check src tests examples
 
+# the native suite against a build with AddressSanitizer and UndefinedBehaviorSanitizer (any report fails it); the
+# sanitizers' runtimes are preloaded into Python, whose own allocations are not leak-checked
+SANITIZE := build/sanitize
+sanitize: install
+	cmake -S native -B $(SANITIZE) -DGRADWIRE_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+		-DPython_EXECUTABLE=$(abspath $(PY)) >/dev/null
+	cmake --build $(SANITIZE) -j2
+	mkdir -p $(SANITIZE)/pkg/gradwire_native
+	cp native/src/gradwire_native/__init__.py $(SANITIZE)/_core*.so $(SANITIZE)/pkg/gradwire_native/
+	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+		ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+		PYTHONPATH=$(SANITIZE)/pkg GRADWIRE_SANITIZED=1 $(PY) -m pytest -q -p no:cacheprovider tests/native -k "not wheel"
+
 clean:
-	rm -rf $(VENV) build src/*.egg-info
+	rm -rf $(VENV) build native/build src/*.egg-info

@@ -19,6 +19,7 @@ import numpy as np
 
 from gradwire import collectives
 from gradwire import compression as _compression
+from gradwire._version import VERSION
 from gradwire.config import Config
 from gradwire.errors import (
     AuthenticationError,
@@ -40,7 +41,7 @@ from gradwire.parameters import init_parameter, optimizer_state, set_optimizer, 
 from gradwire.session import current_worker, init, is_initialized, shutdown, use_worker
 from gradwire.worker import Handle, Worker
 
-__version__ = "0.1.0"
+__version__ = VERSION
 
 __all__ = [
     "AuthenticationError",

@@ -57,6 +57,12 @@ def _job_arguments(parser: argparse.ArgumentParser) -> None:
         help="CPU seconds per GB of workers and servers by partition size (KiB, comma-separated; TCP, the first of "
         "--sizes), beside the floor of a Python data path with nothing else in it (bench/floor.py)",
     )
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="the native floor (bench/floor.py, gradwire-native) as a job of n workers and k servers over TCP "
+        "loopback, at each of --partitions (default 32,4096 KiB), beside gloo and gradwire's own job, first of --sizes",
+    )
 
 
 def _netem_arguments(parser: argparse.ArgumentParser) -> None:
@@ -224,6 +230,10 @@ def _job_env(args: argparse.Namespace) -> dict[str, str]:
 
 def _run_mode(args: argparse.Namespace, sizes: list[int], env: dict[str, str]) -> int | None:
     """The benchmark a mode option names, run (its exit code); None: no mode, the plain comparison."""
+    if args.floor:
+        from gradwire.bench.floor import run_job_bench
+
+        return run_job_bench(args, env)
     if args.partitions:
         from gradwire.bench.partitions import run_partitions
 

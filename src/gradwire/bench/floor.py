@@ -10,7 +10,11 @@ or keys beyond a number: only the frames, the system calls and the summing. Thre
   condition that the receiving thread notifies as each answer frees a window place;
 - `batched`: as `one-thread`, but each frame carries several partitions back to back (up to 256 KiB: `per_frame`),
   which the server still sums one by one (as a server's engine sums each key) and answers in one frame: what a
-  partition costs when frames, system calls and passes are paid per batch (gradwire has one frame per partition).
+  partition costs when frames, system calls and passes are paid per batch (gradwire has one frame per partition);
+- `native` and `native-batched`: the `one-thread` and `batched` shapes in C++ (gradwire-native, native/cpp/floor.cpp),
+  worker and server each: gradwire's own 40-byte header validated on every frame, an epoll loop over a non-blocking
+  socket, several frames a sendmsg, each answer received straight into the output and each push into a slot of the
+  server's ring, summed there by the server's native kernel and answered from it. Neither holds the GIL while it runs.
 
 Their CPU seconds per GB by partition size, beside gradwire's own in the same run, say how much of gradwire's
 per-partition cost Python itself sets and how much the data path's shape adds. Run as
@@ -22,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import statistics
 import struct
 import sys
 import threading
@@ -29,8 +34,12 @@ import time
 
 import numpy as np
 
+from gradwire import native
+
 HEADER = struct.Struct("<QQ")  # the partition's number, its length
-MODES = ("one-thread", "two-threads", "batched")
+PYTHON_MODES = ("one-thread", "two-threads", "batched")
+NATIVE_MODES = ("native", "native-batched")  # need gradwire-native (gradwire/native.py)
+MODES = PYTHON_MODES + NATIVE_MODES
 BATCHED_WINDOW = 2  # frames in flight in the `batched` shape
 
 
@@ -40,7 +49,12 @@ def window(partition: int) -> int:
 
 def per_frame(partition: int, mode: str) -> int:
     """Partitions a frame carries: one, or in the `batched` shape as many as fit in 256 KiB (at most 8)."""
-    return max(1, min(8, (256 << 10) // partition)) if mode == "batched" else 1
+    return max(1, min(8, (256 << 10) // partition)) if mode in ("batched", "native-batched") else 1
+
+
+def frames_in_flight(partition: int, mode: str) -> int:
+    """The worker's window, in frames: `window(partition)` for frames of one partition, else BATCHED_WINDOW."""
+    return window(partition) if per_frame(partition, mode) == 1 else BATCHED_WINDOW
 
 
 def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
@@ -78,7 +92,7 @@ class Worker:
     def __init__(self, sock: socket.socket, data: np.ndarray, out: np.ndarray, partition: int, parts: int = 1) -> None:
         self.sock, self.partition = sock, partition
         self.frame = parts * partition  # bytes a frame carries at most
-        self.window = window(partition) if parts == 1 else BATCHED_WINDOW
+        self.window = window(partition) if parts == 1 else BATCHED_WINDOW  # frames_in_flight's rule
         self.send_view, self.out_view = memoryview(data).cast("B"), memoryview(out).cast("B")
         self.size = len(self.send_view)
         self.sent = self.index = self.in_flight = 0
@@ -158,8 +172,12 @@ def measure(partition: int, size: int, repeats: int, mode: str) -> dict:
         try:
             worker_sock.close()
             cpu = time.process_time()
-            for _ in range(repeats):
-                serve(server_sock, size, partition, parts)
+            if mode in NATIVE_MODES:
+                shape = native.require().FloorShape(size, partition, parts, frames_in_flight(partition, mode))
+                native.require().floor_serve([server_sock.fileno()], shape, 0, 1, repeats)
+            else:
+                for _ in range(repeats):
+                    serve(server_sock, size, partition, parts)
             os.write(write_end, str(time.process_time() - cpu).encode())
             code = 0
         finally:
@@ -167,10 +185,14 @@ def measure(partition: int, size: int, repeats: int, mode: str) -> dict:
     server_sock.close()
     os.close(write_end)  # so that a server that died reads as an empty pipe, not a wait
     data = np.random.default_rng(0).random(size // 4, dtype=np.float32)
-    out = np.empty_like(data)
+    out = np.zeros_like(data)  # not empty_like: freed memory may hold a previous run's right answer
     cpu, wall = time.process_time(), time.perf_counter()
     try:
-        for _ in range(repeats):
+        for r in range(repeats):
+            if mode in NATIVE_MODES:
+                shape = native.require().FloorShape(size, partition, parts, frames_in_flight(partition, mode))
+                native.require().floor_push_pull([worker_sock.fileno()], shape, data, out, r)
+                continue
             worker = Worker(worker_sock, data, out, partition, parts)
             worker.two_threads() if mode == "two-threads" else worker.one_thread()
         cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
@@ -192,6 +214,197 @@ def measure(partition: int, size: int, repeats: int, mode: str) -> dict:
         "server_cpu_seconds_per_gb": server_cpu / gb,
         "seconds_per_call": wall / repeats,
     }
+
+
+def measure_job(workers: int, servers: int, partition: int, size: int, repeats: int, warmup: int, mode: str) -> dict:
+    """The native floor as a job: `workers` worker and `servers` server processes over TCP loopback (a connection per
+    pair), each one native loop; frame f of a call goes to server f % servers. The median seconds of a call (the
+    slowest worker's, call by call) and CPU seconds per GB reduced (GB: every worker's SIZE, per timed call, as
+    bench/runner.py's Timing counts it) of the workers and of the servers over the timed calls."""
+    if mode not in NATIVE_MODES:
+        raise ValueError(f"the floor runs as a job only in native code ({', '.join(NATIVE_MODES)}), not {mode!r}")
+    gn = native.require()
+    shape = gn.FloorShape(size, partition, per_frame(partition, mode), frames_in_flight(partition, mode))
+    pairs = _connections(workers, servers)  # pairs[w][s]: (worker's socket, server's socket)
+    children: list[tuple[str, int, int, int]] = []  # role, index, pid, the read end of its report
+    try:
+        for s in range(servers):
+            own = [pairs[w][s][1] for w in range(workers)]
+            children.append(
+                (
+                    "server",
+                    s,
+                    *_fork(own, pairs, lambda o=own, s=s: _serve_job(gn, o, shape, s, servers, repeats, warmup)),
+                )
+            )
+        for w in range(workers):
+            own = [pairs[w][s][0] for s in range(servers)]
+            children.append(
+                (
+                    "worker",
+                    w,
+                    *_fork(own, pairs, lambda o=own, w=w: _work_job(gn, o, shape, w, workers, repeats, warmup)),
+                )
+            )
+    finally:
+        for row in pairs:
+            for pair in row:
+                for sock in pair:
+                    sock.close()
+    reports = {(role, i): _report(role, i, pid, fd) for role, i, pid, fd in children}
+    calls = [max(reports["worker", w]["seconds"][r] for w in range(workers)) for r in range(repeats)]
+    gb = workers * size * repeats / 1e9
+    return {
+        "mode": mode,
+        "workers": workers,
+        "servers": servers,
+        "size_bytes": size,
+        "partition_bytes": partition,
+        "seconds_per_call": sorted(calls)[len(calls) // 2],
+        "worker_cpu_seconds_per_gb": sum(reports["worker", w]["cpu"] for w in range(workers)) / gb,
+        "server_cpu_seconds_per_gb": sum(reports["server", s]["cpu"] for s in range(servers)) / gb,
+    }
+
+
+def _connections(workers: int, servers: int) -> list[list[tuple[socket.socket, socket.socket]]]:
+    listener = socket.create_server(("127.0.0.1", 0))
+    pairs = []
+    try:
+        for _ in range(workers):
+            row = []
+            for _ in range(servers):
+                a = socket.create_connection(listener.getsockname())
+                b, _ = listener.accept()
+                for sock in (a, b):
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                row.append((a, b))
+            pairs.append(row)
+    finally:
+        listener.close()
+    return pairs
+
+
+def _fork(own: list[socket.socket], pairs: list, body) -> tuple[int, int]:
+    """Fork a child that keeps only its `own` sockets (so a peer that dies is an end of file, not a wait), runs
+    `body` and writes its JSON report to a pipe; its pid and the pipe's read end."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(read_end)
+            for row in pairs:
+                for pair in row:
+                    for sock in pair:
+                        if sock not in own:
+                            sock.close()
+            os.write(write_end, json.dumps(body()).encode())
+            code = 0
+        except BaseException as e:  # the report says what failed; the exit code says that it did
+            os.write(write_end, json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    return pid, read_end
+
+
+def _report(role: str, index: int, pid: int, fd: int) -> dict:
+    chunks = []
+    while chunk := os.read(fd, 1 << 16):
+        chunks.append(chunk)
+    os.close(fd)
+    _, status = os.waitpid(pid, 0)
+    report = json.loads(b"".join(chunks) or b"{}")
+    if status or "error" in report or not report:
+        why = report.get("error", "no report")
+        raise RuntimeError(f"the floor's {role} {index} failed (wait status {status}): {why}")
+    return report
+
+
+def _serve_job(gn, socks: list[socket.socket], shape, index: int, servers: int, repeats: int, warmup: int) -> dict:
+    fds = [s.fileno() for s in socks]
+    if warmup:
+        gn.floor_serve(fds, shape, index, servers, warmup)
+    cpu = time.process_time()
+    gn.floor_serve(fds, shape, index, servers, repeats)
+    return {"cpu": time.process_time() - cpu}
+
+
+def _work_job(gn, socks: list[socket.socket], shape, rank: int, workers: int, repeats: int, warmup: int) -> dict:
+    # small whole numbers: every order of summing gives the same float32, so the check is exact
+    base = (np.arange(shape.size // 4) % 1021).astype(np.float32)
+    data, expected = base + rank, base * workers + workers * (workers - 1) // 2
+    out = np.zeros_like(data)
+    fds = [s.fileno() for s in socks]
+    for r in range(warmup):
+        gn.floor_push_pull(fds, shape, data, out, r)
+    seconds, cpu = [], time.process_time()
+    for r in range(warmup, warmup + repeats):
+        start = time.perf_counter()
+        gn.floor_push_pull(fds, shape, data, out, r)
+        seconds.append(time.perf_counter() - start)
+    cpu = time.process_time() - cpu
+    if not np.array_equal(out, expected):
+        raise AssertionError(f"worker {rank}: the sums came back wrong")
+    return {"seconds": seconds, "cpu": cpu}
+
+
+def available_modes() -> tuple[str, ...]:
+    """The shapes this installation can run: the native ones only where gradwire-native loads."""
+    return MODES if native.load().module is not None else PYTHON_MODES
+
+
+def run_job_bench(args, env: dict[str, str]) -> int:
+    """`gradwire bench --floor`: the native floor as a job (n workers, k servers, TCP loopback) beside gloo's ring and
+    gradwire's own job over TCP and over its default transport, alternated round by round; ratios to gloo's time."""
+    from gradwire.bench.runner import MiB, run_gloo, run_gradwire
+
+    mod = native.load()
+    if mod.module is None:
+        print(f"the native floor cannot run: {mod.reason}")
+        return 2
+    n, k, size = args.num_workers, args.num_servers, int(float(args.sizes.split(",")[0]) * MiB)
+    parts = [int(float(p) * 1024) for p in (args.partitions or "32,4096").split(",")]
+    times: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}
+    for _ in range(args.rounds):
+        for p in parts:
+            row = measure_job(n, k, p, size, args.repeats, args.warmup, "native")
+            times.setdefault(f"native floor, {p // 1024} KiB", []).append(row["seconds_per_call"])
+            cpu.setdefault(f"native floor, {p // 1024} KiB", []).append(
+                row["worker_cpu_seconds_per_gb"] + row["server_cpu_seconds_per_gb"]
+            )
+        for name, job in (("gradwire (defaults)", env), ("gradwire over TCP", env | {"GRADWIRE_TRANSPORT": "tcp"})):
+            for t in run_gradwire(n, k, [size], args.repeats, args.warmup, job):
+                times.setdefault(name, []).append(t.median)
+                cpu.setdefault(name, []).append(t.cpu_per_gb())
+        for t in run_gloo(n, [size], args.repeats, args.warmup):
+            times.setdefault("gloo ring", []).append(t.median)
+            cpu.setdefault("gloo ring", []).append(t.cpu_per_gb())
+    gloo = statistics.median(times["gloo ring"])
+    rows = [
+        {
+            "job": name,
+            "seconds": statistics.median(ts),
+            "x_gloo_speed": gloo / statistics.median(ts),
+            "cpu_seconds_per_gb": statistics.median(cpu[name]),
+            "rounds": ts,
+        }
+        for name, ts in times.items()
+    ]
+    if args.json:
+        for row in rows:
+            print(json.dumps(row | {"workers": n, "servers": k, "size_bytes": size}))
+        return 0
+    print(f"push_pull of {size / MiB:g} MiB, n={n} workers, k={k} servers, one host; medians of {args.rounds} rounds")
+    print()
+    print("| job | s per call | x gloo's speed | CPU s per GB (all processes) | each round's s |")
+    print("|---|---:|---:|---:|---|")
+    for r in rows:
+        each = ", ".join(f"{t:.4f}" for t in r["rounds"])
+        cells = f"{r['seconds']:.4f} | {r['x_gloo_speed']:.2f}x | {r['cpu_seconds_per_gb']:.2f}"
+        print(f"| {r['job']} | {cells} | {each} |")
+    return 0
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import statistics
 import subprocess
 import sys
 
-from gradwire.bench.floor import MODES
+from gradwire.bench.floor import available_modes
 from gradwire.bench.runner import MiB, Timing, run_gloo, run_gradwire
 
 KiB = 1 << 10
@@ -32,18 +32,19 @@ def run_partitions(args: argparse.Namespace, env: dict[str, str]) -> int:
     n, k = args.num_workers, args.num_servers
     runs: dict[int, list[Timing]] = {p: [] for p in parts}
     gloo: list[Timing] = []
-    floors: dict[tuple[str, int], list[dict]] = {(mode, p): [] for mode in MODES for p in parts}
+    modes = available_modes()  # the native shapes too, where gradwire-native is installed
+    floors: dict[tuple[str, int], list[dict]] = {(mode, p): [] for mode in modes for p in parts}
     for _ in range(args.rounds):
         for p in parts:
             job = env | {"GRADWIRE_PARTITION_BYTES": str(p), "GRADWIRE_TRANSPORT": "tcp"}
             runs[p] += run_gradwire(n, k, [size], args.repeats, args.warmup, job)
-            for mode in MODES:
+            for mode in modes:
                 floors[mode, p].append(run_floor(p, size, FLOOR_REPEATS, mode))
         gloo += run_gloo(n, [size], args.repeats, args.warmup)
     rows = [_row(p, runs[p]) for p in parts]
     base = rows[-1] if rows else None
     gloo_cpu = statistics.median(t.cpu_per_gb() for t in gloo)
-    floor_rows = [_floor_row(mode, p, floors[mode, p]) for mode in MODES for p in parts]
+    floor_rows = [_floor_row(mode, p, floors[mode, p]) for mode in modes for p in parts]
     if args.json:
         for row in rows + floor_rows:
             print(json.dumps(row | {"gloo_cpu_seconds_per_gb": gloo_cpu}))
@@ -80,7 +81,7 @@ def floor_table(rows: list[dict], size: int) -> str:
         "| worker | partition | workers' CPU s/GB | x largest | servers' CPU s/GB | x largest |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    for mode in MODES:
+    for mode in dict.fromkeys(r["floor"] for r in rows):
         mine = [r for r in rows if r["floor"] == mode]
         for row in mine:
             lines.append(f"| {mode} | {row['partition_bytes'] / KiB:g} KiB | {_cpu_cells(row, mine[-1])} |")

@@ -1,7 +1,7 @@
 """The calls a training process makes: push_pull (allreduce), reduce-scatter, gather (allgather, broadcast,
-alltoall) and a server-side update (worker/updates.py), each asynchronous with a handle to synchronize; and hvd.join. A call numbers the
-tensor's next round, cuts it into its partitions (a `Work` each) and submits each to its server's link, at once or
-when the tensor's declaration completes.
+alltoall) and a server-side update (worker/updates.py), each asynchronous with a handle to synchronize; and hvd.join.
+A call numbers the tensor's next round, cuts it into its partitions (a `Work` each) and submits each to its server's
+link, at once or when the tensor's declaration completes.
 """
 
 from __future__ import annotations

@@ -1,0 +1,181 @@
+// A link: one non-blocking stream socket carrying frames, with nothing allocated per frame.
+//
+// Sending: frames are queued (the header copied into the queue, the payload borrowed until sent) and `flush` hands
+// as many as the socket takes to one sendmsg (up to kMaxIov buffers: several frames a system call, as gloo's pairs
+// write a frame with one writev). Receiving: `receive` reads until the socket is empty; a payload lands straight in
+// the buffer its sink names for that header, and the same recvmsg reads ahead into the next header, so a frame in
+// the steady state costs one system call. A sink that names no buffer (nullptr: no slot free) stops the reading with
+// the header kept, and the next `receive` asks again: backpressure, never an unbounded buffer.
+//
+// Not thread-safe: one thread owns a link (the loop that polls its socket).
+#pragma once
+
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "frames.hpp"
+
+namespace gradwire {
+
+// The peer broke the protocol (a header that does not validate, a frame the sink refuses): drop the connection.
+struct ProtocolError : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
+
+// The connection closed or failed.
+struct LinkClosed : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
+
+class Link {
+   public:
+    static constexpr size_t kMaxIov = 64;
+
+    // Takes the socket `fd` (not its ownership) and makes it non-blocking until the link is destroyed.
+    Link(int fd, uint64_t max_payload, size_t queue_capacity = 64);
+    ~Link();
+    Link(const Link&) = delete;
+    Link& operator=(const Link&) = delete;
+
+    int fd() const { return fd_; }
+
+    // Frames queued and not yet wholly sent.
+    size_t queued() const { return tail_ - head_; }
+    bool can_queue() const { return queued() < queue_.size(); }
+
+    // Queue a frame; `payload` (h.length bytes) must stay valid until `flush` reports the frame sent.
+    // Throws std::logic_error when the queue is full (callers check can_queue: their windows bound it).
+    void queue(const Header& h, const uint8_t* payload, uint64_t tag);
+
+    // Send what the socket takes; `sent(tag)` is called for each frame wholly sent, in order.
+    // True when the queue is empty. Throws LinkClosed when the socket fails.
+    template <typename Sent>
+    bool flush(Sent&& sent);
+
+    // Read what has arrived. For each header, `sink.destination(h)` checks it (throwing ProtocolError to refuse it) and
+    // names where its payload goes (nullptr: not now; for an empty payload any other pointer means go on);
+    // `sink.arrived(h, data)` is called once the payload is in. Between frames, reading stops once
+    // `sink.expecting()` is false (a peer that has sent all it owes may close: that end of file is no error).
+    // Throws ProtocolError or LinkClosed.
+    template <typename Sink>
+    void receive(Sink& sink);
+
+   private:
+    struct Outgoing {
+        uint8_t header[kHeaderSize];
+        const uint8_t* payload;
+        uint64_t length;
+        uint64_t tag;
+    };
+    enum class Reading { kHeader, kDestination, kPayload };
+
+    Outgoing& at(size_t i) { return queue_[i & (queue_.size() - 1)]; }
+    bool header_in();  // decode the header buffer; false while it is incomplete
+    [[noreturn]] void fail(const char* what, int err);
+
+    int fd_;
+    int flags_;
+    uint64_t max_payload_;
+    std::vector<Outgoing> queue_;  // a ring: capacity a power of two, head_ and tail_ count up
+    size_t head_ = 0, tail_ = 0;
+    size_t head_sent_ = 0;  // bytes of the head frame (header and payload) already sent
+    iovec iov_[kMaxIov];
+
+    Reading reading_ = Reading::kHeader;
+    uint8_t header_bytes_[kHeaderSize];
+    size_t header_got_ = 0;
+    Header header_;
+    uint8_t* destination_ = nullptr;
+    uint64_t payload_got_ = 0;
+};
+
+template <typename Sent>
+bool Link::flush(Sent&& sent) {
+    while (head_ != tail_) {
+        size_t n = 0;
+        for (size_t i = head_; i != tail_ && n + 2 <= kMaxIov; ++i) {
+            Outgoing& o = at(i);
+            const size_t skip = i == head_ ? head_sent_ : 0;  // only the head frame can be part-sent
+            if (skip < kHeaderSize) iov_[n++] = {o.header + skip, kHeaderSize - skip};
+            const size_t payload_skip = skip > kHeaderSize ? skip - kHeaderSize : 0;
+            if (o.length > payload_skip)
+                iov_[n++] = {const_cast<uint8_t*>(o.payload) + payload_skip, o.length - payload_skip};
+        }
+        msghdr msg{};
+        msg.msg_iov = iov_;
+        msg.msg_iovlen = n;
+        const ssize_t wrote = ::sendmsg(fd_, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (wrote < 0) {
+            if (errno == EAGAIN || errno == EWOULDBLOCK) return false;
+            if (errno == EINTR) continue;
+            fail("send", errno);
+        }
+        size_t left = size_t(wrote) + head_sent_;
+        while (head_ != tail_) {  // retire the frames wholly sent
+            Outgoing& o = at(head_);
+            const size_t whole = kHeaderSize + o.length;
+            if (left < whole) break;
+            left -= whole;
+            ++head_;
+            sent(o.tag);
+        }
+        head_sent_ = left;
+    }
+    return true;
+}
+
+template <typename Sink>
+void Link::receive(Sink& sink) {
+    for (;;) {
+        if (reading_ == Reading::kHeader && !header_in()) {
+            if (header_got_ == 0 && !sink.expecting()) return;
+            const ssize_t got = ::recv(fd_, header_bytes_ + header_got_, kHeaderSize - header_got_, MSG_DONTWAIT);
+            if (got == 0) throw LinkClosed("the peer closed the connection");
+            if (got < 0) {
+                if (errno == EAGAIN || errno == EWOULDBLOCK) return;
+                if (errno == EINTR) continue;
+                fail("receive", errno);
+            }
+            header_got_ += size_t(got);
+            continue;
+        }
+        if (reading_ == Reading::kDestination) {
+            // every frame is the sink's to check, an empty one too (its destination is then only a yes)
+            destination_ = sink.destination(static_cast<const Header&>(header_));
+            if (destination_ == nullptr) return;  // no room: asked again at the next receive
+            reading_ = Reading::kPayload;
+            payload_got_ = 0;
+        }
+        if (payload_got_ < header_.length) {
+            // the payload's rest straight into its destination, and the next header along with it
+            iovec iov[2] = {{destination_ + payload_got_, header_.length - payload_got_},
+                            {header_bytes_, kHeaderSize}};
+            msghdr msg{};
+            msg.msg_iov = iov;
+            msg.msg_iovlen = 2;
+            const ssize_t got = ::recvmsg(fd_, &msg, MSG_DONTWAIT);
+            if (got == 0) throw LinkClosed("the peer closed the connection in the middle of a frame");
+            if (got < 0) {
+                if (errno == EAGAIN || errno == EWOULDBLOCK) return;
+                if (errno == EINTR) continue;
+                fail("receive", errno);
+            }
+            const uint64_t into_payload = std::min<uint64_t>(uint64_t(got), header_.length - payload_got_);
+            payload_got_ += into_payload;
+            header_got_ = size_t(uint64_t(got) - into_payload);  // read ahead: the next header's first bytes
+            if (payload_got_ < header_.length) continue;
+        }
+        reading_ = Reading::kHeader;
+        const Header done = header_;
+        sink.arrived(done, destination_);
+    }
+}
+
+}  // namespace gradwire

@@ -1,0 +1,139 @@
+// gradwire_native._core: the native parts of gradwire's data path, bound with nanobind.
+//
+// Every call that moves or sums bytes releases the GIL for its whole length. Buffers cross as nanobind ndarrays
+// (numpy, DLPack: torch, JAX and TensorFlow tensors without a copy); a call checks their sizes before touching them.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include "floor.hpp"
+#include "frames.hpp"
+#include "link.hpp"
+#include "sums.hpp"
+
+namespace nb = nanobind;
+using namespace gradwire;
+
+namespace {
+
+using Bytes = nb::ndarray<nb::device::cpu, nb::c_contig>;  // any dtype: sized in bytes
+
+nb::tuple decode(nb::bytes raw, uint64_t max_payload) {
+    if (raw.size() != kHeaderSize)
+        throw nb::value_error(("a header is " + std::to_string(kHeaderSize) + " bytes, not " +
+                               std::to_string(raw.size())).c_str());
+    const auto* bytes = reinterpret_cast<const uint8_t*>(raw.c_str());
+    Header h;
+    const HeaderError error = decode_header(bytes, max_payload, h);
+    if (error != HeaderError::kOk) throw nb::value_error(describe(error, bytes, max_payload).c_str());
+    return nb::make_tuple(h.type, h.flags, h.dtype, h.epoch, h.sender, h.key, h.round, h.status, h.length);
+}
+
+nb::bytes encode(uint8_t type, uint64_t length, uint8_t flags, uint8_t dtype, uint32_t epoch, uint32_t sender,
+                 uint64_t key, uint32_t round, uint32_t status) {
+    Header h;
+    h.type = type;
+    h.flags = flags;
+    h.dtype = dtype;
+    h.epoch = epoch;
+    h.sender = sender;
+    h.key = key;
+    h.round = round;
+    h.status = status;
+    h.length = length;
+    uint8_t out[kHeaderSize];
+    encode_header(h, out);
+    return nb::bytes(reinterpret_cast<const char*>(out), kHeaderSize);
+}
+
+// The element count of a wire buffer and an accumulator buffer of dtype code `dtype`, checked to agree.
+size_t elements(uint8_t dtype, const Bytes& wire, const Bytes& acc) {
+    const size_t wire_size = itemsize(dtype), acc_size = accumulator_itemsize(dtype);
+    if (wire_size == 0 || acc_size == 0) throw nb::value_error(("unknown dtype code " + std::to_string(dtype)).c_str());
+    if (wire.nbytes() % wire_size || acc.nbytes() != wire.nbytes() / wire_size * acc_size)
+        throw nb::value_error(("a wire buffer of " + std::to_string(wire.nbytes()) + " bytes and an accumulator of " +
+                               std::to_string(acc.nbytes()) + " bytes hold different numbers of dtype=" +
+                               std::to_string(dtype) + " elements").c_str());
+    return wire.nbytes() / wire_size;
+}
+
+
+}  // namespace
+
+NB_MODULE(_core, m) {
+    m.doc() = "gradwire's native data path (C++17): frames, sums, and the native floor";
+    m.attr("HEADER_SIZE") = kHeaderSize;
+    m.attr("MAX_CONTROL_BYTES") = kMaxControlBytes;
+
+    m.def("decode_header", &decode, nb::arg("raw"), nb::arg("max_payload"),
+          "Decode and validate a 40-byte header: (type, flags, dtype, epoch, sender, key, round, status, length). "
+          "Raises ValueError with protocol/frames.py's message for the same bytes.");
+    m.def("encode_header", &encode, nb::arg("type"), nb::arg("length"), nb::kw_only(), nb::arg("flags") = 0,
+          nb::arg("dtype") = 0, nb::arg("epoch") = 0, nb::arg("sender") = 0, nb::arg("key") = 0, nb::arg("round") = 0,
+          nb::arg("status") = 0, "A 40-byte header, packed as protocol/frames.py packs it.");
+
+    m.def(
+        "widen",
+        [](uint8_t dtype, Bytes wire, Bytes acc) {
+            const size_t n = elements(dtype, wire, acc);
+            nb::gil_scoped_release released;
+            widen(dtype, wire.data(), acc.data(), n);
+        },
+        nb::arg("dtype"), nb::arg("wire"), nb::arg("acc"), "acc = wire, widened to the accumulator's type.");
+    m.def(
+        "add_into",
+        [](uint8_t dtype, Bytes acc, Bytes wire) {
+            const size_t n = elements(dtype, wire, acc);
+            nb::gil_scoped_release released;
+            add_into(dtype, acc.data(), wire.data(), n);
+        },
+        nb::arg("dtype"), nb::arg("acc"), nb::arg("wire"), "acc += wire, in the accumulator's precision.");
+    m.def(
+        "narrow",
+        [](uint8_t dtype, Bytes acc, Bytes out) {
+            const size_t n = elements(dtype, out, acc);
+            nb::gil_scoped_release released;
+            narrow(dtype, acc.data(), out.data(), n);
+        },
+        nb::arg("dtype"), nb::arg("acc"), nb::arg("out"), "out = acc, narrowed to the wire type.");
+
+    nb::class_<floor::Shape>(m, "FloorShape")
+        .def(nb::init<uint64_t, uint64_t, uint64_t, uint64_t>(), nb::arg("size"), nb::arg("partition"),
+             nb::arg("parts"), nb::arg("window"))
+        .def_rw("size", &floor::Shape::size)
+        .def_rw("partition", &floor::Shape::partition)
+        .def_rw("parts", &floor::Shape::parts)
+        .def_rw("window", &floor::Shape::window);
+    m.def(
+        "floor_serve",
+        [](std::vector<int> fds, const floor::Shape& shape, uint64_t index, uint64_t servers, uint64_t repeats) {
+            nb::gil_scoped_release released;
+            floor::serve(fds, shape, index, servers, repeats);
+        },
+        nb::arg("fds"), nb::arg("shape"), nb::arg("index"), nb::arg("servers"), nb::arg("repeats"),
+        "The native floor's server `index` of `servers`: answer `repeats` calls from the workers on the sockets `fds` "
+        "(blocks, without the GIL).");
+    m.def(
+        "floor_push_pull",
+        [](std::vector<int> fds, const floor::Shape& shape, Bytes data, Bytes out, uint32_t round) {
+            if (data.nbytes() != shape.size || out.nbytes() != shape.size)
+                throw nb::value_error("the floor's input and output must each hold shape.size bytes");
+            nb::gil_scoped_release released;
+            floor::push_pull(fds, shape, static_cast<const uint8_t*>(data.data()), static_cast<uint8_t*>(out.data()),
+                             round);
+        },
+        nb::arg("fds"), nb::arg("shape"), nb::arg("data"), nb::arg("out"), nb::arg("round"),
+        "The native floor's worker: one push_pull of data into out through the servers on `fds` (fds[i] is server i; "
+        "blocks, without the GIL).");
+
+    nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+        try {
+            std::rethrow_exception(p);
+        } catch (const ProtocolError& e) {
+            PyErr_SetString(PyExc_ValueError, e.what());
+        } catch (const LinkClosed& e) {
+            PyErr_SetString(PyExc_ConnectionError, e.what());
+        }
+    });
+}

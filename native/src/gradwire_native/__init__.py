@@ -1,0 +1,30 @@
+"""gradwire's native data path (C++17 via nanobind). gradwire imports it through gradwire/native.py only."""
+
+from gradwire_native._core import (
+    HEADER_SIZE,
+    FloorShape,
+    MAX_CONTROL_BYTES,
+    add_into,
+    decode_header,
+    encode_header,
+    floor_push_pull,
+    floor_serve,
+    narrow,
+    widen,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FloorShape",
+    "HEADER_SIZE",
+    "MAX_CONTROL_BYTES",
+    "__version__",
+    "add_into",
+    "decode_header",
+    "encode_header",
+    "floor_push_pull",
+    "floor_serve",
+    "narrow",
+    "widen",
+]
