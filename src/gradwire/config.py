@@ -49,6 +49,7 @@ class Config:
     frame_timeout: float = 60.0
     max_pending_handshakes: int = 64
     transport: str = "auto"
+    datapath: str = "auto"
     socket_buffer_bytes: int = 0
     switch_interval: float = 0.0005
     log_level: str = "WARNING"
@@ -202,6 +203,8 @@ class Config:
                 raise ConfigError(f"GRADWIRE_{name.upper()} must be >= 0, got {getattr(self, name)}")
         if self.transport not in ("auto", "unix", "tcp"):
             raise ConfigError(f"GRADWIRE_TRANSPORT must be auto, unix or tcp, got {self.transport!r}")
+        if self.datapath not in ("auto", "native", "python"):
+            raise ConfigError(f"GRADWIRE_DATAPATH must be auto, native or python, got {self.datapath!r}")
 
     def _check_membership(self) -> None:
         """Who may join (elastic bounds, standby servers), where servers go, and how long anything may wait."""

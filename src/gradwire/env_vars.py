@@ -141,6 +141,14 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "otherwise; `unix`: Unix sockets without shared memory; `tcp`: always TCP",
     ),
     EnvVar(
+        "GRADWIRE_DATAPATH",
+        "datapath",
+        (),
+        "`auto`: the native data path (gradwire-native) where it is installed at gradwire's version, else the Python "
+        "one (an info line says why); `native`: the native one or an error saying why not; `python`: the Python one. "
+        "Today the native path covers the servers' sums (docs/native.md)",
+    ),
+    EnvVar(
         "GRADWIRE_SOCKET_BUFFER_BYTES",
         "socket_buffer_bytes",
         (),

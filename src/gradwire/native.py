@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 from types import ModuleType
 from typing import NamedTuple
 
 from gradwire._version import VERSION
+from gradwire.errors import ConfigError
+
+log = logging.getLogger("gradwire.native")
+DATAPATHS = ("auto", "native", "python")  # GRADWIRE_DATAPATH's values
 
 
 class Native(NamedTuple):
@@ -33,6 +38,28 @@ def load() -> Native:
     if found != VERSION:
         return Native(None, f"gradwire-native {found} does not match gradwire {VERSION}; reinstall it from this tree")
     return Native(module, f"gradwire-native {found}")
+
+
+def for_datapath(datapath: str) -> ModuleType | None:
+    """The extension a node's data path uses under GRADWIRE_DATAPATH=`datapath`, or None for the Python path.
+
+    `auto`: native where it loads, else Python with one info line saying why; `native`: it must load (ConfigError
+    saying why not); `python`: None. What the native path covers today: docs/native.md."""
+    if datapath not in DATAPATHS:
+        raise ConfigError(f"GRADWIRE_DATAPATH must be one of {', '.join(DATAPATHS)}, got {datapath!r}")
+    if datapath == "python":
+        return None
+    loaded = load()
+    if loaded.module is None and datapath == "native":
+        raise ConfigError(f"GRADWIRE_DATAPATH=native, but {loaded.reason}")
+    if loaded.module is None:
+        _say_once(f"the Python data path: {loaded.reason}")
+    return loaded.module
+
+
+@functools.cache
+def _say_once(line: str) -> None:
+    log.info(line)
 
 
 def require() -> ModuleType:

@@ -61,6 +61,7 @@ from gradwire.server.receipts import Receipts
 from gradwire.server.rounds import Ack, Batching, Fail, FailRank, Forward, KeyOp, KeyState, Reply, Round
 from gradwire.server.seeding import Seeding
 from gradwire.server.staging import BufferPool
+from gradwire.server.sums import NUMPY, Sums
 from gradwire.transport.shm import NO_SLOT
 
 log = logging.getLogger("gradwire.server")
@@ -83,8 +84,10 @@ class Engine(Landing, Seeding, Membership):
         fail_rank: FailRank | None = None,
         batching: Batching | None = None,
         receipts: Receipts | None = None,
+        sums: Sums = NUMPY,
     ) -> None:
         self.index = index
+        self.sums = sums  # numpy's or the native kernels (server/sums.py): each key's state adds with these
         self.receipts = receipts  # whom each held round was answered to, until all have it (server/receipts.py)
         self._batching = batching  # replies held over a batch, sent at its end (server/replier.py); None: at once
         self._fail_rank = fail_rank
@@ -176,7 +179,7 @@ class Engine(Landing, Seeding, Membership):
         """
         if key not in self.keys:
             state = KeyState(dtype, length, self.num_workers, name, op, slices, members, key=key)
-            state.pool = self.pool
+            state.pool, state.sums = self.pool, self.sums
             self.keys[key] = state
 
     def answer_one(self, slot: Slot, payload: memoryview) -> None:
@@ -205,7 +208,7 @@ class Engine(Landing, Seeding, Membership):
             slices = state.slices if same else None
             members = state.members if same else None
             fresh = KeyState(state.dtype, state.nbytes, num_workers, state.name, state.op, slices, members, state, key)
-            fresh.pool = self.pool
+            fresh.pool, fresh.sums = self.pool, self.sums
             self.keys[key] = fresh
 
     def check(self, key: int, dtype: int, length: int) -> str | None:
@@ -323,7 +326,7 @@ class Engine(Landing, Seeding, Membership):
         state.landable = True
         state.op.finish(state, r)
         if state.narrow:
-            dtypes.narrow(state.dtype, r.acc, r.out)
+            state.sums.narrow(state.dtype, r.acc, r.out)
         state.op.answer(self, state, key, code, r, state.everyone & ~r.virtual)
 
     def answer_round(self, key: int, code: int, r: Round, ranks: int, sent: Callable[[], None] | None = None) -> None:

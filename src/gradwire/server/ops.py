@@ -41,11 +41,11 @@ class Reduce(KeyOp):
     def add(self, state: KeyState, r: Round, dtype: dtypes.DType, wire: np.ndarray, first: bool) -> None:
         acc = r.acc
         if first:
-            dtypes.widen(dtype, wire, acc)
+            state.sums.widen(dtype, wire, acc)
         elif self.ufunc is np.add:
-            dtypes.add_into(dtype, acc, wire, state.scratch)
+            state.sums.add_into(dtype, acc, wire, state.scratch)
         elif dtype.accumulate != dtype.wire:  # float16 and bfloat16: widened first
-            dtypes.widen(dtype, wire, state.scratch)
+            state.sums.widen(dtype, wire, state.scratch)
             self.ufunc(acc, state.scratch, out=acc)
         else:
             self.ufunc(acc, wire, out=acc, casting="unsafe")
@@ -65,7 +65,7 @@ class Gather(KeyOp):
         if end > len(r.acc):
             raise TensorError(f"gather {state.name!r}: contributions of {end} elements overflow the key's {len(r.acc)}")
         if len(wire):
-            dtypes.widen(dtype, wire, r.acc[start:end])
+            state.sums.widen(dtype, wire, r.acc[start:end])
         r.filled = end
 
     def check(self, state: KeyState, r: Round) -> None:

@@ -96,7 +96,7 @@ class ServerUpdate(KeyOp):
             if first:
                 np.copyto(acc, data)
             else:
-                dtypes.add_into(dtype, acc, data, state.scratch)
+                state.sums.add_into(dtype, acc, data, state.scratch)
         elif first:  # INIT: the first member's parameters
             np.copyto(acc, data)
 

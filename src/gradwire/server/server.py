@@ -33,6 +33,7 @@ from gradwire.server.receipts import Receipts
 from gradwire.server.replica import Replicas
 from gradwire.server.replier import WorkerLink
 from gradwire.server.state import ServerState
+from gradwire.server.sums import for_datapath
 from gradwire.throttle import HandshakeGate
 from gradwire.transport import endpoints, tcp
 
@@ -55,6 +56,7 @@ class Server:
         self.reader = Reader(state)
         self.control = ServerControl(state)
         self.outgoing = Outgoing(state)  # what the engines send the workers
+        self.sums = for_datapath(config.datapath)  # the engines' sums: numpy's or native (GRADWIRE_DATAPATH)
         state.receipts = Receipts(self.outgoing.everyone)
         self._listener = endpoints.listen(config.host, 0)
         self.port = self._listener.getsockname()[1]
@@ -154,6 +156,7 @@ class Server:
             forward=state.replicas.forward,
             batching=self.outgoing.held,
             receipts=state.receipts,
+            sums=self.sums,
         )
 
     def _gauges(self) -> None:
