@@ -11,7 +11,9 @@ from a profile instead (bench/replay.py: `gradwire bench --netem --scale`). The 
 - `optimizer-onebit`, `optimizer-topk`, `optimizer-powersgd`: DistributedOptimizer with the servers' compressors
   (onebit, top-k 1%, error feedback) and PowerSGD rank 2 through the servers (docs/compression.md); `ddp-powersgd`: DDP
   over gloo with torch's PowerSGD hook (rank 2), the peer's own compression; `hook-powersgd`: DDP with gradwire's
-  comm hook carrying PowerSGD rank 2 through the servers.
+  comm hook carrying PowerSGD rank 2 through the servers;
+- `optimizer-fp16`, `optimizer-bf16`: DistributedOptimizer with Horovod's `Compression.fp16` and `.bf16` (gradients
+  travel in half precision; the servers sum them in float32, with numpy's or the native kernels: GRADWIRE_DATAPATH).
 Rank 0 prints one JSON line: every timed step's seconds, the samples per step, the parameter count, and gradwire's
 partition size at the start and at the end. With GRADWIRE_BENCH_PROGRESS set, rank 0 also writes its last finished
 step there (`gradwire bench --netem --train --drift` changes the links' rate once the warmup steps are done).
@@ -195,6 +197,8 @@ def _distributed(way: str) -> tuple:
             "optimizer-onebit": gw.Compression.onebit(),
             "optimizer-topk": gw.Compression.topk(0.01),
             "optimizer-powersgd": gw.Compression.powersgd(rank=2, start_iter=2),  # as the ddp-powersgd way
+            "optimizer-fp16": gw.Compression.fp16,
+            "optimizer-bf16": gw.Compression.bf16,
         }
         named = net.named_parameters()
         return (
