@@ -18,6 +18,7 @@ from gradwire.tuning import Tuning, parse_rate
 
 KiB = 1 << 10
 MiB = 1 << 20
+DATAPATHS = ("auto", "native", "python")  # GRADWIRE_DATAPATH's values (gradwire/native.py)
 
 
 @dataclass(frozen=True)
@@ -203,7 +204,7 @@ class Config:
                 raise ConfigError(f"GRADWIRE_{name.upper()} must be >= 0, got {getattr(self, name)}")
         if self.transport not in ("auto", "unix", "tcp"):
             raise ConfigError(f"GRADWIRE_TRANSPORT must be auto, unix or tcp, got {self.transport!r}")
-        if self.datapath not in ("auto", "native", "python"):
+        if self.datapath not in DATAPATHS:
             raise ConfigError(f"GRADWIRE_DATAPATH must be auto, native or python, got {self.datapath!r}")
 
     def _check_membership(self) -> None:

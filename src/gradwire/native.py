@@ -14,10 +14,10 @@ from types import ModuleType
 from typing import NamedTuple
 
 from gradwire._version import VERSION
+from gradwire.config import DATAPATHS
 from gradwire.errors import ConfigError
 
 log = logging.getLogger("gradwire.native")
-DATAPATHS = ("auto", "native", "python")  # GRADWIRE_DATAPATH's values
 
 
 class Native(NamedTuple):
