@@ -2,7 +2,8 @@
 kernels (gradwire-native's sums.cpp), which give the same bytes for every dtype (tests/native/test_sums.py).
 
 The native kernels make one pass where numpy makes several for float16 and bfloat16 (a bfloat16 push is widened into
-a scratch buffer through two temporary arrays before numpy adds it), and release the GIL while they add.
+a scratch buffer through two temporary arrays before numpy adds it), and release the GIL while they add; for every
+other dtype numpy's own loop is as fast or faster, and is kept (`NativeSums`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,10 @@ class Sums:
 
 
 class NativeSums(Sums):
-    """The native kernels: the same contract and bytes; no scratch needed."""
+    """The native kernels where they beat numpy's, float16 and bfloat16 (one pass each way; 3-11x numpy's time on
+    keys of 32 KiB to 4 MiB, docs/native.md); every other dtype is numpy's single vectorised pass, which numpy
+    dispatches to the CPU's widest vectors and which the native float32 add (its NaN-order blend) trails by up to a
+    fifth on keys that fit in L2. The same bytes either way."""
 
     name = "native"
 
@@ -42,15 +46,25 @@ class NativeSums(Sums):
         self._widen, self._add_into, self._narrow = module.widen, module.add_into, module.narrow
 
     def widen(self, dtype: dtypes.DType, wire: np.ndarray, acc: np.ndarray) -> None:
-        self._widen(dtype.code, wire, acc)
+        if dtype.code in HALVES:
+            self._widen(dtype.code, wire, acc)
+        else:
+            dtypes.widen(dtype, wire, acc)
 
     def add_into(self, dtype: dtypes.DType, acc: np.ndarray, wire: np.ndarray, scratch: np.ndarray) -> None:
-        self._add_into(dtype.code, acc, wire)
+        if dtype.code in HALVES:
+            self._add_into(dtype.code, acc, wire)
+        else:
+            dtypes.add_into(dtype, acc, wire, scratch)
 
     def narrow(self, dtype: dtypes.DType, acc: np.ndarray, out: np.ndarray) -> None:
-        self._narrow(dtype.code, acc, out)
+        if dtype.code in HALVES:
+            self._narrow(dtype.code, acc, out)
+        else:
+            dtypes.narrow(dtype, acc, out)
 
 
+HALVES = frozenset({dtypes.FLOAT16.code, dtypes.BFLOAT16.code})  # summed in float32: where the native kernels win
 NUMPY = Sums()
 
 
