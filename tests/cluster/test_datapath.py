@@ -88,3 +88,17 @@ def test_auto_without_the_extension_says_why_once(monkeypatch, caplog):
 def test_an_unknown_data_path_is_refused():
     with pytest.raises(ConfigError, match="GRADWIRE_DATAPATH must be auto, native or python"):
         LocalCluster(num_workers=1, num_servers=1, datapath="fast")
+
+
+def test_each_key_adds_with_its_dtypes_sums_chosen_once():
+    """Native kernels for float16 and bfloat16 keys, numpy's loop for the rest (faster there), chosen at declaration."""
+    if native.load().module is None:
+        pytest.skip(native.load().reason)
+    with LocalCluster(num_workers=2, num_servers=1, datapath="native") as c:
+        for name, dt in DTYPES:
+            pushed = lambda w, name=name, dt=dt: _contribution(w.rank, name, dt, 100)  # noqa: E731
+            c.run(
+                lambda w, name=name, pushed=pushed: w.synchronize(w.push_pull_async(pushed(w), f"k-{name}", dtype=name))
+            )
+        chosen = {s.dtype.name: s.sums.name for e in c.servers[0].engines for s in e.keys.values()}
+    assert chosen == {name: "native" if name in ("float16", "bfloat16") else "python" for name, _ in DTYPES}

@@ -87,7 +87,7 @@ class Engine(Landing, Seeding, Membership):
         sums: Sums = NUMPY,
     ) -> None:
         self.index = index
-        self.sums = sums  # numpy's or the native kernels (server/sums.py): each key's state adds with these
+        self.sums = sums  # numpy's or the native kernels (server/sums.py): each key's state adds with its dtype's
         self.receipts = receipts  # whom each held round was answered to, until all have it (server/receipts.py)
         self._batching = batching  # replies held over a batch, sent at its end (server/replier.py); None: at once
         self._fail_rank = fail_rank
@@ -179,7 +179,7 @@ class Engine(Landing, Seeding, Membership):
         """
         if key not in self.keys:
             state = KeyState(dtype, length, self.num_workers, name, op, slices, members, key=key)
-            state.pool, state.sums = self.pool, self.sums
+            state.pool, state.sums = self.pool, self.sums.for_dtype(dtype)
             self.keys[key] = state
 
     def answer_one(self, slot: Slot, payload: memoryview) -> None:
@@ -208,7 +208,7 @@ class Engine(Landing, Seeding, Membership):
             slices = state.slices if same else None
             members = state.members if same else None
             fresh = KeyState(state.dtype, state.nbytes, num_workers, state.name, state.op, slices, members, state, key)
-            fresh.pool, fresh.sums = self.pool, self.sums
+            fresh.pool, fresh.sums = self.pool, self.sums.for_dtype(state.dtype)
             self.keys[key] = fresh
 
     def check(self, key: int, dtype: int, length: int) -> str | None:

@@ -21,6 +21,10 @@ class Sums:
 
     name = "python"
 
+    def for_dtype(self, dtype: dtypes.DType) -> Sums:
+        """The sums a key of `dtype` adds with (decided once, when the key is declared)."""
+        return self
+
     def widen(self, dtype: dtypes.DType, wire: np.ndarray, acc: np.ndarray) -> None:
         """acc = wire, in the accumulator's type (a round's first contribution)."""
         dtypes.widen(dtype, wire, acc)
@@ -35,33 +39,27 @@ class Sums:
 
 
 class NativeSums(Sums):
-    """The native kernels where they beat numpy's, float16 and bfloat16 (one pass each way; 3-11x numpy's time on
-    keys of 32 KiB to 4 MiB, docs/native.md); every other dtype is numpy's single vectorised pass, which numpy
+    """The native kernels, for the keys where they beat numpy's: float16 and bfloat16 (one pass each way; 3-11x numpy's
+    speed on keys of 32 KiB to 4 MiB, docs/native.md). Every other dtype is numpy's single vectorised pass, which numpy
     dispatches to the CPU's widest vectors and which the native float32 add (its NaN-order blend) trails by up to a
-    fifth on keys that fit in L2. The same bytes either way."""
+    fifth on keys that fit in L2: `for_dtype` gives those keys numpy's sums. The same bytes either way."""
 
     name = "native"
 
     def __init__(self, module: ModuleType) -> None:
         self._widen, self._add_into, self._narrow = module.widen, module.add_into, module.narrow
 
+    def for_dtype(self, dtype: dtypes.DType) -> Sums:
+        return self if dtype.code in HALVES else NUMPY
+
     def widen(self, dtype: dtypes.DType, wire: np.ndarray, acc: np.ndarray) -> None:
-        if dtype.code in HALVES:
-            self._widen(dtype.code, wire, acc)
-        else:
-            dtypes.widen(dtype, wire, acc)
+        self._widen(dtype.code, wire, acc)
 
     def add_into(self, dtype: dtypes.DType, acc: np.ndarray, wire: np.ndarray, scratch: np.ndarray) -> None:
-        if dtype.code in HALVES:
-            self._add_into(dtype.code, acc, wire)
-        else:
-            dtypes.add_into(dtype, acc, wire, scratch)
+        self._add_into(dtype.code, acc, wire)
 
     def narrow(self, dtype: dtypes.DType, acc: np.ndarray, out: np.ndarray) -> None:
-        if dtype.code in HALVES:
-            self._narrow(dtype.code, acc, out)
-        else:
-            dtypes.narrow(dtype, acc, out)
+        self._narrow(dtype.code, acc, out)
 
 
 HALVES = frozenset({dtypes.FLOAT16.code, dtypes.BFLOAT16.code})  # summed in float32: where the native kernels win
