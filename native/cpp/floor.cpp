@@ -119,15 +119,15 @@ class Server {
     }
 
     void run(uint64_t repeats) {
-        const uint64_t total = total_ = mine_ * repeats;
+        total_ = mine_ * repeats;
         std::vector<epoll_event> ready(links_.size());
-        while (answered_ < total || sending()) {
+        while (answered_ < total_ || sending()) {
             // no reading past the last key: a worker's next call must stay in the socket for the next `serve`
             for (size_t i = 0; i < links_.size(); ++i) {
-                if (answered_ == total && links_[i]->queued() == 0)
+                if (answered_ == total_ && links_[i]->queued() == 0)
                     poll_.remove(i);  // done with this worker until the next call
                 else
-                    poll_.want(i, answered_ < total && !blocked_[i], links_[i]->queued() > 0);
+                    poll_.want(i, answered_ < total_ && !blocked_[i], links_[i]->queued() > 0);
             }
             const int n = poll_.wait(ready.data(), int(ready.size()));
             for (int e = 0; e < n; ++e) {
@@ -171,13 +171,14 @@ class Server {
 
     void arrived(Sink& sink, const Header& h, uint8_t* data) {
         Slot& slot = *sink.slot;
-        if (reinterpret_cast<float*>(data) != slot.acc.get() && !slot.first_in) {
+        const bool in_place = reinterpret_cast<float*>(data) == slot.acc.get();  // the key's first contribution
+        if (!in_place && !slot.first_in) {
             // the accumulator's own contribution is still arriving: hold this one (and its link's reading) until then
             slot.waiting.push_back(sink.link);
             held_[sink.link] = blocked_[sink.link] = true;
             return;
         }
-        if (reinterpret_cast<float*>(data) == slot.acc.get()) {
+        if (in_place) {
             slot.first_in = true;
             // the first contribution is in place; a server of one worker adds zeros to it, as the Python floor's
             // does, so that the sum's pass is in the figure

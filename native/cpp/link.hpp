@@ -44,8 +44,6 @@ class Link {
     Link(const Link&) = delete;
     Link& operator=(const Link&) = delete;
 
-    int fd() const { return fd_; }
-
     // Frames queued and not yet wholly sent.
     size_t queued() const { return tail_ - head_; }
     bool can_queue() const { return queued() < queue_.size(); }

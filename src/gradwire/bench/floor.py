@@ -52,9 +52,9 @@ def per_frame(partition: int, mode: str) -> int:
     return max(1, min(8, (256 << 10) // partition)) if mode in ("batched", "native-batched") else 1
 
 
-def frames_in_flight(partition: int, mode: str) -> int:
-    """The worker's window, in frames: `window(partition)` for frames of one partition, else BATCHED_WINDOW."""
-    return window(partition) if per_frame(partition, mode) == 1 else BATCHED_WINDOW
+def frames_in_flight(partition: int, parts: int) -> int:
+    """The worker's window, in frames of `parts` partitions: `window(partition)` for one, else BATCHED_WINDOW."""
+    return window(partition) if parts == 1 else BATCHED_WINDOW
 
 
 def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
@@ -92,7 +92,7 @@ class Worker:
     def __init__(self, sock: socket.socket, data: np.ndarray, out: np.ndarray, partition: int, parts: int = 1) -> None:
         self.sock, self.partition = sock, partition
         self.frame = parts * partition  # bytes a frame carries at most
-        self.window = window(partition) if parts == 1 else BATCHED_WINDOW  # frames_in_flight's rule
+        self.window = frames_in_flight(partition, parts)
         self.send_view, self.out_view = memoryview(data).cast("B"), memoryview(out).cast("B")
         self.size = len(self.send_view)
         self.sent = self.index = self.in_flight = 0
@@ -165,6 +165,8 @@ def measure(partition: int, size: int, repeats: int, mode: str) -> dict:
     for s in (worker_sock, server_sock):
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     parts = per_frame(partition, mode)
+    gn = native.require() if mode in NATIVE_MODES else None
+    shape = gn.FloorShape(size, partition, parts, frames_in_flight(partition, parts)) if gn else None
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # the server: its CPU seconds down the pipe, or nothing if it failed
@@ -172,9 +174,8 @@ def measure(partition: int, size: int, repeats: int, mode: str) -> dict:
         try:
             worker_sock.close()
             cpu = time.process_time()
-            if mode in NATIVE_MODES:
-                shape = native.require().FloorShape(size, partition, parts, frames_in_flight(partition, mode))
-                native.require().floor_serve([server_sock.fileno()], shape, 0, 1, repeats)
+            if gn:
+                gn.floor_serve([server_sock.fileno()], shape, 0, 1, repeats)
             else:
                 for _ in range(repeats):
                     serve(server_sock, size, partition, parts)
@@ -189,9 +190,8 @@ def measure(partition: int, size: int, repeats: int, mode: str) -> dict:
     cpu, wall = time.process_time(), time.perf_counter()
     try:
         for r in range(repeats):
-            if mode in NATIVE_MODES:
-                shape = native.require().FloorShape(size, partition, parts, frames_in_flight(partition, mode))
-                native.require().floor_push_pull([worker_sock.fileno()], shape, data, out, r)
+            if gn:
+                gn.floor_push_pull([worker_sock.fileno()], shape, data, out, r)
                 continue
             worker = Worker(worker_sock, data, out, partition, parts)
             worker.two_threads() if mode == "two-threads" else worker.one_thread()
@@ -224,7 +224,8 @@ def measure_job(workers: int, servers: int, partition: int, size: int, repeats: 
     if mode not in NATIVE_MODES:
         raise ValueError(f"the floor runs as a job only in native code ({', '.join(NATIVE_MODES)}), not {mode!r}")
     gn = native.require()
-    shape = gn.FloorShape(size, partition, per_frame(partition, mode), frames_in_flight(partition, mode))
+    parts = per_frame(partition, mode)
+    shape = gn.FloorShape(size, partition, parts, frames_in_flight(partition, parts))
     pairs = _connections(workers, servers)  # pairs[w][s]: (worker's socket, server's socket)
     children: list[tuple[str, int, int, int]] = []  # role, index, pid, the read end of its report
     try:
@@ -367,20 +368,21 @@ def run_job_bench(args, env: dict[str, str]) -> int:
     parts = [int(float(p) * 1024) for p in (args.partitions or "32,4096").split(",")]
     times: dict[str, list[float]] = {}
     cpu: dict[str, list[float]] = {}
+
+    def record(name: str, seconds: float, cpu_per_gb: float) -> None:
+        times.setdefault(name, []).append(seconds)
+        cpu.setdefault(name, []).append(cpu_per_gb)
+
     for _ in range(args.rounds):
         for p in parts:
             row = measure_job(n, k, p, size, args.repeats, args.warmup, "native")
-            times.setdefault(f"native floor, {p // 1024} KiB", []).append(row["seconds_per_call"])
-            cpu.setdefault(f"native floor, {p // 1024} KiB", []).append(
-                row["worker_cpu_seconds_per_gb"] + row["server_cpu_seconds_per_gb"]
-            )
+            both = row["worker_cpu_seconds_per_gb"] + row["server_cpu_seconds_per_gb"]
+            record(f"native floor, {p // 1024} KiB", row["seconds_per_call"], both)
         for name, job in (("gradwire (defaults)", env), ("gradwire over TCP", env | {"GRADWIRE_TRANSPORT": "tcp"})):
             for t in run_gradwire(n, k, [size], args.repeats, args.warmup, job):
-                times.setdefault(name, []).append(t.median)
-                cpu.setdefault(name, []).append(t.cpu_per_gb())
+                record(name, t.median, t.cpu_per_gb())
         for t in run_gloo(n, [size], args.repeats, args.warmup):
-            times.setdefault("gloo ring", []).append(t.median)
-            cpu.setdefault("gloo ring", []).append(t.cpu_per_gb())
+            record("gloo ring", t.median, t.cpu_per_gb())
     gloo = statistics.median(times["gloo ring"])
     rows = [
         {

@@ -228,7 +228,7 @@ class KeyState(Lending):
         self.kept = False  # this server only keeps the key's answered rounds for its server (a replica), not owns it
         self.shared = False  # its two rounds share one buffer (`keep`)
         self.pool: BufferPool | None = None  # the engine's, which lends its rounds' buffers (`lend`)
-        self.sums: Sums = NUMPY  # how contributions are added: the engine's (server/sums.py)
+        self.sums: Sums = NUMPY  # how contributions are added: the engine's for this dtype (Sums.for_dtype)
         self.kept_round = -1  # kept: the round last received into that buffer (Engine.replica_landing)
         # the first rank's contributions may be received straight into the accumulator (Engine.landing): only once a
         # round completed from contributions (before, after a failover, a seed may be written there meanwhile)
