@@ -38,6 +38,10 @@ enum FrameType : uint8_t {
     kEveryone = 13,
 };
 
+// Flag bits (protocol/frames.py says what each means). kShmPayload: the payload of a PUSHPULL or RESULT lies in a
+// shared-memory slot, not on the stream (its header's length is the slot's bytes).
+constexpr uint8_t kSeed = 0x02, kReplica = 0x04, kReplay = 0x08, kHeld = 0x10, kAveraged = 0x20, kShmPayload = 0x01;
+
 struct Header {
     uint8_t type = 0;
     uint8_t flags = 0;
@@ -49,6 +53,11 @@ struct Header {
     uint32_t status = 0;
     uint64_t length = 0;
 };
+
+// The bytes of a frame's payload that follow its header on the stream.
+inline uint64_t wire_length(const Header& h) {
+    return (h.flags & kShmPayload) && (h.type == kPushPull || h.type == kResult) ? 0 : h.length;
+}
 
 // What was wrong with a header; kOk where nothing was.
 enum class HeaderError { kOk, kMagic, kVersion, kType, kDtype, kPayloadTooLong, kNotWholeElements, kBodyTooLong,

@@ -18,7 +18,7 @@ size_t power_of_two_at_least(size_t n) {
 }  // namespace
 
 Link::Link(int fd, uint64_t max_payload, size_t queue_capacity)
-    : fd_(fd), max_payload_(max_payload), queue_(power_of_two_at_least(queue_capacity)) {
+    : fd_(fd), queue_(power_of_two_at_least(queue_capacity)), decoder_(max_payload) {
     flags_ = ::fcntl(fd_, F_GETFL);
     if (flags_ < 0 || ::fcntl(fd_, F_SETFL, flags_ | O_NONBLOCK) < 0)
         throw std::system_error(errno, std::generic_category(), "fcntl on the link's socket");
@@ -35,13 +35,17 @@ void Link::queue(const Header& h, const uint8_t* payload, uint64_t tag) {
     o.tag = tag;
 }
 
-bool Link::header_in() {
-    if (header_got_ < kHeaderSize) return false;
-    const HeaderError error = decode_header(header_bytes_, max_payload_, header_);
-    if (error != HeaderError::kOk) throw ProtocolError(describe(error, header_bytes_, max_payload_));
-    reading_ = Reading::kDestination;
-    header_got_ = 0;
-    return true;
+ssize_t Link::operator()(iovec* iov, size_t n) {
+    msghdr msg{};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = n;
+    for (;;) {
+        const ssize_t got = ::recvmsg(fd_, &msg, MSG_DONTWAIT);
+        if (got > 0) return got;
+        if (got == 0) return -1;  // the end of the stream
+        if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
+        if (errno != EINTR) fail("receive", errno);
+    }
 }
 
 void Link::fail(const char* what, int err) {

@@ -2,10 +2,11 @@
 //
 // Sending: frames are queued (the header copied into the queue, the payload borrowed until sent) and `flush` hands
 // as many as the socket takes to one sendmsg (up to kMaxIov buffers: several frames a system call, as gloo's pairs
-// write a frame with one writev). Receiving: `receive` reads until the socket is empty; a payload lands straight in
-// the buffer its sink names for that header, and the same recvmsg reads ahead into the next header, so a frame in
-// the steady state costs one system call. A sink that names no buffer (nullptr: no slot free) stops the reading with
-// the header kept, and the next `receive` asks again: backpressure, never an unbounded buffer.
+// write a frame with one writev). Receiving: the link's `Decoder` (protocol/decoder.py's state machine, knowing no
+// socket) reads until the socket is empty; a payload lands straight in the buffer its sink names for that header, and
+// the same recvmsg reads ahead into the next header, so a frame in the steady state costs one system call. A sink
+// that names no buffer (nullptr: no slot free) stops the reading with the header kept, and the next `receive` asks
+// again: backpressure, never an unbounded buffer.
 //
 // Not thread-safe: one thread owns a link (the loop that polls its socket).
 #pragma once
@@ -34,6 +35,36 @@ struct LinkClosed : std::runtime_error {
     using std::runtime_error::runtime_error;
 };
 
+// The frame decoder: bytes in, frames out (protocol/decoder.py is the reference; tests feed both the same bytes).
+// A source is called as `source(iov, n)`: one receive into the n buffers in order, returning the bytes received, 0
+// when none are there now, or -1 at the end of the stream (throwing LinkClosed when it fails). For each header,
+// validated, `sink.destination(h)` checks it (throwing ProtocolError to refuse it) and names where its payload goes
+// (nullptr: not now; for a frame with no payload on the stream any other pointer means go on); `sink.arrived(h,
+// data)` follows once the payload is in. Between frames, reading stops once `sink.expecting()` is false (a peer that
+// has sent all it owes may close: that end of file is no error).
+class Decoder {
+   public:
+    explicit Decoder(uint64_t max_payload) : max_payload_(max_payload) {}
+
+    // Whether a frame has begun and is not whole (a header waiting for its destination, a payload, bytes read ahead).
+    bool mid_frame() const { return reading_ != Reading::kHeader || header_got_ > 0; }
+
+    // Decode what `source` has now into `sink`'s frames. Throws ProtocolError or LinkClosed, and what they throw.
+    template <typename Source, typename Sink>
+    void receive(Source& source, Sink& sink);
+
+   private:
+    enum class Reading { kHeader, kDestination, kPayload };
+
+    uint64_t max_payload_;
+    Reading reading_ = Reading::kHeader;
+    uint8_t header_bytes_[kHeaderSize];
+    size_t header_got_ = 0;
+    Header header_;
+    uint8_t* destination_ = nullptr;
+    uint64_t payload_got_ = 0;
+};
+
 class Link {
    public:
     static constexpr size_t kMaxIov = 64;
@@ -57,13 +88,14 @@ class Link {
     template <typename Sent>
     bool flush(Sent&& sent);
 
-    // Read what has arrived. For each header, `sink.destination(h)` checks it (throwing ProtocolError to refuse it) and
-    // names where its payload goes (nullptr: not now; for an empty payload any other pointer means go on);
-    // `sink.arrived(h, data)` is called once the payload is in. Between frames, reading stops once
-    // `sink.expecting()` is false (a peer that has sent all it owes may close: that end of file is no error).
-    // Throws ProtocolError or LinkClosed.
+    // Read what has arrived into `sink`'s frames (Decoder). Throws ProtocolError or LinkClosed.
     template <typename Sink>
-    void receive(Sink& sink);
+    void receive(Sink& sink) {
+        decoder_.receive(*this, sink);
+    }
+
+    // One receive from the socket (a Decoder's source).
+    ssize_t operator()(iovec* iov, size_t n);
 
    private:
     struct Outgoing {
@@ -72,26 +104,17 @@ class Link {
         uint64_t length;
         uint64_t tag;
     };
-    enum class Reading { kHeader, kDestination, kPayload };
 
     Outgoing& at(size_t i) { return queue_[i & (queue_.size() - 1)]; }
-    bool header_in();  // decode the header buffer; false while it is incomplete
     [[noreturn]] void fail(const char* what, int err);
 
     int fd_;
     int flags_;
-    uint64_t max_payload_;
     std::vector<Outgoing> queue_;  // a ring: capacity a power of two, head_ and tail_ count up
     size_t head_ = 0, tail_ = 0;
     size_t head_sent_ = 0;  // bytes of the head frame (header and payload) already sent
     iovec iov_[kMaxIov];
-
-    Reading reading_ = Reading::kHeader;
-    uint8_t header_bytes_[kHeaderSize];
-    size_t header_got_ = 0;
-    Header header_;
-    uint8_t* destination_ = nullptr;
-    uint64_t payload_got_ = 0;
+    Decoder decoder_;
 };
 
 template <typename Sent>
@@ -129,20 +152,25 @@ bool Link::flush(Sent&& sent) {
     return true;
 }
 
-template <typename Sink>
-void Link::receive(Sink& sink) {
+template <typename Source, typename Sink>
+void Decoder::receive(Source& source, Sink& sink) {
     for (;;) {
-        if (reading_ == Reading::kHeader && !header_in()) {
-            if (header_got_ == 0 && !sink.expecting()) return;
-            const ssize_t got = ::recv(fd_, header_bytes_ + header_got_, kHeaderSize - header_got_, MSG_DONTWAIT);
-            if (got == 0) throw LinkClosed("the peer closed the connection");
-            if (got < 0) {
-                if (errno == EAGAIN || errno == EWOULDBLOCK) return;
-                if (errno == EINTR) continue;
-                fail("receive", errno);
+        if (reading_ == Reading::kHeader) {
+            if (!sink.expecting()) return;
+            if (header_got_ < kHeaderSize) {
+                iovec iov{header_bytes_ + header_got_, kHeaderSize - header_got_};
+                const ssize_t got = source(&iov, 1);
+                if (got < 0)
+                    throw LinkClosed(header_got_ ? "the peer closed the connection in the middle of a frame"
+                                                 : "the peer closed the connection");
+                if (got == 0) return;
+                header_got_ += size_t(got);
+                continue;
             }
-            header_got_ += size_t(got);
-            continue;
+            const HeaderError error = decode_header(header_bytes_, max_payload_, header_);
+            if (error != HeaderError::kOk) throw ProtocolError(describe(error, header_bytes_, max_payload_));
+            reading_ = Reading::kDestination;
+            header_got_ = 0;
         }
         if (reading_ == Reading::kDestination) {
             // every frame is the sink's to check, an empty one too (its destination is then only a yes)
@@ -151,24 +179,17 @@ void Link::receive(Sink& sink) {
             reading_ = Reading::kPayload;
             payload_got_ = 0;
         }
-        if (payload_got_ < header_.length) {
+        const uint64_t wire = wire_length(header_);
+        if (payload_got_ < wire) {
             // the payload's rest straight into its destination, and the next header along with it
-            iovec iov[2] = {{destination_ + payload_got_, header_.length - payload_got_},
-                            {header_bytes_, kHeaderSize}};
-            msghdr msg{};
-            msg.msg_iov = iov;
-            msg.msg_iovlen = 2;
-            const ssize_t got = ::recvmsg(fd_, &msg, MSG_DONTWAIT);
-            if (got == 0) throw LinkClosed("the peer closed the connection in the middle of a frame");
-            if (got < 0) {
-                if (errno == EAGAIN || errno == EWOULDBLOCK) return;
-                if (errno == EINTR) continue;
-                fail("receive", errno);
-            }
-            const uint64_t into_payload = std::min<uint64_t>(uint64_t(got), header_.length - payload_got_);
+            iovec iov[2] = {{destination_ + payload_got_, wire - payload_got_}, {header_bytes_, kHeaderSize}};
+            const ssize_t got = source(iov, 2);
+            if (got < 0) throw LinkClosed("the peer closed the connection in the middle of a frame");
+            if (got == 0) return;
+            const uint64_t into_payload = std::min<uint64_t>(uint64_t(got), wire - payload_got_);
             payload_got_ += into_payload;
             header_got_ = size_t(uint64_t(got) - into_payload);  // read ahead: the next header's first bytes
-            if (payload_got_ < header_.length) continue;
+            if (payload_got_ < wire) continue;
         }
         reading_ = Reading::kHeader;
         const Header done = header_;

@@ -12,6 +12,9 @@
 #include "link.hpp"
 #include "sums.hpp"
 
+#include <algorithm>
+#include <cstring>
+
 namespace nb = nanobind;
 using namespace gradwire;
 
@@ -57,6 +60,57 @@ size_t elements(uint8_t dtype, const Bytes& wire, const Bytes& acc) {
                                std::to_string(dtype) + " elements").c_str());
     return wire.nbytes() / wire_size;
 }
+
+nb::tuple header_tuple(const Header& h) {
+    return nb::make_tuple(h.type, h.flags, h.dtype, h.epoch, h.sender, h.key, h.round, h.status, h.length);
+}
+
+// A Python sink for the Decoder (protocol/decoder.py's `Sink`): `expecting`, `destination(header)` naming a uint8
+// array (None: not now), `arrived(header, array)`. Header tuples as `decode_header` returns them.
+struct PythonSink {
+    nb::handle sink;
+    nb::object named;  // the destination being filled, kept alive until its frame has arrived
+
+    bool expecting() const { return nb::cast<bool>(sink.attr("expecting")); }
+
+    uint8_t* destination(const Header& h) {
+        nb::object out = sink.attr("destination")(header_tuple(h));
+        if (out.is_none()) return nullptr;
+        auto array = nb::cast<nb::ndarray<uint8_t, nb::device::cpu, nb::c_contig>>(out);
+        if (array.nbytes() < wire_length(h))
+            throw nb::value_error(("a destination of " + std::to_string(array.nbytes()) + " bytes for a payload of " +
+                                   std::to_string(wire_length(h))).c_str());
+        named = out;
+        static uint8_t nothing;  // any pointer but nullptr says go on
+        return array.nbytes() ? array.data() : &nothing;
+    }
+
+    void arrived(const Header& h, uint8_t*) {
+        nb::object out = std::move(named);
+        named = nb::object();
+        sink.attr("arrived")(header_tuple(h), out);
+    }
+};
+
+// Bytes handed in by the caller, given out at most `chunk` at a time (tests cut a stream anywhere with it).
+struct BytesSource {
+    const uint8_t* data;
+    size_t size, at = 0, chunk;
+    bool end;  // past the bytes, the stream ends (else: nothing there now)
+
+    ssize_t operator()(iovec* iov, size_t n) {
+        if (at == size) return end ? -1 : 0;
+        size_t got = 0;
+        for (size_t i = 0; i < n && at < size && got < chunk; ++i) {
+            const size_t take = std::min({iov[i].iov_len, size - at, chunk - got});
+            std::memcpy(iov[i].iov_base, data + at, take);
+            at += take;
+            got += take;
+            if (take < iov[i].iov_len) break;
+        }
+        return ssize_t(got);
+    }
+};
 
 
 }  // namespace
@@ -126,6 +180,24 @@ NB_MODULE(_core, m) {
         nb::arg("fds"), nb::arg("shape"), nb::arg("data"), nb::arg("out"), nb::arg("round"),
         "The native floor's worker: one push_pull of data into out through the servers on `fds` (fds[i] is server i; "
         "blocks, without the GIL).");
+
+    nb::class_<Decoder>(m, "FrameDecoder",
+                        "The native frame decoder (link.hpp's Decoder), fed bytes from Python: for the tests that "
+                        "feed it and protocol/decoder.py the same streams.")
+        .def(nb::init<uint64_t>(), nb::arg("max_payload"))
+        .def_prop_ro("mid_frame", &Decoder::mid_frame)
+        .def(
+            "feed",
+            [](Decoder& decoder, nb::bytes data, nb::handle sink, size_t chunk, bool end) {
+                if (chunk == 0) throw nb::value_error("chunk must be at least 1");
+                BytesSource source{reinterpret_cast<const uint8_t*>(data.c_str()), data.size(), 0, chunk, end};
+                PythonSink python{sink, nb::object()};
+                decoder.receive(source, python);
+                return source.at;
+            },
+            nb::arg("data"), nb::arg("sink"), nb::arg("chunk") = size_t(1) << 20, nb::arg("end") = false,
+            "Decode `data` into `sink`'s frames, received at most `chunk` bytes at a time; returns the bytes taken "
+            "(fewer where the sink said not now, or expects nothing more). `end`: the stream ends after `data`.");
 
     nb::register_exception_translator([](const std::exception_ptr& p, void*) {
         try {

@@ -22,6 +22,13 @@ import numpy as np
 
 from gradwire.errors import GradwireTimeout
 
+# A slot's `flags` are its frame's (protocol/frames.py's bits), or, for a slot a server's own publisher fills, a ring
+# event's, chosen apart from every bit of the wire's. JOIN_EVENT: the set of joined workers changed (hvd.join); the
+# slot's key is the bitmask. With it, DEPARTED_EVENT: the bitmask is of the workers that have left the job instead
+# (shutdown() while others go on).
+JOIN_EVENT = 0x80
+DEPARTED_EVENT = 0x40
+
 
 class Slot:
     """One preallocated receive buffer and the header fields of the frame it holds."""

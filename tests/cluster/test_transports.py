@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from gradwire.protocol.frames import FrameType
-from gradwire.server.replier import WorkerLink
+from gradwire.server.replier import Replier
 from gradwire.testing import LocalCluster
 from gradwire.transport import shm
 
@@ -91,7 +91,7 @@ def test_the_server_refuses_shared_memory_outside_its_own_files(tmp_path, where)
         f.write(b"\0" * 16)
     try:
         with LocalCluster(num_workers=1, num_servers=1) as c:
-            link = WorkerLink(_Recorder())
+            link = Replier(_Recorder())
             c.servers[0].reader.attach(link, {"path": path, "push": 1, "pull": 1, "slot_bytes": 8})
             assert link.arena is None
             assert link.conn.sent[0][1]["ok"] is False and "refusing" in link.conn.sent[0][1]["error"]
@@ -103,7 +103,7 @@ def test_the_server_maps_a_well_formed_offer():
     arena = shm.Arena.create(2, 2, 64)
     try:
         with LocalCluster(num_workers=1, num_servers=1) as c:
-            link = WorkerLink(_Recorder())
+            link = Replier(_Recorder())
             c.servers[0].reader.attach(link, {"path": arena.path, "push": 2, "pull": 2, "slot_bytes": 64})
             assert link.conn.sent == [(FrameType.SHM_ATTACH, {"ok": True})]
             arena.push_slot(1, 4)[:] = [1, 2, 3, 4]  # the same memory on both sides

@@ -2,10 +2,9 @@ import numpy as np
 import pytest
 
 from gradwire.protocol import dtypes
-from gradwire.protocol.frames import REPLAY, REPLICA, SEED
+from gradwire.protocol.frames import REPLAY, REPLICA, SEED, SHM_PAYLOAD
 from gradwire.ring import Ring, Slot
 from gradwire.server.engine import Engine
-from gradwire.transport.shm import SHM_PAYLOAD
 
 
 def _engine(replies, acks, fails, workers=2, deterministic=True):

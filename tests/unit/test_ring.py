@@ -5,7 +5,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gradwire.errors import GradwireTimeout
-from gradwire.ring import Ring, RingClosed
+from gradwire.protocol import frames
+from gradwire.ring import DEPARTED_EVENT, JOIN_EVENT, Ring, RingClosed
 
 
 def test_slots_are_preallocated_views_of_one_buffer():
@@ -135,3 +136,10 @@ def test_every_published_event_is_consumed_exactly_once(capacity, producers, per
         mine = [k for k in consumed if k // 1000 == p]
         assert mine == sorted(mine)
     assert ring.occupancy == 0
+
+
+def test_a_ring_events_flags_are_none_of_the_wires():
+    """A slot's flags carry its frame's or a ring event's: no bit of protocol/frames.py's may be an event's, else a
+    worker's frame could pass for a membership change."""
+    wire = frames.SHM_PAYLOAD | frames.SEED | frames.REPLICA | frames.REPLAY | frames.HELD | frames.AVERAGED
+    assert not wire & (JOIN_EVENT | DEPARTED_EVENT) and JOIN_EVENT != DEPARTED_EVENT

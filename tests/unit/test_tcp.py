@@ -50,15 +50,15 @@ def test_a_peer_that_stops_reading_fails_a_send_within_the_timeout(pair):
 
 def test_replies_sent_at_once_never_overtake_queued_ones_and_every_frame_stays_whole():
     """A server's small replies go from the engine's thread at once when nothing is queued before them; a full
-    socket sends the rest through the reply thread, in order (server.py WorkerLink.reply)."""
+    socket sends the rest through the reply thread, in order (server.py Replier.reply)."""
     import numpy as np
 
-    from gradwire.server.replier import AckReply, ResultReply, WorkerLink
+    from gradwire.server.replier import AckReply, Replier, ResultReply
     from gradwire.transport.shm import NO_SLOT
 
     ours, theirs = socket.socketpair()
     ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # fills after a few small replies
-    link = WorkerLink(tcp.Connection(ours, 1 << 20))
+    link = Replier(tcp.Connection(ours, 1 << 20))
     replier = threading.Thread(target=link.reply_loop, args=(1, 0), daemon=True)
     replier.start()
     while link._ids is None:
@@ -105,11 +105,11 @@ def test_replies_held_over_a_batch_go_in_one_send_in_order_with_their_acks_in_on
     worker's go in order, consecutive ACKs in one ACKS frame; a reply from another thread goes behind what is held."""
     import numpy as np
 
-    from gradwire.server.replier import AckReply, HeldReplies, ResultReply, WorkerLink
+    from gradwire.server.replier import AckReply, HeldReplies, Replier, ResultReply
     from gradwire.transport.shm import NO_SLOT
 
     ours, theirs = socket.socketpair()
-    link = WorkerLink(tcp.Connection(ours, 1 << 20))
+    link = Replier(tcp.Connection(ours, 1 << 20))
     replier = threading.Thread(target=link.reply_loop, args=(1, 0), daemon=True)
     replier.start()
     while link._ids is None:

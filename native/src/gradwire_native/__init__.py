@@ -3,6 +3,7 @@
 from gradwire_native._core import (
     HEADER_SIZE,
     FloorShape,
+    FrameDecoder,
     MAX_CONTROL_BYTES,
     add_into,
     decode_header,
@@ -17,6 +18,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "FloorShape",
+    "FrameDecoder",
     "HEADER_SIZE",
     "MAX_CONTROL_BYTES",
     "__version__",

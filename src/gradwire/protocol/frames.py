@@ -52,8 +52,10 @@ class FrameType(enum.IntEnum):
     EVERYONE = 13
 
 
-# PUSHPULL flag: the payload is a sum the worker already received (resent to a key's new server after a failover;
-# transport/shm.py's SHM_PAYLOAD is 0x01)
+# PUSHPULL and RESULT flag: the payload lies in a shared-memory slot (transport/shm.py), not on the stream; the header's
+# length is the slot's bytes, and its status names the slots (a frame decoder reads no payload for it: `wire_length`)
+SHM_PAYLOAD = 0x01
+# PUSHPULL flag: the payload is a sum the worker already received (resent to a key's new server after a failover)
 SEED = 0x02
 # PUSHPULL flag: worker -> server, a contribution to a round of a sliced key (reducescatter, alltoall) that the dead
 # server had already answered this worker for: resent after a failover so the round completes for the ranks still
@@ -68,10 +70,6 @@ HELD = 0x10
 # PUSHPULL (with SEED) and RESULT flag: the payload is a sum already averaged (a held key's seed comes from an averaging
 # call's output); a worker answered with it copies it as it is, without dividing again
 AVERAGED = 0x20
-# ring event flag (never on the wire): the set of joined workers changed (hvd.join); the slot's key is the bitmask
-JOIN_EVENT = 0x80
-# with JOIN_EVENT: the bitmask is of the workers that have left the job instead (shutdown() while others go on)
-DEPARTED_EVENT = 0x40
 
 DATA_TYPES = frozenset({FrameType.PUSHPULL, FrameType.RESULT})
 ENTRY_TYPES = frozenset({FrameType.ACKS, FrameType.RECEIVED, FrameType.EVERYONE})  # bodies of ACK_ENTRY pairs
@@ -150,6 +148,11 @@ def decode_header(raw: bytes | bytearray | memoryview, max_payload: int) -> Head
 
 _TYPES = {t.value: t for t in FrameType}  # a dict lookup: FrameType(n) costs microseconds per frame
 _ITEMSIZES = {code: d.itemsize for code, d in dtypes.BY_CODE.items()}
+
+
+def wire_length(header: Header) -> int:
+    """The bytes of the frame's payload that follow its header on the stream."""
+    return 0 if header.flags & SHM_PAYLOAD and header.type in DATA_TYPES else header.length
 
 
 def encode_json(ftype: int, body: dict, *, epoch: int = 0, sender: int = 0, key: int = 0) -> bytes:

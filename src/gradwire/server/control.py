@@ -12,7 +12,8 @@ from typing import Any
 
 from gradwire.errors import GradwireError, RemoteProtocolError, TensorError
 from gradwire.protocol import dtypes, messages
-from gradwire.protocol.frames import DEPARTED_EVENT, JOIN_EVENT, FrameType
+from gradwire.protocol.frames import FrameType
+from gradwire.ring import DEPARTED_EVENT, JOIN_EVENT
 from gradwire.scheduler import client
 from gradwire.server import ops
 from gradwire.server.held import Held

@@ -52,8 +52,8 @@ import numpy as np
 
 from gradwire.errors import TensorError, TensorMismatch
 from gradwire.protocol import dtypes
-from gradwire.protocol.frames import AVERAGED, HELD, JOIN_EVENT, REPLAY, REPLICA, SEED
-from gradwire.ring import Ring, RingClosed, Slot
+from gradwire.protocol.frames import AVERAGED, HELD, REPLAY, REPLICA, SEED
+from gradwire.ring import JOIN_EVENT, Ring, RingClosed, Slot
 from gradwire.server import ops
 from gradwire.server.landing import Landing
 from gradwire.server.membership import Membership, ranks_of

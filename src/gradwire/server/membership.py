@@ -10,8 +10,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from gradwire.protocol.frames import DEPARTED_EVENT
-from gradwire.ring import Slot
+from gradwire.ring import DEPARTED_EVENT, Slot
 from gradwire.server.receipts import Receipts
 from gradwire.server.round import Round
 from gradwire.server.rounds import FailRank, KeyState

@@ -1,5 +1,5 @@
 """What a server's engines send its workers (a round's result, an acknowledgement, an error, that every worker has a
-held sum), each through the worker's `WorkerLink` (replier.py). On an engine's thread (or the link loop, where the one
+held sum), each through the worker's `Replier` (replier.py). On an engine's thread (or the link loop, where the one
 engine runs inline) replies are held over each batch of the engine's ring and sent when the batch ends
 (`HeldReplies`: one ACKS frame and one send per worker per batch); on any other thread they go at once. (What a
 per-key operation may send the engine is rounds.py's `Outbox`; this is what the engine hands it on to.)"""

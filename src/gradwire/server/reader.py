@@ -6,9 +6,10 @@ published. Per server whose keys this one replicates, a thread does the same for
 (`serve_replica`). Every slot a server fills is claimed by `claim` or `Ring.try_claim`; a frame's is published by
 `publish` (control.py publishes its join and departure events itself).
 
-On the loop nothing waits: a payload cut off by the socket is resumed where it stopped; a frame whose engine's ring is
-full keeps its header and waits until the engine frees a slot (`Ring.on_space` wakes the loop); a frame begun and not
-continued within GRADWIRE_FRAME_TIMEOUT fails its connection, as a blocking receive's timeout did (its slot is
+On the loop nothing waits: each connection's frames are decoded by a `FrameDecoder` (protocol/decoder.py) whose sink
+is the connection; a payload cut off by the socket is resumed where it stopped; a frame whose engine's ring is full
+keeps its header in the decoder and waits until the engine frees a slot (`Ring.on_space` wakes the loop); a frame begun
+and not continued within GRADWIRE_FRAME_TIMEOUT fails its connection, as a blocking receive's timeout did (its slot is
 published empty, so the engine never waits on it).
 """
 
@@ -22,12 +23,12 @@ import numpy as np
 
 from gradwire.errors import GradwireError, GradwireTimeout, RemoteProtocolError
 from gradwire.protocol import frames
-from gradwire.protocol.frames import JOIN_EVENT, REPLAY, REPLICA, SEED, FrameType
-from gradwire.ring import Ring, RingClosed, Slot
-from gradwire.server.replier import ErrorReply, WorkerLink
+from gradwire.protocol.decoder import EMPTY, FrameDecoder
+from gradwire.protocol.frames import REPLAY, REPLICA, SEED, SHM_PAYLOAD, FrameType
+from gradwire.ring import JOIN_EVENT, Ring, RingClosed, Slot
+from gradwire.server.replier import ErrorReply, Replier
 from gradwire.server.state import ServerState
 from gradwire.transport import endpoints, shm, tcp
-from gradwire.transport.payload import Payload
 
 log = logging.getLogger("gradwire.server")
 
@@ -49,20 +50,22 @@ def publish(ring: Ring, seq: int, slot: Slot, conn: object, header: frames.Heade
 
 
 class Incoming:
-    """One worker connection on the server's link loop (transport/loop.py's `LoopLink`): the frame being read and where
-    its payload goes. Its frames are the `Reader`'s to apply; it has nothing to push (replies go from the engines and
-    the repliers: replier.py)."""
+    """One worker connection on the server's link loop (transport/loop.py's `LoopLink`), and the sink of its frame
+    decoder: where each frame's payload goes, and what follows once it is in. Its frames are the `Reader`'s to apply;
+    it has nothing to push (replies go from the engines and the repliers: replier.py)."""
 
     dirty = False
 
-    def __init__(self, link: WorkerLink, reader: Reader, on_closed: Callable[[Incoming], None]) -> None:
+    def __init__(self, link: Replier, reader: Reader, on_closed: Callable[[Incoming], None]) -> None:
         self.link, self.conn = link, link.conn
         self._reader = reader
         self._on_closed = on_closed
-        self.payload = Payload()  # the frame's payload being received, if any
-        self.push_in = lambda: reader.pushed(self)  # what follows a push's payload
+        self.decoder = FrameDecoder(link.conn.max_payload)
+        self.decoder.feed(link.conn.take_read_ahead())
+        self.then: Callable[[memoryview], None] | None = None  # what follows the payload being received
+        self.push_in = lambda _: reader.pushed(self)  # what follows a push's payload
         self.claimed: tuple[Ring, int, Slot, frames.Header] | None = None  # the ring slot a push is received for
-        self.waiting: frames.Header | None = None  # a push whose engine's ring was full, taken up once it has room
+        self.waiting = False  # a push's engine's ring was full: the decoder holds its header until it has room
         self.deadline: float | None = None  # a frame begun must go on arriving by then (GRADWIRE_FRAME_TIMEOUT)
         self.ended = False
         self.fresh = True  # the handshake may have read its first frames ahead: read them on the first pass
@@ -77,12 +80,25 @@ class Incoming:
     def on_readable(self) -> None:
         self._reader.on_readable(self)
 
+    @property
+    def expecting(self) -> bool:
+        """Whether to go on reading (the decoder's sink)."""
+        return not self.ended
+
+    def destination(self, header: frames.Header) -> memoryview | np.ndarray | None:
+        return self._reader.destination(self, header)
+
+    def arrived(self, header: frames.Header, data: memoryview) -> None:
+        then, self.then = self.then, None
+        assert then is not None
+        then(data)
+
     def pump(self, now: float) -> bool:
         self._reader.on_time(self, now)
         return False
 
     def needs_pump(self, now: float) -> bool:
-        return self.fresh or self.waiting is not None or (self.deadline is not None and now >= self.deadline)
+        return self.fresh or self.waiting or (self.deadline is not None and now >= self.deadline)
 
     def wake_at(self) -> float | None:
         return self.deadline
@@ -119,11 +135,11 @@ class Reader:
         elif incoming.deadline is not None and now >= incoming.deadline:
             timeout = self.state.config.frame_timeout
             self.end(incoming, GradwireTimeout(f"a frame begun has not gone on arriving for {timeout:g}s"))
-        elif incoming.waiting is not None:
+        elif incoming.waiting:
             self.on_readable(incoming)
 
     def end(self, incoming: Incoming, error: BaseException | None = None) -> None:
-        """Stop reading the connection (a BYE, an error, or the server closing it: `WorkerLink.close`, from any
+        """Stop reading the connection (a BYE, an error, or the server closing it: `Replier.close`, from any
         thread): it leaves the loop, which then closes it (`Incoming.on_removed`)."""
         if error is not None and not incoming.ended and not self.state.done.is_set():
             # a worker that went away is routine (it is named elsewhere); a bad frame is not
@@ -144,26 +160,14 @@ class Reader:
             publish(ring, seq, slot, incoming.conn, header, header.sender)
 
     def _read_frames(self, incoming: Incoming) -> None:
-        conn = incoming.conn
-        conn.drained = False  # the socket is readable
-        while not incoming.ended:
-            if incoming.payload.pending:
-                if not incoming.payload.resume(conn):
-                    break
-                continue
-            header, incoming.waiting = incoming.waiting or conn.header_nowait(), None
-            if header is None:
-                if not conn.fill_nowait():
-                    break
-                continue
-            if not self._on_frame(incoming, header):
-                incoming.waiting = header  # its ring is full
-                break
-        begun = incoming.payload.pending or (incoming.waiting is None and conn.read_ahead > 0)
+        incoming.waiting = False
+        incoming.decoder.receive(incoming.conn.recv_nowait, incoming)
+        begun = incoming.decoder.mid_frame and not incoming.waiting
         incoming.deadline = time.monotonic() + self.state.config.frame_timeout if begun else None
 
-    def _on_frame(self, incoming: Incoming, header: frames.Header) -> bool:
-        """Apply one frame whose header is in; False if it must wait for a ring slot (taken up again later)."""
+    def destination(self, incoming: Incoming, header: frames.Header) -> memoryview | np.ndarray | None:
+        """Where one frame's payload goes, the frame checked (its `then` set); None if it must wait for a ring slot
+        (asked again later)."""
         link, state = incoming.link, self.state
         kind = header.type
         if kind == FrameType.PUSHPULL and not header.flags & (REPLICA | JOIN_EVENT):
@@ -172,27 +176,27 @@ class Reader:
                     f"frame claims sender {header.sender} epoch {header.epoch}; connection is worker "
                     f"{link.conn.peer_rank} in epoch {state.epoch}"
                 )
-            return self._on_push(incoming, header)
+            into = self._on_push(incoming, header)
+            incoming.waiting = into is None
+            return into
         if kind == FrameType.BYE:
-            self.end(incoming)
+            incoming.then = lambda _: self.end(incoming)
         elif kind == FrameType.SHM_ATTACH:
-            self._body(incoming, header, lambda body: self.attach(link, frames.decode_json(body)))
+            incoming.then = lambda body: self.attach(link, frames.decode_json(body.tobytes()))
         elif kind == FrameType.RECEIVED:  # sums of held keys are in its outputs (server/receipts.py)
-            self._body(incoming, header, lambda body: self._received(link.conn, header, body))
+            incoming.then = lambda body: self._received(link.conn, header, body)
         else:
             raise RemoteProtocolError(f"unexpected {kind.name} frame (flags {header.flags:#x})")
-        return True
+        return np.empty(header.length, np.uint8)  # a control frame's body (its length was checked with its header)
 
-    def _on_push(self, incoming: Incoming, header: frames.Header) -> bool:
+    def _on_push(self, incoming: Incoming, header: frames.Header) -> memoryview | np.ndarray | None:
         link = incoming.link
-        in_shm = header.flags & shm.SHM_PAYLOAD
+        in_shm = header.flags & SHM_PAYLOAD
         engine = self.state.engine_of(header.key)
         problem = engine.check(header.key, header.dtype, header.length)
         if problem is not None:  # the tensor's error, not the server's: refuse it, keep the stream in sync
-            if not in_shm:
-                self._discard(incoming, header.length)
-            link.reply(ErrorReply(header.key, problem))
-            return True
+            incoming.then = lambda _: link.reply(ErrorReply(header.key, problem))
+            return EMPTY if in_shm else self._scratch_of(header.length)
         if in_shm:
             push, pull = _check_slots(link, header)
         seq = engine.ring.try_claim()
@@ -200,23 +204,23 @@ class Reader:
             engine.handle_published()
             seq = engine.ring.try_claim()
         if seq is None:
-            return False
+            return None
         slot = engine.ring.slot(seq)
         slot.valid = slot.landed = False
         incoming.claimed = (engine.ring, seq, slot, header)
         if in_shm:  # the payload already lies in the worker's push slot: the engine sums from there
             assert link.arena is not None
             slot.data, slot.pull = link.arena.push_slot(push, header.length), pull
-            self.pushed(incoming)
-            return True
+            incoming.then = incoming.push_in
+            return EMPTY
         # a seed or a replay may be stale (dropped by the engine): never into a staging buffer in use
         resent = header.flags & (SEED | REPLAY)
         landing = None if resent else engine.landing(header.key, header.round, header.sender)
         slot.landed = landing is not None
         into = landing[: header.length] if landing is not None else slot.array[: header.length]
         slot.data, slot.pull = into, shm.NO_SLOT
-        incoming.payload.expect(into, incoming.push_in)
-        return True
+        incoming.then = incoming.push_in
+        return into
 
     def pushed(self, incoming: Incoming) -> None:
         """A push's payload is in whole: its slot goes to the engine."""
@@ -227,18 +231,13 @@ class Reader:
         self.state.metrics.pushed(header.length)
         publish(ring, seq, slot, incoming.conn, header, header.sender)
 
-    def _body(self, incoming: Incoming, header: frames.Header, then: Callable[[bytes], None]) -> None:
-        """Receive a control frame's body (its length was checked with its header), then `then(body)`."""
-        body = np.empty(header.length, np.uint8)
-        incoming.payload.expect(body, lambda: then(body.tobytes()))
+    def _scratch_of(self, length: int) -> np.ndarray:
+        """Where a refused payload is read and dropped (one buffer, grown to the largest)."""
+        if len(self._scratch) < length:
+            self._scratch = np.empty(length, np.uint8)
+        return self._scratch[:length]
 
-    def _discard(self, incoming: Incoming, length: int) -> None:
-        """Receive and drop a refused payload, a scratch buffer at a time."""
-        chunk = min(length, len(self._scratch))
-        rest = length - chunk
-        incoming.payload.expect(self._scratch[:chunk], lambda: self._discard(incoming, rest) if rest else None)
-
-    def _received(self, conn: tcp.Connection, header: frames.Header, body: bytes) -> None:
+    def _received(self, conn: tcp.Connection, header: frames.Header, body: memoryview) -> None:
         if header.sender != conn.peer_rank or header.epoch != self.state.epoch or self.state.receipts is None:
             raise RemoteProtocolError(
                 f"RECEIVED claims sender {header.sender} epoch {header.epoch}; connection is worker {conn.peer_rank} "
@@ -278,7 +277,7 @@ class Reader:
         finally:
             conn.close()
 
-    def attach(self, link: WorkerLink, body: dict) -> None:
+    def attach(self, link: Replier, body: dict) -> None:
         """Map the worker's shared slots (transport/shm.py) and say whether it worked."""
         try:
             push, pull, slot_bytes = int(body["push"]), int(body["pull"]), int(body["slot_bytes"])
@@ -294,7 +293,7 @@ class Reader:
             link.conn.send_json(FrameType.SHM_ATTACH, {"ok": False, "error": str(e)})
 
 
-def _check_slots(link: WorkerLink, header: frames.Header) -> tuple[int, int]:
+def _check_slots(link: Replier, header: frames.Header) -> tuple[int, int]:
     arena = link.arena
     push, pull = header.status & 0xFFFF, header.status >> 16
     if arena is None or push >= arena.push or header.length > arena.slot_bytes:

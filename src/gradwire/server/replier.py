@@ -1,7 +1,8 @@
-"""The replier: a server's connection to one worker (`WorkerLink`), its reply queue and the thread that sends what
-is queued. Small replies over a socket (ACKs, small sums) go from the engine's thread itself where nothing is queued
-before them and the socket takes them without waiting (`WorkerLink.reply`): a wake-up of the replier less for most of
-them; everything else goes through the queue, so a slow worker never holds an engine.
+"""The replier (`Replier`): what a server sends one worker, in order: its reply queue and the thread that sends what is
+queued, on the server's end of the worker's connection (whose frames the link loop reads: reader.py). Small replies
+over a socket (ACKs, small sums) go from the engine's thread itself where nothing is queued before them and the
+socket takes them without waiting (`Replier.reply`): a wake-up of the replier less for most of them; everything else
+goes through the queue, so a slow worker never holds an engine.
 
 Batches: an engine holds the replies it makes while it handles one batch of its ring (`HeldReplies`) and sends each
 worker's at the end in one go: one system call (or one wake-up of the replier) per worker and batch, and the batch's
@@ -25,7 +26,7 @@ from gradwire.server.staging import Countdown
 from gradwire.transport import shm, tcp
 
 log = logging.getLogger("gradwire.server")
-# replies up to this size over a socket may be sent by the engine's thread at once (WorkerLink.reply): a copy of this
+# replies up to this size over a socket may be sent by the engine's thread at once (Replier.reply): a copy of this
 # many bytes into the socket costs about what a wake-up of the reply thread does; larger ones stay off the engine
 DIRECT_REPLY_BYTES = 64 << 10
 MAX_ACKS = 4096  # acknowledgements in one ACKS frame at most (far below the control frames' limit)
@@ -35,16 +36,16 @@ class ReplyItem:
     """What a worker's reply queue holds: one frame to send. Each kind makes its own frame (`parts`)."""
 
     __slots__ = ("key",)
-    direct = False  # may go at once from the engine's thread (`WorkerLink.reply`)
+    direct = False  # may go at once from the engine's thread (`Replier.reply`)
 
-    def parts(self, link: WorkerLink, header: memoryview, epoch: int, sender: int) -> tuple[list, int]:
+    def parts(self, link: Replier, header: memoryview, epoch: int, sender: int) -> tuple[list, int]:
         """The frame's parts, its header packed into `header`, and the bytes of a sum it carries (for metrics)."""
         raise NotImplementedError
 
 
 class ResultReply(ReplyItem):
     """A round's result (or the worker's slice of it); `pull`: the worker's shared pull slot, or NO_SLOT; `sent`
-    (or None): told once it is sent (the replier's, after the send that carried it: `WorkerLink._send_queued`)."""
+    (or None): told once it is sent (the replier's, after the send that carried it: `Replier._send_queued`)."""
 
     __slots__ = ("dtype", "flags", "payload", "pull", "round", "sent")
 
@@ -65,12 +66,12 @@ class ResultReply(ReplyItem):
     def direct(self) -> bool:  # type: ignore[override]
         return len(self.payload) <= DIRECT_REPLY_BYTES and self.sent is None
 
-    def parts(self, link: WorkerLink, header: memoryview, epoch: int, sender: int) -> tuple[list, int]:
+    def parts(self, link: Replier, header: memoryview, epoch: int, sender: int) -> tuple[list, int]:
         payload, size = self.payload, len(self.payload)
         if self.pull != shm.NO_SLOT and link.arena is not None:
             # the worker offered a shared pull slot: one memcpy here, none through the kernel
             np.copyto(link.arena.pull_slot(self.pull, size), np.frombuffer(payload, np.uint8))
-            shared = (shm.SHM_PAYLOAD | self.flags, self.pull)
+            shared = (frames.SHM_PAYLOAD | self.flags, self.pull)
             frames.pack_header_into(
                 header, FrameType.RESULT, size, self.dtype, epoch, sender, self.key, self.round, *shared
             )
@@ -110,7 +111,7 @@ class ErrorReply(ReplyItem):
     def __init__(self, key: int, message: str) -> None:
         self.key, self.message = key, message
 
-    def parts(self, link: WorkerLink, header: memoryview, epoch: int, sender: int) -> tuple[list, int]:
+    def parts(self, link: Replier, header: memoryview, epoch: int, sender: int) -> tuple[list, int]:
         return [frames.encode_json(FrameType.ERROR, {"message": self.message}, key=self.key)], 0
 
 
@@ -122,11 +123,11 @@ class RestReply(ReplyItem):
     def __init__(self, views: list[memoryview], pulled: int) -> None:
         self.key, self.views, self.pulled = -1, views, pulled  # pulled: the sums' bytes in it (0: ACKs only)
 
-    def parts(self, link: WorkerLink, header: memoryview, epoch: int, sender: int) -> tuple[list, int]:
+    def parts(self, link: Replier, header: memoryview, epoch: int, sender: int) -> tuple[list, int]:
         return self.views, self.pulled
 
 
-def frames_of(link: WorkerLink, items: list[ReplyItem], epoch: int, sender: int) -> tuple[list, int]:
+def frames_of(link: Replier, items: list[ReplyItem], epoch: int, sender: int) -> tuple[list, int]:
     """The parts of one send carrying `items` in order (consecutive ACKs merged into ACKS frames, consecutive
     EVERYONEs into EVERYONE frames), and the bytes of sums among them. The headers are packed into one buffer made for
     the batch: nothing the send leaves over refers to memory that a later batch reuses."""
@@ -171,7 +172,7 @@ class HeldReplies:
         """The calling thread (an engine's) holds its replies from now on, until each `flush`."""
         self._local.links = set()
 
-    def reply(self, link: WorkerLink, item: ReplyItem) -> None:
+    def reply(self, link: Replier, item: ReplyItem) -> None:
         links = getattr(self._local, "links", None)
         if links is None:
             link.reply(item)
@@ -187,8 +188,9 @@ class HeldReplies:
         links.clear()
 
 
-class WorkerLink:
-    """A server's connection to one worker: the reply queue with its thread (the link loop reads it: reader.py)."""
+class Replier:
+    """The server's end of one worker's connection: the reply queue with its thread, and the worker's shared slots (the
+    link loop reads the connection: reader.py)."""
 
     def __init__(self, conn: tcp.Connection, metrics: Metrics | None = None) -> None:
         self.conn = conn

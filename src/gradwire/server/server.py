@@ -31,7 +31,7 @@ from gradwire.server.outgoing import Outgoing
 from gradwire.server.reader import Incoming, Reader
 from gradwire.server.receipts import Receipts
 from gradwire.server.replica import Replicas
-from gradwire.server.replier import WorkerLink
+from gradwire.server.replier import Replier
 from gradwire.server.state import ServerState
 from gradwire.server.sums import for_datapath
 from gradwire.throttle import HandshakeGate
@@ -308,7 +308,7 @@ class Server:
             if state.links.get(link.conn.peer_rank) is link:
                 del state.links[link.conn.peer_rank]
 
-    def _authenticate(self, conn: tcp.Connection) -> WorkerLink | ReplicaPeer | None:
+    def _authenticate(self, conn: tcp.Connection) -> Replier | ReplicaPeer | None:
         """The handshake, within the handshake timeout and the cap on pending handshakes; None if refused."""
         state = self.state
         if not self._gate.enter(conn):
@@ -325,7 +325,7 @@ class Server:
             with state.links_lock:
                 if conn.peer_rank in state.links:
                     raise RemoteProtocolError(f"worker {conn.peer_rank} is connected already")
-                link = state.links[conn.peer_rank] = WorkerLink(conn, state.metrics)
+                link = state.links[conn.peer_rank] = Replier(conn, state.metrics)
             return link
         except Exception as e:  # noqa: BLE001 - whatever the peer did, it is refused and the server goes on
             self._gate.refuse(conn, e)

@@ -12,7 +12,7 @@ from gradwire.config import Config
 from gradwire.server.engine import Engine
 from gradwire.server.receipts import Receipts
 from gradwire.server.replica import Replicas
-from gradwire.server.replier import WorkerLink
+from gradwire.server.replier import Replier
 from gradwire.transport import tcp
 from gradwire.transport.loop import LinkLoop
 
@@ -29,7 +29,7 @@ class ServerState:
         self.num_workers = 0
         self.everyone = 0  # the bitmask of every worker's rank
         self.engines: list[Engine] = []
-        self.links: dict[int, WorkerLink] = {}  # by worker rank
+        self.links: dict[int, Replier] = {}  # each worker's end of its connection, by rank
         self.links_lock = threading.Lock()
         self.loop = LinkLoop("gw-server-links")  # reads every worker connection (reader.py)
         self.replicas: Replicas | None = None  # forwards to the servers replicating this one's keys

@@ -19,7 +19,6 @@ import os
 import numpy as np
 
 NO_SLOT = 0xFFFF
-SHM_PAYLOAD = 0x01  # frame flag: the payload lies in a shared slot, not on the socket
 SHM_DIR = "/dev/shm"
 
 

@@ -9,12 +9,10 @@ are not the limit at partition sizes of 64 KiB and up (below that they are: tran
 `sendmsg([header, memoryview])` sends the array's own memory and `recv_into` writes straight into the destination: no
 payload copy in user space on either side.
 
-Small frames are what a slow link's small partitions and every acknowledgement are, and there a system call per
-header and another per payload cost more than the bytes (docs/benchmarks.md, CPU per GB by partition size). So a
-connection reads ahead: each receive of a payload scatters (`recvmsg_into`) into what is left of the payload and,
-past it, into a small read-ahead buffer, so the next frame's header (and the whole of frames without a payload, such
-as a batch of acknowledgements) usually comes in the same system call; a payload still lands in its destination
-directly, but for the part of it that came with the previous receive (at most RECV_AHEAD bytes, copied once more).
+A blocking connection reads ahead as protocol/decoder.py's `FrameDecoder` does (each receive of a payload scatters past
+it into a small read-ahead buffer, so the next header usually comes in the same system call); a link loop reads with a
+`FrameDecoder` of its own, whose source is `recv_nowait`, and takes over what the blocking reads read ahead
+(`take_read_ahead`: a handshake's replies may come with the first frames behind them).
 """
 
 from __future__ import annotations
@@ -25,11 +23,11 @@ from collections.abc import Sequence
 
 from gradwire.errors import GradwireTimeout, RemoteProtocolError
 from gradwire.protocol import frames
+from gradwire.protocol.decoder import READ_AHEAD
 from gradwire.protocol.frames import FrameType, Header
 from gradwire.protocol.handshake import Handshake
 from gradwire.protocol.message import Message
 
-RECV_AHEAD = 4 << 10  # bytes read ahead per system call at most (see the module docstring)
 MAX_PARTS = 512  # buffers handed to one sendmsg at most (Linux refuses more than IOV_MAX = 1024)
 
 
@@ -59,10 +57,9 @@ class Connection:
         self.closed = False  # set before the socket closes: the peer may see the end only after this is set
         self._send_lock = threading.Lock()
         # read ahead (module docstring): bytes [_start, _end) of _ahead are received and not yet consumed
-        self._ahead = bytearray(2 * RECV_AHEAD)
+        self._ahead = bytearray(2 * READ_AHEAD)
         self._ahead_view = memoryview(self._ahead)
         self._start = self._end = 0
-        self.drained = False  # receiving without waiting: the socket gave less than asked (see `fill_nowait`)
         if sock.family != socket.AF_UNIX:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -129,71 +126,47 @@ class Connection:
         """Fill `view` completely: from what was read ahead, then from the socket, each receive scattering into what
         is left of `view` and, past it, into the read-ahead buffer (the next frames' headers come in the same call)."""
         view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
-        self._scatter_into(view, 0, wait=True)
+        self._scatter_into(view)
 
     # -- receiving without waiting (one thread: a link loop, transport/loop.py) ------------------------------
 
-    @property
-    def read_ahead(self) -> int:
-        """Bytes received and not yet consumed (with no payload being received: a frame begun, or more)."""
-        return self._end - self._start
+    def recv_nowait(self, buffers: list[memoryview]) -> int:
+        """One receive into `buffers`, in order, without waiting: the bytes received (0: the socket holds none now). A
+        `FrameDecoder`'s source. Raises ConnectionClosed."""
+        return self._recv(buffers, False, wait=False)
 
-    def header_nowait(self) -> Header | None:
-        """The next header, validated, if its bytes are read ahead whole; else None (then `fill_nowait`)."""
-        size = frames.HEADER_SIZE
-        start = self._start
-        if self._end - start < size:
-            return None
-        self._start = start + size
-        return frames.decode_header(self._ahead_view[start : start + size], self.max_payload)
+    def take_read_ahead(self) -> bytes:
+        """What the blocking reads received past the last frame they read (for the decoder that reads on)."""
+        ahead = bytes(self._ahead_view[self._start : self._end])
+        self._start = self._end = 0
+        return ahead
 
-    def fill_nowait(self) -> bool:
-        """Receive what the socket holds into the read-ahead buffer (at most RECV_AHEAD bytes); False if it holds
-        nothing now, or held less than was asked for at the last receive (`drained`: no system call to learn it is
-        empty; the caller waits for the socket to be readable again). Raises ConnectionClosed."""
-        if self.drained:
-            return False
-        self._make_room()
-        n = self._recv([self._ahead_view[self._end : self._end + RECV_AHEAD]], False, wait=False)
-        self._end += n
-        self.drained = n < RECV_AHEAD
-        return n > 0
-
-    def recv_into_nowait(self, view: memoryview, got: int) -> int:
-        """Fill `view` on from byte `got` with what was read ahead and what the socket holds now, each receive
-        scattering past `view` into the read-ahead buffer (as `recv_into`); returns how far `view` is filled."""
-        return self._scatter_into(view, got, wait=False)
-
-    def _scatter_into(self, view: memoryview, got: int, wait: bool) -> int:
-        """`view` on from byte `got`: what was read ahead first, then receives scattering into the rest of `view` and
-        past it into the read-ahead buffer; all of it (`wait`), or as far as the socket holds now (`drained` says it
-        held less than asked). Returns how far `view` is filled."""
+    def _scatter_into(self, view: memoryview) -> None:
+        """Fill `view`: what was read ahead first, then receives scattering into the rest of `view` and past it into
+        the read-ahead buffer."""
         total = len(view)
-        ahead = min(self._end - self._start, total - got)
-        if ahead:
-            view[got : got + ahead] = self._ahead_view[self._start : self._start + ahead]
-            self._start += ahead
-            got += ahead
-        while got < total and (wait or not self.drained):
+        got = min(self._end - self._start, total)
+        if got:
+            view[:got] = self._ahead_view[self._start : self._start + got]
+            self._start += got
+        while got < total:
             self._make_room()
-            n = self._recv([view[got:], self._ahead_view[self._end : self._end + RECV_AHEAD]], False, wait=wait)
-            self.drained = n < total - got + RECV_AHEAD
+            n = self._recv([view[got:], self._ahead_view[self._end : self._end + READ_AHEAD]], False)
             took = min(n, total - got)
             got += took
             self._end += n - took
-        return got
 
     def _fill(self, idle_ok: bool) -> None:
-        """Receive more into the read-ahead buffer (at least one byte, at most RECV_AHEAD)."""
+        """Receive more into the read-ahead buffer (at least one byte, at most READ_AHEAD)."""
         self._make_room()
-        self._end += self._recv([self._ahead_view[self._end : self._end + RECV_AHEAD]], idle_ok)
+        self._end += self._recv([self._ahead_view[self._end : self._end + READ_AHEAD]], idle_ok)
 
     def _make_room(self) -> None:
-        """RECV_AHEAD bytes free after what is read ahead and not yet consumed (less than a header: moved to the
+        """READ_AHEAD bytes free after what is read ahead and not yet consumed (less than a header: moved to the
         front where need be)."""
         if self._start == self._end:
             self._start = self._end = 0
-        elif self._end + RECV_AHEAD > len(self._ahead):
+        elif self._end + READ_AHEAD > len(self._ahead):
             rest = self._end - self._start
             self._ahead_view[:rest] = self._ahead_view[self._start : self._end]
             self._start, self._end = 0, rest

@@ -1,10 +1,11 @@
 """The receiving half of a worker's link to a server (`ServerLink`, worker/link.py, inherits it), run by the link loop
-(transport/loop.py) whenever the socket has bytes: `on_readable` reads every frame that has arrived, without waiting,
-and applies it. ACKS (a batch of the server engine's acknowledgements: window places and credit freed, for the loop's
-next pass to fill), RESULT (a partition's sum, read straight into its key's seed copy or its output, then delivered
-and recorded; a held key's is held there: worker/holding.py), EVERYONE (every worker has these held sums: their
-partitions are done), ERROR (a tensor refused: its handle fails; or the job's abort). A frame whose payload has not
-all arrived is resumed on the next call where it stopped (transport/payload.py)."""
+(transport/loop.py) whenever the socket has bytes: `on_readable` decodes every frame that has arrived, without waiting
+(protocol/decoder.py's `FrameDecoder`, whose sink the link is), and applies it. ACKS (a batch of the server engine's
+acknowledgements: window places and credit freed, for the loop's next pass to fill), RESULT (a partition's sum, read
+straight into its key's seed copy or its output, then delivered and recorded; a held key's is held there:
+worker/holding.py), EVERYONE (every worker has these held sums: their partitions are done), ERROR (a tensor refused:
+its handle fails; or the job's abort). A frame whose payload has not all arrived is resumed on the next call where it
+stopped."""
 
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ import numpy as np
 
 from gradwire.errors import GradwireError, LocalProtocolError, RemoteProtocolError, TensorError, abort_error
 from gradwire.protocol import frames
-from gradwire.protocol.frames import FrameType
+from gradwire.protocol.decoder import EMPTY, FrameDecoder
+from gradwire.protocol.frames import SHM_PAYLOAD, FrameType
 from gradwire.transport import shm
-from gradwire.transport.payload import Payload
 from gradwire.worker.holding import release
 from gradwire.worker.link_state import LinkState
 from gradwire.worker.work import Seed, Work
@@ -30,7 +31,14 @@ class Answers(LinkState):
     """What the link loop does with what a link receives; the state is the link's (worker/link_state.py)."""
 
     def _init_answers(self) -> None:
-        self._payload = Payload()  # the frame's payload being received, if any
+        self._decoder = FrameDecoder(self.conn.max_payload)
+        self._decoder.feed(self.conn.take_read_ahead())
+        self._then: Callable[[memoryview], None] | None = None  # what follows the payload being received
+
+    @property
+    def expecting(self) -> bool:
+        """Whether to go on reading: the link is open (the decoder's sink)."""
+        return self._closed is None and self.lost is None
 
     def on_readable(self) -> None:
         """Read and apply every frame the socket holds now (module docstring)."""
@@ -43,40 +51,26 @@ class Answers(LinkState):
             self.close(LocalProtocolError(f"worker {self.rank}: the receiver from server {self.server} failed: {e!r}"))
 
     def _read_frames(self) -> None:
-        conn = self.conn
-        conn.drained = False  # the socket is readable
-        while self._closed is None and self.lost is None:
-            if self._payload.pending:
-                if not self._payload.resume(conn):
-                    return
-                continue
-            header = conn.header_nowait()
-            if header is None:
-                if not conn.fill_nowait():
-                    return
-                continue
-            self._on_header(header)
+        self._decoder.receive(self.conn.recv_nowait, self)
 
-    def _on_header(self, header: frames.Header) -> None:
+    def destination(self, header: frames.Header) -> memoryview | np.ndarray:
+        """Where the frame's payload goes, checked, with what follows it once in (`arrived`)."""
         if header.type == FrameType.RESULT:
-            self._on_result(header)
-        elif header.type == FrameType.ACKS:
-            self._body(header, self._on_acks)
+            return self._on_result(header)
+        if header.type == FrameType.ACKS:
+            self._then = self._on_acks
         elif header.type == FrameType.EVERYONE:
-            self._body(header, self._on_everyone)
+            self._then = self._on_everyone
         elif header.type == FrameType.ERROR:
-            self._body(header, lambda body: self._on_error(header, frames.decode_json(body)))
+            self._then = lambda body: self._on_error(header, frames.decode_json(body.tobytes()))
         else:
             raise RemoteProtocolError(f"server {self.server} sent an unexpected {header.type.name}")
+        return np.empty(header.length, np.uint8)  # a control frame's body (its length was checked with its header)
 
-    def _receive(self, into: np.ndarray, then: Callable[[], None]) -> None:
-        """Receive the frame's payload into `into` (as it arrives), then `then()`."""
-        self._payload.expect(into, then)
-
-    def _body(self, header: frames.Header, then: Callable[[bytes], None]) -> None:
-        """Receive a control frame's body (its length was checked with its header), then `then(body)`."""
-        body = np.empty(header.length, np.uint8)
-        self._receive(body, lambda: then(body.tobytes()))
+    def arrived(self, header: frames.Header, data: memoryview) -> None:
+        then, self._then = self._then, None
+        assert then is not None
+        then(data)
 
     def _take(self, key: int, answered_at: float | None = None) -> Work:
         """`key`'s contribution is acknowledged, or (`answered_at`: when its sum began to arrive) answered."""
@@ -94,7 +88,7 @@ class Answers(LinkState):
             self.credit.release(work.push_bytes, self.network)
         return work
 
-    def _on_acks(self, body: bytes) -> None:
+    def _on_acks(self, body: memoryview) -> None:
         """The server has these contributions (an ACKS frame: one batch of its engine's): their window places and
         credit are free."""
         freed: list[int] = []
@@ -117,7 +111,8 @@ class Answers(LinkState):
         if freed:
             self.credit.release_all(freed, self.network)
 
-    def _on_result(self, header: frames.Header) -> None:
+    def _on_result(self, header: frames.Header) -> memoryview | np.ndarray:
+        """Where a sum goes: its key's seed copy or its output (or nowhere: it lies in a shared pull slot)."""
         with self._lock:  # answered (Flow.on_answer) only once the sum is in whole: cut off, it is pushed again
             work = self.flow.pending.get(header.key)
         if work is None:
@@ -131,17 +126,16 @@ class Answers(LinkState):
                 f"expected round {work.round} with {work.nbytes}"
             )
         if work.held and self.seeds is not None:
-            self._on_held_result(work, header)
-            return
+            return self._on_held_result(work, header)
         if header.flags & frames.AVERAGED:  # only a held key's seed is sent averaged
             raise RemoteProtocolError(f"server {self.server} answered {work.tensor!r}, not held, with an averaged sum")
         seed = Seed.of(self.seeds, work) if self.seeds is not None else None
         into = seed.data if seed is not None else work.out.reshape(-1).view(np.uint8)
-        if header.flags & shm.SHM_PAYLOAD:
+        if header.flags & SHM_PAYLOAD:
             np.copyto(into, self._pulled(work, header))
-            self._result_in(work, seed)
-        else:
-            self._receive(into, lambda: self._result_in(work, seed))
+            into = EMPTY
+        self._then = lambda _: self._result_in(work, seed)
+        return into
 
     def _result_in(self, work: Work, seed: Seed | None) -> None:
         """`work`'s sum is in whole: answered, delivered, recorded."""
@@ -152,16 +146,15 @@ class Answers(LinkState):
         assert work.handle is not None
         work.handle.part_done()
 
-    def _on_held_result(self, work: Work, header: frames.Header) -> None:
+    def _on_held_result(self, work: Work, header: frames.Header) -> memoryview | np.ndarray:
         """A held key's sum: from the shared slot, or over the socket into the output (in place, into a buffer of one
         partition: a sum cut off mid-frame must not overwrite the contribution pushed again), averaged into the
         output in the same pass; it stays there until every worker has it (`_on_everyone`)."""
         averaged = bool(header.flags & frames.AVERAGED)
-        if header.flags & shm.SHM_PAYLOAD:
-            self._held_in(work, self._pulled(work, header), averaged)
-        else:
-            received = self.holds.into(work)
-            self._receive(received, lambda: self._held_in(work, received, averaged))
+        shared = header.flags & SHM_PAYLOAD
+        received = self._pulled(work, header) if shared else self.holds.into(work)
+        self._then = lambda _: self._held_in(work, received, averaged)
+        return EMPTY if shared else received
 
     def _held_in(self, work: Work, received: np.ndarray, averaged: bool) -> None:
         assert self.seeds is not None
@@ -182,7 +175,7 @@ class Answers(LinkState):
             self._free_pull.append(work.pull_slot)
             work.pull_slot = shm.NO_SLOT
 
-    def _on_everyone(self, body: bytes) -> None:
+    def _on_everyone(self, body: memoryview) -> None:
         """Every worker has these held sums (an EVERYONE frame): their partitions are done."""
         assert self.seeds is not None
         for work in release(self.holds.everyone(list(frames.ACK_ENTRY.iter_unpack(body))), self.seeds):

@@ -194,5 +194,5 @@ class Pushes(LinkState):
         np.copyto(slot[: len(work.send)], np.frombuffer(work.send, np.uint8))
         if work.extra is not None:
             np.copyto(slot[len(work.send) :], np.frombuffer(work.extra, np.uint8))
-        self._pack_push(header, work, shm.SHM_PAYLOAD, work.push_slot | (work.pull_slot << 16))
+        self._pack_push(header, work, frames.SHM_PAYLOAD, work.push_slot | (work.pull_slot << 16))
         return header
