@@ -11,9 +11,9 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import gradwire
 from gradwire.errors import MembershipChanged, WorkersJoining
 from gradwire.objects import broadcast_object
+from gradwire.session import current_worker
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -39,7 +39,7 @@ class State:
 
     def check_host_updates(self) -> None:
         """Raise WorkersJoining if workers wait to join (Horovod's name for the check)."""
-        joining = gradwire.current_worker().joining
+        joining = current_worker().joining
         if joining:
             raise WorkersJoining(f"{joining} worker(s) waiting to join")
 
@@ -95,7 +95,7 @@ def run(func: F, membership_error: Callable[[BaseException], BaseException | Non
                 optimizer = getattr(state, "optimizer", None)
                 if hasattr(optimizer, "_elastic_clear"):
                     optimizer._elastic_clear()  # type: ignore[union-attr]
-                gradwire.current_worker().reset()
+                current_worker().reset()
                 state.on_reset()
             state.sync()
             try:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import gradwire
 from gradwire.errors import JobAborted
+from gradwire.session import current_worker
 
 # Horovod raises HorovodInternalError (a RuntimeError) when a collective fails because a rank failed; gradwire's
 # JobAborted (WorkerLost, ...) is that error. `except hvd.HorovodInternalError` catches it.
@@ -32,19 +32,19 @@ def mpi_threads_supported() -> bool:
 
 def cross_size() -> int:
     """The number of hosts that run workers."""
-    return len(set(gradwire.current_worker().hosts)) or 1
+    return len(set(current_worker().hosts)) or 1
 
 
 def cross_rank() -> int:
     """The index of this worker's host among the hosts that run workers (in order of their first worker)."""
-    worker = gradwire.current_worker()
+    worker = current_worker()
     hosts = list(dict.fromkeys(worker.hosts))
     return hosts.index(worker.hosts[worker.rank]) if hosts else 0
 
 
 def is_homogeneous() -> bool:
     """True when every host runs the same number of workers."""
-    hosts = gradwire.current_worker().hosts
+    hosts = current_worker().hosts
     counts = {hosts.count(h) for h in set(hosts)}
     return len(counts) <= 1
 
@@ -52,12 +52,12 @@ def is_homogeneous() -> bool:
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     """Start writing this worker's timeline to `file_path` (Chrome trace, as GRADWIRE_TIMELINE; docs/timeline.md).
     `mark_cycles` is accepted for Horovod's signature: gradwire marks each step."""
-    gradwire.current_worker().start_timeline(file_path)
+    current_worker().start_timeline(file_path)
 
 
 def stop_timeline() -> None:
     """Stop writing the timeline."""
-    gradwire.current_worker().stop_timeline()
+    current_worker().stop_timeline()
 
 
 class ProcessSet:
@@ -70,16 +70,16 @@ class ProcessSet:
 
     def size(self) -> int | None:
         if self.ranks is None:
-            return gradwire.size()
+            return current_worker().size
         return len(self.ranks) if self.process_set_id is not None else None
 
     def rank(self) -> int | None:
         if self.ranks is None:
-            return gradwire.rank()
-        return self.ranks.index(gradwire.rank()) if self.included() else -1
+            return current_worker().rank
+        return self.ranks.index(current_worker().rank) if self.included() else -1
 
     def included(self) -> bool | None:
-        return self.ranks is None or gradwire.rank() in self.ranks
+        return self.ranks is None or current_worker().rank in self.ranks
 
     def __repr__(self) -> str:
         return "ProcessSet(global)" if self.ranks is None else f"ProcessSet(id={self.process_set_id}, {self.ranks})"
@@ -95,7 +95,7 @@ def add_process_set(process_set: Any) -> ProcessSet:
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
     if ps.ranks is None or not ps.ranks:
         raise ValueError("add_process_set needs a non-empty list of ranks")
-    size = gradwire.size()
+    size = current_worker().size
     if ps.ranks[0] < 0 or ps.ranks[-1] >= size:
         raise ValueError(f"process set {ps.ranks}: ranks must lie in 0..{size - 1}")
     if ps.ranks == list(range(size)):
@@ -119,4 +119,4 @@ def join(device: int = -1) -> int:
     average still divides by every rank, as Horovod's does); an allgather or broadcast among them fails with a
     RuntimeError, as Horovod's does. Blocks until every rank has joined; returns the last rank to join, the same on
     every rank. `device` is accepted for Horovod's signature (the servers are CPU processes)."""
-    return gradwire.current_worker().join()
+    return current_worker().join()

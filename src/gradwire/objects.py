@@ -8,15 +8,15 @@ from typing import Any
 
 import numpy as np
 
-import gradwire
 from gradwire import collectives
+from gradwire.session import current_worker
 
 
 def broadcast_object(
     obj: Any, root_rank: int = 0, session: Any = None, name: str | None = None, process_set: Any = None
 ) -> Any:
     """Worker `root_rank`'s `obj` (pickled), on every worker."""
-    worker = gradwire.current_worker()
+    worker = current_worker()
     name = name or "broadcast_object"  # not by type: non-root workers often pass None
     members = _members(process_set)
     data = np.frombuffer(pickle.dumps(obj), np.uint8) if worker.rank == root_rank else np.zeros(0, np.uint8)
@@ -29,7 +29,7 @@ def broadcast_object(
 
 def allgather_object(obj: Any, session: Any = None, name: str | None = None, process_set: Any = None) -> list:
     """Every worker's `obj` (pickled), in rank order."""
-    worker = gradwire.current_worker()
+    worker = current_worker()
     name = name or "allgather_object"
     members = _members(process_set)
     data = np.frombuffer(pickle.dumps(obj), np.uint8)

@@ -12,7 +12,7 @@ import torch
 from gradwire.errors import TensorError
 from gradwire.protocol import compression
 from gradwire.testing import LocalCluster
-from gradwire.torch import device_codecs, device_coding, ops
+from gradwire.torch import device_coding, ops
 from tests.torch.inprocess import N, run
 from tests.torch.test_compression import COMPRESSORS, _data, _model, _train
 
@@ -39,13 +39,13 @@ def test_device_blocks_are_the_hosts(args):
     x = np.random.default_rng(0).standard_normal(N_ELEMENTS).astype(np.float32)
     host = np.zeros(codec.wire_bytes(N_ELEMENTS), np.uint8)
     codec.encode(x, host, 5, 3, 1)
-    device = device_codecs.encode(codec, torch.from_numpy(x), 5, 3, 1).numpy()
+    device = device_coding.encode(codec, torch.from_numpy(x), 5, 3, 1).numpy()
     assert device.shape == host.shape
     from_device, from_host = np.zeros(N_ELEMENTS, np.float32), np.zeros(N_ELEMENTS, np.float32)
     codec.decode(device, from_device, 5, 3, add=False)
     codec.decode(host, from_host, 5, 3, add=False)
     # the torch decoder reads any block exactly as the host's (the servers' answers are decoded on the device)
-    assert np.array_equal(device_codecs.decode(codec, torch.from_numpy(host), N_ELEMENTS, 5, 3).numpy(), from_host)
+    assert np.array_equal(device_coding.decode(codec, torch.from_numpy(host), N_ELEMENTS, 5, 3).numpy(), from_host)
     if args["method"] == "dithering":  # another generator's draws: the same levels and error, other bytes
         norm = float(np.abs(x).max()) if args.get("norm") != "l2" else float(np.linalg.norm(x))
         levels = args.get("s", 7)
@@ -61,21 +61,21 @@ def test_device_blocks_are_the_hosts(args):
 
 def test_device_decoding_refuses_forged_blocks():
     topk = _codec({"method": "topk", "k": 0.01})
-    block = device_codecs.encode(topk, torch.randn(N_ELEMENTS), 1, 1, 0)
+    block = device_coding.encode(topk, torch.randn(N_ELEMENTS), 1, 1, 0)
     k = len(block) // 8
     block[: 4 * k].view(torch.int32)[0] = N_ELEMENTS  # past the partition, and unsorted
     with pytest.raises(TensorError, match="topk block of key 0000000000000001"):
-        device_codecs.decode(topk, block, N_ELEMENTS, 1, 1)
+        device_coding.decode(topk, block, N_ELEMENTS, 1, 1)
     dither = _codec({"method": "dithering", "s": 3})
-    block = device_codecs.encode(dither, torch.randn(N_ELEMENTS), 2, 1, 0)
+    block = device_coding.encode(dither, torch.randn(N_ELEMENTS), 2, 1, 0)
     block[4] = 0x77  # codes of 7 levels in a 3-level block
     with pytest.raises(TensorError, match="above its 3 levels"):
-        device_codecs.decode(dither, block, N_ELEMENTS, 2, 1)
+        device_coding.decode(dither, block, N_ELEMENTS, 2, 1)
     onebit = _codec({"method": "onebit"})
-    block = device_codecs.encode(onebit, torch.randn(N_ELEMENTS), 3, 1, 0)
+    block = device_coding.encode(onebit, torch.randn(N_ELEMENTS), 3, 1, 0)
     block[:4].view(torch.float32)[0] = float("nan")
     with pytest.raises(TensorError, match="scale nan"):
-        device_codecs.decode(onebit, block, N_ELEMENTS, 3, 1)
+        device_coding.decode(onebit, block, N_ELEMENTS, 3, 1)
 
 
 @pytest.fixture

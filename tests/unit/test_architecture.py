@@ -1,4 +1,4 @@
-"""The layering that docs/architecture.md states, read from its `layers` block, checked over the imports as written
+"""The layering that docs/architecture.md states, read from its table of layers, checked over the imports as written
 (`import` and `from ... import` anywhere in a module, TYPE_CHECKING ones included, since they are circles to a reader).
 
 Rules: a module imports only from its own layer or below (a module's layer is that of the longest prefix listed); one
@@ -21,14 +21,15 @@ KNOWN: set[str] = set()
 
 
 def layers() -> list[tuple[str, list[str]]]:
-    """The `layers` block of docs/architecture.md: (name, module prefixes), lowest first."""
+    """The table of layers in docs/architecture.md (`| layer | modules ... |`): (name, module prefixes), lowest
+    first."""
     text = (ROOT / "docs" / "architecture.md").read_text()
-    block = re.search(r"```layers\n(.*?)```", text, re.S)
-    assert block, "docs/architecture.md has no ```layers block"
+    table = re.search(r"^\| layer \| modules.*?\n\|---\|---\|\n((?:\|.*\|\n)+)", text, re.M)
+    assert table, "docs/architecture.md has no table of layers (| layer | modules ... |)"
     out = []
-    for line in block.group(1).strip().splitlines():
-        name, prefixes = line.split(":", 1)
-        out.append((name.strip(), prefixes.split()))
+    for line in table.group(1).strip().splitlines():
+        name, prefixes = line.strip("|").split("|")
+        out.append((name.strip(), re.findall(r"`([\w.]+)`", prefixes)))
     return out
 
 
@@ -134,3 +135,28 @@ def test_the_checker_sees_an_upward_import_and_a_circle():
     assert layer_of("gradwire.worker.flow", table)[0] > layer_of("gradwire.protocol.frames", table)[0]
     assert layer_of("gradwire.admin.top", table)[0] > layer_of("gradwire.admin.metrics", table)[0]
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_current_worker_is_reached_below_the_package_s_face():
+    """Modules find the worker of their process through gradwire.session, never through the package's face (`import
+    gradwire` then `gradwire.current_worker()`, or `from gradwire import current_worker`): an arrow back up to the
+    module that imports them all."""
+    through_face = []
+    for name, path in modules().items():
+        if name == "gradwire":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            by_attribute = (
+                isinstance(node, ast.Attribute)
+                and node.attr in ("current_worker", "use_worker")
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "gradwire"
+            )
+            by_import = (
+                isinstance(node, ast.ImportFrom)
+                and node.module == "gradwire"
+                and any(a.name in ("current_worker", "use_worker") for a in node.names)
+            )
+            if by_attribute or by_import:
+                through_face.append(f"{name}:{node.lineno}")
+    assert not through_face, f"the current worker reached through gradwire's face: {through_face}"

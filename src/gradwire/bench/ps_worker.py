@@ -19,9 +19,9 @@ import sys
 import time
 from typing import Any
 
-import gradwire
 import gradwire.torch as gw
 import torch
+from gradwire.session import current_worker
 
 # `--compression`: DistributedOptimizer's compressor (docs/compression.md), as `gradwire bench --accuracy` compares
 # them; ServerOptimizer's (onebit, topk) for `gradwire bench --ps --compression`
@@ -124,7 +124,7 @@ def digits(args: argparse.Namespace) -> None:
     model = mnist1d.model() if args.task == "mnist1d" else _digits_model()
     net, optimizer, rank, size = _distributed(args, model)
     steps = len(x_train[rank::size]) // 32
-    metrics = gradwire.current_worker().state.metrics if args.mode != "ddp" else None
+    metrics = current_worker().state.metrics if args.mode != "ddp" else None
     pushed = metrics.bytes_pushed if metrics else 0
     seconds = _epochs(args, net, optimizer, rank, size, (x_train, y_train, x_test, y_test))
     pushed = metrics.bytes_pushed - pushed if metrics else 0

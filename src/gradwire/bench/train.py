@@ -83,18 +83,18 @@ def _data_path(way: str) -> dict:
     """gradwire's settings now (they change where the links drift: scheduler/adapt.py)."""
     if not _ours(way):
         return {}
-    import gradwire
+    from gradwire.session import current_worker
 
-    return gradwire.current_worker().status()["data_path"]
+    return current_worker().status()["data_path"]
 
 
 def _pushed(way: str) -> int:
     """The bytes this worker has pushed so far (gradwire's metrics; 0 for DDP)."""
     if not _ours(way):
         return 0
-    import gradwire
+    from gradwire.session import current_worker
 
-    return gradwire.current_worker().state.metrics.bytes_pushed
+    return current_worker().state.metrics.bytes_pushed
 
 
 def main(way: str, steps: int, warmup: int) -> None:

@@ -121,6 +121,7 @@ def bridge_cost(repeats: int = 40) -> dict:
 
     import gradwire
     import gradwire.tensorflow as gwt
+    from gradwire.session import use_worker
     from gradwire.testing import LocalCluster
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -154,7 +155,7 @@ def bridge_cost(repeats: int = 40) -> dict:
     with LocalCluster(num_workers=1, num_servers=1) as cluster:
 
         def reduced(worker: gradwire.Worker) -> float:
-            with gradwire.use_worker(worker):
+            with use_worker(worker):
                 return timed(lambda: gwt.grouped_allreduce(grads(), name="bench.bridge"))
 
         (row["grouped_allreduce"],) = cluster.run(reduced)

@@ -38,6 +38,7 @@ from jax.experimental import io_callback
 
 import gradwire
 from gradwire import grouped, init, is_initialized, local_rank, local_size, rank, shutdown, size
+from gradwire.session import current_worker
 
 __all__ = [
     "DistributedOptimizer",
@@ -74,7 +75,7 @@ def _exchange(tree: Any, name: str, average: bool, root: int | None) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     if not leaves:
         return tree
-    worker = gradwire.current_worker()  # taken when traced: the callback may run on another thread
+    worker = current_worker()  # taken when traced: the callback may run on another thread
 
     def host(*arrays: Any) -> list:
         return _exchange_host(worker, name, average, root, *arrays)
@@ -107,7 +108,7 @@ def broadcast(tree: Any, root_rank: int = 0, name: str | None = None) -> Any:
 
 def barrier() -> None:
     """Block until every worker has entered the barrier (outside `jax.jit`)."""
-    gradwire.barrier()
+    current_worker().barrier()
 
 
 def distributed(average: bool = True, name: str = "grads") -> Any:

@@ -20,8 +20,8 @@ from typing import Any
 import keras
 import numpy as np
 
-import gradwire
 from gradwire import collectives, grouped, init, is_initialized, local_rank, local_size, rank, shutdown, size
+from gradwire.session import current_worker
 
 from . import callbacks, elastic
 from .compression import Compression
@@ -63,13 +63,13 @@ def allreduce(
     average = average if op is None else op == "average"
     array = to_numpy(value) * prescale_factor
     name = name or f"keras.allreduce.{array.dtype.name}{list(array.shape)}"
-    (out,) = grouped.exchange(gradwire.current_worker(), [array], name, average=average)
+    (out,) = grouped.exchange(current_worker(), [array], name, average=average)
     return out * postscale_factor if postscale_factor != 1.0 else out
 
 
 def allgather(value: Any, name: str | None = None) -> np.ndarray:
     """Every worker's `value` concatenated along the first dimension, as a numpy array (eagerly)."""
-    worker = gradwire.current_worker()
+    worker = current_worker()
     array = to_numpy(value)
     name = name or f"keras.allgather.{array.dtype.name}{list(array.shape[1:])}"
     return worker.synchronize(collectives.allgather_async(worker, array, name))
@@ -79,7 +79,7 @@ def broadcast(value: Any, root_rank: int, name: str | None = None) -> np.ndarray
     """Worker `root_rank`'s `value` on every worker, as a numpy array (eagerly)."""
     array = to_numpy(value)
     name = name or f"keras.broadcast.{array.dtype.name}{list(array.shape)}"
-    (out,) = grouped.exchange(gradwire.current_worker(), [array], name, root=root_rank)
+    (out,) = grouped.exchange(current_worker(), [array], name, root=root_rank)
     return out
 
 

@@ -18,8 +18,8 @@ from typing import Any
 import keras
 import numpy as np
 
-import gradwire
 from gradwire import grouped
+from gradwire.session import current_worker
 
 from .exchange import broadcast_variables, to_numpy
 
@@ -71,7 +71,7 @@ class MetricAverageCallback(keras.callbacks.Callback):
         keys = sorted(k for k, v in logs.items() if np.ndim(v) == 0)
         values = np.array([float(logs[k]) for k in keys], np.float64)
         name = "keras.MetricAverageCallback." + ",".join(keys)
-        (mean,) = grouped.exchange(gradwire.current_worker(), [values], name, average=True)
+        (mean,) = grouped.exchange(current_worker(), [values], name, average=True)
         for key, value in zip(keys, mean.tolist(), strict=True):
             logs[key] = value
 
@@ -150,7 +150,7 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
     ) -> None:
         def multiplier(epoch: float) -> float:
             epoch += 1.0 / self.steps_per_epoch
-            n = gradwire.size()
+            n = current_worker().size
             return 1.0 / n * (epoch * (n - 1) / warmup_epochs + 1)
 
         super().__init__(initial_lr, multiplier, 0, warmup_epochs, False, momentum_correction, steps_per_epoch)
@@ -158,6 +158,6 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         super().on_epoch_end(epoch, logs)
-        if epoch == self.end_epoch - 1 and self.verbose > 0 and gradwire.rank() == 0:
+        if epoch == self.end_epoch - 1 and self.verbose > 0 and current_worker().rank == 0:
             lr = _learning_rate(self.model.optimizer)
             print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {lr:g}.")

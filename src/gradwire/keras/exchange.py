@@ -15,6 +15,7 @@ import numpy as np
 
 import gradwire
 from gradwire import grouped
+from gradwire.session import current_worker
 
 
 def to_numpy(value: Any) -> np.ndarray:
@@ -47,7 +48,7 @@ def reduce_values(values: list[Any], name: str, average: bool = True, members: l
             raise gradwire.NotSupported("process sets are not supported with Keras on JAX; use the global set")
         return list(gradwire_jax.allreduce(list(values), average=average, name=name))
     arrays = [to_numpy(v) for v in values]
-    out = grouped.exchange(gradwire.current_worker(), arrays, name, average=average, members=members)
+    out = grouped.exchange(current_worker(), arrays, name, average=average, members=members)
     return [keras.ops.convert_to_tensor(a) for a in out]
 
 
@@ -57,6 +58,6 @@ def broadcast_variables(variables: list[Any], root_rank: int, name: str) -> None
     if not variables:
         return
     arrays = [to_numpy(v) for v in variables]
-    values = grouped.exchange(gradwire.current_worker(), arrays, f"{name}.{signature(variables)}", root=root_rank)
+    values = grouped.exchange(current_worker(), arrays, f"{name}.{signature(variables)}", root=root_rank)
     for variable, value in zip(variables, values, strict=True):
         variable.assign(value)

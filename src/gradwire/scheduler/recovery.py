@@ -34,7 +34,7 @@ import threading
 
 from gradwire.errors import GradwireError
 from gradwire.protocol import messages
-from gradwire.protocol.message import decode
+from gradwire.protocol.messages import decode
 from gradwire.scheduler import rendezvous, unfinished
 from gradwire.scheduler.lease import Proof
 from gradwire.scheduler.node import Node

@@ -7,7 +7,7 @@ reached some workers or none).
 from __future__ import annotations
 
 from gradwire.protocol import messages
-from gradwire.protocol.message import decode
+from gradwire.protocol.messages import decode
 from gradwire.scheduler.failover import held_of
 from gradwire.tuning import Tuning
 

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gradwire.server.round import Round
-from gradwire.server.rounds import KeyState
+from gradwire.server.rounds import KeyState, Round
 from gradwire.server.staging import BufferPool
 
 

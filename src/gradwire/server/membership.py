@@ -12,8 +12,7 @@ import numpy as np
 
 from gradwire.ring import DEPARTED_EVENT, Slot
 from gradwire.server.receipts import Receipts
-from gradwire.server.round import Round
-from gradwire.server.rounds import FailRank, KeyState
+from gradwire.server.rounds import FailRank, KeyState, Round
 
 
 class Membership:

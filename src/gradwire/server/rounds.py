@@ -1,10 +1,15 @@
-"""A key's rounds on a server, and what a per-key operation does with them.
+"""A key's rounds on a server, their buffers' life, and what a per-key operation does with them.
 
-`KeyState`: one key's two `Round`s (double buffering) and who contributes to them; its buffers' life cycle is
-server/lending.py's. `Round` (server/round.py): the round a buffer holds, whose contributions are in (rank order,
-staging, seeds: server/engine.py says why), and its accumulator. `KeyOp`: the interface of a per-key operation (the
-engine's one extension point; server/ops.py and server/optim.py implement it). `Outbox`: what an operation may send,
-and nothing else of the engine's (the engine implements it).
+`Round`: one of a key's two rounds (double buffering: server/engine.py): the round number it holds, whose contributions
+are in (rank order, staging, seeds: server/engine.py says why), and its accumulator with its result. `KeyState`: one
+key's two rounds and who contributes to them; its buffers' life (`Lending`, which it inherits): lent by the engine's
+pool while a round needs them, given back once its replies are sent, and a replica's one buffer for both rounds.
+`KeyOp`: the interface of a per-key operation (the engine's one extension point; server/ops.py and server/optim.py
+implement it). `Outbox`: what an operation may send, and nothing else of the engine's (the engine implements it).
+
+Why lend: a server held two round buffers per key, and a replica two per key it keeps; on a 1.2 GB tensor that was 5-6
+copies of each server's share, and each of the first two calls paid for fresh pages. Lent, a server holds buffers for
+the rounds in flight, and writes pages the pool has written before (server/staging.py).
 """
 
 from __future__ import annotations
@@ -16,13 +21,202 @@ import numpy as np
 
 from gradwire.errors import TensorError
 from gradwire.protocol import dtypes
-from gradwire.server.lending import Lending
-from gradwire.server.round import Round
 from gradwire.server.sums import NUMPY, Sums
+from gradwire.transport.shm import NO_SLOT
 
 if TYPE_CHECKING:
     from gradwire.ring import Slot
     from gradwire.server.staging import BufferPool
+
+
+class Round:
+    """One of a key's two rounds (double buffering: server/engine.py): the round it holds, whose contributions are
+    in, where each rank's answer goes, and the accumulator with its result (lent while needed: KeyState.lend)."""
+
+    __slots__ = (
+        "acc",
+        "averaged",
+        "count",
+        "filled",
+        "held",
+        "index",
+        "lends",
+        "lengths",
+        "number",
+        "out",
+        "pulls",
+        "pushed",
+        "result",
+        "seeded",
+        "stage",
+        "staged",
+        "started",
+        "turn",
+        "virtual",
+    )
+
+    def __init__(
+        self, index: int, n: int, dtype: dtypes.DType, num_workers: int, first: int, wire: int = -1, lent: bool = False
+    ) -> None:
+        self.index = index  # 0 or 1: the round numbers it holds are this, modulo 2
+        self.number = -1  # the round it holds
+        self.count = 0  # contributions in
+        self.pushed = 0  # bitmask of ranks that pushed it
+        self.turn = first  # deterministic mode: the rank whose contribution is added next
+        self.staged = 0  # bitmask of ranks whose early contributions wait in `stage`
+        self.stage: list[np.ndarray | None] = [None] * num_workers  # their staging buffers, lent (server/staging.py)
+        self.lengths = [0] * num_workers  # elements of each staged contribution (a gather's vary)
+        self.seeded = False  # its sum came as a seed (a failover), not from contributions
+        self.averaged = False  # that seed's sum was averaged already (a held key's: frames.AVERAGED)
+        self.held = False  # its pushers hold its sum in their outputs until every one has it (server/receipts.py)
+        self.virtual = 0  # ranks not answered: joined ones' zeros stood in, or they replayed (REPLAY)
+        self.filled = 0  # a gather's elements in
+        self.started = 0.0  # when it got its first contribution (the engine's clock)
+        self.pulls = [NO_SLOT] * num_workers  # each worker's shared-memory pull slot
+        self.lends = 0  # calls of KeyState.lend: a result's release once sent goes only if none came since
+        if lent:  # lent by the engine's pool while the round needs it (KeyState.lend)
+            self.acc = self.out = self.result = None  # type: ignore[assignment]
+            return
+        self.acc = np.empty(n, dtype.accumulate)
+        # the result as it travels: narrowed (float16, bfloat16), or encoded (`wire` elements: a compressed key's)
+        narrow = dtype.accumulate != dtype.wire or 0 <= wire != n
+        self.out = np.empty(n if wire < 0 else wire, dtype.wire) if narrow else self.acc
+        self.result: memoryview | list[memoryview] = memoryview(self.out).cast("B")  # KeyState makes it per rank
+
+    def buffers_of(self, other: Round | None, acc: np.ndarray, slices: list[tuple[int, int]] | None) -> None:
+        """Use `other`'s accumulator and result (a replica's two rounds share one: KeyState.keep), or, with None,
+        `acc` as both (a buffer of its own, or lent: never a narrowed or encoded key's)."""
+        if other is not None:
+            self.acc, self.out, self.result = other.acc, other.out, other.result
+            return
+        whole = memoryview(acc).cast("B")
+        self.result = whole if slices is None else [whole[a : a + b] for a, b in slices]
+        self.acc = self.out = acc  # last: a reader that sees it sees its result too (KeyState.lend)
+
+    def begin(self, number: int, first: int) -> None:
+        """Take round `number` (the previous one here complete)."""
+        self.number, self.count, self.pushed = number, 0, 0
+        self.turn, self.staged, self.seeded, self.held = first, 0, False, False
+
+    def seed(self, number: int, need: int, everyone: int, past: int) -> None:
+        """Round `number` is complete with a seed's sum (`past`: a turn past every rank)."""
+        self.number, self.count, self.pushed = number, need, everyone
+        self.turn, self.staged, self.seeded, self.averaged = past, 0, True, False
+
+    def fail(self, first: int) -> None:
+        """Forget the contributions in (the round can never complete): it starts again with the next push."""
+        self.count, self.pushed, self.staged, self.turn = 0, 0, 0, first
+
+    def missing(self, members: list[int]) -> list[int]:
+        """The members that have not pushed it."""
+        return [r for r in members if not self.pushed >> r & 1]
+
+
+class _Op(Protocol):
+    intercepts: bool  # KeyOp's (below): it handles pushes itself, a replica applies every update
+
+
+class Lending:
+    """The buffer life cycle of a key (KeyState's state, declared here for the reader)."""
+
+    __slots__ = ()
+    dtype: dtypes.DType
+    length: int
+    slices: list[tuple[int, int]] | None
+    first: int
+    op: _Op
+    held: object
+    kept: bool
+    lent: bool
+    shared: bool
+    kept_round: int
+    pool: BufferPool | None
+    rounds: tuple[Round, Round]
+
+    def unfinished(self, r: Round) -> bool:
+        raise NotImplementedError
+
+    def keep(self, kept: bool) -> None:
+        """This server keeps the key only as its replica (`kept`), or owns it (declared by its owner, or promoted by a
+        failover). A replica keeps one round, the last its server answered, so its two rounds share one buffer: a
+        forward of round r+1 comes only once every worker has pushed r+1, hence has round r, and nobody asks for r
+        again (a forward cut off mid-frame leaves r+1 unanswered: the workers push it again to whoever owns the key
+        next). Not a key whose operation keeps state of its own (a server-side optimizer's parameters), which applies
+        every forwarded update. Called from the control thread, when the key is declared (before any traffic) or
+        promoted: an owner's rounds get their own buffers again on the engine's thread (`own`)."""
+        if kept and not self.kept and not self.op.intercepts and self.held is None:
+            if self.lent:  # a replica's buffer is its own: it holds the key's last round for as long as it is kept
+                self.rounds[0].buffers_of(None, self._buffer(), self.slices)
+                self.lent = False
+            self.rounds[1].buffers_of(self.rounds[0], self.rounds[0].acc, None)
+            self.shared = True
+        self.kept = kept
+
+    def _buffer(self) -> np.ndarray:
+        return np.empty(self.length // self.dtype.itemsize, self.dtype.accumulate)
+
+    def lend(self, r: Round, pool: BufferPool) -> np.ndarray:
+        """Round `r`'s accumulator (its result too), lent by `pool` if it has none (KeyOp.lendable, LEND_BYTES). A
+        round holds its buffer from its first contribution added until every reply of its result has been sent
+        (`release_when_sent`), or, where that is not known (a seeded round, a reply that was never sent), until the
+        key's next round completes (`give_back`). So a server holds buffers for the rounds in flight, not one or two
+        per key, and a round is written into pages the pool has written before rather than fresh ones (issue 33: a
+        1.2 GB tensor's first two calls paid seconds of page faults for each server's round buffers). From the
+        engine's thread and from a reader (the first rank's contribution received into it: Engine.landing)."""
+        with pool.lock:
+            r.lends += 1
+            acc = r.acc
+            if acc is None:
+                acc = pool.take_locked(self.dtype.accumulate, self.length // self.dtype.itemsize)
+                r.buffers_of(None, acc, self.slices)
+        return acc
+
+    def release_when_sent(self, r: Round) -> Callable[[], None] | None:
+        """What the repliers call once every reply of round `r`'s result is sent (Reply's `sent`): its lent buffer
+        goes back to the pool. None for a round that keeps its result (not lent, or seeded: a worker the dead server
+        never answered may still push it and be answered from here). Every worker that pushed the round had its
+        reply; a replica had it before them (server/replica.py); so nothing needs the buffer once they are sent.
+        Not if it was lent again meanwhile (`lends`: a reply thread that was slow to call back)."""
+        pool = self.pool
+        if not self.lent or r.seeded or pool is None:
+            return None
+        acc, lends = r.acc, r.lends
+
+        def release() -> None:
+            with pool.lock:
+                if r.acc is acc and r.lends == lends:
+                    r.acc = r.out = r.result = None  # type: ignore[assignment]
+                    pool.give_locked(acc)
+
+        return release
+
+    def give_back(self, done: Round, pool: BufferPool) -> None:
+        """Round `done` completed: the other round's lent buffer, if it still has one (its replies' `release` never
+        came), goes back to the pool. Every worker pushed `done` after it had the other round's result, so no reply of
+        it is still being sent, and no failover can ask for it (its forward to a replica was acknowledged before any
+        worker had it)."""
+        other = self.rounds[1 - done.index]
+        with pool.lock:
+            acc = other.acc
+            if acc is None or other.number >= done.number or self.unfinished(other):
+                return
+            other.acc = other.out = other.result = None  # type: ignore[assignment]
+            pool.give_locked(acc)
+
+    def own(self) -> None:
+        """An owned key whose rounds share a buffer (it was a replica): the round last received into it keeps it; the
+        other gets a buffer of its own and holds no round (its bytes were overwritten by the later one). On the
+        engine's thread, before it touches either round."""
+        latest = self.rounds[self.kept_round & 1] if self.kept_round >= 0 else self.rounds[0]
+        other = self.rounds[1 - latest.index]
+        if latest.out is latest.acc:
+            other.buffers_of(None, np.empty_like(latest.acc), self.slices)
+        else:  # narrowed or encoded: an accumulator and a result of its own
+            other.acc, other.out = np.empty_like(latest.acc), np.empty_like(latest.out)
+            whole = memoryview(other.out).cast("B")
+            other.result = whole if self.slices is None else [whole[a : a + b] for a, b in self.slices]
+        other.begin(-1, self.first)
+        self.shared = False
 
 
 # Keys of at least this many bytes have their buffers lent by the engine's pool (KeyState.lend). Below it a key's
@@ -160,7 +354,7 @@ class KeyOp:
 
 
 class KeyState(Lending):
-    """A key's two rounds, who contributes to them, and its operation (its buffers' life cycle: server/lending.py)."""
+    """A key's two rounds, who contributes to them, and its operation (its buffers' life cycle: `Lending`)."""
 
     __slots__ = (
         "dtype",

@@ -11,8 +11,7 @@ from gradwire.protocol import dtypes
 from gradwire.protocol.frames import AVERAGED, REPLICA
 from gradwire.ring import Slot
 from gradwire.server import replica
-from gradwire.server.round import Round
-from gradwire.server.rounds import KeyState
+from gradwire.server.rounds import KeyState, Round
 from gradwire.server.staging import BufferPool
 
 

@@ -52,6 +52,7 @@ from gradwire.introspection import (
     stop_timeline,
 )
 from gradwire.objects import allgather_object, broadcast_object
+from gradwire.session import current_worker
 
 from . import elastic
 from .collectives import (
@@ -144,13 +145,13 @@ def init(config: Config | None = None, comm: Any = None, process_sets: Any = Non
 def join() -> tf.Tensor:
     """Horovod's join: this rank is out of data; the others' allreduces go on with zeros in its place. Blocks until
     every rank has joined; returns the last rank to join (eagerly)."""
-    return tf.constant(gradwire.current_worker().join(), tf.int32)
+    return tf.constant(current_worker().join(), tf.int32)
 
 
 def barrier(process_set: Any = global_process_set) -> None:
     """Block until every worker (or every rank of `process_set`) has entered the barrier (eagerly)."""
     if getattr(process_set, "ranks", None) is None:
-        gradwire.barrier()
+        current_worker().barrier()
         return
     # a round of a one-element sum among the set's ranks completes only once every one of them has pushed it
     allreduce(tf.zeros([1]), name="barrier", op=Sum, process_set=process_set)

@@ -21,6 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 import gradwire
+from gradwire.session import current_worker
 from gradwire.worker import Worker
 
 _counters: weakref.WeakKeyDictionary[Worker, dict[str, itertools.count]] = weakref.WeakKeyDictionary()
@@ -46,8 +47,10 @@ def name_of(worker: Worker, name: str | None, kind: str, tensor: Any = None) -> 
 def members_of(process_set: Any) -> list[int] | None:
     """The ranks of a Horovod process set (None: every worker)."""
     ranks = getattr(process_set, "ranks", None)
-    if ranks is not None and gradwire.rank() not in ranks:
-        raise ValueError(f"worker {gradwire.rank()} called a collective of {process_set!r}, which it is not part of")
+    if ranks is not None and current_worker().rank not in ranks:
+        raise ValueError(
+            f"worker {current_worker().rank} called a collective of {process_set!r}, which it is not part of"
+        )
     return None if ranks is None else list(ranks)
 
 
@@ -64,7 +67,7 @@ def host_call(fn: Callable[..., list[np.ndarray]], inputs: list[Any], touts: lis
                 raise
             raise tf.errors.InvalidArgumentError(None, None, str(e)) from e  # this worker's call is wrong
         return [tf.convert_to_tensor(r, dtype=t) for r, t in zip(results, touts, strict=True)]
-    fn = _recording(fn, gradwire.current_worker())
+    fn = _recording(fn, current_worker())
     if tf.inside_function():  # tf.function runs stateful operations in program order by itself
         return list(tf.numpy_function(fn, inputs, touts, stateful=True))
     # a TensorFlow 1 graph (a Session) runs independent operations in any order, in parallel: each call would block
@@ -123,6 +126,6 @@ def original_error(error: BaseException) -> BaseException:
     """The gradwire error behind `error`, a TensorFlow OpError a graph's host call raised (MembershipChanged, ...),
     else `error` itself."""
     if isinstance(error, tf.errors.OpError):
-        worker = gradwire.current_worker()
+        worker = current_worker()
         return _errors.pop(worker, None) or error
     return error

@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-import gradwire
 from gradwire import collectives, grouped
 from gradwire.collectives import KEY_OPS, Average, Sum, horovod_op
 from gradwire.introspection import global_process_set
+from gradwire.session import current_worker
 
 from .bridge import host_call, members_of, moved, name_of, scaled
 from .compression import Compression
@@ -24,7 +24,7 @@ from .compression import Compression
 
 def _op(average: bool | None, op: str | None) -> str:
     """Horovod's rules for a reduction's arguments (gradwire.collectives.horovod_op)."""
-    return horovod_op(average, op, gradwire.rank())
+    return horovod_op(average, op, current_worker().rank)
 
 
 def _differentiable(
@@ -47,7 +47,7 @@ def reduce_group(
 ) -> list[tf.Tensor]:
     """The reduction of `tensors` in one host call (one fused buffer per dtype), differentiable: the gradient of a
     sum (average) is the sum (average) of the gradients, as Horovod registers it."""
-    worker = gradwire.current_worker()
+    worker = current_worker()
     key_op, average = KEY_OPS[op], op == Average
 
     def host(*arrays: np.ndarray) -> list[np.ndarray]:
@@ -87,7 +87,7 @@ def allreduce(
     signature (the servers are CPU processes)."""
     op = _op(average, op)
     members = members_of(process_set)
-    worker = gradwire.current_worker()
+    worker = current_worker()
     if isinstance(tensor, tf.IndexedSlices):
         return _sparse(tensor, op, prescale_factor, postscale_factor, name, process_set)
     tensor = tf.convert_to_tensor(tensor)
@@ -107,7 +107,7 @@ def _sparse(
     values = allgather(tensor.values, name=None if name is None else f"{name}.values", process_set=process_set)
     indices = allgather(tensor.indices, name=None if name is None else f"{name}.indices", process_set=process_set)
     if op == Average:
-        n = gradwire.size() if getattr(process_set, "ranks", None) is None else len(process_set.ranks)
+        n = current_worker().size if getattr(process_set, "ranks", None) is None else len(process_set.ranks)
         values = values / tf.cast(n, values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=tensor.dense_shape)
 
@@ -134,7 +134,7 @@ def grouped_allreduce(
             for t in tensors
         ]
     tensors = [tf.convert_to_tensor(t) for t in tensors]
-    name = name_of(gradwire.current_worker(), name, "grouped_allreduce", tensors[0])
+    name = name_of(current_worker(), name, "grouped_allreduce", tensors[0])
     compressed = [compression.compress(t) for t in tensors]
     wire = [w for w, _ in compressed]
     summed = reduce_group(wire, op, prescale_factor, postscale_factor, name, members_of(process_set))
@@ -146,7 +146,7 @@ def allgather(
 ) -> tf.Tensor:
     """Every worker's `tensor` concatenated along the first dimension (which may differ by worker). Its gradient is
     the average of the output's gradient over the workers, cut to this worker's rows (Horovod's)."""
-    worker = gradwire.current_worker()
+    worker = current_worker()
     x = tf.convert_to_tensor(tensor)
     name = name_of(worker, name, "allgather", x)
     members = members_of(process_set)
@@ -174,7 +174,7 @@ def grouped_allgather(
 ) -> list[tf.Tensor]:
     """`allgather` of each tensor of `tensors`."""
     tensors = [tf.convert_to_tensor(t) for t in tensors]
-    name = name_of(gradwire.current_worker(), name, "grouped_allgather", tensors[0] if tensors else None)
+    name = name_of(current_worker(), name, "grouped_allgather", tensors[0] if tensors else None)
     return [allgather(t, f"{name}.{i}", process_set=process_set) for i, t in enumerate(tensors)]
 
 
@@ -187,7 +187,7 @@ def broadcast(
 ) -> tf.Tensor:
     """Worker `root_rank`'s `tensor`, on every worker. Its gradient is the average of the gradients on the root and
     zero elsewhere (Horovod's)."""
-    worker = gradwire.current_worker()
+    worker = current_worker()
     x = tf.convert_to_tensor(tensor)
     name = name_of(worker, name, "broadcast", x)
     members = members_of(process_set)
@@ -214,7 +214,7 @@ def broadcast_variables(variables: list[Any], root_rank: int, process_set: Any =
     variables = list(variables)
     if not variables:
         return None if tf.executing_eagerly() else tf.no_op()
-    worker = gradwire.current_worker()
+    worker = current_worker()
     name = "tf.broadcast_variables." + _signature(variables)
     members = members_of(process_set)
 
@@ -250,7 +250,7 @@ def alltoall(
 ) -> Any:
     """Send `splits[j]` rows of `tensor` to worker j (equal splits when None); returns the rows received in rank
     order, and with `splits` given also how many came from each worker (Horovod's pair)."""
-    worker = gradwire.current_worker()
+    worker = current_worker()
     x = tf.convert_to_tensor(tensor)
     name = name_of(worker, name, "alltoall", x)
     members = members_of(process_set)
@@ -294,7 +294,7 @@ def reducescatter(
     """Reduce `tensor` over all workers; returns this worker's rows of the result (d0 // n each, the first d0 % n
     workers one more, as Horovod splits them)."""
     op = _op(None, op)
-    worker = gradwire.current_worker()
+    worker = current_worker()
     tensor = tf.convert_to_tensor(tensor)
     name = name_of(worker, name, "reducescatter", tensor)
     members = members_of(process_set)
@@ -333,7 +333,7 @@ def grouped_reducescatter(
 ) -> list[tf.Tensor]:
     """`reducescatter` of each tensor of `tensors`."""
     tensors = [tf.convert_to_tensor(t) for t in tensors]
-    name = name_of(gradwire.current_worker(), name, "grouped_reducescatter", tensors[0] if tensors else None)
+    name = name_of(current_worker(), name, "grouped_reducescatter", tensors[0] if tensors else None)
     return [
         reducescatter(t, "", compression, op, f"{name}.{i}", process_set, False, prescale_factor, postscale_factor)
         for i, t in enumerate(tensors)

@@ -20,8 +20,8 @@ from typing import Any
 
 import tensorflow as tf
 
-import gradwire
 from gradwire.introspection import global_process_set
+from gradwire.session import current_worker
 
 from .collectives import Average, Sum, _signature, allreduce, grouped_allreduce
 from .compression import Compression
@@ -39,7 +39,7 @@ class _DistributedGradientTape:
 
     def _gw_reduce(self, grads: list[Any]) -> list[Any]:
         o = self._gw
-        if gradwire.size() == 1 and o["process_set"].ranks is None:
+        if current_worker().size == 1 and o["process_set"].ranks is None:
             return grads
         if o["sparse_as_dense"]:
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
@@ -61,7 +61,7 @@ class _DistributedGradientTape:
 
 
 def _size(process_set: Any) -> int:
-    return gradwire.size() if process_set.ranks is None else len(process_set.ranks)
+    return current_worker().size if process_set.ranks is None else len(process_set.ranks)
 
 
 def DistributedGradientTape(  # noqa: N802 - Horovod's name

@@ -42,6 +42,7 @@ from gradwire.introspection import (
     start_timeline,
     stop_timeline,
 )
+from gradwire.session import current_worker
 
 from . import cross_barrier, elastic, parallel
 from .broadcast import broadcast_optimizer_state, broadcast_parameters
@@ -176,7 +177,7 @@ __all__ = [
 def barrier(process_set: Any = None) -> None:
     """Block until every worker (or every rank of `process_set`) has entered the barrier."""
     if process_set is None or getattr(process_set, "ranks", None) is None:
-        gradwire.barrier()
+        current_worker().barrier()
         return
     import torch
 

@@ -21,6 +21,7 @@ from typing import Any
 import gradwire
 import torch
 from gradwire.collectives import KEY_OPS, Average, Sum, horovod_op
+from gradwire.session import current_worker
 from gradwire.worker import Worker
 
 from .compression import Compression, Compressor
@@ -59,7 +60,9 @@ def _members(process_set: Any) -> list[int] | None:
     if ranks is None:
         return None
     if not process_set.included():
-        raise ValueError(f"worker {gradwire.rank()} called a collective of {process_set!r}, which it is not part of")
+        raise ValueError(
+            f"worker {current_worker().rank} called a collective of {process_set!r}, which it is not part of"
+        )
     return list(ranks)
 
 
@@ -78,7 +81,7 @@ def allreduce_async(
 ) -> TorchHandle:
     """Start averaging (or summing) `tensor` over all workers; `synchronize(handle)` returns the result. The input
     is not modified (`allreduce_async_` writes the result into it)."""
-    worker = gradwire.current_worker()
+    worker = current_worker()
     members = _members(process_set)
     key_op, average = _reduction(worker, average, op, name)
     name = _name(worker, name, "allreduce")
@@ -154,7 +157,7 @@ def allreduce(
 ) -> torch.Tensor:
     """Average (or sum, op=Sum) `tensor` over all workers; returns a new tensor and leaves the input as it is.
     Blocks. Differentiable."""
-    worker = gradwire.current_worker()
+    worker = current_worker()
     _members(process_set)
     key_op, mean = _reduction(worker, average, op, name)
     op = (Average if mean else Sum) if key_op == "sum" else op
@@ -196,7 +199,7 @@ def grouped_allreduce_async(
 ) -> Any:
     """Start an allreduce of each tensor of the list (each its own tensor on the servers, `name.i`); `synchronize`
     returns the list of results. The inputs are not modified."""
-    worker = gradwire.current_worker()
+    worker = current_worker()
     _reduction(worker, average, op, name)  # the arguments' errors once, before anything is pushed
     name = _name(worker, name, "grouped_allreduce")
     return GroupHandle(
@@ -243,7 +246,7 @@ def grouped_allreduce(
     process_set: Any = None,
 ) -> list[torch.Tensor]:
     """Allreduce each tensor of the list; returns new tensors. Blocks. Differentiable (each as `allreduce`)."""
-    worker = gradwire.current_worker()
+    worker = current_worker()
     _reduction(worker, average, op, name)
     name = _name(worker, name, "grouped_allreduce")
     if any(t.requires_grad for t in tensors) and torch.is_grad_enabled():
@@ -306,7 +309,7 @@ def push_pull(
 ) -> torch.Tensor:
     """BytePS: average (or sum) `tensor` over all workers (blocking); returns a new tensor, the input unchanged.
     Differentiable."""
-    worker = gradwire.current_worker()
+    worker = current_worker()
     if name is None:
         raise gradwire.TensorError(
             f"worker {worker.rank}: push_pull needs a name that is the same on every worker (name='loss'), "
@@ -320,7 +323,7 @@ def push_pull(
 
 
 def _byteps(tensor: torch.Tensor, average: bool, name: str | None, priority: int, inplace: bool) -> TorchHandle:
-    worker = gradwire.current_worker()
+    worker = current_worker()
     name = _name(worker, name, "push_pull")
     return _push_pull_async(tensor, bool(average), name, priority, Compression.none, worker, inplace=inplace)
 
@@ -333,7 +336,7 @@ def poll(handle: Any) -> bool:
 def synchronize(handle: Any) -> Any:
     """Wait for a handle (up to GRADWIRE_TIMEOUT); returns its result: a tensor, a list of them (grouped), or an
     alltoall's (output, received splits)."""
-    return handle.result(gradwire.current_worker())
+    return handle.result(current_worker())
 
 
 def declare(name: str) -> int:

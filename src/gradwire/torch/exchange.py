@@ -15,6 +15,7 @@ import numpy as np
 import gradwire
 import torch
 from gradwire import collectives
+from gradwire.session import current_worker
 from gradwire.worker import Handle, Worker
 
 from .collectives import Average, Sum, _members, _name, allreduce
@@ -76,14 +77,16 @@ def allgather_async(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Exchange
     rank's first dimension) is what gradwire finds out itself, and is checked against it where given."""
     call = _GatherCall.of("allgather_async", args, kwargs, shape_list=True)
     rows = tensor.shape[0] if tensor.dim() else 1
-    if call.shape_list and call.shape_list[gradwire.rank()] != rows:
-        said = call.shape_list[gradwire.rank()]
-        raise ValueError(f"allgather_async: shape_list says {said} rows for rank {gradwire.rank()}, the tensor {rows}")
+    if call.shape_list and call.shape_list[current_worker().rank] != rows:
+        said = call.shape_list[current_worker().rank]
+        raise ValueError(
+            f"allgather_async: shape_list says {said} rows for rank {current_worker().rank}, the tensor {rows}"
+        )
     return _allgather_async(tensor, call.name, call.process_set)
 
 
 def _allgather_async(tensor: torch.Tensor, name: str | None, process_set: Any) -> ExchangeHandle:
-    worker = gradwire.current_worker()
+    worker = current_worker()
     members = _members(process_set)
     name = _name(worker, name, "allgather")
     source = _cpu(tensor)
@@ -139,8 +142,8 @@ class _AllGather(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         reduced = allreduce(grad, average=True, process_set=ctx.process_set)
         rows = allgather(torch.tensor([ctx.rows], dtype=torch.int64), process_set=ctx.process_set)
-        members = _members(ctx.process_set) or list(range(gradwire.size()))
-        offset = int(rows[: members.index(gradwire.rank())].sum())
+        members = _members(ctx.process_set) or list(range(current_worker().size))
+        offset = int(rows[: members.index(current_worker().rank)].sum())
         return reduced.narrow(0, offset, ctx.rows), None, None
 
 
@@ -165,14 +168,14 @@ def allgather(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
 
 def grouped_allgather_async(tensors: list[torch.Tensor], name: str | None = None, process_set: Any = None) -> Any:
     """Start an allgather of each tensor of the list; `synchronize` returns the list of results."""
-    worker = gradwire.current_worker()
+    worker = current_worker()
     name = _name(worker, name, "grouped_allgather")
     return GroupHandle([allgather_async(t, f"{name}.{i}", process_set) for i, t in enumerate(tensors)])
 
 
 def grouped_allgather(tensors: list[torch.Tensor], name: str | None = None, process_set: Any = None) -> list:
     """Allgather each tensor of the list. Blocks. Differentiable."""
-    worker = gradwire.current_worker()
+    worker = current_worker()
     name = _name(worker, name, "grouped_allgather")
     return [allgather(t, f"{name}.{i}", process_set) for i, t in enumerate(tensors)]
 
@@ -187,10 +190,10 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: str = Average, p
     # allgather concatenates along the first dimension: the indices travel transposed (one row per element)
     indices = _allgather_async(sparse.indices().transpose(0, 1).contiguous(), f"{name}.indices", process_set)
     values = _allgather_async(sparse.values(), f"{name}.values", process_set)
-    divide = len(_members(process_set) or range(gradwire.size())) if op == Average else 1
+    divide = len(_members(process_set) or range(current_worker().size)) if op == Average else 1
 
     def handle() -> torch.Tensor:
-        worker = gradwire.current_worker()
+        worker = current_worker()
         gathered = values.result(worker)
         where = indices.result(worker)
         if divide > 1:
@@ -206,7 +209,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: str = Average, p
 def _broadcast(
     tensor: torch.Tensor, root_rank: int, name: str | None, inplace: bool, process_set: Any
 ) -> ExchangeHandle:
-    worker = gradwire.current_worker()
+    worker = current_worker()
     members = _members(process_set)
     name = _name(worker, name, "broadcast")
     source = _cpu(tensor)
@@ -246,7 +249,7 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         reduced = allreduce(grad, average=True, process_set=ctx.process_set)
-        if gradwire.rank() != ctx.root_rank:
+        if current_worker().rank != ctx.root_rank:
             reduced = reduced * 0
         return reduced, None, None, None
 

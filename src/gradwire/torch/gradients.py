@@ -15,6 +15,7 @@ import gradwire
 import torch
 from gradwire.config import Config
 from gradwire.errors import TensorError
+from gradwire.session import current_worker, use_worker
 from gradwire.worker import Worker
 
 from . import fusion
@@ -72,7 +73,7 @@ class GradientSync:
     @property
     def worker(self) -> Worker:
         if self._bound is None:
-            self._bound = gradwire.current_worker()
+            self._bound = current_worker()
         return self._bound
 
     @property
@@ -110,7 +111,7 @@ class GradientSync:
                 source = grad * scale if scale != 1.0 else grad
                 name = f"{self.prefix}{self.names[pid]}"
                 op = Average if self.average else Sum
-                with gradwire.use_worker(self.worker):
+                with use_worker(self.worker):
                     gather = sparse_allreduce_async(source, name, op, _Ranks(self.members))
                 self.handles[pid] = _SparseSum(param, gather, self.predivide)  # type: ignore[assignment]
                 return
@@ -227,7 +228,7 @@ class GradientSync:
 
 def current_worker_or_none() -> Worker | None:
     try:
-        return gradwire.current_worker()
+        return current_worker()
     except gradwire.ConfigError:
         return None
 
@@ -249,7 +250,7 @@ class _SparseSum:
         self.param, self.gather, self.postscale = param, gather, postscale
 
     def result(self, worker: Worker) -> torch.Tensor:
-        with gradwire.use_worker(worker):
+        with use_worker(worker):
             summed = self.gather()
         self.param.grad = summed * self.postscale if self.postscale != 1.0 else summed
         return self.param.grad

@@ -32,9 +32,9 @@ from typing import Any
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-import gradwire
 import torch
 from gradwire.errors import TensorError
+from gradwire.session import current_worker
 from gradwire.worker import Worker
 
 from .compression import Compression, Compressor, DefaultCompressor, configured
@@ -72,7 +72,7 @@ class PushPullHookState:
         self.names = {id(p): n for n, p in named}
         self.params = [p for _, p in named]
         self.compression = compression
-        self.worker = worker or gradwire.current_worker()
+        self.worker = worker or current_worker()
         self.ddp = model if overlap and isinstance(model, DistributedDataParallel) else None
         self.layout: list[tuple[int, ...]] = []  # this backward's buckets, as parameter ids, in DDP's order
         self.previous: list[tuple[int, ...]] | None = None

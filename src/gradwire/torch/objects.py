@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-import gradwire
 import torch
+from gradwire.session import current_worker
 
 from .exchange import allgather, broadcast, broadcast_
 
@@ -33,14 +33,14 @@ def allgather_object(obj: Any, name: str | None = None, process_set: Any = None)
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None, process_set: Any = None) -> Any:
     """The root's picklable `obj` on every rank (tensors inside travel with it)."""
     name = name or type(obj).__name__
-    payload = _dumps(obj) if gradwire.rank() == root_rank else b""
+    payload = _dumps(obj) if current_worker().rank == root_rank else b""
     length = torch.tensor([len(payload)], dtype=torch.int64)
     size = broadcast(length, root_rank, f"broadcast_object.{name}.size", process_set)
     data = torch.zeros(int(size[0]), dtype=torch.uint8)
-    if gradwire.rank() == root_rank:
+    if current_worker().rank == root_rank:
         data.numpy()[:] = np.frombuffer(payload, np.uint8)
     data = broadcast_(data, root_rank, f"broadcast_object.{name}", process_set)
-    return obj if gradwire.rank() == root_rank else _loads(data.numpy().tobytes())
+    return obj if current_worker().rank == root_rank else _loads(data.numpy().tobytes())
 
 
 def _dumps(obj: Any) -> bytes:

@@ -16,6 +16,7 @@ import numpy as np
 import gradwire
 import torch
 from gradwire import compression as _servers
+from gradwire.session import current_worker
 from gradwire.worker import Handle, Worker
 
 from . import device_coding
@@ -123,7 +124,7 @@ def push_pull_async(
     `op` is the servers' reduction: "sum" (averaged when `average`), "min", "max" or "product"; `members` the
     ranks that take part (a process set; None: every worker).
     """
-    worker = worker or gradwire.current_worker()
+    worker = worker or current_worker()
     source = tensor.detach()
     if isinstance(compression, PowerSGD):
         call = compression.push_pull_async(tensor, average, name, priority, worker, inplace, op, members)

@@ -9,6 +9,7 @@ from typing import Any
 import gradwire
 import torch
 from gradwire import collectives
+from gradwire.session import current_worker
 
 from .collectives import Average, Sum, _members, _name, _reduction, _scaled
 from .exchange import ExchangeHandle, _cpu, _wire, allgather
@@ -22,7 +23,7 @@ def alltoall_async(
 ) -> ExchangeHandle:
     """Start sending `splits[j]` rows of `tensor` to rank j (equal splits when None); `synchronize` returns the
     received rows (in rank order) and the received splits."""
-    worker = gradwire.current_worker()
+    worker = current_worker()
     members = _members(process_set)
     name = _name(worker, name, "alltoall")
     if splits is not None:
@@ -81,7 +82,7 @@ def reducescatter_async(
 ) -> ExchangeHandle:
     """Start reducing `tensor` over all ranks; this rank receives its rows of the result (the first dimension split
     as evenly as it goes, the first ranks one row more). The input is not modified."""
-    worker = gradwire.current_worker()
+    worker = current_worker()
     members = _members(process_set)
     key_op, average = _reduction(worker, None, op, name)
     name = _name(worker, name, "reducescatter")
@@ -115,7 +116,7 @@ class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         if ctx.op == Sum:
-            grad = grad * len(_members(ctx.process_set) or range(gradwire.size()))
+            grad = grad * len(_members(ctx.process_set) or range(current_worker().size))
         grad = grad * (ctx.scales[0] * ctx.scales[1])
         return allgather(grad, process_set=ctx.process_set), None, None, None, None
 
@@ -148,7 +149,7 @@ def grouped_reducescatter_async(
     postscale_factor: float = 1.0,
 ) -> GroupHandle:
     """Start a reducescatter of each tensor of the list; `synchronize` returns the list of results."""
-    worker = gradwire.current_worker()
+    worker = current_worker()
     name = _name(worker, name, "grouped_reducescatter")
     return GroupHandle(
         [
@@ -168,7 +169,7 @@ def grouped_reducescatter(
     postscale_factor: float = 1.0,
 ) -> list[torch.Tensor]:
     """Reducescatter each tensor of the list. Blocks. Differentiable."""
-    worker = gradwire.current_worker()
+    worker = current_worker()
     name = _name(worker, name, "grouped_reducescatter")
     return [
         reducescatter(t, f"{name}.{i}", compression, op, process_set, prescale_factor, postscale_factor)

@@ -25,11 +25,11 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import gradwire
 import torch
 from gradwire.errors import TensorError
 from gradwire.parameters import server_compressor
 from gradwire.protocol import update
+from gradwire.session import current_worker
 from gradwire.worker import Handle, Worker
 
 from .gradients import current_worker_or_none
@@ -87,7 +87,7 @@ class _ServerOptimizer:
     @property
     def _w(self) -> Worker:
         if self._worker is None:
-            self._worker = gradwire.current_worker()
+            self._worker = current_worker()
         return self._worker
 
     def _args(self, p: torch.Tensor) -> dict:

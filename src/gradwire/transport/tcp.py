@@ -26,7 +26,7 @@ from gradwire.protocol import frames
 from gradwire.protocol.decoder import READ_AHEAD
 from gradwire.protocol.frames import FrameType, Header
 from gradwire.protocol.handshake import Handshake
-from gradwire.protocol.message import Message
+from gradwire.protocol.messages import Message
 
 MAX_PARTS = 512  # buffers handed to one sendmsg at most (Linux refuses more than IOV_MAX = 1024)
 
