@@ -4,10 +4,13 @@
 // (numpy, DLPack: torch, JAX and TensorFlow tensors without a copy); a call checks their sizes before touching them.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include "floor.hpp"
+#include "flow.hpp"
 #include "frames.hpp"
 #include "link.hpp"
 #include "sums.hpp"
@@ -198,6 +201,56 @@ NB_MODULE(_core, m) {
             nb::arg("data"), nb::arg("sink"), nb::arg("chunk") = size_t(1) << 20, nb::arg("end") = false,
             "Decode `data` into `sink`'s frames, received at most `chunk` bytes at a time; returns the bytes taken "
             "(fewer where the sink said not now, or expects nothing more). `end`: the stream ends after `data`.");
+
+    // The per-partition rule (flow.hpp), bound for the tests that feed it and worker/flow.py, worker/credit.py alike.
+    nb::class_<flow::Flow>(m, "Flow", "A link's flow control (worker/flow.py's Flow), partitions named by id.")
+        .def(nb::init<int64_t, int64_t, double>(), nb::arg("window"), nb::arg("cap") = 0,
+             nb::arg("liveness") = flow::kLivenessSeconds)
+        .def(
+            "push",
+            [](flow::Flow& f, int64_t id, uint64_t key, int64_t round, int64_t priority, const std::string& tensor,
+               int64_t index, bool seed) {
+                flow::Part part;
+                part.id = id, part.key = key, part.seed = seed;
+                part.order.round = round, part.order.tensor = tensor, part.order.index = index;
+                f.push(std::move(part), priority);
+            },
+            nb::arg("id"), nb::arg("key"), nb::arg("round"), nb::arg("priority"), nb::arg("tensor"), nb::arg("index"),
+            nb::arg("seed") = false)
+        .def("next", &flow::Flow::next, nb::arg("now"))
+        .def("wake_at", &flow::Flow::wake_at)
+        .def("on_ack", &flow::Flow::on_ack, nb::arg("key"))
+        .def("on_answer", &flow::Flow::on_answer, nb::arg("key"), nb::arg("now"))
+        .def("set_limits", &flow::Flow::set_limits, nb::arg("window"), nb::arg("cap"))
+        .def("take_queued", &flow::Flow::take_queued)
+        .def("take_all", &flow::Flow::take_all)
+        .def_prop_ro("window", &flow::Flow::window)
+        .def_prop_ro("cap", &flow::Flow::cap)
+        .def_prop_ro("in_flight", &flow::Flow::in_flight)
+        .def_prop_ro("queued", &flow::Flow::queued)
+        .def_prop_ro("pending", &flow::Flow::pending)
+        .def_ro("full_seconds", &flow::Flow::full_seconds)
+        .def_ro("capped_seconds", &flow::Flow::capped_seconds)
+        .def_ro("capped_sends", &flow::Flow::capped_sends)
+        .def_ro("cap_escapes", &flow::Flow::cap_escapes)
+        .def_ro("last_answer", &flow::Flow::last_answer);
+    nb::class_<flow::Credit>(m, "Credit", "A worker's credit and pacing (worker/credit.py's Credit), `now` passed in.")
+        .def(nb::init<int64_t, int64_t>(), nb::arg("limit"), nb::arg("lead") = 0)
+        .def("set_lead", &flow::Credit::set_lead, nb::arg("lead"))
+        .def("pace", &flow::Credit::pace, nb::arg("server"), nb::arg("share"))
+        .def("unpace", &flow::Credit::unpace, nb::arg("server"))
+        .def("queue", &flow::Credit::queue, nb::arg("server"), nb::arg("n"))
+        .def("may_send", &flow::Credit::may_send, nb::arg("server"))
+        .def("take", &flow::Credit::take, nb::arg("n"), nb::arg("server"), nb::arg("network"), nb::arg("paced"),
+             nb::arg("now"))
+        .def("release_all", &flow::Credit::release_all, nb::arg("sizes"), nb::arg("network"), nb::arg("acked"),
+             nb::arg("now"))
+        .def("busy", &flow::Credit::busy, nb::arg("now"))
+        .def_ro("limit", &flow::Credit::limit)
+        .def_ro("used", &flow::Credit::used)
+        .def_ro("lead", &flow::Credit::lead)
+        .def_ro("busy_seconds", &flow::Credit::busy_seconds)
+        .def_ro("busy_bytes", &flow::Credit::busy_bytes);
 
     nb::register_exception_translator([](const std::exception_ptr& p, void*) {
         try {

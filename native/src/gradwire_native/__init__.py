@@ -2,7 +2,9 @@
 
 from gradwire_native._core import (
     HEADER_SIZE,
+    Credit,
     FloorShape,
+    Flow,
     FrameDecoder,
     MAX_CONTROL_BYTES,
     add_into,
@@ -17,7 +19,9 @@ from gradwire_native._core import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "Credit",
     "FloorShape",
+    "Flow",
     "FrameDecoder",
     "HEADER_SIZE",
     "MAX_CONTROL_BYTES",
