@@ -10,6 +10,7 @@
 #include <system_error>
 
 #include "link.hpp"
+#include "poll.hpp"
 #include "sums.hpp"
 
 namespace gradwire::floor {
@@ -17,64 +18,11 @@ namespace {
 
 constexpr int kStallMilliseconds = 60000;  // a floor that waits this long for its peers has failed, not slowed
 
-// Sockets under one epoll, level-triggered; a socket's interest changes only when its wants do.
-class Poll {
-   public:
-    explicit Poll(const std::vector<int>& fds) : fds_(fds), events_(fds.size(), EPOLLIN) {
-        epoll_ = ::epoll_create1(EPOLL_CLOEXEC);
-        if (epoll_ < 0) throw std::system_error(errno, std::generic_category(), "epoll_create1");
-        for (size_t i = 0; i < fds.size(); ++i) control(EPOLL_CTL_ADD, i, EPOLLIN);
-    }
-    ~Poll() { ::close(epoll_); }
-    Poll(const Poll&) = delete;
-    Poll& operator=(const Poll&) = delete;
+int stalled(int events) {
+    if (events == 0) throw std::runtime_error("the floor's peers sent nothing for 60 s");
+    return events;
+}
 
-    // Stop watching socket i (its peer may close it now: epoll reports a hang-up whatever the interest).
-    void remove(size_t i) {
-        if (events_[i] == kRemoved) return;
-        epoll_event e{};
-        if (::epoll_ctl(epoll_, EPOLL_CTL_DEL, fds_[i], &e) < 0)
-            throw std::system_error(errno, std::generic_category(), "epoll_ctl");
-        events_[i] = kRemoved;
-    }
-
-    void want(size_t i, bool readable, bool writable) {
-        if (events_[i] == kRemoved) throw std::logic_error("a socket removed from the poll is wanted again");
-        const uint32_t events = (readable ? EPOLLIN : 0u) | (writable ? EPOLLOUT : 0u);
-        if (events != events_[i]) control(EPOLL_CTL_MOD, i, events);
-        events_[i] = events;
-    }
-
-    // Wait for events; `ready[0..n)` are (socket index, events). Throws after kStallMilliseconds without one.
-    int wait(epoll_event* ready, int max) {
-        for (;;) {
-            const int n = ::epoll_wait(epoll_, ready, max, kStallMilliseconds);
-            if (n > 0) return n;
-            if (n == 0) throw std::runtime_error("the floor's peers sent nothing for 60 s");
-            if (errno != EINTR) throw std::system_error(errno, std::generic_category(), "epoll_wait");
-        }
-    }
-
-   private:
-    static constexpr uint32_t kRemoved = ~0u;
-
-    void control(int op, size_t i, uint32_t events) {
-        epoll_event e{};
-        e.events = events;
-        e.data.u64 = i;
-        if (::epoll_ctl(epoll_, op, fds_[i], &e) < 0) {
-            const int err = errno;
-            if (op == EPOLL_CTL_ADD) ::close(epoll_);
-            throw std::system_error(err, std::generic_category(), "epoll_ctl");
-        }
-    }
-
-    std::vector<int> fds_;
-    std::vector<uint32_t> events_;
-    int epoll_;
-};
-
-constexpr uint32_t kInput = EPOLLIN | EPOLLERR | EPOLLHUP;
 
 void check(const Shape& s) {
     if (s.partition == 0 || s.partition % 4 || s.parts == 0 || s.size % 4 || s.window == 0)
@@ -129,7 +77,7 @@ class Server {
                 else
                     poll_.want(i, answered_ < total_ && !blocked_[i], links_[i]->queued() > 0);
             }
-            const int n = poll_.wait(ready.data(), int(ready.size()));
+            const int n = stalled(poll_.wait(ready.data(), int(ready.size()), kStallMilliseconds));
             for (int e = 0; e < n; ++e) {
                 const size_t i = ready[e].data.u64;
                 if (ready[e].events & kInput) links_[i]->receive(sinks_[i]);
@@ -302,7 +250,7 @@ void push_pull(const std::vector<int>& fds, const Shape& shape, const uint8_t* d
             else
                 poll.want(s, sinks[s].expecting(), link.queued() > 0);
         }
-        const int n = poll.wait(ready.data(), int(ready.size()));
+        const int n = stalled(poll.wait(ready.data(), int(ready.size()), kStallMilliseconds));
         for (int e = 0; e < n; ++e) {
             const size_t s = ready[e].data.u64;
             const uint64_t before = sinks[s].answered;

@@ -7,6 +7,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include "floor.hpp"
@@ -14,6 +15,7 @@
 #include "frames.hpp"
 #include "link.hpp"
 #include "sums.hpp"
+#include "worker.hpp"
 
 #include <algorithm>
 #include <cstring>
@@ -252,6 +254,40 @@ NB_MODULE(_core, m) {
         .def_ro("busy_seconds", &flow::Credit::busy_seconds)
         .def_ro("busy_bytes", &flow::Credit::busy_bytes);
 
+    m.def(
+        "worker_push_pull",
+        [](std::vector<int> fds, const std::string& tensor, uint32_t round, int64_t priority, uint8_t dtype, Bytes send,
+           Bytes out, std::vector<std::tuple<uint64_t, size_t, uint64_t, uint64_t, int64_t>> plan, uint32_t rank,
+           uint32_t epoch, int64_t window, int64_t cap, int64_t credit, uint64_t max_payload, double timeout) {
+            std::vector<worker::Part> parts(plan.size());
+            for (size_t i = 0; i < plan.size(); ++i) {
+                const auto& [key, link, offset, length, index] = plan[i];
+                if (offset + length > send.nbytes() || offset + length > out.nbytes())
+                    throw nb::value_error(("part " + std::to_string(i) + " lies past the buffers").c_str());
+                worker::Part& p = parts[i];
+                p.key = key, p.round = round, p.dtype = dtype, p.link = link, p.priority = priority;
+                p.tensor = tensor, p.index = index;
+                p.send = static_cast<const uint8_t*>(send.data()) + offset, p.push_bytes = length;
+                p.out = static_cast<uint8_t*>(out.data()) + offset, p.nbytes = length;
+            }
+            worker::Settings settings;
+            settings.rank = rank, settings.epoch = epoch, settings.window = window, settings.cap = cap;
+            settings.credit = credit, settings.max_payload = max_payload, settings.timeout = timeout;
+            worker::Counts counts;
+            {
+                nb::gil_scoped_release released;
+                counts = worker::push_pull(fds, settings, parts);
+            }
+            return nb::make_tuple(counts.pushes, counts.batches, counts.acks);
+        },
+        nb::arg("fds"), nb::arg("tensor"), nb::arg("round"), nb::arg("priority"), nb::arg("dtype"), nb::arg("send"),
+        nb::arg("out"), nb::arg("plan"), nb::kw_only(), nb::arg("rank"), nb::arg("epoch"), nb::arg("window"),
+        nb::arg("cap"), nb::arg("credit"), nb::arg("max_payload"), nb::arg("timeout") = 60.0,
+        "One tensor's push_pull by the worker's rule (worker.hpp) over the sockets `fds` of links a Python worker "
+        "connected: `plan` is its partitions, (key, link, byte offset, bytes, index); each sum lands in `out` at its "
+        "offset. Blocks without the GIL; returns (pushes, batches, ACKS frames). Raises RuntimeError for a server's "
+        "refusal (its message), ValueError for a protocol error, ConnectionError for a closed link.");
+
     nb::register_exception_translator([](const std::exception_ptr& p, void*) {
         try {
             std::rethrow_exception(p);
@@ -259,6 +295,8 @@ NB_MODULE(_core, m) {
             PyErr_SetString(PyExc_ValueError, e.what());
         } catch (const LinkClosed& e) {
             PyErr_SetString(PyExc_ConnectionError, e.what());
+        } catch (const worker::Refused& e) {
+            PyErr_SetString(PyExc_RuntimeError, e.what());
         }
     });
 }

@@ -14,6 +14,7 @@ from gradwire_native._core import (
     floor_serve,
     narrow,
     widen,
+    worker_push_pull,
 )
 
 __version__ = "0.1.0"
@@ -33,4 +34,5 @@ __all__ = [
     "floor_serve",
     "narrow",
     "widen",
+    "worker_push_pull",
 ]

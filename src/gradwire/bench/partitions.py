@@ -7,6 +7,10 @@ size (GRADWIRE_PARTITION_BYTES) and reports the CPU seconds the workers and the 
 figure over the largest partition size's: the per-partition overhead, apart for both roles. gloo's ring on the same
 tensor in the same run gives the yardstick. Rounds alternate the sizes so that the machine's drift hits them alike.
 
+Where gradwire-native is installed, the same job runs again with the native worker (bench/native_worker.py: each
+worker lends its links to `worker_push_pull`, the worker's rule in C++; the servers are the same): what the rule costs
+natively, beside the floor.
+
 Beside it, the floor (bench/floor.py): the same partition sizes through a Python data path with nothing else in it,
 one worker and one server, the worker with one thread and with two (a sender woken by its receiver, as gradwire's
 links are built), in the same rounds: what Python itself sets, and what the data path's shape adds.
@@ -20,6 +24,7 @@ import statistics
 import subprocess
 import sys
 
+from gradwire import native
 from gradwire.bench.floor import available_modes
 from gradwire.bench.runner import MiB, Timing, run_gloo, run_gradwire
 
@@ -30,19 +35,22 @@ def run_partitions(args: argparse.Namespace, env: dict[str, str]) -> int:
     parts = [int(float(p) * KiB) for p in args.partitions.split(",")]
     size = int(float(args.sizes.split(",")[0]) * MiB)
     n, k = args.num_workers, args.num_servers
-    runs: dict[int, list[Timing]] = {p: [] for p in parts}
+    workers = ["python", "native"] if native.load().module is not None else ["python"]
+    runs: dict[tuple[str, int], list[Timing]] = {(w, p): [] for w in workers for p in parts}
     gloo: list[Timing] = []
     modes = available_modes()  # the native shapes too, where gradwire-native is installed
     floors: dict[tuple[str, int], list[dict]] = {(mode, p): [] for mode in modes for p in parts}
     for _ in range(args.rounds):
         for p in parts:
             job = env | {"GRADWIRE_PARTITION_BYTES": str(p), "GRADWIRE_TRANSPORT": "tcp"}
-            runs[p] += run_gradwire(n, k, [size], args.repeats, args.warmup, job)
+            for w in workers:
+                way = job | {"GRADWIRE_BENCH_NATIVE_WORKER": "1"} if w == "native" else job
+                runs[w, p] += run_gradwire(n, k, [size], args.repeats, args.warmup, way)
             for mode in modes:
                 floors[mode, p].append(run_floor(p, size, FLOOR_REPEATS, mode))
         gloo += run_gloo(n, [size], args.repeats, args.warmup)
-    rows = [_row(p, runs[p]) for p in parts]
-    base = rows[-1] if rows else None
+    rows = [_row(w, p, runs[w, p]) for w in workers for p in parts]
+    base = rows[len(parts) - 1] if rows else None  # the Python worker's largest partitions
     gloo_cpu = statistics.median(t.cpu_per_gb() for t in gloo)
     floor_rows = [_floor_row(mode, p, floors[mode, p]) for mode in modes for p in parts]
     if args.json:
@@ -88,9 +96,10 @@ def floor_table(rows: list[dict], size: int) -> str:
     return "\n".join(lines)
 
 
-def _row(partition: int, timings: list[Timing]) -> dict:
+def _row(worker: str, partition: int, timings: list[Timing]) -> dict:
     """The medians over a partition size's runs (each run: its timed calls' CPU over their bytes)."""
     return {
+        "worker": worker,
         "partition_bytes": partition,
         "seconds_median": statistics.median(x for t in timings for x in t.times),
         "worker_cpu_seconds_per_gb": statistics.median(t.cpu_per_gb("workers") for t in timings),
@@ -100,18 +109,19 @@ def _row(partition: int, timings: list[Timing]) -> dict:
 
 
 def table(rows: list[dict], base: dict | None, gloo_cpu: float, n: int, k: int, size: int) -> str:
-    """A markdown table: per partition size, the time of a call, workers' and servers' CPU per GB and each over the
-    largest size's."""
+    """A markdown table: per worker (Python, native) and partition size, the time of a call, workers' and servers' CPU
+    per GB and each over the Python worker's at the largest size."""
     lines = [
         f"push_pull of {size / MiB:g} MiB, n={n} workers, k={k} servers, TCP loopback; gloo's ring: "
         f"{gloo_cpu:.2f} CPU s per GB",
         "",
-        "| partition | call s | workers' CPU s/GB | x largest | servers' CPU s/GB | x largest |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| worker | partition | call s | workers' CPU s/GB | x Python largest | servers' CPU s/GB | x Python largest |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         lines.append(
-            f"| {row['partition_bytes'] / KiB:g} KiB | {row['seconds_median']:.4f} | {_cpu_cells(row, base)} |"
+            f"| {row['worker']} | {row['partition_bytes'] / KiB:g} KiB | {row['seconds_median']:.4f} | "
+            f"{_cpu_cells(row, base)} |"
         )
     return "\n".join(lines)
 

@@ -8,24 +8,28 @@ runner can charge the servers' CPU of that span too: CPU seconds per GB.
 GRADWIRE_BENCH_COLLECTIVE picks the collective (default allreduce), each defined so that a rank ends with SIZE
 bytes: allreduce (SIZE in, SIZE out), allgather (SIZE/n in), broadcast (SIZE from rank 0), reducescatter (SIZE in,
 SIZE/n out: half an allreduce's traffic for a summation server). gloo runs its own same collective.
+GRADWIRE_BENCH_NATIVE_WORKER=1: the allreduce goes through the native worker over the worker's lent links
+(bench/native_worker.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
 COLLECTIVE = os.environ.get("GRADWIRE_BENCH_COLLECTIVE", "allreduce")
 COMPRESSED = COLLECTIVE.split("-", 1)[1] if COLLECTIVE.startswith("allreduce-") else None
+NATIVE_WORKER = os.environ.get("GRADWIRE_BENCH_NATIVE_WORKER") == "1" and COLLECTIVE == "allreduce"
 
 
 def run_gradwire(sizes: list[int], repeats: int, warmup: int) -> None:
     import gradwire as gw
-    from gradwire import collectives
 
     gw.init()
     worker, n = gw.current_worker(), gw.size()
@@ -33,44 +37,79 @@ def run_gradwire(sizes: list[int], repeats: int, warmup: int) -> None:
     for nbytes in sizes:
         count = nbytes // 4 // n * n  # divisible by n: every rank's share is equal
         buf = np.empty(count, np.float32)
-        part = np.empty(count // n, np.float32)
         name = f"bench-{COLLECTIVE}-{nbytes}"
-        times, cpu, span = [], 0.0, [0.0, 0.0]
-        for i in range(warmup + repeats):
-            buf.fill(1.0)
-            part.fill(1.0)
-            gw.barrier()
-            if i == warmup:
-                span[0] = time.time()
-            c0 = time.process_time()
-            t0 = time.perf_counter()
-            if COLLECTIVE == "allreduce":
-                gw.push_pull_inplace(buf, name)
-                check = buf[-1] == n
-            elif compressor is not None:
-                gw.push_pull_inplace(buf, name, compression=compressor)
-                check = bool(np.isfinite(buf).all()) and buf.max() > 0
-            elif COLLECTIVE == "allgather":
-                out = worker.synchronize(collectives.allgather_async(worker, part, name))
-                check = out.size == count
-            elif COLLECTIVE == "broadcast":
-                worker.synchronize(collectives.broadcast_async(worker, buf, 0, name, out=buf))
-                check = buf[-1] == 1.0
-            else:
-                out = worker.synchronize(collectives.reducescatter_async(worker, buf.reshape(n, -1), name))
-                check = out.size == count // n and out.reshape(-1)[-1] == n
-            elapsed = time.perf_counter() - t0
-            spent = time.process_time() - c0
-            assert check, COLLECTIVE
-            if i >= warmup:
-                times.append(elapsed)
-                cpu += spent
+        times: list[float] = []
+        span = [0.0, 0.0]
+        lent: contextlib.AbstractContextManager = contextlib.nullcontext(None)
+        if NATIVE_WORKER:
+            from gradwire.bench import native_worker
+
+            worker.declare(name, buf.shape, buf.dtype)
+            lent = native_worker.lent_links(worker)
+        with lent as fds:
+            cpu = _time_calls(worker, buf, name, warmup, repeats, compressor, fds, times, span)
         span[1] = time.time()
         _cpu_line(gw.rank(), nbytes, cpu, span)
         if gw.rank() == 0:
-            chosen = worker.status()["data_path"]  # what gradwire chose (or was told), and why
+            chosen = "native worker" if NATIVE_WORKER else worker.status()["data_path"]  # what ran, and why
             print(json.dumps({"bytes": nbytes, "times": times, "data_path": chosen}), flush=True)
     gw.shutdown()
+
+
+def _time_calls(
+    worker: Any,
+    buf: np.ndarray,
+    name: str,
+    warmup: int,
+    repeats: int,
+    compressor: object,
+    fds: list[int] | None,
+    times: list[float],
+    span: list[float],
+) -> float:
+    """One size's calls (`fds`: through the native worker over those lent links): the timed ones' seconds into
+    `times`, when they began into span[0]; returns their CPU seconds."""
+    import gradwire as gw
+    from gradwire import collectives
+
+    n, count = gw.size(), buf.size
+    part = np.empty(count // n, np.float32)
+    cpu = 0.0
+    for i in range(warmup + repeats):
+        buf.fill(1.0)
+        part.fill(1.0)
+        gw.barrier()
+        if i == warmup:
+            span[0] = time.time()
+        c0 = time.process_time()
+        t0 = time.perf_counter()
+        if fds is not None:
+            from gradwire.bench import native_worker
+
+            native_worker.push_pull(worker, fds, name, buf, buf)
+            check = buf[-1] == n
+        elif COLLECTIVE == "allreduce":
+            gw.push_pull_inplace(buf, name)
+            check = buf[-1] == n
+        elif compressor is not None:
+            gw.push_pull_inplace(buf, name, compression=compressor)
+            check = bool(np.isfinite(buf).all()) and buf.max() > 0
+        elif COLLECTIVE == "allgather":
+            out = worker.synchronize(collectives.allgather_async(worker, part, name))
+            check = out.size == count
+        elif COLLECTIVE == "broadcast":
+            worker.synchronize(collectives.broadcast_async(worker, buf, 0, name, out=buf))
+            check = buf[-1] == 1.0
+        else:
+            out = worker.synchronize(collectives.reducescatter_async(worker, buf.reshape(n, -1), name))
+            check = out.size == count // n and out.reshape(-1)[-1] == n
+        elapsed = time.perf_counter() - t0
+        spent = time.process_time() - c0
+        assert check, COLLECTIVE
+        if i >= warmup:
+            times.append(elapsed)
+            cpu += spent
+    return cpu
 
 
 def run_gloo(sizes: list[int], repeats: int, warmup: int) -> None:

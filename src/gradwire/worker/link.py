@@ -81,6 +81,7 @@ class ServerLink(Answers, Pushes):
         self._free_push = list(range(arena.push)) if arena else []  # the loop's
         self._free_pull = list(range(arena.pull)) if arena else []
         self.dirty = True  # see LinkLoop
+        self._lent = False  # its socket handed to a native data path (`hand_over`), out of the loop, not closed
         self._init_pushes()
         self._init_answers()
 
@@ -175,9 +176,35 @@ class ServerLink(Answers, Pushes):
                 work.handle.fail(self._lost(reason))
         self.loop.remove(self)
 
+    def hand_over(self, timeout: float) -> int:
+        """Lend the link's socket to a native data path (gradwire-native's `worker_push_pull`, which takes links after
+        Python's connect and handshake): the link leaves its loop, its socket open. Only a quiet link over a socket:
+        nothing queued or unanswered, nothing read ahead, no shared memory. Returns the socket's descriptor; `take_back`
+        ends the loan. Raises GradwireError where the link cannot be lent."""
+        with self._lock:
+            busy = self.flow.queued or self.flow.pending or self._waiting or self.holds.tensors()
+            if self._closed is not None or self.lost is not None or busy or self.arena is not None or self._lent:
+                raise GradwireError(f"worker {self.rank}: the link to server {self.server} cannot be lent now")
+            self._lent = True
+        if not self.loop.remove(self).wait(timeout) or self._decoder.mid_frame or self._unsent:
+            self.take_back()
+            raise GradwireError(f"worker {self.rank}: the link to server {self.server} was not quiet")
+        return self.conn.sock.fileno()
+
+    def take_back(self, broken: BaseException | None = None) -> None:
+        """End a loan (`hand_over`): the link's frames move on its loop again; or, `broken` (the native call failed
+        and the stream may be mid-frame), the link closes with it."""
+        with self._lock:
+            self._lent = False
+            self.dirty = True
+        if broken is not None:
+            self.close(broken)  # its removal from the loop (a no-op) closes the socket (`on_removed`)
+            return
+        self.loop.add(self)
+
     def on_removed(self) -> None:
         """(On the loop, or with no loop running.) Out of the loop: the last frame, then the socket and the slots."""
-        if self._removed.is_set():
+        if self._removed.is_set() or self._lent:
             return
         if self._farewell is not None:
             try:

@@ -1,0 +1,73 @@
+// Sockets under one epoll (a link loop's): level-triggered, each socket's interest changed only when its wants do.
+#pragma once
+
+#include <sys/epoll.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdint>
+#include <stdexcept>
+#include <system_error>
+#include <vector>
+
+namespace gradwire {
+
+constexpr uint32_t kInput = EPOLLIN | EPOLLERR | EPOLLHUP;  // readable, or its end: a receive says which
+
+// Sockets under one epoll, level-triggered; a socket's interest changes only when its wants do.
+class Poll {
+   public:
+    explicit Poll(const std::vector<int>& fds) : fds_(fds), events_(fds.size(), EPOLLIN) {
+        epoll_ = ::epoll_create1(EPOLL_CLOEXEC);
+        if (epoll_ < 0) throw std::system_error(errno, std::generic_category(), "epoll_create1");
+        for (size_t i = 0; i < fds.size(); ++i) control(EPOLL_CTL_ADD, i, EPOLLIN);
+    }
+    ~Poll() { ::close(epoll_); }
+    Poll(const Poll&) = delete;
+    Poll& operator=(const Poll&) = delete;
+
+    // Stop watching socket i (its peer may close it now: epoll reports a hang-up whatever the interest).
+    void remove(size_t i) {
+        if (events_[i] == kRemoved) return;
+        epoll_event e{};
+        if (::epoll_ctl(epoll_, EPOLL_CTL_DEL, fds_[i], &e) < 0)
+            throw std::system_error(errno, std::generic_category(), "epoll_ctl");
+        events_[i] = kRemoved;
+    }
+
+    void want(size_t i, bool readable, bool writable) {
+        if (events_[i] == kRemoved) throw std::logic_error("a socket removed from the poll is wanted again");
+        const uint32_t events = (readable ? EPOLLIN : 0u) | (writable ? EPOLLOUT : 0u);
+        if (events != events_[i]) control(EPOLL_CTL_MOD, i, events);
+        events_[i] = events;
+    }
+
+    // Wait up to `timeout_ms` for events; `ready[0..n)` are (socket index, events); 0: none came in time.
+    int wait(epoll_event* ready, int max, int timeout_ms) {
+        for (;;) {
+            const int n = ::epoll_wait(epoll_, ready, max, timeout_ms);
+            if (n >= 0) return n;
+            if (errno != EINTR) throw std::system_error(errno, std::generic_category(), "epoll_wait");
+        }
+    }
+
+   private:
+    static constexpr uint32_t kRemoved = ~0u;
+
+    void control(int op, size_t i, uint32_t events) {
+        epoll_event e{};
+        e.events = events;
+        e.data.u64 = i;
+        if (::epoll_ctl(epoll_, op, fds_[i], &e) < 0) {
+            const int err = errno;
+            if (op == EPOLL_CTL_ADD) ::close(epoll_);
+            throw std::system_error(err, std::generic_category(), "epoll_ctl");
+        }
+    }
+
+    std::vector<int> fds_;
+    std::vector<uint32_t> events_;
+    int epoll_;
+};
+
+}  // namespace gradwire

@@ -1,0 +1,55 @@
+// A worker's push_pull in native code, over links a Python worker connected and authenticated (the boundary: Python
+// keeps connect, handshake and declaration; native code moves the bytes). The whole per-partition rule is
+// worker/pushes.py's and worker/answers.py's: flow control per link and credit over all of them (flow.hpp), several
+// pushes to one sendmsg (batches of at most `batch_bytes` and `batch_frames`, as SEND_BATCH_BYTES and
+// SEND_BATCH_FRAMES), an ACKS frame's acknowledgements freeing window places and credit, each RESULT received
+// straight into its partition's output (link.hpp's Decoder). The real servers answer it: the protocol is the job's.
+//
+// What it does not do yet (the Python path does): shared-memory links, pacing's shares, a failover's seed copies and
+// held keys, compressed keys, the stage histogram. A call blocks its thread (without the GIL) until every sum is in.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace gradwire::worker {
+
+struct Part {
+    uint64_t key = 0;
+    uint32_t round = 0;
+    uint8_t dtype = 0;
+    size_t link = 0;  // which of the call's links: its server's index (errors name it as the server)
+    int64_t priority = 0;
+    std::string tensor;  // the job-wide order's (round, -priority, tensor, index)
+    int64_t index = 0;
+    const uint8_t* send = nullptr;
+    uint64_t push_bytes = 0;
+    uint8_t* out = nullptr;
+    uint64_t nbytes = 0;
+};
+
+struct Settings {
+    uint32_t rank = 0, epoch = 0;
+    int64_t window = 4, cap = 0, credit = 0;  // credit: bytes in flight over all links (0: no limit)
+    uint64_t max_payload = 0;
+    uint64_t batch_bytes = 256 << 10, batch_frames = 64;
+    double timeout = 60;  // seconds without a frame from any server before the call fails
+};
+
+// A server refused a tensor (its ERROR frame): the message names the server, the tensor and the key.
+struct Refused : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
+
+// What one call did: for the caller's metrics and the benchmarks.
+struct Counts {
+    uint64_t pushes = 0, batches = 0, acks = 0;  // frames pushed, the batches they went in, ACKS frames received
+};
+
+// Push every part over `fds` (fds[p.link]) by the rule, each sum into its output; returns once every sum is in.
+// Throws Refused, ProtocolError, LinkClosed, or std::runtime_error when the servers fall silent for `timeout`.
+Counts push_pull(const std::vector<int>& fds, const Settings& settings, const std::vector<Part>& parts);
+
+}  // namespace gradwire::worker

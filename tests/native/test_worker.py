@@ -1,0 +1,83 @@
+"""The native worker (native/cpp/worker.hpp, `worker_push_pull`) against real servers: a Python worker lends its links
+(`ServerLink.hand_over`) and the native call pushes by the worker's rule; the sums are the Python path's bytes for every
+dtype, size and flow setting, a server's refusal is an error naming the worker, the server's link and the tensor, and
+the links go back to the Python worker (or close, after a failure)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gradwire.bench import native_worker
+from gradwire.errors import GradwireError, TensorError
+from gradwire.protocol import dtypes
+from gradwire.testing import LocalCluster
+
+DTYPES = [np.float32, np.float16, np.float64, np.int32, np.int64, np.uint8]
+
+
+def _data(rank: int, n: int, dtype, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed * 100 + rank)
+    if np.dtype(dtype).kind == "f":
+        return rng.standard_normal(n).astype(dtype)
+    return rng.integers(0, 50, n).astype(dtype)
+
+
+@pytest.fixture(scope="module")
+def cluster(gn):
+    # window 2 and a cap of 1 unanswered partition: the flow rule's cap and job-wide order at work
+    with LocalCluster(num_workers=3, num_servers=2, partition_bytes=4096, transport="tcp", window=2, unanswered=1) as c:
+        yield c
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 1023, 50_001])
+def test_the_native_workers_sums_are_the_python_paths_bytes(cluster, dtype, n):
+    name = f"native-{np.dtype(dtype).name}-{n}"
+
+    def both(w):
+        data = _data(w.rank, n, dtype, 1)
+        by_python = w.push_pull(data, name)
+        by_native = np.full_like(data, 7)
+        with native_worker.lent_links(w) as fds:
+            pushes, batches, acks = native_worker.push_pull(w, fds, name, data, by_native)
+        again = w.push_pull(data, name)  # the links went back: the Python path goes on, a round later
+        return by_python, by_native, again, pushes
+
+    results = cluster.run(both)
+    parts = len(cluster.workers[0].table.tensors[name].parts)
+    for by_python, by_native, again, pushes in results:
+        assert by_native.tobytes() == by_python.tobytes() == again.tobytes()
+        assert pushes == parts
+
+
+def test_a_servers_refusal_names_the_worker_server_and_tensor_and_the_links_close(cluster, gn):
+    """A push the server refuses (here: a dtype the tensor was not declared with) fails the call with the server's
+    message; the failed call's links close (their streams may be mid-frame) and the worker says so on its next call."""
+    name = "native-refused"
+
+    def refused(w):
+        data = _data(w.rank, 2000, np.float32, 2)
+        w.push_pull(data, name)
+        tensor = w.table.tensors[name]
+        tensor.dtype = dtypes.from_numpy(np.int32)  # what the pushes will claim; the servers know float32
+        with pytest.raises(TensorError) as refusal:
+            with native_worker.lent_links(w) as fds:
+                native_worker.push_pull(w, fds, name, data, np.empty_like(data))
+        with pytest.raises(GradwireError):
+            w.push_pull(data, "native-after")
+        assert refusal.value.context == {"tensor": name, "server": 0, "rank": 0}
+        return str(refusal.value)
+
+    with LocalCluster(num_workers=1, num_servers=1, transport="tcp") as c:
+        (message,) = c.run(refused)
+    assert message.startswith(f"server 0 refused {name!r} (key ") and "int32 pushed, but the key is" in message
+
+
+def test_only_a_quiet_socket_link_is_lent(gn):
+    with LocalCluster(num_workers=1, num_servers=1) as c:  # one host: the link moves bytes through shared memory
+        (link,) = c.workers[0].state.links
+        assert link.arena is not None
+        with pytest.raises(GradwireError, match="cannot be lent"):
+            link.hand_over(1.0)
+        c.run(lambda w: w.push_pull(np.ones(10, np.float32), "still-works"))
