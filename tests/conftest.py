@@ -1,6 +1,3 @@
-import threading
-
-import pytest
 from hypothesis import HealthCheck, settings
 
 # Hypothesis times its own input generation and each example. On a loaded 2-core CI machine a scheduling stall
@@ -8,10 +5,3 @@ from hypothesis import HealthCheck, settings
 # every assertion stay as they are.
 settings.register_profile("gradwire", suppress_health_check=[HealthCheck.too_slow], deadline=None)
 settings.load_profile("gradwire")
-
-
-@pytest.fixture(autouse=True)
-def _no_thread_leaks_into_failures():
-    # gradwire's threads are daemons; this only keeps a hung test's report readable
-    yield
-    assert threading.main_thread().is_alive()

@@ -15,6 +15,7 @@
 #include "frames.hpp"
 #include "link.hpp"
 #include "sums.hpp"
+#include "loop.hpp"
 #include "worker.hpp"
 
 #include <algorithm>
@@ -96,6 +97,34 @@ struct PythonSink {
         sink.attr("arrived")(header_tuple(h), out);
     }
 };
+
+using Plan = std::vector<std::tuple<uint64_t, size_t, uint64_t, uint64_t, int64_t>>;  // (key, link, offset, bytes, index)
+
+// One tensor's call as the native worker's parts: each (key, link, byte offset, bytes, partition index) of `plan`
+// pushed from `send` and answered into `out` at its offset, checked to lie within both.
+std::vector<worker::Part> parts_of(const std::string& tensor, uint32_t round, int64_t priority, uint8_t dtype,
+                                   const Bytes& send, const Bytes& out, const Plan& plan) {
+    std::vector<worker::Part> parts(plan.size());
+    for (size_t i = 0; i < plan.size(); ++i) {
+        const auto& [key, link, offset, length, index] = plan[i];
+        if (offset + length > send.nbytes() || offset + length > out.nbytes())
+            throw nb::value_error(("part " + std::to_string(i) + " lies past the buffers").c_str());
+        worker::Part& p = parts[i];
+        p.key = key, p.round = round, p.dtype = dtype, p.link = link, p.priority = priority;
+        p.tensor = tensor, p.index = index;
+        p.send = static_cast<const uint8_t*>(send.data()) + offset, p.push_bytes = length;
+        p.out = static_cast<uint8_t*>(out.data()) + offset, p.nbytes = length;
+    }
+    return parts;
+}
+
+worker::Settings settings_of(uint32_t rank, uint32_t epoch, int64_t window, int64_t cap, int64_t credit,
+                             uint64_t max_payload, double timeout) {
+    worker::Settings settings;
+    settings.rank = rank, settings.epoch = epoch, settings.window = window, settings.cap = cap;
+    settings.credit = credit, settings.max_payload = max_payload, settings.timeout = timeout;
+    return settings;
+}
 
 // Bytes handed in by the caller, given out at most `chunk` at a time (tests cut a stream anywhere with it).
 struct BytesSource {
@@ -257,22 +286,10 @@ NB_MODULE(_core, m) {
     m.def(
         "worker_push_pull",
         [](std::vector<int> fds, const std::string& tensor, uint32_t round, int64_t priority, uint8_t dtype, Bytes send,
-           Bytes out, std::vector<std::tuple<uint64_t, size_t, uint64_t, uint64_t, int64_t>> plan, uint32_t rank,
-           uint32_t epoch, int64_t window, int64_t cap, int64_t credit, uint64_t max_payload, double timeout) {
-            std::vector<worker::Part> parts(plan.size());
-            for (size_t i = 0; i < plan.size(); ++i) {
-                const auto& [key, link, offset, length, index] = plan[i];
-                if (offset + length > send.nbytes() || offset + length > out.nbytes())
-                    throw nb::value_error(("part " + std::to_string(i) + " lies past the buffers").c_str());
-                worker::Part& p = parts[i];
-                p.key = key, p.round = round, p.dtype = dtype, p.link = link, p.priority = priority;
-                p.tensor = tensor, p.index = index;
-                p.send = static_cast<const uint8_t*>(send.data()) + offset, p.push_bytes = length;
-                p.out = static_cast<uint8_t*>(out.data()) + offset, p.nbytes = length;
-            }
-            worker::Settings settings;
-            settings.rank = rank, settings.epoch = epoch, settings.window = window, settings.cap = cap;
-            settings.credit = credit, settings.max_payload = max_payload, settings.timeout = timeout;
+           Bytes out, Plan plan, uint32_t rank, uint32_t epoch, int64_t window, int64_t cap, int64_t credit,
+           uint64_t max_payload, double timeout) {
+            std::vector<worker::Part> parts = parts_of(tensor, round, priority, dtype, send, out, plan);
+            const worker::Settings settings = settings_of(rank, epoch, window, cap, credit, max_payload, timeout);
             worker::Counts counts;
             {
                 nb::gil_scoped_release released;
@@ -287,6 +304,37 @@ NB_MODULE(_core, m) {
         "connected: `plan` is its partitions, (key, link, byte offset, bytes, index); each sum lands in `out` at its "
         "offset. Blocks without the GIL; returns (pushes, batches, ACKS frames). Raises RuntimeError for a server's "
         "refusal (its message), ValueError for a protocol error, ConnectionError for a closed link.");
+
+    nb::class_<worker::Loop>(m, "WorkerLoop",
+                             "The native worker as a loop thread of its own (loop.hpp): calls submitted from any "
+                             "thread overlap; each completes with '' or what failed it.")
+        .def(
+            "__init__",
+            [](worker::Loop* self, std::vector<int> fds, uint32_t rank, uint32_t epoch, int64_t window, int64_t cap,
+               int64_t credit, uint64_t max_payload) {
+                new (self) worker::Loop(fds, settings_of(rank, epoch, window, cap, credit, max_payload, 0));
+            },
+            nb::arg("fds"), nb::kw_only(), nb::arg("rank"), nb::arg("epoch"), nb::arg("window"), nb::arg("cap"),
+            nb::arg("credit"), nb::arg("max_payload"))
+        .def(
+            "submit",
+            [](worker::Loop& loop, uint64_t call, const std::string& tensor, uint32_t round, int64_t priority,
+               uint8_t dtype, Bytes send, Bytes out, Plan plan) {
+                loop.submit(call, parts_of(tensor, round, priority, dtype, send, out, plan));
+            },
+            nb::arg("call"), nb::arg("tensor"), nb::arg("round"), nb::arg("priority"), nb::arg("dtype"),
+            nb::arg("send"), nb::arg("out"), nb::arg("plan"),
+            "Queue one tensor's call (as worker_push_pull's arguments); `send` and `out` must stay alive until its "
+            "completion is taken.")
+        .def("completions", &worker::Loop::completions, nb::arg("timeout"), nb::call_guard<nb::gil_scoped_release>(),
+             "The calls finished since the last time: [(call, '' or what failed it)], waiting up to `timeout` s.")
+        .def("set_limits", &worker::Loop::set_limits, nb::arg("window"), nb::arg("cap"))
+        .def("stop", &worker::Loop::stop, nb::arg("why") = "the native worker stopped",
+             nb::call_guard<nb::gil_scoped_release>())
+        .def_prop_ro("counts", [](const worker::Loop& loop) {
+            const worker::Counts c = loop.counts();
+            return nb::make_tuple(c.pushes, c.batches, c.acks);
+        });
 
     nb::register_exception_translator([](const std::exception_ptr& p, void*) {
         try {

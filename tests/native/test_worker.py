@@ -81,3 +81,48 @@ def test_only_a_quiet_socket_link_is_lent(gn):
         with pytest.raises(GradwireError, match="cannot be lent"):
             link.hand_over(1.0)
         c.run(lambda w: w.push_pull(np.ones(10, np.float32), "still-works"))
+
+
+def test_calls_overlap_on_the_native_workers_own_loop(cluster):
+    """The native worker's loop (`WorkerLoop`): each worker submits five tensors at once, of several dtypes and sizes,
+    and one its servers refuse; the others' sums are the Python path's bytes, the refused one fails alone, with the
+    Python path's TensorError."""
+    shapes = [(np.float32, 30_000), (np.float16, 5000), (np.int64, 1), (np.float32, 4096), (np.uint8, 70_000)]
+
+    def overlapping(w):
+        data = [_data(w.rank, n, dtype, 3 + i) for i, (dtype, n) in enumerate(shapes)]
+        names = [f"loop-{i}" for i in range(len(shapes))]
+        expected = [w.push_pull(d, name) for d, name in zip(data, names, strict=True)]
+        w.push_pull(np.ones(100, np.float32), "loop-refused")
+        outs = [np.zeros_like(d) for d in data]
+        with native_worker.lent_links(w) as fds:
+            calls = native_worker.LoopCalls(w, fds)
+            try:
+                ids = [
+                    calls.submit(name, d, out, priority=i)
+                    for i, (name, d, out) in enumerate(zip(names, data, outs, strict=True))
+                ]
+                w.table.tensors["loop-refused"].dtype = dtypes.from_numpy(np.int32)  # the servers know float32
+                bad = calls.submit("loop-refused", np.ones(100, np.int32), np.empty(100, np.int32))
+                calls.wait(ids, 30.0)
+                with pytest.raises(TensorError, match="int32 pushed"):
+                    calls.wait([bad], 30.0)
+            finally:
+                calls.close()
+        return [o.tobytes() == e.tobytes() for o, e in zip(outs, expected, strict=True)]
+
+    assert cluster.run(overlapping) == [[True] * len(shapes)] * 3
+
+
+def test_a_stopped_loop_fails_what_is_submitted_after(cluster):
+    def stopped(w):
+        w.push_pull(np.ones(8, np.float32), "loop-stopped")
+        with native_worker.lent_links(w) as fds:
+            calls = native_worker.LoopCalls(w, fds)
+            calls.close()
+            call = calls.submit("loop-stopped", np.ones(8, np.float32), np.empty(8, np.float32))
+            with pytest.raises(GradwireError, match="stopped"):
+                calls.wait([call], 5.0)
+        return w.push_pull(np.ones(8, np.float32), "loop-stopped-after")[0]  # the links went back whole
+
+    assert cluster.run(stopped) == [3.0] * 3

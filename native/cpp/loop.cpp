@@ -1,0 +1,367 @@
+#include "loop.hpp"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <system_error>
+
+namespace gradwire::worker {
+namespace {
+
+double monotonic() {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+int make_eventfd() {
+    const int fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (fd < 0) throw std::system_error(errno, std::generic_category(), "eventfd");
+    return fd;
+}
+
+std::vector<int> with(std::vector<int> fds, int extra) {
+    fds.push_back(extra);
+    return fds;
+}
+
+}  // namespace
+
+struct Loop::Receiver {  // the decoder's sink for one link
+    Loop& loop;
+    size_t s;
+    bool expecting() const { return loop.sides_[s].owed > 0 && loop.sides_[s].broken.empty(); }
+    uint8_t* destination(const Header& h) { return loop.destination(s, h); }
+    void arrived(const Header& h, uint8_t*) { loop.arrived(s, h); }
+};
+
+Loop::Loop(const std::vector<int>& fds, const Settings& settings)
+    : settings_(settings),
+      credit_(settings.credit > 0 ? settings.credit : INT64_MAX),
+      wake_fd_(make_eventfd()),
+      poll_(with(fds, wake_fd_)) {
+    for (int fd : fds) {
+        Side side{flow::Flow(settings.window, settings.cap), nullptr, std::nullopt, {}, 0, ""};
+        side.link = std::make_unique<Link>(fd, settings.max_payload, settings.batch_frames);
+        sides_.push_back(std::move(side));
+    }
+    thread_ = std::thread([this] { run(); });
+}
+
+Loop::~Loop() {
+    stop();
+    ::close(wake_fd_);
+}
+
+void Loop::submit(uint64_t call, std::vector<Part> parts) {
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (!stopping_.empty()) {
+            outbox_.emplace_back(call, stopping_);
+            done_.notify_all();
+            return;
+        }
+        inbox_.emplace_back(call, std::move(parts));
+    }
+    const uint64_t one = 1;
+    (void)!::write(wake_fd_, &one, sizeof one);
+}
+
+std::vector<std::pair<uint64_t, std::string>> Loop::completions(double timeout) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_.wait_for(lock, std::chrono::duration<double>(timeout), [this] { return !outbox_.empty() || stopped_; });
+    std::vector<std::pair<uint64_t, std::string>> out;
+    out.swap(outbox_);
+    return out;
+}
+
+void Loop::set_limits(int64_t window, int64_t cap) {
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        limits_ = std::make_pair(window, cap);
+    }
+    const uint64_t one = 1;
+    (void)!::write(wake_fd_, &one, sizeof one);
+}
+
+void Loop::stop(const std::string& why) {
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (stopping_.empty()) stopping_ = why.empty() ? "stopped" : why;
+    }
+    const uint64_t one = 1;
+    (void)!::write(wake_fd_, &one, sizeof one);
+    if (thread_.joinable()) thread_.join();
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopped_ = true;
+    done_.notify_all();
+}
+
+Counts Loop::counts() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return shared_counts_;
+}
+
+void Loop::run() {
+    std::vector<epoll_event> ready(sides_.size() + 1);
+    std::string why;
+    try {
+        for (;;) {
+            {
+                std::lock_guard<std::mutex> lock(mutex_);
+                if (!stopping_.empty()) {
+                    why = stopping_;
+                    break;
+                }
+                if (limits_) {
+                    for (Side& side : sides_) side.flow.set_limits(limits_->first, limits_->second);
+                    limits_.reset();
+                }
+                shared_counts_ = counts_;
+            }
+            take_submissions();
+            const double now = monotonic();
+            for (size_t s = 0; s < sides_.size(); ++s)
+                if (sides_[s].broken.empty()) pump(s, now);
+            const int n = poll_.wait(ready.data(), int(ready.size()), wait_ms(now));
+            for (int e = 0; e < n; ++e) {
+                const size_t s = ready[e].data.u64;
+                if (s == sides_.size()) {
+                    uint64_t drained;
+                    (void)!::read(wake_fd_, &drained, sizeof drained);
+                    continue;
+                }
+                if (!(ready[e].events & kInput) || !sides_[s].broken.empty()) continue;
+                try {
+                    Receiver receiver{*this, s};
+                    sides_[s].link->receive(receiver);
+                } catch (const ProtocolError& error) {
+                    fail_link(s, error.what());
+                } catch (const LinkClosed& error) {
+                    fail_link(s, error.what());
+                }
+            }
+        }
+    } catch (const std::exception& error) {  // a bug: every call fails with it, none waits forever
+        why = std::string("the native worker failed: ") + error.what();
+    }
+    for (size_t s = 0; s < sides_.size(); ++s)
+        if (sides_[s].broken.empty()) fail_link(s, why);
+    take_submissions();  // submitted as it stopped: they fail too (their links are out)
+    for (auto& [call, state] : calls_) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        outbox_.emplace_back(call, state.error.empty() ? why : state.error);
+    }
+    calls_.clear();
+}
+
+void Loop::take_submissions() {
+    std::vector<std::pair<uint64_t, std::vector<Part>>> inbox;
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        inbox.swap(inbox_);
+    }
+    for (auto& [call, parts] : inbox) {
+        if (parts.empty()) {
+            finish(call, "");
+            continue;
+        }
+        calls_[call] = CallState{parts.size(), ""};
+        for (Part& part : parts) {
+            int64_t slot;
+            if (free_slots_.empty()) {
+                slot = int64_t(parts_.size());
+                parts_.push_back({});
+            } else {
+                slot = free_slots_.back();
+                free_slots_.pop_back();
+            }
+            InFlight& held = parts_[size_t(slot)];
+            held = InFlight{std::move(part), call, false, false};
+            const Part& p = held.part;
+            if (p.link >= sides_.size()) {
+                answer(slot, "a part for server " + std::to_string(p.link) + ", which the worker has no link to");
+                continue;
+            }
+            Side& side = sides_[p.link];
+            ++side.owed;
+            if (!side.broken.empty()) {
+                answer(slot, side.broken);
+                continue;
+            }
+            if (!by_key_.emplace(p.key, slot).second) {
+                answer(slot, "key " + std::to_string(p.key) + " of " + p.tensor + " is already in flight");
+                continue;
+            }
+            flow::Part fp;
+            fp.id = slot, fp.key = p.key;
+            fp.order.round = p.round, fp.order.tensor = p.tensor, fp.order.index = p.index;
+            side.flow.push(std::move(fp), p.priority);
+        }
+    }
+}
+
+void Loop::pump(size_t s, double now) {
+    Side& side = sides_[s];
+    Link& link = *side.link;
+    try {
+        if (link.queued() == 0) {
+            uint64_t bytes = 0, frames = 0;
+            while (frames < settings_.batch_frames) {
+                std::optional<int64_t> slot = side.waiting ? side.waiting : side.flow.next(now);
+                side.waiting.reset();
+                if (!slot) break;
+                InFlight& held = parts_[size_t(*slot)];
+                const Part& p = held.part;
+                if (frames > 0 && bytes + p.push_bytes > settings_.batch_bytes) {
+                    side.waiting = slot;  // the head of the next batch
+                    break;
+                }
+                if (!credit_.take(int64_t(p.push_bytes), int64_t(s), true, false, now)) {
+                    side.waiting = slot;  // an acknowledgement gives credit back
+                    break;
+                }
+                held.credited = true;
+                Header h;
+                h.type = kPushPull;
+                h.dtype = p.dtype;
+                h.epoch = settings_.epoch;
+                h.sender = settings_.rank;
+                h.key = p.key;
+                h.round = p.round;
+                h.length = p.push_bytes;
+                link.queue(h, p.send, uint64_t(*slot));
+                bytes += p.push_bytes;
+                ++frames;
+            }
+            counts_.pushes += frames;
+            counts_.batches += frames > 0;
+        }
+        link.flush([](uint64_t) {});
+    } catch (const LinkClosed& error) {
+        fail_link(s, error.what());
+        return;
+    }
+    poll_.want(s, side.owed > 0, link.queued() > 0);
+}
+
+int Loop::wait_ms(double now) const {
+    double until = now + 1.0;
+    for (const Side& side : sides_)
+        if (auto at = side.flow.wake_at()) until = std::min(until, *at);
+    return int(std::max(0.0, std::ceil((until - now) * 1000)));
+}
+
+Loop::InFlight& Loop::part_of(size_t s, uint64_t key, const char* what) {
+    auto found = by_key_.find(key);
+    if (found == by_key_.end() || parts_[size_t(found->second)].part.link != s)
+        throw ProtocolError(server(s) + " " + what + " key " + std::to_string(key) + ", which is not in flight");
+    return parts_[size_t(found->second)];
+}
+
+uint8_t* Loop::destination(size_t s, const Header& h) {
+    if (h.type == kResult) {
+        const Part& p = part_of(s, h.key, "answered").part;
+        if (h.round != p.round || h.length != p.nbytes || h.flags)
+            throw ProtocolError(server(s) + " answered " + p.tensor + " round " + std::to_string(h.round) + " with " +
+                                std::to_string(h.length) + " bytes (flags " + std::to_string(h.flags) +
+                                "); expected round " + std::to_string(p.round) + " with " + std::to_string(p.nbytes));
+        static uint8_t nothing;
+        return p.nbytes ? p.out : &nothing;
+    }
+    if (h.type == kAcks || h.type == kError) {
+        sides_[s].body.resize(std::max<uint64_t>(h.length, 1));
+        return sides_[s].body.data();
+    }
+    const char* name = type_name(h.type);
+    throw ProtocolError(server(s) + " sent an unexpected " + (*name ? std::string(name) : std::to_string(h.type)));
+}
+
+void Loop::arrived(size_t s, const Header& h) {
+    Side& side = sides_[s];
+    const double now = monotonic();
+    if (h.type == kAcks) {
+        ++counts_.acks;
+        freed_.clear();
+        for (uint64_t at = 0; at < h.length; at += kAckEntrySize) {
+            uint64_t key;
+            uint32_t round;
+            std::memcpy(&key, side.body.data() + at, 8);
+            std::memcpy(&round, side.body.data() + at + 8, 4);
+            InFlight& held = part_of(s, key, "acknowledged");
+            if (round != held.part.round)
+                throw ProtocolError(server(s) + " acknowledged round " + std::to_string(round) + " of " +
+                                    held.part.tensor + ", expected " + std::to_string(held.part.round));
+            auto taken = side.flow.on_ack(key);
+            if (!taken) throw ProtocolError(server(s) + " acknowledged key " + std::to_string(key) + " before its push");
+            if (taken->second) {
+                held.acked = true;
+                freed_.push_back(int64_t(held.part.push_bytes));
+            }
+        }
+        if (!freed_.empty()) credit_.release_all(freed_, true, true, now);
+        return;
+    }
+    std::string error;
+    if (h.type == kError) {  // a refusal of one tensor (its key in flight here), or the job's abort
+        const std::string body(reinterpret_cast<const char*>(side.body.data()), h.length);
+        auto found = by_key_.find(h.key);
+        if (found == by_key_.end() || parts_[size_t(found->second)].part.link != s) {
+            for (size_t other = 0; other < sides_.size(); ++other)
+                if (sides_[other].broken.empty()) fail_link(other, server(s) + " ended the job: " + body);
+            return;
+        }
+        error = "worker " + std::to_string(settings_.rank) + ": " + server(s) + " refused " +
+                parts_[size_t(found->second)].part.tensor + " (key " + std::to_string(h.key) + "): " + body;
+    }
+    auto taken = side.flow.on_answer(h.key, now);
+    if (!taken) throw ProtocolError(server(s) + " answered key " + std::to_string(h.key) + " before its push");
+    InFlight& held = parts_[size_t(taken->first)];
+    if (taken->second) {
+        held.acked = true;
+        credit_.release_all({int64_t(held.part.push_bytes)}, true, true, now);
+    }
+    answer(taken->first, error);
+}
+
+void Loop::answer(int64_t slot, const std::string& error) {
+    InFlight& held = parts_[size_t(slot)];
+    auto key = by_key_.find(held.part.key);
+    if (key != by_key_.end() && key->second == slot) by_key_.erase(key);
+    if (held.part.link < sides_.size()) --sides_[held.part.link].owed;
+    const uint64_t call = held.call;
+    held = InFlight{};
+    free_slots_.push_back(slot);
+    auto found = calls_.find(call);
+    if (found == calls_.end()) return;
+    CallState& state = found->second;
+    if (!error.empty() && state.error.empty()) state.error = error;
+    if (--state.left == 0) {
+        const std::string outcome = state.error;
+        calls_.erase(found);
+        finish(call, outcome);
+    }
+}
+
+void Loop::fail_link(size_t s, const std::string& why) {
+    Side& side = sides_[s];
+    if (!side.broken.empty()) return;
+    side.broken = why.empty() ? "the link failed" : why;
+    std::vector<int64_t> slots = side.flow.take_all();
+    if (side.waiting) slots.push_back(*side.waiting);
+    side.waiting.reset();
+    for (int64_t slot : slots) {
+        InFlight& held = parts_[size_t(slot)];
+        if (held.credited && !held.acked) credit_.release_all({int64_t(held.part.push_bytes)}, true, false, monotonic());
+        answer(slot, side.broken);
+    }
+    poll_.remove(s);
+}
+
+void Loop::finish(uint64_t call, const std::string& error) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    outbox_.emplace_back(call, error);
+    done_.notify_all();
+}
+
+}  // namespace gradwire::worker

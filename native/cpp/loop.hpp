@@ -1,0 +1,110 @@
+// The native worker as a loop of its own: a thread that owns a worker's links (after Python's connect and handshake)
+// and moves every call's partitions by the worker's rule, while callers submit more (the boundary of docs/native.md:
+// a call submits its plan and waits on a completion). worker.hpp's push_pull is the same rule for one call on the
+// caller's thread; here calls overlap, as a training step's tensors do.
+//
+// Thread-safety: `submit`, `completions`, `set_limits` and `stop` may be called from any thread; everything else is
+// the loop thread's. A call's buffers must stay valid until its completion is taken.
+#pragma once
+
+#include <sys/eventfd.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "flow.hpp"
+#include "link.hpp"
+#include "poll.hpp"
+#include "worker.hpp"
+
+namespace gradwire::worker {
+
+class Loop {
+   public:
+    // Starts the loop's thread over the sockets `fds` (fds[i]: server i), made non-blocking until the loop stops.
+    Loop(const std::vector<int>& fds, const Settings& settings);
+    ~Loop();
+    Loop(const Loop&) = delete;
+    Loop& operator=(const Loop&) = delete;
+
+    // Queue call `call`'s parts (its partitions); returns at once. A call of no parts completes at once.
+    void submit(uint64_t call, std::vector<Part> parts);
+    // The calls finished since the last time, each with "" or what failed it; waits up to `timeout` seconds for one.
+    std::vector<std::pair<uint64_t, std::string>> completions(double timeout);
+    // A new window and cap for every link, from the next decision on.
+    void set_limits(int64_t window, int64_t cap);
+    // End the thread; every call not finished completes with `why`. The sockets stay open (the caller's).
+    void stop(const std::string& why = "the native worker stopped");
+
+    Counts counts() const;
+
+   private:
+    struct InFlight {  // a part the loop holds: queued or pushed, not answered
+        Part part;
+        uint64_t call = 0;
+        bool credited = false;  // holds credit (given back on its acknowledgement)
+        bool acked = false;
+    };
+    struct CallState {
+        size_t left = 0;
+        std::string error;
+    };
+    struct Side {  // one link's state on the loop
+        flow::Flow flow;
+        std::unique_ptr<Link> link;
+        std::optional<int64_t> waiting;  // let go by the flow, short of credit
+        std::vector<uint8_t> body;       // an ACKS or ERROR frame's body
+        uint64_t owed = 0;               // parts queued or pushed and not answered
+        std::string broken;              // why the link failed ("" while it works)
+    };
+    struct Receiver;
+
+    void run();
+    void take_submissions();
+    void pump(size_t s, double now);
+    int wait_ms(double now) const;
+    uint8_t* destination(size_t s, const Header& h);
+    void arrived(size_t s, const Header& h);
+    void answer(int64_t slot, const std::string& error);  // a part is done (its sum in, or refused)
+    void fail_link(size_t s, const std::string& why);     // every part on it fails; the link is out
+    void finish(uint64_t call, const std::string& error);
+    InFlight& part_of(size_t s, uint64_t key, const char* what);
+    std::string server(size_t s) const { return "server " + std::to_string(s); }
+
+    Settings settings_;
+    std::vector<Side> sides_;
+    flow::Credit credit_;
+    int wake_fd_;  // an eventfd: submissions and stop wake the loop (before poll_, which watches it)
+    Poll poll_;
+
+    // the loop thread's
+    std::vector<InFlight> parts_;
+    std::vector<int64_t> free_slots_;
+    std::unordered_map<uint64_t, int64_t> by_key_;  // key -> slot, while in flight
+    std::unordered_map<uint64_t, CallState> calls_;
+    std::vector<int64_t> freed_;
+    Counts counts_;
+
+    // shared with callers, under mutex_
+    mutable std::mutex mutex_;
+    std::condition_variable done_;
+    std::vector<std::pair<uint64_t, std::vector<Part>>> inbox_;
+    std::vector<std::pair<uint64_t, std::string>> outbox_;
+    std::optional<std::pair<int64_t, int64_t>> limits_;
+    std::string stopping_;  // "" while it runs
+    bool stopped_ = false;
+    Counts shared_counts_;
+
+    std::thread thread_;
+};
+
+}  // namespace gradwire::worker
