@@ -3,6 +3,7 @@ topk, randomk and dithering keeps every worker's parameters bit-identical after 
 compression_params spelling takes the optimizer's momentum; push_pull and allreduce take a compressor; error feedback
 follows the learning rate."""
 
+import logging
 import time
 
 import pytest
@@ -121,7 +122,8 @@ def test_error_feedback_follows_the_learning_rate(cluster):
             assert (new == old * 2).all()
 
 
-def test_powersgd_trains_with_every_worker_identical(cluster):
+def test_powersgd_trains_with_every_worker_identical(cluster, caplog):
+    caplog.set_level(logging.INFO, logger="gradwire.compression")
     compressor = gwt.Compression.powersgd(rank=2, start_iter=2)
 
     def make(model):
@@ -134,6 +136,9 @@ def test_powersgd_trains_with_every_worker_identical(cluster):
     assert sum(losses[-5:]) < 0.8 * sum(losses[:5])
     states = [s for (_, name), s in compressor._tensors.items() if name.endswith("0.weight")]
     assert states and all(s.steps == 30 and s.error.abs().sum() > 0 for s in states)  # compressed, with feedback
+    said = [r.getMessage() for r in caplog.records if r.name == "gradwire.compression"]
+    assert any("the first 2 steps of each tensor are plain sums" in m for m in said)  # what the first steps are
+    assert sum("compressing from step 3 of" in m for m in said) == 1  # said once, when the first tensor begins
 
 
 def test_powersgd_sums_p_and_q_on_the_servers_and_rebuilds_the_average(cluster):

@@ -17,6 +17,7 @@ repays on slow links.
 
 from __future__ import annotations
 
+import logging
 import threading
 import zlib
 from typing import Any
@@ -25,6 +26,8 @@ import torch
 from gradwire.compression import Passthrough
 from gradwire.errors import GradwireError
 from gradwire.worker import Handle, Worker
+
+log = logging.getLogger("gradwire.compression")
 
 
 class PowerSGD(Passthrough):
@@ -41,6 +44,16 @@ class PowerSGD(Passthrough):
             )
         self.rank, self.start_iter, self.warm_start = rank, start_iter, warm_start
         self.min_compression_rate = min_compression_rate
+        self._begun = False  # a tensor has been compressed (said once, as torch's hook says its config)
+        # what a user sees in the first steps, said once as torch's PowerSGDState says its config
+        log.info(
+            "powersgd: rank %d; the first %d steps of each tensor are plain sums (as torch's start_powerSGD_iter), "
+            "then each matrix of at least %g times its rank-%d size travels as P and Q",
+            rank,
+            start_iter,
+            min_compression_rate,
+            rank,
+        )
         self._tensors: dict[tuple[int, str], _TensorState] = {}
         self._open: dict[int, _Batch] = {}  # by worker: the calls started and not yet waited for
         self._lock = threading.Lock()
@@ -85,6 +98,9 @@ class PowerSGD(Passthrough):
         state.steps += 1
         if state.steps <= self.start_iter:
             return None
+        if not self._begun:
+            self._begun = True
+            log.info("powersgd: compressing from step %d of %r on (plain sums before)", state.steps, name)
         output = tensor if inplace else torch.empty_like(tensor, memory_format=torch.contiguous_format)
         call = _PowerSGDCall(self, state, source, output, name)
         call.divide_by = worker.size if average else 1
