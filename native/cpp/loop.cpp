@@ -148,11 +148,10 @@ void Loop::run() {
     for (size_t s = 0; s < sides_.size(); ++s)
         if (sides_[s].broken.empty()) fail_link(s, why);
     take_submissions();  // submitted as it stopped: they fail too (their links are out)
-    for (auto& [call, state] : calls_) {
-        std::lock_guard<std::mutex> lock(mutex_);
-        outbox_.emplace_back(call, state.error.empty() ? why : state.error);
-    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& [call, state] : calls_) outbox_.emplace_back(call, state.error.empty() ? why : state.error);
     calls_.clear();
+    shared_counts_ = counts_;
 }
 
 void Loop::take_submissions() {

@@ -1,7 +1,7 @@
 // The native worker as a loop of its own: a thread that owns a worker's links (after Python's connect and handshake)
 // and moves every call's partitions by the worker's rule, while callers submit more (the boundary of docs/native.md:
-// a call submits its plan and waits on a completion). worker.hpp's push_pull is the same rule for one call on the
-// caller's thread; here calls overlap, as a training step's tensors do.
+// a call submits its plan and waits on a completion); calls overlap, as a training step's tensors do. worker.hpp's
+// push_pull is one call on it, waited for on the caller's thread.
 //
 // Thread-safety: `submit`, `completions`, `set_limits` and `stop` may be called from any thread; everything else is
 // the loop thread's. A call's buffers must stay valid until its completion is taken.

@@ -302,8 +302,8 @@ NB_MODULE(_core, m) {
         nb::arg("cap"), nb::arg("credit"), nb::arg("max_payload"), nb::arg("timeout") = 60.0,
         "One tensor's push_pull by the worker's rule (worker.hpp) over the sockets `fds` of links a Python worker "
         "connected: `plan` is its partitions, (key, link, byte offset, bytes, index); each sum lands in `out` at its "
-        "offset. Blocks without the GIL; returns (pushes, batches, ACKS frames). Raises RuntimeError for a server's "
-        "refusal (its message), ValueError for a protocol error, ConnectionError for a closed link.");
+        "offset. Blocks without the GIL; returns (pushes, batches, ACKS frames). Raises RuntimeError with what failed "
+        "the call (a server's refusal names the worker, the server, the tensor and the key).");
 
     nb::class_<worker::Loop>(m, "WorkerLoop",
                              "The native worker as a loop thread of its own (loop.hpp): calls submitted from any "
@@ -343,8 +343,7 @@ NB_MODULE(_core, m) {
             PyErr_SetString(PyExc_ValueError, e.what());
         } catch (const LinkClosed& e) {
             PyErr_SetString(PyExc_ConnectionError, e.what());
-        } catch (const worker::Refused& e) {
-            PyErr_SetString(PyExc_RuntimeError, e.what());
+
         }
     });
 }

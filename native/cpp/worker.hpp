@@ -4,9 +4,10 @@
 // pushes to one sendmsg (batches of at most `batch_bytes` and `batch_frames`, as SEND_BATCH_BYTES and
 // SEND_BATCH_FRAMES), an ACKS frame's acknowledgements freeing window places and credit, each RESULT received
 // straight into its partition's output (link.hpp's Decoder). The real servers answer it: the protocol is the job's.
+// The rule runs on loop.hpp's Loop (a thread owning the links); `push_pull` here is one call on it, waited for.
 //
 // What it does not do yet (the Python path does): shared-memory links, pacing's shares, a failover's seed copies and
-// held keys, compressed keys, the stage histogram. A call blocks its thread (without the GIL) until every sum is in.
+// held keys, compressed keys, the stage histogram.
 #pragma once
 
 #include <cstdint>
@@ -35,12 +36,7 @@ struct Settings {
     int64_t window = 4, cap = 0, credit = 0;  // credit: bytes in flight over all links (0: no limit)
     uint64_t max_payload = 0;
     uint64_t batch_bytes = 256 << 10, batch_frames = 64;
-    double timeout = 60;  // seconds without a frame from any server before the call fails
-};
-
-// A server refused a tensor (its ERROR frame): the message names the server, the tensor and the key.
-struct Refused : std::runtime_error {
-    using std::runtime_error::runtime_error;
+    double timeout = 60;  // seconds a blocking call (push_pull) may take
 };
 
 // What one call did: for the caller's metrics and the benchmarks.
@@ -48,8 +44,9 @@ struct Counts {
     uint64_t pushes = 0, batches = 0, acks = 0;  // frames pushed, the batches they went in, ACKS frames received
 };
 
-// Push every part over `fds` (fds[p.link]) by the rule, each sum into its output; returns once every sum is in.
-// Throws Refused, ProtocolError, LinkClosed, or std::runtime_error when the servers fall silent for `timeout`.
+// Push every part over `fds` (fds[p.link]) by the rule, each sum into its output; returns once every sum is in (one
+// call on loop.hpp's Loop, waited for here). Throws std::runtime_error with what failed the call: a server's refusal
+// (naming the worker, the server, the tensor and the key), a link's end or protocol error, or `timeout` passing.
 Counts push_pull(const std::vector<int>& fds, const Settings& settings, const std::vector<Part>& parts);
 
 }  // namespace gradwire::worker

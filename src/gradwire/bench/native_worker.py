@@ -58,13 +58,29 @@ def plan_of(worker: Worker, name: str) -> tuple[int, int, list[tuple[int, int, i
 def push_pull(worker: Worker, fds: list[int], name: str, send: np.ndarray, out: np.ndarray, priority: int = 0) -> tuple:
     """The next round of the declared tensor `name` (plain sum), `send` summed over the job into `out`, through the
     native worker over the lent links `fds`. Returns (pushes, batches, ACKS frames)."""
-    module = native.require()
     code, rnd, plan = plan_of(worker, name)
-    link = worker.state.links[0]
+    wire_send, wire_out = send.reshape(-1).view(np.uint8), out.reshape(-1).view(np.uint8)
+    timeout = worker.state.config.timeout
     try:
-        return _call(module, worker, link, fds, name, rnd, priority, code, send, out, plan)
+        return native.require().worker_push_pull(
+            fds, name, rnd, priority, code, wire_send, wire_out, plan, **settings_of(worker), timeout=timeout
+        )
     except RuntimeError as e:
         raise refusal(name, str(e)) or e from None
+
+
+def settings_of(worker: Worker) -> dict:
+    """What the native worker takes of `worker`: its place in the job and its links' flow settings (the first link's:
+    every link of a worker has the same), credit and largest frame."""
+    link = worker.state.links[0]
+    return {
+        "rank": worker.rank,
+        "epoch": worker.state.epoch,
+        "window": link.window,
+        "cap": link.unanswered_cap,
+        "credit": link.credit.limit,
+        "max_payload": link.conn.max_payload,
+    }
 
 
 def refusal(name: str, message: str) -> TensorError | None:
@@ -87,17 +103,8 @@ class LoopCalls:
     and moves every call's partitions while more are submitted), as a training step's tensors overlap."""
 
     def __init__(self, worker: Worker, fds: list[int]) -> None:
-        link = worker.state.links[0]
         self.worker = worker
-        self.loop = native.require().WorkerLoop(
-            fds,
-            rank=worker.rank,
-            epoch=worker.state.epoch,
-            window=link.window,
-            cap=link.unanswered_cap,
-            credit=link.credit.limit,
-            max_payload=link.conn.max_payload,
-        )
+        self.loop = native.require().WorkerLoop(fds, **settings_of(worker))
         self._calls = itertools.count(1)
         self._open: dict[int, tuple[str, np.ndarray, np.ndarray]] = {}  # the buffers stay alive until completed
         self._done: dict[int, str] = {}
@@ -129,26 +136,6 @@ class LoopCalls:
     def close(self) -> None:
         """Stop the loop (its links' sockets stay open, for `take_back`)."""
         self.loop.stop()
-
-
-def _call(module, worker, link, fds, name, rnd, priority, code, send, out, plan) -> tuple:  # noqa: ANN001
-    return module.worker_push_pull(
-        fds,
-        name,
-        rnd,
-        priority,
-        code,
-        send.reshape(-1).view(np.uint8),
-        out.reshape(-1).view(np.uint8),
-        plan,
-        rank=worker.rank,
-        epoch=worker.state.epoch,
-        window=link.window,
-        cap=link.unanswered_cap,
-        credit=link.credit.limit,
-        max_payload=link.conn.max_payload,
-        timeout=worker.state.config.timeout,
-    )
 
 
 def measure(
