@@ -173,7 +173,7 @@ class Sample:
 
         A worker's own rate is only its share of the link while the others push too, and up to the whole link while
         they wait: judged alone, four workers on a 100 Mbit/s host read 17-25 Mbit/s each where the settings were for
-        98, and the job re-cut itself mid-step (issue 32). Their busy spans overlap in data-parallel training (every
+        98, and the job would re-cut itself mid-step. Their busy spans overlap in data-parallel training (every
         worker's backward pass ends at about the same time), so the host was busy about the longest of them; the
         window-full time keeps its share of the busy time."""
         busy = max((s.busy_seconds for s in samples), default=0.0)

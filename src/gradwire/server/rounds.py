@@ -160,8 +160,8 @@ class Lending:
         round holds its buffer from its first contribution added until every reply of its result has been sent
         (`release_when_sent`), or, where that is not known (a seeded round, a reply that was never sent), until the
         key's next round completes (`give_back`). So a server holds buffers for the rounds in flight, not one or two
-        per key, and a round is written into pages the pool has written before rather than fresh ones (issue 33: a
-        1.2 GB tensor's first two calls paid seconds of page faults for each server's round buffers). From the
+        per key, and a round is written into pages the pool has written before rather than fresh ones (fresh ones cost a
+        1.2 GB tensor's first two calls seconds of page faults for each server's round buffers). From the
         engine's thread and from a reader (the first rank's contribution received into it: Engine.landing)."""
         with pool.lock:
             r.lends += 1

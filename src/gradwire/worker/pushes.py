@@ -4,8 +4,8 @@
 
 A batch is the partitions flow control lets go together, within SEND_BATCH_BYTES and SEND_BATCH_FRAMES: small
 partitions then cost one system call for several, and a large one still goes alone. A partition flow control let go
-but whose credit (or pacing turn) is not there yet waits at the head of the next batch, as a sender thread used to wait
-holding it; pacing never holds it past PACE_GIVE_UP_SECONDS. Receipts of held sums (RECEIVED) go ahead of the pushes.
+but whose credit (or pacing turn) is not there yet waits at the head of the next batch, so nothing overtakes it;
+pacing never holds it past PACE_GIVE_UP_SECONDS. Receipts of held sums (RECEIVED) go ahead of the pushes.
 """
 
 from __future__ import annotations
