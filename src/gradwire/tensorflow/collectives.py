@@ -17,6 +17,7 @@ from gradwire import collectives, grouped
 from gradwire.collectives import KEY_OPS, Average, Sum, horovod_op
 from gradwire.introspection import global_process_set
 from gradwire.session import current_worker
+from gradwire.worker.work import divisor
 
 from .bridge import host_call, members_of, moved, name_of, scaled
 from .compression import Compression
@@ -313,8 +314,8 @@ def reducescatter(
         return out
 
     def gradient(dy: tf.Tensor) -> tf.Tensor:  # Horovod's: every worker's rows, gathered (times n for a sum)
-        n = worker.size if members is None else len(members)
-        dy = scaled(dy, (n if op == Sum else 1) * prescale_factor * postscale_factor)
+        n = divisor(worker.size, op == Sum, members)  # a sum's gradient is every worker's: times their number
+        dy = scaled(dy, n * prescale_factor * postscale_factor)
         return allgather(dy, name=f"{name}.grad", process_set=process_set)
 
     out = _differentiable(forward, gradient, [wire], when=op in (Average, Sum))

@@ -18,6 +18,7 @@ import torch
 from gradwire import compression as _servers
 from gradwire.session import current_worker
 from gradwire.worker import Handle, Worker
+from gradwire.worker.work import divisor
 
 from . import device_coding
 from .compression import Compression, Compressor
@@ -146,7 +147,7 @@ def push_pull_async(
     handle = worker.push_pull_async(
         array, name, worker_average, priority, out=array, dtype=dtype, op=op, members=members, compression=servers
     )
-    divide_by = (worker.size if members is None else len(members)) if average and not worker_average else 1
+    divide_by = divisor(worker.size, average and not worker_average, members)
     unwrap = compression if servers is None else Compression.none
     return TorchHandle(handle, output, wire, ctx, unwrap, staged, divide_by)
 

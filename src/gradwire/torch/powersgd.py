@@ -26,6 +26,7 @@ import torch
 from gradwire.compression import Passthrough
 from gradwire.errors import GradwireError
 from gradwire.worker import Handle, Worker
+from gradwire.worker.work import divisor
 
 log = logging.getLogger("gradwire.compression")
 
@@ -103,7 +104,7 @@ class PowerSGD(Passthrough):
             log.info("powersgd: compressing from step %d of %r on (plain sums before)", state.steps, name)
         output = tensor if inplace else torch.empty_like(tensor, memory_format=torch.contiguous_format)
         call = _PowerSGDCall(self, state, source, output, name)
-        call.divide_by = worker.size if average else 1
+        call.divide_by = divisor(worker.size, average)
         with self._lock:
             batch = self._open.get(id(worker))
             if batch is None or not batch.add(call, priority):

@@ -10,6 +10,7 @@ import gradwire
 import torch
 from gradwire import collectives
 from gradwire.session import current_worker
+from gradwire.worker.work import divisor
 
 from .collectives import Average, Sum, _members, _name, _reduction, _scaled
 from .exchange import ExchangeHandle, _cpu, _wire, allgather
@@ -97,7 +98,7 @@ def reducescatter_async(
     handle = collectives.reducescatter_async(
         worker, name=name, average=average and not divide, op=key_op, members=members, **_wire(source)
     )
-    factor = postscale_factor / ((worker.size if members is None else len(members)) if divide else 1)
+    factor = postscale_factor / divisor(worker.size, divide, members)
 
     def finish(out: torch.Tensor) -> torch.Tensor:
         return _scaled(out, factor) if factor != 1.0 else out

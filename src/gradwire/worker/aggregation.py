@@ -32,7 +32,7 @@ from gradwire.errors import GradwireError
 from gradwire.hosts import aggregation_groups
 from gradwire.worker.calls import Calls
 from gradwire.worker.handle import Handle
-from gradwire.worker.work import Transfer
+from gradwire.worker.work import Transfer, divisor
 
 log = logging.getLogger("gradwire.worker")
 
@@ -123,15 +123,15 @@ class LocalAggregation:
         local = {"members": h.local, "partition_bytes": calls.state.local_partition_bytes, "dtype": call.dtype}
 
         def cross(_: Handle) -> None:  # an average divides by every worker of the job, not by the hosts
-            crossing, divisor = f"{name}@cross{h.index}", size if call.average else 1
+            crossing, divide_by = f"{name}@cross{h.index}", divisor(size, call.average)
             if call.compressor is not None:
-                step = calls.compressed_async(part, crossing, divisor, call.priority, part, h.cross, call.compressor)
+                step = calls.compressed_async(part, crossing, divide_by, call.priority, part, h.cross, call.compressor)
                 self._then(step, handle, gather)
                 return
             tensor = calls.declaring.declare(
                 crossing, part.shape, call.dtype or part.dtype, call.op, wait=False, members=h.cross
             )
-            transfer = Transfer(part, 0, part, 0, divisor, call.priority)
+            transfer = Transfer(part, 0, part, 0, divide_by, call.priority)
             self._then(calls.launch(tensor, part, transfer), handle, gather)
 
         def gather(_: Handle) -> None:

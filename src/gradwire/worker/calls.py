@@ -23,7 +23,7 @@ from gradwire.worker.recut import Recut
 from gradwire.worker.state import WorkerState
 from gradwire.worker.tensors import Tensor, TensorTable
 from gradwire.worker.updates import Updates
-from gradwire.worker.work import Transfer
+from gradwire.worker.work import Transfer, divisor
 
 log = logging.getLogger("gradwire.worker")
 
@@ -162,8 +162,8 @@ class Calls(Updates):
         return self.launching.launch(tensor, out, transfer)
 
     def _divisor(self, average: bool, members: list[int] | None) -> int:
-        """What the sum is divided by: the number of ranks taking part, for an average."""
-        return (self.size if members is None else len(members)) if average else 1
+        """What the sum is divided by (worker/work.py's `divisor`)."""
+        return divisor(self.size, average, members)
 
     def _check_output(self, what: str, name: str, out: np.ndarray, count: int, dtype: np.dtype) -> None:
         if out.size != count or not out.flags.c_contiguous or out.dtype != dtype:

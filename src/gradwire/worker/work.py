@@ -13,6 +13,12 @@ from gradwire.worker.handle import Handle
 from gradwire.worker.tensors import Tensor
 
 
+def divisor(size: int, average: bool, members: list[int] | None = None) -> int:
+    """What a sum is divided by (a `Transfer`'s `average`): for an average, the number of ranks taking part (a process
+    set's members, else every worker of the job), as Horovod's average divides; else 1. The one place it is decided."""
+    return (size if members is None else len(members)) if average else 1
+
+
 class Seed:
     """What a worker keeps of its last answered round of one key (allocated once per key), to seed a new server with
     after a failover: the sum it received, or, for a key it pulls only a slice of (reducescatter, alltoall), its own
