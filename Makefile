@@ -42,8 +42,8 @@ lint: install
 	$(VENV)/bin/ruff check src tests examples
 	$(VENV)/bin/ruff format --check src tests examples
 
-# the native suite against a build with AddressSanitizer and UndefinedBehaviorSanitizer (any report fails it); the
-# sanitizers' runtimes are preloaded into Python, whose own allocations are not leak-checked
+# the native suite and the native worker's jobs against a build with AddressSanitizer and UndefinedBehaviorSanitizer
+# (any report fails it); the sanitizers' runtimes are preloaded into Python, whose own allocations are not leak-checked
 SANITIZE := build/sanitize
 sanitize: install
 	cmake -S native -B $(SANITIZE) -DGRADWIRE_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
@@ -53,7 +53,8 @@ sanitize: install
 	cp native/src/gradwire_native/__init__.py $(SANITIZE)/_core*.so $(SANITIZE)/pkg/gradwire_native/
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 		ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
-		PYTHONPATH=$(SANITIZE)/pkg GRADWIRE_SANITIZED=1 $(PY) -m pytest -q -p no:cacheprovider tests/native -k "not wheel"
+		PYTHONPATH=$(SANITIZE)/pkg GRADWIRE_SANITIZED=1 $(PY) -m pytest -q -p no:cacheprovider tests/native \
+		tests/cluster/test_native_worker.py -k "not wheel"
 
 clean:
 	rm -rf $(VENV) build native/build src/*.egg-info

@@ -26,12 +26,16 @@ Link::Link(int fd, uint64_t max_payload, size_t queue_capacity)
 
 Link::~Link() { ::fcntl(fd_, F_SETFL, flags_); }  // the caller's socket as it was
 
-void Link::queue(const Header& h, const uint8_t* payload, uint64_t tag) {
+void Link::queue(const Header& h, const uint8_t* payload, uint64_t tag, const uint8_t* trailer,
+                 uint64_t trailer_length) {
     if (!can_queue()) throw std::logic_error("a link's send queue is full: the caller's window should bound it");
+    if (trailer_length > h.length) throw std::logic_error("a frame's trailer is longer than its payload");
     Outgoing& o = at(tail_++);
     encode_header(h, o.header);
     o.payload = payload;
-    o.length = h.length;
+    o.length = h.length - trailer_length;
+    o.trailer = trailer;
+    o.trailer_length = trailer_length;
     o.tag = tag;
 }
 

@@ -79,9 +79,11 @@ class Link {
     size_t queued() const { return tail_ - head_; }
     bool can_queue() const { return queued() < queue_.size(); }
 
-    // Queue a frame; `payload` (h.length bytes) must stay valid until `flush` reports the frame sent.
+    // Queue a frame; its payload (h.length bytes) is `payload` and then `trailer_length` bytes of `trailer` (a
+    // server-side update's trailer after its data), both valid until `flush` reports the frame sent.
     // Throws std::logic_error when the queue is full (callers check can_queue: their windows bound it).
-    void queue(const Header& h, const uint8_t* payload, uint64_t tag);
+    void queue(const Header& h, const uint8_t* payload, uint64_t tag, const uint8_t* trailer = nullptr,
+               uint64_t trailer_length = 0);
 
     // Send what the socket takes; `sent(tag)` is called for each frame wholly sent, in order.
     // True when the queue is empty. Throws LinkClosed when the socket fails.
@@ -101,7 +103,9 @@ class Link {
     struct Outgoing {
         uint8_t header[kHeaderSize];
         const uint8_t* payload;
-        uint64_t length;
+        uint64_t length;  // of the payload before the trailer
+        const uint8_t* trailer;
+        uint64_t trailer_length;
         uint64_t tag;
     };
 
@@ -121,13 +125,16 @@ template <typename Sent>
 bool Link::flush(Sent&& sent) {
     while (head_ != tail_) {
         size_t n = 0;
-        for (size_t i = head_; i != tail_ && n + 2 <= kMaxIov; ++i) {
+        for (size_t i = head_; i != tail_ && n + 3 <= kMaxIov; ++i) {
             Outgoing& o = at(i);
             const size_t skip = i == head_ ? head_sent_ : 0;  // only the head frame can be part-sent
             if (skip < kHeaderSize) iov_[n++] = {o.header + skip, kHeaderSize - skip};
             const size_t payload_skip = skip > kHeaderSize ? skip - kHeaderSize : 0;
             if (o.length > payload_skip)
                 iov_[n++] = {const_cast<uint8_t*>(o.payload) + payload_skip, o.length - payload_skip};
+            const size_t trailer_skip = payload_skip > o.length ? payload_skip - o.length : 0;
+            if (o.trailer_length > trailer_skip)
+                iov_[n++] = {const_cast<uint8_t*>(o.trailer) + trailer_skip, o.trailer_length - trailer_skip};
         }
         msghdr msg{};
         msg.msg_iov = iov_;
@@ -141,7 +148,7 @@ bool Link::flush(Sent&& sent) {
         size_t left = size_t(wrote) + head_sent_;
         while (head_ != tail_) {  // retire the frames wholly sent
             Outgoing& o = at(head_);
-            const size_t whole = kHeaderSize + o.length;
+            const size_t whole = kHeaderSize + o.length + o.trailer_length;
             if (left < whole) break;
             left -= whole;
             ++head_;

@@ -2,10 +2,12 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
 #include <system_error>
+#include <tuple>
 
 namespace gradwire::worker {
 namespace {
@@ -37,13 +39,14 @@ struct Loop::Receiver {  // the decoder's sink for one link
 
 Loop::Loop(const std::vector<int>& fds, const Settings& settings)
     : settings_(settings),
-      credit_(settings.credit > 0 ? settings.credit : INT64_MAX),
+      credit_(settings.credit > 0 ? settings.credit : INT64_MAX, settings.lead),
       wake_fd_(make_eventfd()),
       poll_(with(fds, wake_fd_)) {
-    for (int fd : fds) {
-        Side side{flow::Flow(settings.window, settings.cap), nullptr, std::nullopt, {}, 0, ""};
-        side.link = std::make_unique<Link>(fd, settings.max_payload, settings.batch_frames);
+    for (size_t s = 0; s < fds.size(); ++s) {
+        Side side{flow::Flow(settings.window, settings.cap), nullptr, std::nullopt, std::nullopt, {}, 0, ""};
+        side.link = std::make_unique<Link>(fds[s], settings.max_payload, settings.batch_frames);
         sides_.push_back(std::move(side));
+        if (s < settings.shares.size()) credit_.pace(int64_t(s), settings.shares[s]);
     }
     thread_ = std::thread([this] { run(); });
 }
@@ -75,10 +78,10 @@ std::vector<std::pair<uint64_t, std::string>> Loop::completions(double timeout) 
     return out;
 }
 
-void Loop::set_limits(int64_t window, int64_t cap) {
+void Loop::set_limits(int64_t window, int64_t cap, int64_t lead) {
     {
         std::lock_guard<std::mutex> lock(mutex_);
-        limits_ = std::make_pair(window, cap);
+        limits_ = std::make_tuple(window, cap, lead);
     }
     const uint64_t one = 1;
     (void)!::write(wake_fd_, &one, sizeof one);
@@ -114,10 +117,12 @@ void Loop::run() {
                     break;
                 }
                 if (limits_) {
-                    for (Side& side : sides_) side.flow.set_limits(limits_->first, limits_->second);
+                    const auto [window, cap, lead] = *limits_;
+                    for (Side& side : sides_) side.flow.set_limits(window, cap);
+                    credit_.set_lead(lead);
                     limits_.reset();
                 }
-                shared_counts_ = counts_;
+                shared_counts_ = with_use(monotonic());
             }
             take_submissions();
             const double now = monotonic();
@@ -136,9 +141,9 @@ void Loop::run() {
                     Receiver receiver{*this, s};
                     sides_[s].link->receive(receiver);
                 } catch (const ProtocolError& error) {
-                    fail_link(s, error.what());
+                    fail_link(s, server(s) + ": protocol error: " + error.what());
                 } catch (const LinkClosed& error) {
-                    fail_link(s, error.what());
+                    fail_link(s, server(s) + ": " + error.what());
                 }
             }
         }
@@ -151,7 +156,41 @@ void Loop::run() {
     std::lock_guard<std::mutex> lock(mutex_);
     for (auto& [call, state] : calls_) outbox_.emplace_back(call, state.error.empty() ? why : state.error);
     calls_.clear();
-    shared_counts_ = counts_;
+    shared_counts_ = with_use(monotonic());
+}
+
+void Loop::record(const InFlight& held, double done) {
+    const std::vector<double>& bounds = settings_.buckets;
+    if (bounds.empty()) return;
+    const double pushed = held.pushed ? held.pushed : held.result;  // an answer before the socket took it all
+    const double stages[4] = {held.sent - held.queued, pushed - held.sent, held.result - pushed, done - held.result};
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stages_.counts.empty()) {
+        stages_.counts.assign(4, std::vector<uint64_t>(bounds.size() + 1, 0));
+        stages_.seconds.assign(4, 0.0);
+    }
+    for (size_t i = 0; i < 4; ++i) {  // as bisect_left: the first bound not below the value
+        const double value = std::max(0.0, stages[i]);
+        ++stages_.counts[i][size_t(std::lower_bound(bounds.begin(), bounds.end(), value) - bounds.begin())];
+        stages_.seconds[i] += value;
+    }
+}
+
+Stages Loop::take_stages() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    Stages taken;
+    std::swap(taken, stages_);
+    return taken;
+}
+
+Counts Loop::with_use(double now) const {
+    Counts counts = counts_;
+    std::tie(counts.busy_seconds, counts.busy_bytes) = credit_.busy(now);
+    for (const Side& side : sides_) {
+        counts.full_seconds += side.flow.full_seconds;
+        counts.cap_escapes += side.flow.cap_escapes;
+    }
+    return counts;
 }
 
 void Loop::take_submissions() {
@@ -160,6 +199,7 @@ void Loop::take_submissions() {
         std::lock_guard<std::mutex> lock(mutex_);
         inbox.swap(inbox_);
     }
+    const double now = monotonic();
     for (auto& [call, parts] : inbox) {
         if (parts.empty()) {
             finish(call, "");
@@ -176,7 +216,7 @@ void Loop::take_submissions() {
                 free_slots_.pop_back();
             }
             InFlight& held = parts_[size_t(slot)];
-            held = InFlight{std::move(part), call, false, false};
+            held = InFlight{std::move(part), call, false, false, now, 0, 0, 0};
             const Part& p = held.part;
             if (p.link >= sides_.size()) {
                 answer(slot, "a part for server " + std::to_string(p.link) + ", which the worker has no link to");
@@ -192,6 +232,7 @@ void Loop::take_submissions() {
                 answer(slot, "key " + std::to_string(p.key) + " of " + p.tensor + " is already in flight");
                 continue;
             }
+            credit_.queue(int64_t(p.link), int64_t(p.push_bytes));  // pacing counts what waits to be sent
             flow::Part fp;
             fp.id = slot, fp.key = p.key;
             fp.order.round = p.round, fp.order.tensor = p.tensor, fp.order.index = p.index;
@@ -216,11 +257,12 @@ void Loop::pump(size_t s, double now) {
                     side.waiting = slot;  // the head of the next batch
                     break;
                 }
-                if (!credit_.take(int64_t(p.push_bytes), int64_t(s), true, false, now)) {
-                    side.waiting = slot;  // an acknowledgement gives credit back
+                if (!credit_for(s, p, now)) {
+                    side.waiting = slot;  // an acknowledgement gives credit back, or its pacing turn comes
                     break;
                 }
                 held.credited = true;
+                held.sent = now;
                 Header h;
                 h.type = kPushPull;
                 h.dtype = p.dtype;
@@ -229,25 +271,45 @@ void Loop::pump(size_t s, double now) {
                 h.key = p.key;
                 h.round = p.round;
                 h.length = p.push_bytes;
-                link.queue(h, p.send, uint64_t(*slot));
+                link.queue(h, p.send, uint64_t(*slot), p.extra, p.extra_bytes);
                 bytes += p.push_bytes;
                 ++frames;
             }
             counts_.pushes += frames;
             counts_.batches += frames > 0;
         }
-        link.flush([](uint64_t) {});
+        link.flush([this](uint64_t slot) { parts_[size_t(slot)].pushed = monotonic(); });
     } catch (const LinkClosed& error) {
-        fail_link(s, error.what());
+        fail_link(s, server(s) + ": " + error.what());
         return;
     }
     poll_.want(s, side.owed > 0, link.queued() > 0);
 }
 
+bool Loop::credit_for(size_t s, const Part& p, double now) {
+    // as worker/pushes.py's _credit_for: a push that has waited pace_give_up for its turn goes unpaced
+    Side& side = sides_[s];
+    const bool waited = side.turn_since && now - *side.turn_since >= settings_.pace_give_up;
+    if (!credit_.take(int64_t(p.push_bytes), int64_t(s), true, !waited, now)) {
+        if (waited || credit_.may_send(int64_t(s)))
+            side.turn_since.reset();  // short of credit, not of a turn
+        else if (!side.turn_since)
+            side.turn_since = now;
+        return false;
+    }
+    side.turn_since.reset();
+    return true;
+}
+
 int Loop::wait_ms(double now) const {
     double until = now + 1.0;
-    for (const Side& side : sides_)
+    for (const Side& side : sides_) {
+        if (side.waiting) {
+            if (side.turn_since) until = std::min(until, *side.turn_since + settings_.pace_give_up);
+            continue;  // an acknowledgement gives its credit back: the poll wakes for it
+        }
         if (auto at = side.flow.wake_at()) until = std::min(until, *at);
+    }
     return int(std::max(0.0, std::ceil((until - now) * 1000)));
 }
 
@@ -260,11 +322,13 @@ Loop::InFlight& Loop::part_of(size_t s, uint64_t key, const char* what) {
 
 uint8_t* Loop::destination(size_t s, const Header& h) {
     if (h.type == kResult) {
-        const Part& p = part_of(s, h.key, "answered").part;
+        InFlight& held = part_of(s, h.key, "answered");
+        const Part& p = held.part;
         if (h.round != p.round || h.length != p.nbytes || h.flags)
             throw ProtocolError(server(s) + " answered " + p.tensor + " round " + std::to_string(h.round) + " with " +
                                 std::to_string(h.length) + " bytes (flags " + std::to_string(h.flags) +
                                 "); expected round " + std::to_string(p.round) + " with " + std::to_string(p.nbytes));
+        held.result = monotonic();
         static uint8_t nothing;
         return p.nbytes ? p.out : &nothing;
     }
@@ -320,6 +384,7 @@ void Loop::arrived(size_t s, const Header& h) {
         held.acked = true;
         credit_.release_all({int64_t(held.part.push_bytes)}, true, true, now);
     }
+    if (error.empty()) record(held, now);
     answer(taken->first, error);
 }
 
@@ -349,6 +414,8 @@ void Loop::fail_link(size_t s, const std::string& why) {
     std::vector<int64_t> slots = side.flow.take_all();
     if (side.waiting) slots.push_back(*side.waiting);
     side.waiting.reset();
+    side.turn_since.reset();
+    credit_.unpace(int64_t(s));
     for (int64_t slot : slots) {
         InFlight& held = parts_[size_t(slot)];
         if (held.credited && !held.acked) credit_.release_all({int64_t(held.part.push_bytes)}, true, false, monotonic());

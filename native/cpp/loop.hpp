@@ -17,6 +17,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -39,13 +40,18 @@ class Loop {
     // Queue call `call`'s parts (its partitions); returns at once. A call of no parts completes at once.
     void submit(uint64_t call, std::vector<Part> parts);
     // The calls finished since the last time, each with "" or what failed it; waits up to `timeout` seconds for one.
+    // What failed a call: a server's refusal ("worker R: server S refused T (key K): {json}"), a link's end ("server
+    // S: why", "server S: protocol error: why"), a server's abort of the job ("server S ended the job: {json}"), or
+    // the reason `stop` was given.
     std::vector<std::pair<uint64_t, std::string>> completions(double timeout);
-    // A new window and cap for every link, from the next decision on.
-    void set_limits(int64_t window, int64_t cap);
+    // A new window and cap for every link, and pacing's lead, from the next decision on.
+    void set_limits(int64_t window, int64_t cap, int64_t lead);
     // End the thread; every call not finished completes with `why`. The sockets stay open (the caller's).
     void stop(const std::string& why = "the native worker stopped");
 
     Counts counts() const;
+    // The stage histogram of the partitions answered since the last call (then empty again).
+    Stages take_stages();
 
    private:
     struct InFlight {  // a part the loop holds: queued or pushed, not answered
@@ -53,6 +59,7 @@ class Loop {
         uint64_t call = 0;
         bool credited = false;  // holds credit (given back on its acknowledgement)
         bool acked = false;
+        double queued = 0, sent = 0, pushed = 0, result = 0;  // when: submitted, let go, wholly sent, answer began
     };
     struct CallState {
         size_t left = 0;
@@ -61,7 +68,8 @@ class Loop {
     struct Side {  // one link's state on the loop
         flow::Flow flow;
         std::unique_ptr<Link> link;
-        std::optional<int64_t> waiting;  // let go by the flow, short of credit
+        std::optional<int64_t> waiting;  // let go by the flow, short of credit or waiting for its pacing turn
+        std::optional<double> turn_since;  // since when `waiting` has waited for its pacing turn
         std::vector<uint8_t> body;       // an ACKS or ERROR frame's body
         uint64_t owed = 0;               // parts queued or pushed and not answered
         std::string broken;              // why the link failed ("" while it works)
@@ -77,6 +85,9 @@ class Loop {
     void answer(int64_t slot, const std::string& error);  // a part is done (its sum in, or refused)
     void fail_link(size_t s, const std::string& why);     // every part on it fails; the link is out
     void finish(uint64_t call, const std::string& error);
+    bool credit_for(size_t s, const Part& p, double now);  // credit and the pacing turn for a push on link s
+    Counts with_use(double now) const;  // counts_ with the links' use as of `now`
+    void record(const InFlight& held, double done);  // an answered part's stages into the histogram
     InFlight& part_of(size_t s, uint64_t key, const char* what);
     std::string server(size_t s) const { return "server " + std::to_string(s); }
 
@@ -99,10 +110,11 @@ class Loop {
     std::condition_variable done_;
     std::vector<std::pair<uint64_t, std::vector<Part>>> inbox_;
     std::vector<std::pair<uint64_t, std::string>> outbox_;
-    std::optional<std::pair<int64_t, int64_t>> limits_;
+    std::optional<std::tuple<int64_t, int64_t, int64_t>> limits_;
     std::string stopping_;  // "" while it runs
     bool stopped_ = false;
     Counts shared_counts_;
+    Stages stages_;  // under mutex_
 
     std::thread thread_;
 };

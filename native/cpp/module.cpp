@@ -27,6 +27,7 @@ using namespace gradwire;
 namespace {
 
 using Bytes = nb::ndarray<nb::device::cpu, nb::c_contig>;  // any dtype: sized in bytes
+using ReadBytes = nb::ndarray<nb::ro, nb::device::cpu, nb::c_contig>;  // the same, read-only ones too (what is sent)
 
 nb::tuple decode(nb::bytes raw, uint64_t max_payload) {
     if (raw.size() != kHeaderSize)
@@ -98,22 +99,46 @@ struct PythonSink {
     }
 };
 
-using Plan = std::vector<std::tuple<uint64_t, size_t, uint64_t, uint64_t, int64_t>>;  // (key, link, offset, bytes, index)
+// (key, link, send offset, send bytes, out offset, out bytes, partition index): a part pushes its bytes of the call's
+// `send` and its answer lands in the call's `out`, each at its own offset (a gather pushes its segment and pulls all,
+// a reduce-scatter pushes all and pulls its slice).
+using Plan = std::vector<std::tuple<uint64_t, size_t, uint64_t, uint64_t, uint64_t, uint64_t, int64_t>>;
 
-// One tensor's call as the native worker's parts: each (key, link, byte offset, bytes, partition index) of `plan`
-// pushed from `send` and answered into `out` at its offset, checked to lie within both.
+// One tensor's call as the native worker's parts: each part of `plan`, checked to lie within `send` and `out`.
 std::vector<worker::Part> parts_of(const std::string& tensor, uint32_t round, int64_t priority, uint8_t dtype,
-                                   const Bytes& send, const Bytes& out, const Plan& plan) {
+                                   const ReadBytes& send, const Bytes& out, const Plan& plan) {
     std::vector<worker::Part> parts(plan.size());
     for (size_t i = 0; i < plan.size(); ++i) {
-        const auto& [key, link, offset, length, index] = plan[i];
-        if (offset + length > send.nbytes() || offset + length > out.nbytes())
+        const auto& [key, link, send_at, send_bytes, out_at, out_bytes, index] = plan[i];
+        if (send_at + send_bytes > send.nbytes() || out_at + out_bytes > out.nbytes())
             throw nb::value_error(("part " + std::to_string(i) + " lies past the buffers").c_str());
         worker::Part& p = parts[i];
         p.key = key, p.round = round, p.dtype = dtype, p.link = link, p.priority = priority;
         p.tensor = tensor, p.index = index;
-        p.send = static_cast<const uint8_t*>(send.data()) + offset, p.push_bytes = length;
-        p.out = static_cast<uint8_t*>(out.data()) + offset, p.nbytes = length;
+        p.send = static_cast<const uint8_t*>(send.data()) + send_at, p.push_bytes = send_bytes;
+        p.out = static_cast<uint8_t*>(out.data()) + out_at, p.nbytes = out_bytes;
+    }
+    return parts;
+}
+
+// A part whose buffers are its own (a compressed key's blocks, an update's trailer): (key, link, partition index,
+// what it pushes, the trailer pushed after it or None, where its answer lands).
+using BufferPart = std::tuple<uint64_t, size_t, int64_t, ReadBytes, std::optional<ReadBytes>, Bytes>;
+
+std::vector<worker::Part> parts_of(const std::string& tensor, uint32_t round, int64_t priority, uint8_t dtype,
+                                   const std::vector<BufferPart>& given) {
+    std::vector<worker::Part> parts(given.size());
+    for (size_t i = 0; i < given.size(); ++i) {
+        const auto& [key, link, index, send, extra, out] = given[i];
+        worker::Part& p = parts[i];
+        p.key = key, p.round = round, p.dtype = dtype, p.link = link, p.priority = priority;
+        p.tensor = tensor, p.index = index;
+        p.send = static_cast<const uint8_t*>(send.data()), p.push_bytes = send.nbytes();
+        if (extra) {
+            p.extra = static_cast<const uint8_t*>(extra->data()), p.extra_bytes = extra->nbytes();
+            p.push_bytes += p.extra_bytes;
+        }
+        p.out = static_cast<uint8_t*>(out.data()), p.nbytes = out.nbytes();
     }
     return parts;
 }
@@ -285,8 +310,8 @@ NB_MODULE(_core, m) {
 
     m.def(
         "worker_push_pull",
-        [](std::vector<int> fds, const std::string& tensor, uint32_t round, int64_t priority, uint8_t dtype, Bytes send,
-           Bytes out, Plan plan, uint32_t rank, uint32_t epoch, int64_t window, int64_t cap, int64_t credit,
+        [](std::vector<int> fds, const std::string& tensor, uint32_t round, int64_t priority, uint8_t dtype,
+           ReadBytes send, Bytes out, Plan plan, uint32_t rank, uint32_t epoch, int64_t window, int64_t cap, int64_t credit,
            uint64_t max_payload, double timeout) {
             std::vector<worker::Part> parts = parts_of(tensor, round, priority, dtype, send, out, plan);
             const worker::Settings settings = settings_of(rank, epoch, window, cap, credit, max_payload, timeout);
@@ -301,8 +326,8 @@ NB_MODULE(_core, m) {
         nb::arg("out"), nb::arg("plan"), nb::kw_only(), nb::arg("rank"), nb::arg("epoch"), nb::arg("window"),
         nb::arg("cap"), nb::arg("credit"), nb::arg("max_payload"), nb::arg("timeout") = 60.0,
         "One tensor's push_pull by the worker's rule (worker.hpp) over the sockets `fds` of links a Python worker "
-        "connected: `plan` is its partitions, (key, link, byte offset, bytes, index); each sum lands in `out` at its "
-        "offset. Blocks without the GIL; returns (pushes, batches, ACKS frames). Raises RuntimeError with what failed "
+        "connected: `plan` is its partitions, (key, link, send offset, send bytes, out offset, out bytes, index); "
+        "each sum lands in `out` at its offset. Blocks without the GIL; returns (pushes, batches, ACKS frames). Raises RuntimeError with what failed "
         "the call (a server's refusal names the worker, the server, the tensor and the key).");
 
     nb::class_<worker::Loop>(m, "WorkerLoop",
@@ -311,30 +336,68 @@ NB_MODULE(_core, m) {
         .def(
             "__init__",
             [](worker::Loop* self, std::vector<int> fds, uint32_t rank, uint32_t epoch, int64_t window, int64_t cap,
-               int64_t credit, uint64_t max_payload) {
-                new (self) worker::Loop(fds, settings_of(rank, epoch, window, cap, credit, max_payload, 0));
+               int64_t credit, uint64_t max_payload, std::vector<double> shares, int64_t lead, double pace_give_up,
+               std::vector<double> buckets) {
+                worker::Settings settings = settings_of(rank, epoch, window, cap, credit, max_payload, 0);
+                settings.shares = std::move(shares), settings.lead = lead, settings.pace_give_up = pace_give_up;
+                settings.buckets = std::move(buckets);
+                new (self) worker::Loop(fds, settings);
             },
             nb::arg("fds"), nb::kw_only(), nb::arg("rank"), nb::arg("epoch"), nb::arg("window"), nb::arg("cap"),
-            nb::arg("credit"), nb::arg("max_payload"))
+            nb::arg("credit"), nb::arg("max_payload"), nb::arg("shares") = std::vector<double>{}, nb::arg("lead") = 0,
+            nb::arg("pace_give_up") = 0.2, nb::arg("buckets") = std::vector<double>{},
+            "`shares`: each link's share of the bytes for pacing (0: not paced), `lead`: pacing's lead in bytes (0: "
+            "no pacing), `pace_give_up`: the most seconds a push waits for its pacing turn (worker/credit.py); "
+            "`buckets`: the stage histogram's bounds in seconds (none: no histogram).")
         .def(
             "submit",
             [](worker::Loop& loop, uint64_t call, const std::string& tensor, uint32_t round, int64_t priority,
-               uint8_t dtype, Bytes send, Bytes out, Plan plan) {
+               uint8_t dtype, ReadBytes send, Bytes out, Plan plan) {
                 loop.submit(call, parts_of(tensor, round, priority, dtype, send, out, plan));
             },
             nb::arg("call"), nb::arg("tensor"), nb::arg("round"), nb::arg("priority"), nb::arg("dtype"),
             nb::arg("send"), nb::arg("out"), nb::arg("plan"),
             "Queue one tensor's call (as worker_push_pull's arguments); `send` and `out` must stay alive until its "
             "completion is taken.")
+        .def(
+            "submit_parts",
+            [](worker::Loop& loop, uint64_t call, const std::string& tensor, uint32_t round, int64_t priority,
+               uint8_t dtype, const std::vector<BufferPart>& parts) {
+                loop.submit(call, parts_of(tensor, round, priority, dtype, parts));
+            },
+            nb::arg("call"), nb::arg("tensor"), nb::arg("round"), nb::arg("priority"), nb::arg("dtype"),
+            nb::arg("parts"),
+            "Queue one tensor's call whose parts have buffers of their own: [(key, link, index, send, trailer or "
+            "None, out)], each a uint8 array that must stay alive until the call's completion is taken.")
         .def("completions", &worker::Loop::completions, nb::arg("timeout"), nb::call_guard<nb::gil_scoped_release>(),
              "The calls finished since the last time: [(call, '' or what failed it)], waiting up to `timeout` s.")
-        .def("set_limits", &worker::Loop::set_limits, nb::arg("window"), nb::arg("cap"))
+        .def("set_limits", &worker::Loop::set_limits, nb::arg("window"), nb::arg("cap"), nb::arg("lead"),
+             "Every link's window and cap, and pacing's lead, from the next decision on.")
         .def("stop", &worker::Loop::stop, nb::arg("why") = "the native worker stopped",
              nb::call_guard<nb::gil_scoped_release>())
         .def_prop_ro("counts", [](const worker::Loop& loop) {
             const worker::Counts c = loop.counts();
             return nb::make_tuple(c.pushes, c.batches, c.acks);
-        });
+        })
+        .def(
+            "take_stages",
+            [](worker::Loop& loop) {
+                worker::Stages stages = loop.take_stages();
+                return nb::make_tuple(stages.counts, stages.seconds);
+            },
+            "The stage histogram of the partitions answered since the last call, ([per stage: partitions per bucket, "
+            "and past the last], [per stage: seconds in all]); empty lists when none was answered.")
+        .def_prop_ro(
+            "cap_escapes", [](const worker::Loop& loop) { return loop.counts().cap_escapes; },
+            "Pushes the liveness rule let past a full cap so far, all links (as of the loop's last pass).")
+        .def_prop_ro(
+            "link_use",
+            [](const worker::Loop& loop) {
+                const worker::Counts c = loop.counts();
+                return nb::make_tuple(c.busy_seconds, c.busy_bytes, c.full_seconds);
+            },
+            "(seconds some push was unacknowledged, bytes acknowledged, seconds work waited on a full window), as of "
+            "the loop's last pass (at most a second old): the links' use for the scheduler's drift check.");
 
     nb::register_exception_translator([](const std::exception_ptr& p, void*) {
         try {

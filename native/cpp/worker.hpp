@@ -26,7 +26,9 @@ struct Part {
     std::string tensor;  // the job-wide order's (round, -priority, tensor, index)
     int64_t index = 0;
     const uint8_t* send = nullptr;
-    uint64_t push_bytes = 0;
+    uint64_t push_bytes = 0;        // the frame's payload: `send`, then the trailer
+    const uint8_t* extra = nullptr;  // a trailer after the data (a server-side update's), `extra_bytes` long
+    uint64_t extra_bytes = 0;
     uint8_t* out = nullptr;
     uint64_t nbytes = 0;
 };
@@ -34,14 +36,34 @@ struct Part {
 struct Settings {
     uint32_t rank = 0, epoch = 0;
     int64_t window = 4, cap = 0, credit = 0;  // credit: bytes in flight over all links (0: no limit)
+    // pacing (worker/credit.py): each link's share of the bytes (0: not paced) and the lead a link may have over the
+    // most behind one, in bytes (0: no pacing); a paced push waits at most `pace_give_up` seconds for its turn
+    std::vector<double> shares;
+    int64_t lead = 0;
+    double pace_give_up = 0.2;
+    // the stage histogram's bucket bounds in seconds (admin/metrics.py's BUCKETS; none: no histogram)
+    std::vector<double> buckets;
     uint64_t max_payload = 0;
     uint64_t batch_bytes = 256 << 10, batch_frames = 64;
     double timeout = 60;  // seconds a blocking call (push_pull) may take
 };
 
+// Each answered partition's four stages (queued, push, wait, pull: admin/metrics.py's STAGES), as a histogram over
+// Settings::buckets, since the last time they were taken: per stage, partitions per bucket (and past the last), and
+// the seconds in all.
+struct Stages {
+    std::vector<std::vector<uint64_t>> counts;
+    std::vector<double> seconds;
+};
+
 // What one call did: for the caller's metrics and the benchmarks.
 struct Counts {
     uint64_t pushes = 0, batches = 0, acks = 0;  // frames pushed, the batches they went in, ACKS frames received
+    // the links' use, for the scheduler's drift check (worker/credit.py's busy, worker/flow.py's full_seconds): seconds
+    // some push was unacknowledged, bytes acknowledged, and seconds work waited on a full window (all links' sum)
+    double busy_seconds = 0, full_seconds = 0;
+    int64_t busy_bytes = 0;
+    int64_t cap_escapes = 0;  // pushes the liveness rule let past a full cap (worker/flow.py's), all links
 };
 
 // Push every part over `fds` (fds[p.link]) by the rule, each sum into its output; returns once every sum is in (one

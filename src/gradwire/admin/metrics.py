@@ -74,6 +74,15 @@ class Metrics:
         with self._lock:
             self.rounds += n
 
+    def stages(self, counts: list[list[int]], seconds: list[float]) -> None:
+        """Partitions' stages counted elsewhere (the native data path's loop: the same buckets), added in."""
+        with self._lock:
+            for i, per_bucket in enumerate(counts):
+                for j, n in enumerate(per_bucket):
+                    self._buckets[i][j] += n
+            for i, value in enumerate(seconds):
+                self._seconds[i] += value
+
     def partition(self, pulled: int, *seconds: float) -> None:
         """A partition's sum came back: `pulled` bytes, and its time in each of STAGES, in that order."""
         with self._lock:

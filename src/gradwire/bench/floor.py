@@ -357,8 +357,8 @@ def available_modes() -> tuple[str, ...]:
 
 def run_job_bench(args, env: dict[str, str]) -> int:
     """`gradwire bench --floor`: the native floor as a job (n workers, k servers, TCP loopback) beside gloo's ring and
-    gradwire's own job over TCP (with the Python worker and with the native one) and over its default transport,
-    alternated round by round; ratios to gloo's time."""
+    gradwire's own job over its default transport, over TCP, and over TCP with failover off (the Python worker, and
+    the native worker: its own data path applies there), alternated round by round; ratios to gloo's time."""
     from gradwire.bench.runner import MiB, run_gloo, run_gradwire
 
     mod = native.load()
@@ -380,11 +380,12 @@ def run_job_bench(args, env: dict[str, str]) -> int:
             both = row["worker_cpu_seconds_per_gb"] + row["server_cpu_seconds_per_gb"]
             record(f"native floor, {p // 1024} KiB", row["seconds_per_call"], both)
         tcp = env | {"GRADWIRE_TRANSPORT": "tcp"}
-        native_worker = tcp | {"GRADWIRE_BENCH_NATIVE_WORKER": "1"}  # the worker's rule native: bench/native_worker.py
+        unfailing = tcp | {"GRADWIRE_SERVER_FAILOVER": "0"}  # the worker's native data path applies (native.md)
         for name, job in (
             ("gradwire (defaults)", env),
             ("gradwire over TCP", tcp),
-            ("gradwire over TCP, native worker", native_worker),
+            ("gradwire over TCP, failover off, Python worker", unfailing | {"GRADWIRE_DATAPATH": "python"}),
+            ("gradwire over TCP, failover off, native worker", unfailing),
         ):
             for t in run_gradwire(n, k, [size], args.repeats, args.warmup, job):
                 record(name, t.median, t.cpu_per_gb())

@@ -42,14 +42,14 @@ def lent_links(worker: Worker, timeout: float = 10.0) -> Iterator[list[int]]:
 
 def plan_of(worker: Worker, name: str) -> tuple[int, int, list[tuple[int, int, int, int, int]]]:
     """The next round of the declared tensor `name` (numbered as worker/launching.py numbers it) and its plan: (dtype
-    code, round, [(key, server, byte offset, bytes, partition index)])."""
+    code, round, [(key, server, send offset, bytes, out offset, bytes, partition index)])."""
     with worker.state.lock:
         tensor = worker.table.tensors[name]
         tensor.round += 1
         rnd = tensor.round
     size = tensor.dtype.itemsize
     plan = [
-        (key, server, part.start * size, part.count * size, part.index)
+        (key, server, part.start * size, part.count * size, part.start * size, part.count * size, part.index)
         for part, key, server in zip(tensor.parts, tensor.keys, tensor.servers, strict=True)
     ]
     return tensor.dtype.code, rnd, plan

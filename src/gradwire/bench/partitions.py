@@ -7,9 +7,10 @@ size (GRADWIRE_PARTITION_BYTES) and reports the CPU seconds the workers and the 
 figure over the largest partition size's: the per-partition overhead, apart for both roles. gloo's ring on the same
 tensor in the same run gives the yardstick. Rounds alternate the sizes so that the machine's drift hits them alike.
 
-Where gradwire-native is installed, the same job runs again with the native worker (bench/native_worker.py: each
-worker lends its links to `worker_push_pull`, the worker's rule in C++; the servers are the same): what the rule costs
-natively, beside the floor.
+Both ways run with server failover off (GRADWIRE_SERVER_FAILOVER=0: no seed copies): the Python worker
+(GRADWIRE_DATAPATH=python) and, where gradwire-native is installed, the native worker (worker/native_path.py: the
+worker's own native data path, which applies to such a job); the servers sum float32 with numpy either way. What the
+worker's rule costs natively, beside the floor.
 
 Beside it, the floor (bench/floor.py): the same partition sizes through a Python data path with nothing else in it,
 one worker and one server, the worker with one thread and with two (a sender woken by its receiver, as gradwire's
@@ -42,9 +43,13 @@ def run_partitions(args: argparse.Namespace, env: dict[str, str]) -> int:
     floors: dict[tuple[str, int], list[dict]] = {(mode, p): [] for mode in modes for p in parts}
     for _ in range(args.rounds):
         for p in parts:
-            job = env | {"GRADWIRE_PARTITION_BYTES": str(p), "GRADWIRE_TRANSPORT": "tcp"}
+            job = env | {
+                "GRADWIRE_PARTITION_BYTES": str(p),
+                "GRADWIRE_TRANSPORT": "tcp",
+                "GRADWIRE_SERVER_FAILOVER": "0",
+            }
             for w in workers:
-                way = job | {"GRADWIRE_BENCH_NATIVE_WORKER": "1"} if w == "native" else job
+                way = job | {"GRADWIRE_DATAPATH": "python"} if w == "python" else job
                 runs[w, p] += run_gradwire(n, k, [size], args.repeats, args.warmup, way)
             for mode in modes:
                 floors[mode, p].append(run_floor(p, size, FLOOR_REPEATS, mode))

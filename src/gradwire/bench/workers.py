@@ -8,13 +8,10 @@ runner can charge the servers' CPU of that span too: CPU seconds per GB.
 GRADWIRE_BENCH_COLLECTIVE picks the collective (default allreduce), each defined so that a rank ends with SIZE
 bytes: allreduce (SIZE in, SIZE out), allgather (SIZE/n in), broadcast (SIZE from rank 0), reducescatter (SIZE in,
 SIZE/n out: half an allreduce's traffic for a summation server). gloo runs its own same collective.
-GRADWIRE_BENCH_NATIVE_WORKER=1: the allreduce goes through the native worker over the worker's lent links
-(bench/native_worker.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -25,7 +22,6 @@ import numpy as np
 
 COLLECTIVE = os.environ.get("GRADWIRE_BENCH_COLLECTIVE", "allreduce")
 COMPRESSED = COLLECTIVE.split("-", 1)[1] if COLLECTIVE.startswith("allreduce-") else None
-NATIVE_WORKER = os.environ.get("GRADWIRE_BENCH_NATIVE_WORKER") == "1" and COLLECTIVE == "allreduce"
 
 
 def run_gradwire(sizes: list[int], repeats: int, warmup: int) -> None:
@@ -40,18 +36,11 @@ def run_gradwire(sizes: list[int], repeats: int, warmup: int) -> None:
         name = f"bench-{COLLECTIVE}-{nbytes}"
         times: list[float] = []
         span = [0.0, 0.0]
-        lent: contextlib.AbstractContextManager = contextlib.nullcontext(None)
-        if NATIVE_WORKER:
-            from gradwire.bench import native_worker
-
-            worker.declare(name, buf.shape, buf.dtype)
-            lent = native_worker.lent_links(worker)
-        with lent as fds:
-            cpu = _time_calls(worker, buf, name, warmup, repeats, compressor, fds, times, span)
+        cpu = _time_calls(worker, buf, name, warmup, repeats, compressor, times, span)
         span[1] = time.time()
         _cpu_line(gw.rank(), nbytes, cpu, span)
         if gw.rank() == 0:
-            chosen = "native worker" if NATIVE_WORKER else worker.status()["data_path"]  # what ran, and why
+            chosen = worker.status()["data_path"]  # what ran, and why
             print(json.dumps({"bytes": nbytes, "times": times, "data_path": chosen}), flush=True)
     gw.shutdown()
 
@@ -63,12 +52,11 @@ def _time_calls(
     warmup: int,
     repeats: int,
     compressor: object,
-    fds: list[int] | None,
     times: list[float],
     span: list[float],
 ) -> float:
-    """One size's calls (`fds`: through the native worker over those lent links): the timed ones' seconds into
-    `times`, when they began into span[0]; returns their CPU seconds."""
+    """One size's calls: the timed ones' seconds into `times`, when they began into span[0]; returns their CPU
+    seconds."""
     import gradwire as gw
     from gradwire import collectives
 
@@ -83,12 +71,7 @@ def _time_calls(
             span[0] = time.time()
         c0 = time.process_time()
         t0 = time.perf_counter()
-        if fds is not None:
-            from gradwire.bench import native_worker
-
-            native_worker.push_pull(worker, fds, name, buf, buf)
-            check = buf[-1] == n
-        elif COLLECTIVE == "allreduce":
+        if COLLECTIVE == "allreduce":
             gw.push_pull_inplace(buf, name)
             check = buf[-1] == n
         elif compressor is not None:

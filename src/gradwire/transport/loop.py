@@ -145,6 +145,9 @@ class LinkLoop:
         return done
 
     def _add(self, link: LoopLink) -> None:
+        if link.fileno() < 0:  # closed before its turn came (a link closed while it was being added): it is out
+            link.on_removed()
+            return
         if link not in self._links and self._selector is not None and not self._stopping:
             self._links[link], self._fds[link] = False, link.fileno()
             self._selector.register(self._fds[link], selectors.EVENT_READ, link)

@@ -327,6 +327,8 @@ class Calls(Updates):
         links = self.state.links
         held = [f"server {link.server}" for link in links if name in link.held()]
         busy = [f"server {link.server} ({link.conn.peer})" for link in links if name in link.outstanding()]
+        if self.state.native is not None:  # the native data path's calls (worker/native_path.py)
+            busy += [f"server {s} ({links[s].conn.peer})" for s in self.state.native.outstanding(name)]
         out = f"; partitions still out on {', '.join(busy)}" if busy else ""
         if held:  # answered here; another worker has not said it has the sums (worker/holding.py)
             out += f"; sums held until every worker has them, from {', '.join(held)}"

@@ -15,6 +15,7 @@ from gradwire.scheduler.client import join
 from gradwire.transport import endpoints, shm, tcp
 from gradwire.worker.link import ServerLink
 from gradwire.worker.lost_link import LostLink
+from gradwire.worker.native_path import NativePath
 from gradwire.worker.state import WorkerState
 from gradwire.worker.work import Seed, Work
 
@@ -61,6 +62,7 @@ class Connecting:
         self.state.loop.start()
         for link in links:
             link.start()
+        self.state.native = NativePath.start(self.state, links)  # where it applies (worker/native_path.py)
 
     def link(self, index: int, server: dict, hooks: LinkHooks) -> ServerLink:
         """A link to server `index` (not started)."""

@@ -61,6 +61,11 @@ class Credit:
             self._shares[server] = share
             self._queued.setdefault(server, 0)
 
+    def share(self, server: int) -> float:
+        """The link to `server`'s share of the bytes (0: not paced)."""
+        with self._lock:
+            return self._shares.get(server, 0.0)
+
     def unpace(self, server: int) -> None:
         """The link is gone (its work moves elsewhere): nobody waits for it any more."""
         with self._lock:

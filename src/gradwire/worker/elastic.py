@@ -109,7 +109,10 @@ class Elastic:
     def link_use(self) -> dict:
         """The network links' use so far (across resets), for the heartbeat: the scheduler's drift check."""
         state = self.state
-        busy, moved = state.credit.busy() if state.credit else (0.0, 0)
-        full = sum(link.flow.full_seconds for link in state.links if getattr(link, "network", False))
+        if state.native is not None:  # the native data path's links (worker/native_path.py)
+            busy, moved, full = state.native.link_use()
+        else:
+            busy, moved = state.credit.busy() if state.credit else (0.0, 0)
+            full = sum(link.flow.full_seconds for link in state.links if getattr(link, "network", False))
         now = dict(zip(messages.LINK_USE, (busy, moved, full), strict=True))
         return {k: self._use_before.get(k, 0) + v for k, v in now.items()}

@@ -39,6 +39,9 @@ class Launching:
                 return
             with self.state.lock:
                 servers = list(tensor.servers)
+            if self.state.native is not None:  # the native data path completes the declaration's part
+                self.state.native.submit(tensor, rnd, transfer, handle, servers)
+                return
             handle.add_parts(len(tensor.parts))
             per_link: dict[int, list[Work]] = {}
             for server, work in zip(servers, transfer.works(tensor, rnd, handle), strict=True):

@@ -23,6 +23,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from gradwire.admin.metrics import Metrics
 from gradwire.admin.timeline import Timeline
@@ -38,6 +39,14 @@ from gradwire.worker.work import Seed, Work
 
 log = logging.getLogger("gradwire.worker")
 FAREWELL_SECONDS = 1.0  # a closing link's last frame (BYE) waits at most this long for the socket
+
+
+class Borrower(Protocol):
+    """What holds a link lent for good (worker/native_path.py's `NativePath`)."""
+
+    def set_limits(self, window: int, cap: int) -> None: ...
+
+    def stop(self, reason: BaseException) -> None: ...
 
 
 class ServerLink(Answers, Pushes):
@@ -82,6 +91,7 @@ class ServerLink(Answers, Pushes):
         self._free_pull = list(range(arena.pull)) if arena else []
         self.dirty = True  # see LinkLoop
         self._lent = False  # its socket handed to a native data path (`hand_over`), out of the loop, not closed
+        self._borrower: Borrower | None = None  # who holds it lent for good (worker/native_path.py)
         self._init_pushes()
         self._init_answers()
 
@@ -95,6 +105,9 @@ class ServerLink(Answers, Pushes):
         with self._lock:
             self.flow.set_limits(self._fitting(window), unanswered_cap)
             self.dirty = True
+            borrower = self._borrower
+        if borrower is not None:
+            borrower.set_limits(self.flow.window, unanswered_cap)
         self.loop.wake()
 
     @property
@@ -162,7 +175,12 @@ class ServerLink(Answers, Pushes):
 
     def close(self, reason: BaseException, farewell: bytes | None = None) -> None:
         """Fail everything queued or in flight with `reason` and leave the loop, the socket closed (`farewell`: a last
-        frame sent before, after whatever frame is half sent)."""
+        frame sent before, after whatever frame is half sent). A link lent for good is taken back from its borrower
+        first (which fails its calls in flight with `reason`)."""
+        with self._lock:
+            borrower = self._borrower
+        if borrower is not None:
+            borrower.stop(reason)
         with self._lock:
             if self._closed is None:
                 self._closed = reason
@@ -176,16 +194,18 @@ class ServerLink(Answers, Pushes):
                 work.handle.fail(self._lost(reason))
         self.loop.remove(self)
 
-    def hand_over(self, timeout: float) -> int:
-        """Lend the link's socket to a native data path (gradwire-native's `worker_push_pull`, which takes links after
-        Python's connect and handshake): the link leaves its loop, its socket open. Only a quiet link over a socket:
-        nothing queued or unanswered, nothing read ahead, no shared memory. Returns the socket's descriptor; `take_back`
-        ends the loan. Raises GradwireError where the link cannot be lent."""
+    def hand_over(self, timeout: float, borrower: Borrower | None = None) -> int:
+        """Lend the link's socket to a native data path (gradwire-native's, which takes links after Python's connect
+        and handshake): the link leaves its loop, its socket open. Only a quiet link over a socket: nothing queued or
+        unanswered, nothing read ahead, no shared memory. Returns the socket's descriptor; `take_back` ends the loan.
+        `borrower`: the worker's own data path, which holds it for good (its window and cap follow `set_flow`, and
+        `close` takes it back first). Raises GradwireError where the link cannot be lent."""
         with self._lock:
             busy = self.flow.queued or self.flow.pending or self._waiting or self.holds.tensors()
             if self._closed is not None or self.lost is not None or busy or self.arena is not None or self._lent:
                 raise GradwireError(f"worker {self.rank}: the link to server {self.server} cannot be lent now")
             self._lent = True
+            self._borrower = borrower
         if not self.loop.remove(self).wait(timeout) or self._decoder.mid_frame or self._unsent:
             self.take_back()
             raise GradwireError(f"worker {self.rank}: the link to server {self.server} was not quiet")
@@ -196,6 +216,7 @@ class ServerLink(Answers, Pushes):
         and the stream may be mid-frame), the link closes with it."""
         with self._lock:
             self._lent = False
+            self._borrower = None
             self.dirty = True
         if broken is not None:
             self.close(broken)  # its removal from the loop (a no-op) closes the socket (`on_removed`)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import replace
+from typing import Protocol
 
 from gradwire.admin.metrics import Metrics
 from gradwire.admin.timeline import Timeline
@@ -16,10 +17,30 @@ from gradwire.protocol.messages import AddressBook
 from gradwire.transport.loop import LinkLoop
 from gradwire.tuning import Tuning
 from gradwire.worker.credit import Credit
+from gradwire.worker.handle import Handle
 from gradwire.worker.link import ServerLink
 from gradwire.worker.lost_link import LostLink
+from gradwire.worker.tensors import Tensor
+from gradwire.worker.work import Transfer
 
 SHUTDOWN_JOIN_SECONDS = 5.0  # how long a closing worker waits for each of its threads
+
+
+class DataPath(Protocol):
+    """The boundary between a worker's Python and a data path that owns its links (the glossary's data path;
+    worker/native_path.py's `NativePath`): calls go in as their partitions' plan, handles come back completed, and the
+    links' use comes back for the drift check. Where none owns them, the links move their own frames
+    (worker/link.py)."""
+
+    def submit(self, tensor: Tensor, rnd: int, transfer: Transfer, handle: Handle, servers: list[int]) -> None:
+        """Move `transfer`'s partitions of `tensor`'s round `rnd` (to `servers`, by partition); `handle` completes (its
+        declaration's part) or fails once every answer is in."""
+
+    def link_use(self) -> tuple[float, int, float]:
+        """(seconds some push was unacknowledged, bytes acknowledged, seconds work waited on a full window)."""
+
+    def outstanding(self, name: str) -> list[int]:
+        """The servers of `name`'s call in flight."""
 
 
 class WorkerState:
@@ -45,6 +66,7 @@ class WorkerState:
         self.lock = threading.Lock()  # guards the tensor table and the counters below
         self.links: list[ServerLink | LostLink] = []  # by server index
         self.loop = LinkLoop(f"gw-links-{id(self):x}")  # moves every link's frames (started with the first link)
+        self.native: DataPath | None = None  # the data path the links are lent to, where one applies (native_path.py)
         self.credit: Credit | None = None
         self.timeline: Timeline | None = None
         self.metrics = Metrics("worker")

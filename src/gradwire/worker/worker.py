@@ -24,6 +24,7 @@ from gradwire.worker.control import Control
 from gradwire.worker.declaring import Declaring
 from gradwire.worker.elastic import Elastic
 from gradwire.worker.failover import Failover
+from gradwire.worker.native_path import why_not
 from gradwire.worker.recut import Retuning
 from gradwire.worker.report import Report
 from gradwire.worker.state import SHUTDOWN_JOIN_SECONDS, WorkerState
@@ -188,6 +189,8 @@ class Worker:
             "aborted": str(state.abort) if state.abort else None,
             "local_aggregation": self.calls.aggregation and self.calls.aggregation.status(),
             "data_path": {
+                # what moves this worker's bytes: the native loop, or the Python path and why (worker/native_path.py)
+                "worker": "native" if state.native is not None else f"python ({why_not(state, state.links)})",
                 "partition_bytes": state.partition_bytes,
                 "window": config.window,
                 "unanswered": config.unanswered,

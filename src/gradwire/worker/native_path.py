@@ -1,0 +1,311 @@
+"""The worker's data path in native code (gradwire-native's `WorkerLoop`, native/cpp/loop.hpp): where it applies, one
+loop thread owns every link's socket for the links' life, after Python's connect, handshake and authentication, and
+moves every call's partitions by the worker's rule; Python submits each call and completes its handle.
+
+A call hands the loop its plan: for a plain call (a reduction, a gather, a reduce-scatter: bytes in, bytes out) the
+partitions' offsets in the caller's input and output, cut once per tensor and cut and cached (`_plan`); the loop
+pushes from the input and receives each sum straight into the output. A call with a Python step per partition (a
+compressed block decoded into the output, a server-side update's trailer) hands over its partitions' own buffers
+(`Work`, as the Python path cuts them) and the step runs once the call's answers are all in. One thread drains the
+loop's completions: an average is divided there (numpy's rounding: the Python path's bytes), and the handle
+completes or fails with the error the Python path would raise (a server's refusal: TensorError; a lost server:
+JobAborted; a server's abort: abort_error's).
+
+Where it applies (`applies`): gradwire-native loads under GRADWIRE_DATAPATH, every link is a socket (a same-host
+link's shared memory is the Python path's), and server failover is off (a failover's seed copies and held keys are
+the Python path's). Anywhere else the Python path runs, as before. What runs where: docs/native.md.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import re
+import threading
+from dataclasses import dataclass, field
+from types import ModuleType
+
+import numpy as np
+
+from gradwire import native
+from gradwire.admin.metrics import BUCKETS
+from gradwire.errors import GradwireError, JobAborted, RemoteProtocolError, TensorError, abort_error
+from gradwire.worker.credit import PACE_GIVE_UP_SECONDS
+from gradwire.worker.flow import LIVENESS_SECONDS
+from gradwire.worker.handle import Handle
+from gradwire.worker.link import ServerLink
+from gradwire.worker.lost_link import LostLink
+from gradwire.worker.state import SHUTDOWN_JOIN_SECONDS, WorkerState
+from gradwire.worker.tensors import Tensor
+from gradwire.worker.work import Transfer, Work
+
+log = logging.getLogger("gradwire.worker")
+DRAIN_SECONDS = 0.5  # how long the drainer waits for a completion before it looks whether it should stop
+LEND_SECONDS = 10.0  # how long a link may take to leave the Python loop when it is lent
+
+REFUSED = re.compile(r"worker (\d+): server (\d+) refused (.*) \(key (\d+)\): (\{.*\})", re.S)
+ENDED = re.compile(r"server (\d+) ended the job: (\{.*\})", re.S)
+LINK = re.compile(r"server (\d+): (protocol error: )?(.*)", re.S)
+
+
+def why_not(state: WorkerState, links: list[ServerLink | LostLink]) -> str:
+    """Why the native path does not apply to a worker with `links` ("" where it does)."""
+    if native.for_datapath(state.config.datapath) is None:
+        return f"GRADWIRE_DATAPATH={state.config.datapath}" if state.config.datapath == "python" else "no native build"
+    if state.config.server_failover:
+        return "server failover is on (its seed copies and held keys are the Python path's)"
+    if not links:
+        return "no links"
+    shared = [link.server for link in links if not isinstance(link, ServerLink) or link.arena is not None]
+    if shared:
+        return f"the links to servers {shared} use shared memory"
+    return ""
+
+
+@dataclass
+class Call:
+    """A call the loop moves: its handle, the buffers that must outlive it, and what Python does once it is in."""
+
+    handle: Handle
+    tensor: str
+    servers: list[int]
+    keep: tuple  # the arrays the loop reads and writes, alive until the call completes
+    average: int = 1
+    pull: np.ndarray | None = None  # a plain call's output, divided by `average` once in
+    works: list[Work] = field(default_factory=list)  # a call with a Python step per partition (Work.deliver)
+    pushed: int = 0  # bytes, for the metrics
+    pulled: int = 0
+
+
+class NativePath:
+    """A worker's links lent to gradwire-native's loop for their life. Thread-safe: `submit` from any thread."""
+
+    def __init__(self, state: WorkerState, module: ModuleType, links: list[ServerLink]) -> None:
+        self.state = state
+        self.links = links
+        self._lock = threading.Lock()
+        self._calls: dict[int, Call] = {}
+        self._numbers = itertools.count(1)
+        self._plans: dict[tuple, tuple[Tensor, list[tuple]]] = {}  # (tensor, cut) -> its plan (see `_plan`)
+        self._stopping: BaseException | None = None
+        self._stopped = threading.Event()  # the links are back (`stop`)
+        self._escapes = 0  # the liveness rule's escapes said so far
+        fds = [link.hand_over(LEND_SECONDS, borrower=self) for link in links]
+        first, credit = links[0], links[0].credit
+        self.loop = module.WorkerLoop(
+            fds,
+            rank=state.rank,
+            epoch=state.epoch,
+            window=first.window,
+            cap=first.unanswered_cap,
+            credit=credit.limit,
+            max_payload=first.conn.max_payload,
+            shares=[credit.share(link.server) for link in links],  # pacing, as connecting.py set it
+            lead=credit.lead,
+            pace_give_up=PACE_GIVE_UP_SECONDS,
+            buckets=list(BUCKETS),  # the stage histogram, as the Python path records it (admin/metrics.py)
+        )
+        self._drainer = threading.Thread(target=self._drain, name=f"gw-native-{state.rank}", daemon=True)
+        self._drainer.start()
+
+    @classmethod
+    def start(cls, state: WorkerState, links: list[ServerLink | LostLink]) -> NativePath | None:
+        """The native path over `links` where it applies (module docstring), else None; says which once."""
+        why = why_not(state, links)
+        if why:  # said where the native path was asked for by name; else only at debug level
+            level = logging.INFO if state.config.datapath == "native" else logging.DEBUG
+            log.log(level, "worker %d: the Python data path for the worker's calls (%s)", state.rank, why)
+            return None
+        module = native.for_datapath(state.config.datapath)
+        assert module is not None
+        path = cls(state, module, [link for link in links if isinstance(link, ServerLink)])
+        log.info("worker %d: the native data path (%s)", state.rank, native.load().reason)
+        return path
+
+    # -- calls ----------------------------------------------------------------------------------------------------
+
+    def submit(self, tensor: Tensor, rnd: int, transfer: Transfer, handle: Handle, servers: list[int]) -> None:
+        """Move `transfer`'s partitions of `tensor`'s round `rnd`; `handle` completes (its declaration's part) or fails
+        once every answer is in."""
+        number = next(self._numbers)
+        code, name = tensor.dtype.code, tensor.name
+        try:
+            if type(transfer) is Transfer and transfer.extra is None:
+                plan = self._plan(tensor, transfer, servers)
+                send, pull = transfer.send.view(np.uint8), transfer.pull.view(np.uint8)
+                call = Call(handle, name, servers, (send, pull), transfer.average, transfer.pull)
+                call.pushed, call.pulled = sum(part[3] for part in plan), sum(part[5] for part in plan)
+                if self._open(number, call):
+                    self.loop.submit(number, name, rnd, transfer.priority, code, send, pull, plan)
+                return
+            works = list(transfer.works(tensor, rnd, handle))
+            parts = [
+                (work.key, server, work.index, np.frombuffer(work.send, np.uint8), _extra(work), _bytes(work.out))
+                for server, work in zip(servers, works, strict=True)
+            ]
+            call = Call(handle, name, servers, tuple(parts), works=works)
+            call.pushed, call.pulled = sum(work.push_bytes for work in works), sum(work.nbytes for work in works)
+            if self._open(number, call):
+                self.loop.submit_parts(number, name, rnd, transfer.priority, code, parts)
+        except Exception as e:  # a bug (a plan past its buffers): the call fails with it, nothing waits
+            with self._lock:
+                self._calls.pop(number, None)
+            log.exception("worker %d: submitting %r to the native data path failed", self.state.rank, name)
+            handle.fail(GradwireError(f"worker {self.state.rank}: submitting {name!r} failed: {e!r}"))
+
+    def _open(self, number: int, call: Call) -> bool:
+        """Count `call` in flight; False (its handle failed) once the path has stopped."""
+        with self._lock:
+            stopping = self._stopping
+            if stopping is None:
+                self._calls[number] = call
+        if stopping is not None:
+            call.handle.fail(stopping if isinstance(stopping, GradwireError) else GradwireError(str(stopping)))
+        return stopping is None
+
+    def _plan(self, tensor: Tensor, transfer: Transfer, servers: list[int]) -> list[tuple]:
+        """A plain call's parts, (key, server, send offset, send bytes, out offset, out bytes, partition index) in
+        bytes, cut as `Transfer.works` cuts them (a gather's segment, a reduce-scatter's slice) and cached per tensor
+        and cut: a step's calls cost no Python per partition."""
+        cut = (tensor.name, transfer.send_at, len(transfer.send), transfer.pull_at, len(transfer.pull), tuple(servers))
+        cached = self._plans.get(cut)
+        if cached is not None and cached[0] is tensor:
+            return cached[1]
+        size, sent, pulled = tensor.dtype.itemsize, len(transfer.send), len(transfer.pull)
+        plan = []
+        for part, key, server in zip(tensor.parts, tensor.keys, servers, strict=True):
+            lo, hi = part.start, part.start + part.count
+            give = (min(max(lo - transfer.send_at, 0), sent), min(max(hi - transfer.send_at, 0), sent))
+            take = (min(max(lo - transfer.pull_at, 0), pulled), min(max(hi - transfer.pull_at, 0), pulled))
+            spans = (give[0] * size, (give[1] - give[0]) * size, take[0] * size, (take[1] - take[0]) * size)
+            plan.append((key, server, *spans, part.index))
+        self._plans[cut] = (tensor, plan)
+        return plan
+
+    def _drain(self) -> None:
+        """(The drainer thread.) Complete each call the loop finished, until the loop stops."""
+        while True:
+            done = self.loop.completions(DRAIN_SECONDS)
+            for number, error in done:
+                self._complete(number, error)
+            with self._lock:
+                if self._stopping is not None and not self._calls and not done:
+                    return
+
+    def _complete(self, number: int, error: str) -> None:
+        """Call `number` is done (`error`: what failed it): its Python step, metrics and handle. The call is referenced
+        from nowhere once this returns: its output is the caller's alone."""
+        with self._lock:
+            call = self._calls.pop(number, None)
+        if call is not None:
+            self._finish(call, error)
+
+    def _finish(self, call: Call, error: str) -> None:
+        if error:
+            call.handle.fail(self._error(call, error))
+            return
+        try:
+            if call.pull is not None and call.average > 1:
+                # integers: the quotient truncated toward zero, as Work.deliver divides
+                np.divide(call.pull, call.average, out=call.pull, casting="unsafe")
+            for work in call.works:
+                work.deliver(None)
+        except Exception as e:  # a bug must fail the call with its cause, not leave it waiting
+            log.exception("worker %d: completing %r failed", self.state.rank, call.tensor)
+            call.handle.fail(GradwireError(f"worker {self.state.rank}: completing {call.tensor!r} failed: {e!r}"))
+            return
+        metrics = self.state.metrics
+        metrics.pushed(call.pushed)
+        metrics.pulled(call.pulled)
+        counts, seconds = self.loop.take_stages()
+        if counts:
+            metrics.stages(counts, seconds)
+        self._say_escapes()
+        call.handle.part_done()
+
+    def _say_escapes(self) -> None:
+        """Warn, as worker/pushes.py does, where the liveness rule let a partition past a full cap since last time."""
+        escapes = self.loop.cap_escapes
+        if escapes > self._escapes:
+            self._escapes = escapes
+            log.warning(
+                "worker %d: the cap on unanswered partitions held every queued partition for %.1f s with no answer; "
+                "sent one anyway (%d times so far: workers pushing keys in different orders and waiting in between)",
+                self.state.rank,
+                LIVENESS_SECONDS,
+                escapes,
+            )
+
+    def _error(self, call: Call, error: str) -> GradwireError | BaseException:
+        """What failed a call, as the Python path says it (worker/answers.py, worker/link.py)."""
+        rank = self.state.rank
+        if self._stopping is not None:
+            return self._stopping
+        refused = REFUSED.fullmatch(error)
+        if refused is not None:
+            _, server, _, key, body = refused.groups()
+            message = json.loads(body).get("message")
+            return TensorError(
+                f"server {server} refused {call.tensor!r} (key {int(key):016x}): {message}",
+                tensor=call.tensor,
+                server=int(server),
+                rank=rank,
+            )
+        ended = ENDED.fullmatch(error)
+        if ended is not None:
+            return abort_error(json.loads(ended.group(2)), server=int(ended.group(1)), rank=rank)
+        link = LINK.fullmatch(error)
+        if link is not None:
+            server, protocol, why = int(link.group(1)), link.group(2), link.group(3)
+            if protocol:
+                return RemoteProtocolError(f"server {server}: {why}")
+            peer = self.links[server].conn.peer if server < len(self.links) else "?"
+            return JobAborted(f"worker {rank} lost server {server} ({peer}): {why}", server=server)
+        return GradwireError(f"worker {rank}: {call.tensor!r}: {error}")
+
+    # -- the links' life --------------------------------------------------------------------------------------------
+
+    def set_limits(self, window: int, cap: int) -> None:
+        """Every link's window and cap, and pacing's lead, from the next decision on (a RETUNE)."""
+        self.loop.set_limits(window, cap, self.state.credit.lead if self.state.credit else 0)
+
+    def link_use(self) -> tuple[float, int, float]:
+        """The links' use for the scheduler's drift check: (seconds some push was unacknowledged, bytes acknowledged,
+        seconds work waited on a full window), as worker/credit.py's `busy` and worker/flow.py's `full_seconds`."""
+        return self.loop.link_use
+
+    def outstanding(self, name: str) -> list[int]:
+        """The servers of `name`'s call in flight (for a timeout's message)."""
+        with self._lock:
+            return sorted({s for call in self._calls.values() if call.tensor == name for s in call.servers})
+
+    def stop(self, reason: BaseException) -> None:
+        """The loop ends (the worker shuts down, aborts, or re-forms): every call in flight fails with `reason`, and
+        the links go back to the Python loop (to say BYE), or close where a call was cut off mid-frame. Idempotent."""
+        draining = threading.current_thread() is self._drainer  # (a handle's callback may close the worker)
+        with self._lock:
+            first, cut_off = self._stopping is None, bool(self._calls)
+            if first:
+                self._stopping = reason
+        if not first:  # another thread is stopping it: its links are back once that returns
+            if not draining:
+                self._stopped.wait(SHUTDOWN_JOIN_SECONDS)
+            return
+        try:
+            self.loop.stop(str(reason))
+            if not draining:
+                self._drainer.join()
+            for link in self.links:
+                link.take_back(reason if cut_off else None)
+        finally:
+            self._stopped.set()
+
+
+def _extra(work: Work) -> np.ndarray | None:
+    return np.frombuffer(work.extra, np.uint8) if work.extra is not None else None
+
+
+def _bytes(array: np.ndarray) -> np.ndarray:
+    """`array`'s bytes, as a flat uint8 view."""
+    return array.reshape(-1).view(np.uint8)
