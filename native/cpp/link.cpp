@@ -29,11 +29,12 @@ Link::~Link() { ::fcntl(fd_, F_SETFL, flags_); }  // the caller's socket as it w
 void Link::queue(const Header& h, const uint8_t* payload, uint64_t tag, const uint8_t* trailer,
                  uint64_t trailer_length) {
     if (!can_queue()) throw std::logic_error("a link's send queue is full: the caller's window should bound it");
-    if (trailer_length > h.length) throw std::logic_error("a frame's trailer is longer than its payload");
+    const uint64_t wire = wire_length(h);  // none for a payload in shared memory
+    if (trailer_length > wire) throw std::logic_error("a frame's trailer is longer than its payload on the wire");
     Outgoing& o = at(tail_++);
     encode_header(h, o.header);
     o.payload = payload;
-    o.length = h.length - trailer_length;
+    o.length = wire - trailer_length;
     o.trailer = trailer;
     o.trailer_length = trailer_length;
     o.tag = tag;

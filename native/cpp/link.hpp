@@ -79,8 +79,9 @@ class Link {
     size_t queued() const { return tail_ - head_; }
     bool can_queue() const { return queued() < queue_.size(); }
 
-    // Queue a frame; its payload (h.length bytes) is `payload` and then `trailer_length` bytes of `trailer` (a
-    // server-side update's trailer after its data), both valid until `flush` reports the frame sent.
+    // Queue a frame; its payload on the wire (h.length bytes, none where it lies in shared memory: wire_length) is
+    // `payload` and then `trailer_length` bytes of `trailer` (a server-side update's trailer after its data), both
+    // valid until `flush` reports the frame sent.
     // Throws std::logic_error when the queue is full (callers check can_queue: their windows bound it).
     void queue(const Header& h, const uint8_t* payload, uint64_t tag, const uint8_t* trailer = nullptr,
                uint64_t trailer_length = 0);

@@ -43,7 +43,13 @@ Loop::Loop(const std::vector<int>& fds, const Settings& settings)
       wake_fd_(make_eventfd()),
       poll_(with(fds, wake_fd_)) {
     for (size_t s = 0; s < fds.size(); ++s) {
-        Side side{flow::Flow(settings.window, settings.cap), nullptr, std::nullopt, std::nullopt, {}, 0, ""};
+        Side side{flow::Flow(settings.window, settings.cap), nullptr, std::nullopt, std::nullopt, {}, 0, "", {}, {}, {}};
+        if (s < settings.arenas.size() && settings.arenas[s].base) {
+            side.arena = settings.arenas[s];
+            for (uint32_t i = side.arena.push; i-- > 0;) side.free_push.push_back(uint16_t(i));
+            for (uint32_t i = side.arena.pull; i-- > 0;) side.free_pull.push_back(uint16_t(i));
+            side.flow.set_limits(side.fitting(settings.window), settings.cap);
+        }
         side.link = std::make_unique<Link>(fds[s], settings.max_payload, settings.batch_frames);
         sides_.push_back(std::move(side));
         if (s < settings.shares.size()) credit_.pace(int64_t(s), settings.shares[s]);
@@ -95,6 +101,9 @@ void Loop::stop(const std::string& why) {
     const uint64_t one = 1;
     (void)!::write(wake_fd_, &one, sizeof one);
     if (thread_.joinable()) thread_.join();
+    // the sockets as they were, now, while they are still the caller's to close: a Link destroyed later would set
+    // the flags of whatever socket has the same number by then
+    for (Side& side : sides_) side.link.reset();
     std::lock_guard<std::mutex> lock(mutex_);
     stopped_ = true;
     done_.notify_all();
@@ -118,7 +127,7 @@ void Loop::run() {
                 }
                 if (limits_) {
                     const auto [window, cap, lead] = *limits_;
-                    for (Side& side : sides_) side.flow.set_limits(window, cap);
+                    for (Side& side : sides_) side.flow.set_limits(side.fitting(window), cap);
                     credit_.set_lead(lead);
                     limits_.reset();
                 }
@@ -271,7 +280,25 @@ void Loop::pump(size_t s, double now) {
                 h.key = p.key;
                 h.round = p.round;
                 h.length = p.push_bytes;
-                link.queue(h, p.send, uint64_t(*slot), p.extra, p.extra_bytes);
+                if (side.arena.base) {  // copied into a push slot: the frame is its header (transport/shm.py)
+                    if (side.free_push.empty() || p.push_bytes > side.arena.slot_bytes)
+                        throw std::logic_error("a push with no free shared slot to hold it");
+                    held.push_slot = side.free_push.back();
+                    side.free_push.pop_back();
+                    if (!side.free_pull.empty() && p.nbytes <= side.arena.slot_bytes) {
+                        held.pull_slot = side.free_pull.back();
+                        side.free_pull.pop_back();
+                    }
+                    uint8_t* into = side.push_slot(held.push_slot);
+                    const uint64_t data = p.push_bytes - p.extra_bytes;
+                    if (data) std::memcpy(into, p.send, data);
+                    if (p.extra_bytes) std::memcpy(into + data, p.extra, p.extra_bytes);
+                    h.flags = kShmPayload;
+                    h.status = uint32_t(held.push_slot) | uint32_t(held.pull_slot) << 16;
+                    link.queue(h, nullptr, uint64_t(*slot));
+                } else {
+                    link.queue(h, p.send, uint64_t(*slot), p.extra, p.extra_bytes);
+                }
                 bytes += p.push_bytes;
                 ++frames;
             }
@@ -284,6 +311,14 @@ void Loop::pump(size_t s, double now) {
         return;
     }
     poll_.want(s, side.owed > 0, link.queued() > 0);
+}
+
+void Loop::acked(size_t s, InFlight& held) {
+    held.acked = true;
+    if (held.push_slot != kNoSlot) {  // the server has summed it out of the slot: the slot may take the next push
+        sides_[s].free_push.push_back(held.push_slot);
+        held.push_slot = kNoSlot;
+    }
 }
 
 bool Loop::credit_for(size_t s, const Part& p, double now) {
@@ -324,13 +359,14 @@ uint8_t* Loop::destination(size_t s, const Header& h) {
     if (h.type == kResult) {
         InFlight& held = part_of(s, h.key, "answered");
         const Part& p = held.part;
-        if (h.round != p.round || h.length != p.nbytes || h.flags)
+        const bool shared = h.flags == kShmPayload && held.pull_slot != kNoSlot && h.status == held.pull_slot;
+        if (h.round != p.round || h.length != p.nbytes || (h.flags && !shared))
             throw ProtocolError(server(s) + " answered " + p.tensor + " round " + std::to_string(h.round) + " with " +
                                 std::to_string(h.length) + " bytes (flags " + std::to_string(h.flags) +
                                 "); expected round " + std::to_string(p.round) + " with " + std::to_string(p.nbytes));
         held.result = monotonic();
-        static uint8_t nothing;
-        return p.nbytes ? p.out : &nothing;
+        static uint8_t nothing;  // any pointer but nullptr: nothing to read (none, or it lies in the pull slot)
+        return p.nbytes && !shared ? p.out : &nothing;
     }
     if (h.type == kAcks || h.type == kError) {
         sides_[s].body.resize(std::max<uint64_t>(h.length, 1));
@@ -358,7 +394,7 @@ void Loop::arrived(size_t s, const Header& h) {
             auto taken = side.flow.on_ack(key);
             if (!taken) throw ProtocolError(server(s) + " acknowledged key " + std::to_string(key) + " before its push");
             if (taken->second) {
-                held.acked = true;
+                acked(s, held);
                 freed_.push_back(int64_t(held.part.push_bytes));
             }
         }
@@ -381,8 +417,14 @@ void Loop::arrived(size_t s, const Header& h) {
     if (!taken) throw ProtocolError(server(s) + " answered key " + std::to_string(h.key) + " before its push");
     InFlight& held = parts_[size_t(taken->first)];
     if (taken->second) {
-        held.acked = true;
+        acked(s, held);
         credit_.release_all({int64_t(held.part.push_bytes)}, true, true, now);
+    }
+    if (held.pull_slot != kNoSlot) {  // the sum lies in the pull slot the push offered, or came over the socket
+        if (h.type == kResult && (h.flags & kShmPayload) && held.part.nbytes)
+            std::memcpy(held.part.out, side.pull_slot(held.pull_slot), held.part.nbytes);
+        side.free_pull.push_back(held.pull_slot);
+        held.pull_slot = kNoSlot;
     }
     if (error.empty()) record(held, now);
     answer(taken->first, error);

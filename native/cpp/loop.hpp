@@ -9,6 +9,7 @@
 
 #include <sys/eventfd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -46,7 +47,8 @@ class Loop {
     std::vector<std::pair<uint64_t, std::string>> completions(double timeout);
     // A new window and cap for every link, and pacing's lead, from the next decision on.
     void set_limits(int64_t window, int64_t cap, int64_t lead);
-    // End the thread; every call not finished completes with `why`. The sockets stay open (the caller's).
+    // End the thread; every call not finished completes with `why`. The sockets stay open (the caller's), with the
+    // flags they had before the loop took them.
     void stop(const std::string& why = "the native worker stopped");
 
     Counts counts() const;
@@ -60,6 +62,7 @@ class Loop {
         bool credited = false;  // holds credit (given back on its acknowledgement)
         bool acked = false;
         double queued = 0, sent = 0, pushed = 0, result = 0;  // when: submitted, let go, wholly sent, answer began
+        uint16_t push_slot = kNoSlot, pull_slot = kNoSlot;     // shared-memory slots in use
     };
     struct CallState {
         size_t left = 0;
@@ -73,6 +76,13 @@ class Loop {
         std::vector<uint8_t> body;       // an ACKS or ERROR frame's body
         uint64_t owed = 0;               // parts queued or pushed and not answered
         std::string broken;              // why the link failed ("" while it works)
+        Arena arena;                     // its shared memory (base nullptr: none)
+        std::vector<uint16_t> free_push, free_pull;
+        int64_t fitting(int64_t window) const {  // a window within its push slots (one per window place)
+            return arena.base ? std::min<int64_t>(window, arena.push) : window;
+        }
+        uint8_t* push_slot(uint16_t i) const { return arena.base + uint64_t(i) * arena.slot_bytes; }
+        uint8_t* pull_slot(uint16_t i) const { return arena.base + (uint64_t(arena.push) + i) * arena.slot_bytes; }
     };
     struct Receiver;
 
@@ -86,6 +96,7 @@ class Loop {
     void fail_link(size_t s, const std::string& why);     // every part on it fails; the link is out
     void finish(uint64_t call, const std::string& error);
     bool credit_for(size_t s, const Part& p, double now);  // credit and the pacing turn for a push on link s
+    void acked(size_t s, InFlight& held);                    // the server has it: its push slot is free
     Counts with_use(double now) const;  // counts_ with the links' use as of `now`
     void record(const InFlight& held, double done);  // an answered part's stages into the histogram
     InFlight& part_of(size_t s, uint64_t key, const char* what);

@@ -121,6 +121,10 @@ std::vector<worker::Part> parts_of(const std::string& tensor, uint32_t round, in
     return parts;
 }
 
+// A link's shared-memory slots as Python maps them (transport/shm.py's Arena): (its memory, push slots, pull slots,
+// slot bytes).
+using SharedSlots = std::tuple<Bytes, uint32_t, uint32_t, uint64_t>;
+
 // A part whose buffers are its own (a compressed key's blocks, an update's trailer): (key, link, partition index,
 // what it pushes, the trailer pushed after it or None, where its answer lands).
 using BufferPart = std::tuple<uint64_t, size_t, int64_t, ReadBytes, std::optional<ReadBytes>, Bytes>;
@@ -337,18 +341,31 @@ NB_MODULE(_core, m) {
             "__init__",
             [](worker::Loop* self, std::vector<int> fds, uint32_t rank, uint32_t epoch, int64_t window, int64_t cap,
                int64_t credit, uint64_t max_payload, std::vector<double> shares, int64_t lead, double pace_give_up,
-               std::vector<double> buckets) {
+               std::vector<double> buckets, std::vector<std::optional<SharedSlots>> arenas) {
                 worker::Settings settings = settings_of(rank, epoch, window, cap, credit, max_payload, 0);
                 settings.shares = std::move(shares), settings.lead = lead, settings.pace_give_up = pace_give_up;
                 settings.buckets = std::move(buckets);
+                for (auto& given : arenas) {
+                    worker::Arena arena;
+                    if (given) {
+                        auto& [memory, push, pull, slot_bytes] = *given;
+                        if (uint64_t(push + pull) * slot_bytes > memory.nbytes() || push + pull >= worker::kNoSlot)
+                            throw nb::value_error("shared slots past their memory");
+                        arena.base = static_cast<uint8_t*>(memory.data());
+                        arena.push = push, arena.pull = pull, arena.slot_bytes = slot_bytes;
+                    }
+                    settings.arenas.push_back(arena);
+                }
                 new (self) worker::Loop(fds, settings);
             },
             nb::arg("fds"), nb::kw_only(), nb::arg("rank"), nb::arg("epoch"), nb::arg("window"), nb::arg("cap"),
             nb::arg("credit"), nb::arg("max_payload"), nb::arg("shares") = std::vector<double>{}, nb::arg("lead") = 0,
             nb::arg("pace_give_up") = 0.2, nb::arg("buckets") = std::vector<double>{},
+            nb::arg("arenas") = std::vector<std::optional<SharedSlots>>{},
             "`shares`: each link's share of the bytes for pacing (0: not paced), `lead`: pacing's lead in bytes (0: "
             "no pacing), `pace_give_up`: the most seconds a push waits for its pacing turn (worker/credit.py); "
-            "`buckets`: the stage histogram's bounds in seconds (none: no histogram).")
+            "`buckets`: the stage histogram's bounds in seconds (none: no histogram); `arenas`: by link, None or "
+            "its shared-memory slots (memory, push slots, pull slots, slot bytes), which must outlive the loop.")
         .def(
             "submit",
             [](worker::Loop& loop, uint64_t call, const std::string& tensor, uint32_t round, int64_t priority,

@@ -33,6 +33,17 @@ struct Part {
     uint64_t nbytes = 0;
 };
 
+// A link's shared-memory slots (transport/shm.py's Arena, mapped by Python): `push` slots, then `pull` slots, each
+// `slot_bytes` long. A push is copied into a free push slot, which the server sums from until it acknowledges it; a
+// sum is copied out of the pull slot the push offered (none free: it comes over the socket).
+struct Arena {
+    uint8_t* base = nullptr;  // nullptr: the link is a socket only
+    uint32_t push = 0, pull = 0;
+    uint64_t slot_bytes = 0;
+};
+
+constexpr uint16_t kNoSlot = 0xFFFF;
+
 struct Settings {
     uint32_t rank = 0, epoch = 0;
     int64_t window = 4, cap = 0, credit = 0;  // credit: bytes in flight over all links (0: no limit)
@@ -43,6 +54,7 @@ struct Settings {
     double pace_give_up = 0.2;
     // the stage histogram's bucket bounds in seconds (admin/metrics.py's BUCKETS; none: no histogram)
     std::vector<double> buckets;
+    std::vector<Arena> arenas;  // by link (none, or fewer: sockets only)
     uint64_t max_payload = 0;
     uint64_t batch_bytes = 256 << 10, batch_frames = 64;
     double timeout = 60;  // seconds a blocking call (push_pull) may take

@@ -1,8 +1,8 @@
-"""The worker's native data path (worker/native_path.py): where it applies (every link a socket, server failover off,
-gradwire-native built) a worker's links are the native loop's for their life, and every kind of call gives the Python
-path's bytes: sums and averages of every dtype, the other reductions, in place, reduce-scatter, gather and broadcast,
-compressed sums (a Python step per partition), a server-side optimizer's updates (a trailer per push). A server's
-refusal, a lost server and a shutdown fail calls as the Python path fails them; nothing hangs."""
+"""The worker's native data path (worker/native_path.py): where it applies (server failover off, gradwire-native
+built) a worker's links are the native loop's for their life, sockets and shared memory alike, and every kind of call
+gives the Python path's bytes: sums and averages of every dtype, the other reductions, in place, reduce-scatter,
+gather and broadcast, compressed sums (a Python step per partition), a server-side optimizer's updates (a trailer per
+push). A server's refusal, a lost server and a shutdown fail calls as the Python path fails them; nothing hangs."""
 
 from __future__ import annotations
 
@@ -29,9 +29,16 @@ def _cluster(path: str, **kw) -> LocalCluster:
     return LocalCluster(datapath="python" if path == "python" else "auto", **options)
 
 
-@pytest.fixture(scope="module")
-def clusters(gn):
-    with _cluster("python") as python, _cluster("native", window=2, unanswered=1) as native:
+@pytest.fixture(scope="module", params=["tcp", "auto"])
+def clusters(gn, request):
+    """Both paths, over sockets (tcp) and through shared memory (auto: every node on this host)."""
+    transport = request.param
+    with (
+        _cluster("python", transport=transport) as python,
+        _cluster("native", transport=transport, window=2, unanswered=1) as native,
+    ):
+        shared = [link.arena is not None for c in (python, native) for w in c.workers for link in w.links]
+        assert all(shared) if transport == "auto" else not any(shared)
         assert all(w.state.native is None for w in python.workers)
         assert all(w.state.native is not None for w in native.workers)
         yield {"python": python, "native": native}
@@ -163,9 +170,13 @@ def test_where_the_native_path_applies_and_where_it_says_why_not(gn):
     with LocalCluster(num_workers=2, num_servers=1, transport="tcp") as c:  # failover on (the default)
         assert all(w.state.native is None for w in c.workers)
         assert "failover" in native_path.why_not(c.workers[0].state, c.workers[0].state.links)
-    with LocalCluster(num_workers=2, num_servers=1, server_failover=False) as c:  # one host: shared memory
+        assert c.workers[0].status()["data_path"]["worker"].startswith("python (server failover is on")
+    with LocalCluster(num_workers=2, num_servers=1, server_failover=False, datapath="python") as c:
         assert all(w.state.native is None for w in c.workers)
-        assert "shared memory" in native_path.why_not(c.workers[0].state, c.workers[0].state.links)
+        assert native_path.why_not(c.workers[0].state, c.workers[0].state.links) == "GRADWIRE_DATAPATH=python"
+    with LocalCluster(num_workers=2, num_servers=1, server_failover=False) as c:  # one host: shared memory too
+        assert all(w.state.native is not None for w in c.workers)
+        assert c.workers[0].status()["data_path"]["worker"] == "native"
 
 
 def test_a_lost_server_fails_the_calls_in_flight_naming_it_and_nothing_hangs(gn):

@@ -74,12 +74,21 @@ def test_a_servers_refusal_names_the_worker_server_and_tensor_and_the_links_clos
     assert message.startswith(f"server 0 refused {name!r} (key ") and "int32 pushed, but the key is" in message
 
 
-def test_only_a_quiet_socket_link_is_lent(gn):
-    with LocalCluster(num_workers=1, num_servers=1) as c:  # one host: the link moves bytes through shared memory
-        (link,) = c.workers[0].state.links
+def test_only_a_quiet_link_is_lent(gn):
+    """A link with a partition unanswered is not lent (its stream is the Python path's until the answer is in); once
+    quiet it is, shared memory and all, and comes back."""
+    with LocalCluster(num_workers=2, num_servers=1) as c:  # one host: the links move bytes through shared memory
+        a, b = c.workers
+        c.run(lambda w: w.declare("busy", (10,), np.float32))
+        handle = a.push_pull_async(np.ones(10, np.float32), "busy")  # b has not pushed: a's push waits for it
+        (link,) = a.state.links
         assert link.arena is not None
         with pytest.raises(GradwireError, match="cannot be lent"):
             link.hand_over(1.0)
+        b.push_pull(np.ones(10, np.float32), "busy")
+        a.synchronize(handle)
+        link.hand_over(1.0)
+        link.take_back()
         c.run(lambda w: w.push_pull(np.ones(10, np.float32), "still-works"))
 
 
@@ -126,3 +135,27 @@ def test_a_stopped_loop_fails_what_is_submitted_after(cluster):
         return w.push_pull(np.ones(8, np.float32), "loop-stopped-after")[0]  # the links went back whole
 
     assert cluster.run(stopped) == [3.0] * 3
+
+
+def test_a_stopped_loop_gives_the_sockets_back_as_they_were(gn):
+    """The loop makes its sockets non-blocking while it runs and, once stopped, restores their flags at once (not when
+    the loop object is collected: by then the caller has closed the socket and another may have its number; that set a
+    later cluster's sockets blocking and hung its link loop)."""
+    import fcntl
+    import os
+    import socket
+
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        ours.setblocking(True)
+        loop = gn.WorkerLoop([ours.fileno()], rank=0, epoch=0, window=2, cap=0, credit=0, max_payload=1 << 20)
+        assert fcntl.fcntl(ours.fileno(), fcntl.F_GETFL) & os.O_NONBLOCK
+        loop.stop()
+        assert not fcntl.fcntl(ours.fileno(), fcntl.F_GETFL) & os.O_NONBLOCK
+        fd = ours.fileno()
+        ours.close()
+        reused, other = socket.socketpair()  # the lowest free numbers: most likely `fd` again
+        with reused, other:
+            reused.setblocking(False)
+            del loop  # the loop object collected now must not touch `fd`
+            assert fcntl.fcntl(reused.fileno(), fcntl.F_GETFL) & os.O_NONBLOCK, (fd, reused.fileno())

@@ -48,6 +48,11 @@ class Arena:
         path = os.path.join(SHM_DIR, f"gradwire-{os.getpid()}-{os.urandom(8).hex()}")
         return cls(path, push, pull, slot_bytes, create=True)
 
+    @property
+    def memory(self) -> np.ndarray:
+        """Every slot's bytes (uint8): push slots, then pull slots."""
+        return self._bytes
+
     def push_slot(self, index: int, length: int) -> np.ndarray:
         """Bytes [0, length) of push slot `index`."""
         start = index * self.slot_bytes

@@ -196,13 +196,14 @@ class ServerLink(Answers, Pushes):
 
     def hand_over(self, timeout: float, borrower: Borrower | None = None) -> int:
         """Lend the link's socket to a native data path (gradwire-native's, which takes links after Python's connect
-        and handshake): the link leaves its loop, its socket open. Only a quiet link over a socket: nothing queued or
-        unanswered, nothing read ahead, no shared memory. Returns the socket's descriptor; `take_back` ends the loan.
+        and handshake): the link leaves its loop, its socket open (and its shared slots mapped: the borrower may use
+        them). Only a quiet link: nothing queued or unanswered, nothing read ahead. Returns the socket's descriptor;
+        `take_back` ends the loan.
         `borrower`: the worker's own data path, which holds it for good (its window and cap follow `set_flow`, and
         `close` takes it back first). Raises GradwireError where the link cannot be lent."""
         with self._lock:
             busy = self.flow.queued or self.flow.pending or self._waiting or self.holds.tensors()
-            if self._closed is not None or self.lost is not None or busy or self.arena is not None or self._lent:
+            if self._closed is not None or self.lost is not None or busy or self._lent:
                 raise GradwireError(f"worker {self.rank}: the link to server {self.server} cannot be lent now")
             self._lent = True
             self._borrower = borrower

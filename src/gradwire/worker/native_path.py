@@ -57,9 +57,9 @@ def why_not(state: WorkerState, links: list[ServerLink | LostLink]) -> str:
         return "server failover is on (its seed copies and held keys are the Python path's)"
     if not links:
         return "no links"
-    shared = [link.server for link in links if not isinstance(link, ServerLink) or link.arena is not None]
-    if shared:
-        return f"the links to servers {shared} use shared memory"
+    lost = [link.server for link in links if not isinstance(link, ServerLink)]
+    if lost:
+        return f"servers {lost} were lost (their keys moved)"
     return ""
 
 
@@ -93,11 +93,12 @@ class NativePath:
         self._escapes = 0  # the liveness rule's escapes said so far
         fds = [link.hand_over(LEND_SECONDS, borrower=self) for link in links]
         first, credit = links[0], links[0].credit
+        arenas = [(a.memory, a.push, a.pull, a.slot_bytes) if (a := link.arena) else None for link in links]
         self.loop = module.WorkerLoop(
             fds,
             rank=state.rank,
             epoch=state.epoch,
-            window=first.window,
+            window=state.config.window,  # each link's within its shared slots (ServerLink._fitting), natively too
             cap=first.unanswered_cap,
             credit=credit.limit,
             max_payload=first.conn.max_payload,
@@ -105,6 +106,7 @@ class NativePath:
             lead=credit.lead,
             pace_give_up=PACE_GIVE_UP_SECONDS,
             buckets=list(BUCKETS),  # the stage histogram, as the Python path records it (admin/metrics.py)
+            arenas=arenas,  # same-host links' shared slots (transport/shm.py)
         )
         self._drainer = threading.Thread(target=self._drain, name=f"gw-native-{state.rank}", daemon=True)
         self._drainer.start()
