@@ -1,21 +1,21 @@
 """The worker's data path in native code (gradwire-native's `WorkerLoop`, native/cpp/loop.hpp): where it applies, one
-loop thread owns every link's socket for the links' life, after Python's connect, handshake and authentication, and
-moves every call's partitions by the worker's rule; Python submits each call and completes its handle.
+loop thread owns every link (its socket, and a same-host link's shared slots) for the links' life, after Python's
+connect, handshake and authentication, and moves every call's partitions by the worker's rule (flow control, credit,
+pacing); Python submits each call and completes its handle (worker/state.py's `DataPath`).
 
 A call hands the loop its plan: for a plain call (a reduction, a gather, a reduce-scatter: bytes in, bytes out) the
 partitions' offsets in the caller's input and output, cut once per tensor and cut and cached (`_plan`); the loop
 pushes from the input and receives each sum straight into the output. A call with a Python step per partition (a
 compressed block decoded into the output, a server-side update's trailer) hands over its partitions' own buffers
 (`Work`, as the Python path cuts them) and the step runs once the call's answers are all in. One thread drains the
-loop's completions: an average is divided there (numpy's rounding: the Python path's bytes), and the handle
-completes or fails with the error the Python path would raise (a server's refusal: TensorError; a lost server:
-JobAborted; a server's abort: abort_error's).
+loop's completions: an average is divided there (numpy's rounding: the Python path's bytes), the metrics counted,
+and the handle completes or fails with the error the Python path would raise (a server's refusal: TensorError; a
+lost server: JobAborted; a server's abort: abort_error's).
 
-Where it applies (`applies`): gradwire-native loads under GRADWIRE_DATAPATH, every link is a socket (a same-host
-link's shared memory is the Python path's), and server failover is off (a failover's seed copies and held keys are
-the Python path's). Anywhere else the Python path runs, as before. What runs where: docs/native.md.
+Where it applies (`why_not`): gradwire-native loads under GRADWIRE_DATAPATH, server failover is off (a failover's
+seed copies and held keys are the Python path's), and no server's place is a lost one's. Anywhere else the Python
+path runs, as before. What runs where: docs/native.md.
 """
-
 from __future__ import annotations
 
 import itertools
