@@ -179,6 +179,16 @@ def test_where_the_native_path_applies_and_where_it_says_why_not(gn):
         assert c.workers[0].status()["data_path"]["worker"] == "native"
 
 
+def test_a_timeline_asked_for_at_the_start_keeps_the_python_path(gn, tmp_path):
+    """Each partition's events in the timeline are the Python path's: a job started with a timeline keeps it, and
+    every stage is in it."""
+    with LocalCluster(
+        num_workers=2, num_servers=1, server_failover=False, timeline=str(tmp_path / "tl-{rank}.json")
+    ) as c:
+        assert all(w.state.native is None for w in c.workers)
+        assert "GRADWIRE_TIMELINE" in native_path.why_not(c.workers[0].state, c.workers[0].state.links)
+
+
 def test_a_lost_server_fails_the_calls_in_flight_naming_it_and_nothing_hangs(gn):
     with _cluster("native", num_workers=2) as c:
         c.run(lambda w: w.push_pull(np.ones(100_000, np.float32), "nw-warm"))

@@ -13,9 +13,11 @@ and the handle completes or fails with the error the Python path would raise (a 
 lost server: JobAborted; a server's abort: abort_error's).
 
 Where it applies (`why_not`): gradwire-native loads under GRADWIRE_DATAPATH, server failover is off (a failover's
-seed copies and held keys are the Python path's), and no server's place is a lost one's. Anywhere else the Python
+seed copies and held keys are the Python path's), no timeline is asked for at the start (each partition's events are
+the Python path's), and no server's place is a lost one's. Anywhere else the Python
 path runs, as before. What runs where: docs/native.md.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -55,6 +57,8 @@ def why_not(state: WorkerState, links: list[ServerLink | LostLink]) -> str:
         return f"GRADWIRE_DATAPATH={state.config.datapath}" if state.config.datapath == "python" else "no native build"
     if state.config.server_failover:
         return "server failover is on (its seed copies and held keys are the Python path's)"
+    if state.config.timeline:
+        return "GRADWIRE_TIMELINE is set (each partition's events in the timeline are the Python path's)"
     if not links:
         return "no links"
     lost = [link.server for link in links if not isinstance(link, ServerLink)]
