@@ -1,12 +1,9 @@
-"""A worker's push_pull through the native worker (gradwire-native's `worker_push_pull`, native/cpp/worker.hpp) in a job
-of real servers: a Python worker declares the tensor and lends its links' sockets (`ServerLink.hand_over`); the native
-call pushes every partition by the worker's rule and receives every sum into the output; the links then go back to
-the worker's loop. The native path's next step, before it is the worker's own: what its per-partition rule costs
-against the Python worker's, in the same job, and that the real servers' answers are the same bytes.
-
-It moves plain sums of links over sockets only (no shared memory, failover copies, compression, or pacing yet).
+"""A worker's push_pull through the native worker's rule (gradwire-native's `worker_push_pull` and `WorkerLoop`) over
+links a Python worker lends for the call (`ServerLink.hand_over`), in a job of real servers: the rule and its loop
+measured and checked beside the Python worker in the same job, where the worker's own native path does not apply
+(a job with server failover on: worker/native_path.py). Plain sums over sockets only (no shared memory, failover
+copies, compression or pacing: what the worker's own native path adds).
 """
-
 from __future__ import annotations
 
 import contextlib
