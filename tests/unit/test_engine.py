@@ -1,10 +1,11 @@
 import numpy as np
 import pytest
 
-from gradwire.protocol import dtypes
+from gradwire.protocol import dtypes, frames
 from gradwire.protocol.frames import REPLAY, REPLICA, SEED, SHM_PAYLOAD
 from gradwire.ring import Ring, Slot
 from gradwire.server.engine import Engine
+from gradwire.server.reader import landing_of
 
 
 def _engine(replies, acks, fails, workers=2, deterministic=True):
@@ -20,15 +21,16 @@ def _engine(replies, acks, fails, workers=2, deterministic=True):
 
 
 def _push(engine, sender, data, key=9, rnd=1, flags=0, land=False):
-    """One contribution as a reader hands it over; `land`: received into the key's landing buffer, as over a
-    socket with deterministic sums (server.py)."""
-    slot = Slot(memoryview(bytearray(0)), np.empty(0, np.uint8))
-    slot.data = np.ascontiguousarray(data).view(np.uint8)
-    landing = engine.landing(key, rnd, sender) if land else None
-    if landing is not None:
-        landing[:] = slot.data
-        slot.data, slot.landed = landing, True
-    slot.key, slot.round, slot.dtype, slot.length = key, rnd, dtypes.from_numpy(data.dtype).code, data.nbytes
+    """One contribution as a reader hands it over; `land`: received over a socket where the reader puts it
+    (server/reader.py's `landing_of`: the key's landing buffer with deterministic sums, else the ring slot's own
+    memory); else lying where it is, as in a worker's shared push slot."""
+    code, raw = dtypes.from_numpy(data.dtype).code, np.ascontiguousarray(data).view(np.uint8)
+    slot = Slot(memoryview(bytearray(raw.nbytes)), np.empty(raw.nbytes, np.uint8))
+    slot.data = raw
+    if land:
+        header = frames.Header(frames.FrameType.PUSHPULL, flags, code, 0, sender, key, rnd, 0, raw.nbytes)
+        landing_of(engine, slot, header)[:] = raw
+    slot.key, slot.round, slot.dtype, slot.length = key, rnd, code, raw.nbytes
     slot.sender, slot.flags = sender, flags
     engine.on_event(slot)
 

@@ -4,6 +4,7 @@ measured and checked beside the Python worker in the same job, where the worker'
 (a job with server failover on: worker/native_path.py). Plain sums over sockets only (no shared memory, failover
 copies, compression or pacing: what the worker's own native path adds).
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -26,6 +26,7 @@ from gradwire.protocol import frames
 from gradwire.protocol.decoder import EMPTY, FrameDecoder
 from gradwire.protocol.frames import REPLAY, REPLICA, SEED, SHM_PAYLOAD, FrameType
 from gradwire.ring import JOIN_EVENT, Ring, RingClosed, Slot
+from gradwire.server.engine import Engine
 from gradwire.server.replier import ErrorReply, Replier
 from gradwire.server.state import ServerState
 from gradwire.transport import endpoints, shm, tcp
@@ -213,14 +214,8 @@ class Reader:
             slot.data, slot.pull = link.arena.push_slot(push, header.length), pull
             incoming.then = incoming.push_in
             return EMPTY
-        # a seed or a replay may be stale (dropped by the engine): never into a staging buffer in use
-        resent = header.flags & (SEED | REPLAY)
-        landing = None if resent else engine.landing(header.key, header.round, header.sender)
-        slot.landed = landing is not None
-        into = landing[: header.length] if landing is not None else slot.array[: header.length]
-        slot.data, slot.pull = into, shm.NO_SLOT
         incoming.then = incoming.push_in
-        return into
+        return landing_of(engine, slot, header)
 
     def pushed(self, incoming: Incoming) -> None:
         """A push's payload is in whole: its slot goes to the engine."""
@@ -291,6 +286,18 @@ class Reader:
         except (KeyError, ValueError, OSError, RemoteProtocolError) as e:
             log.info("worker %d: shared memory not used: %s", link.conn.peer_rank, e)
             link.conn.send_json(FrameType.SHM_ATTACH, {"ok": False, "error": str(e)})
+
+
+def landing_of(engine: Engine, slot: Slot, header: frames.Header) -> np.ndarray:
+    """Where a push's payload is received from the socket, noted in its ring slot: the key's landing buffer, where the
+    engine sums it without a copy (deterministic sums: server/staging.py), or else the slot's own memory. A seed or a
+    replay may be stale (dropped by the engine): never into a landing buffer in use."""
+    resent = header.flags & (SEED | REPLAY)
+    landing = None if resent else engine.landing(header.key, header.round, header.sender)
+    slot.landed = landing is not None
+    into = landing[: header.length] if landing is not None else slot.array[: header.length]
+    slot.data, slot.pull = into, shm.NO_SLOT
+    return into
 
 
 def _check_slots(link: Replier, header: frames.Header) -> tuple[int, int]:
