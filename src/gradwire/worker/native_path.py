@@ -91,7 +91,7 @@ class NativePath:
         self._lock = threading.Lock()
         self._calls: dict[int, Call] = {}
         self._numbers = itertools.count(1)
-        self._plans: dict[tuple, tuple[Tensor, list[tuple]]] = {}  # (tensor, cut) -> its plan (see `_plan`)
+        self._plans: dict[tuple, tuple[Tensor, tuple]] = {}  # (tensor, cut) -> its plan and bytes (see `_plan`)
         self._stopping: BaseException | None = None
         self._stopped = threading.Event()  # the links are back (`stop`)
         self._escapes = 0  # the liveness rule's escapes said so far
@@ -138,10 +138,10 @@ class NativePath:
         code, name = tensor.dtype.code, tensor.name
         try:
             if type(transfer) is Transfer and transfer.extra is None:
-                plan = self._plan(tensor, transfer, servers)
+                plan, pushed, pulled = self._plan(tensor, transfer, servers)
                 send, pull = transfer.send.view(np.uint8), transfer.pull.view(np.uint8)
-                call = Call(handle, name, servers, (send, pull), transfer.average, transfer.pull)
-                call.pushed, call.pulled = sum(part[3] for part in plan), sum(part[5] for part in plan)
+                call = Call(handle, name, servers, (send, pull), transfer.average, transfer.pull, pushed=pushed)
+                call.pulled = pulled
                 if self._open(number, call):
                     self.loop.submit(number, name, rnd, transfer.priority, code, send, pull, plan)
                 return
@@ -170,24 +170,22 @@ class NativePath:
             call.handle.fail(stopping if isinstance(stopping, GradwireError) else GradwireError(str(stopping)))
         return stopping is None
 
-    def _plan(self, tensor: Tensor, transfer: Transfer, servers: list[int]) -> list[tuple]:
+    def _plan(self, tensor: Tensor, transfer: Transfer, servers: list[int]) -> tuple[list[tuple], int, int]:
         """A plain call's parts, (key, server, send offset, send bytes, out offset, out bytes, partition index) in
-        bytes, cut as `Transfer.works` cuts them (a gather's segment, a reduce-scatter's slice) and cached per tensor
-        and cut: a step's calls cost no Python per partition."""
+        bytes, cut as `Transfer.works` cuts them (`Transfer.spans`: a gather's segment, a reduce-scatter's slice), and
+        the bytes pushed and pulled in all; cached per tensor and cut: a step's calls cost no Python per partition."""
         cut = (tensor.name, transfer.send_at, len(transfer.send), transfer.pull_at, len(transfer.pull), tuple(servers))
         cached = self._plans.get(cut)
         if cached is not None and cached[0] is tensor:
             return cached[1]
-        size, sent, pulled = tensor.dtype.itemsize, len(transfer.send), len(transfer.pull)
-        plan = []
+        size, plan = tensor.dtype.itemsize, []
         for part, key, server in zip(tensor.parts, tensor.keys, servers, strict=True):
-            lo, hi = part.start, part.start + part.count
-            give = (min(max(lo - transfer.send_at, 0), sent), min(max(hi - transfer.send_at, 0), sent))
-            take = (min(max(lo - transfer.pull_at, 0), pulled), min(max(hi - transfer.pull_at, 0), pulled))
-            spans = (give[0] * size, (give[1] - give[0]) * size, take[0] * size, (take[1] - take[0]) * size)
+            give_from, give_to, take_from, take_to = transfer.spans(part.start, part.count)
+            spans = (give_from * size, (give_to - give_from) * size, take_from * size, (take_to - take_from) * size)
             plan.append((key, server, *spans, part.index))
-        self._plans[cut] = (tensor, plan)
-        return plan
+        made = (plan, sum(part[3] for part in plan), sum(part[5] for part in plan))
+        self._plans[cut] = (tensor, made)
+        return made
 
     def _drain(self) -> None:
         """(The drainer thread.) Complete each call the loop finished, until the loop stops."""

@@ -196,17 +196,27 @@ class Transfer:
     partial: bool = False
     same_round: bool = False
 
+    def spans(self, start: int, count: int) -> tuple[int, int, int, int]:
+        """Of the tensor's elements [start, start + count) (a partition), the ones this call pushes and pulls: (first,
+        end) in `send`, then (first, end) in `pull` (empty where it has none of them)."""
+        sent, pulled, end = len(self.send), len(self.pull), start + count
+        return (
+            min(max(start - self.send_at, 0), sent),
+            min(max(end - self.send_at, 0), sent),
+            min(max(start - self.pull_at, 0), pulled),
+            min(max(end - self.pull_at, 0), pulled),
+        )
+
     def works(self, tensor: Tensor, rnd: int, handle: Handle) -> Iterator[Work]:
         """A `Work` per partition of `tensor`, for round `rnd`, in partition order."""
-        send, pull, sent, pulled = self.send, self.pull, len(self.send), len(self.pull)
+        send, pull = self.send, self.pull
         extra = memoryview(self.extra).cast("B") if self.extra is not None else None
         code = tensor.dtype.code
         replicated = tensor.replicated or [False] * len(tensor.keys)
         for part, key, kept in zip(tensor.parts, tensor.keys, replicated, strict=True):
-            lo, hi = part.start, part.start + part.count
-            give = send[min(max(lo - self.send_at, 0), sent) : min(max(hi - self.send_at, 0), sent)]
-            take = pull[min(max(lo - self.pull_at, 0), pulled) : min(max(hi - self.pull_at, 0), pulled)]
-            sliced = len(take) < hi - lo
+            give_from, give_to, take_from, take_to = self.spans(part.start, part.count)
+            give, take = send[give_from:give_to], pull[take_from:take_to]
+            sliced = len(take) < part.count
             # a key whose replica server keeps its last round needs no copy here: after a failover the replica
             # answers that round from its own (a cut-off answer is then simply asked for again)
             partial, replayable = self.partial or sliced or kept, sliced and not self.partial and not kept
