@@ -195,6 +195,7 @@ Stages Loop::take_stages() {
 Counts Loop::with_use(double now) const {
     Counts counts = counts_;
     std::tie(counts.busy_seconds, counts.busy_bytes) = credit_.busy(now);
+    counts.credit_used = credit_.used;
     for (const Side& side : sides_) {
         counts.full_seconds += side.flow.full_seconds;
         counts.cap_escapes += side.flow.cap_escapes;

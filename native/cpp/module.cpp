@@ -408,6 +408,9 @@ NB_MODULE(_core, m) {
             "cap_escapes", [](const worker::Loop& loop) { return loop.counts().cap_escapes; },
             "Pushes the liveness rule let past a full cap so far, all links (as of the loop's last pass).")
         .def_prop_ro(
+            "credit_used", [](const worker::Loop& loop) { return loop.counts().credit_used; },
+            "Bytes pushed and not yet acknowledged, all links (as of the loop's last pass).")
+        .def_prop_ro(
             "link_use",
             [](const worker::Loop& loop) {
                 const worker::Counts c = loop.counts();

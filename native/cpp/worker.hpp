@@ -76,6 +76,7 @@ struct Counts {
     double busy_seconds = 0, full_seconds = 0;
     int64_t busy_bytes = 0;
     int64_t cap_escapes = 0;  // pushes the liveness rule let past a full cap (worker/flow.py's), all links
+    int64_t credit_used = 0;  // bytes pushed and not yet acknowledged, all links
 };
 
 // Push every part over `fds` (fds[p.link]) by the rule, each sum into its output; returns once every sum is in (one

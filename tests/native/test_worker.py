@@ -159,3 +159,31 @@ def test_a_stopped_loop_gives_the_sockets_back_as_they_were(gn):
             reused.setblocking(False)
             del loop  # the loop object collected now must not touch `fd`
             assert fcntl.fcntl(reused.fileno(), fcntl.F_GETFL) & os.O_NONBLOCK, (fd, reused.fileno())
+
+
+def test_bytes_pushed_and_not_acknowledged_are_counted_as_credit_in_use(gn):
+    """The loop's credit in use (the worker's /status and gauge on the native path): a push the server has not
+    acknowledged counts until it is, or until the call fails."""
+    import socket
+    import time
+
+    ours, server = socket.socketpair()
+    with ours, server:
+        loop = gn.WorkerLoop([ours.fileno()], rank=0, epoch=0, window=2, cap=0, credit=0, max_payload=1 << 20)
+        send, out = np.ones(1024, np.float32), np.empty(1024, np.float32)
+        loop.submit(
+            1,
+            "t",
+            1,
+            0,
+            dtypes.BY_NAME["float32"].code,
+            send.view(np.uint8),
+            out.view(np.uint8),
+            [(7, 0, 0, 4096, 0, 4096, 0)],
+        )
+        deadline = time.monotonic() + 5
+        while loop.credit_used == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert loop.credit_used == 4096  # pushed, never acknowledged by this silent server
+        loop.stop("done")
+        assert loop.completions(1.0) == [(1, "done")]

@@ -279,6 +279,10 @@ class NativePath:
         seconds work waited on a full window), as worker/credit.py's `busy` and worker/flow.py's `full_seconds`."""
         return self.loop.link_use
 
+    def credit_used(self) -> int:
+        """Bytes pushed and not yet acknowledged, over all links (as of the loop's last pass)."""
+        return self.loop.credit_used
+
     def outstanding(self, name: str) -> list[int]:
         """The servers of `name`'s call in flight (for a timeout's message)."""
         with self._lock:

@@ -42,6 +42,9 @@ class DataPath(Protocol):
     def outstanding(self, name: str) -> list[int]:
         """The servers of `name`'s call in flight."""
 
+    def credit_used(self) -> int:
+        """Bytes pushed and not yet acknowledged, over all links."""
+
 
 class WorkerState:
     def __init__(self, config: Config) -> None:
@@ -76,6 +79,12 @@ class WorkerState:
         self.standalone = False  # in a one-worker job init() made itself (gradwire/standalone.py)
         self.active = 0  # push_pull handles in flight
         self.clock_skew = 0.0  # the scheduler's wall clock minus this host's (seconds)
+
+    def credit_used(self) -> int:
+        """Bytes pushed and not yet acknowledged, over all links (the data path's that owns them, if one does)."""
+        if self.native is not None:
+            return self.native.credit_used()
+        return self.credit.used if self.credit else 0
 
     def check_usable(self) -> None:
         if self.abort is not None:

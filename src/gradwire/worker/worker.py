@@ -100,7 +100,7 @@ class Worker:
         state.metrics.gauge(
             "gradwire_credit_in_flight_bytes",
             "Bytes pushed and not yet acknowledged",
-            lambda: state.credit.used if state.credit else 0,
+            state.credit_used,
         )
         state.metrics.gauge("gradwire_push_pulls_in_flight", "push_pull handles not yet complete", lambda: state.active)
         state.metrics.extra = self.elastic.link_use
@@ -190,7 +190,7 @@ class Worker:
             "scheduler_resumes": self.control.resumes[-5:],
             "tensors": len(self.table.tensors),
             "push_pulls_in_flight": state.active,
-            "credit_in_flight_bytes": state.credit.used if state.credit else 0,
+            "credit_in_flight_bytes": state.credit_used(),
             "servers": links,
             "aborted": str(state.abort) if state.abort else None,
             "local_aggregation": self.calls.aggregation and self.calls.aggregation.status(),
