@@ -361,7 +361,9 @@ def test_elastic_training_goes_on_when_a_worker_is_lost_inside_tf_function():
     total, size = survivors[0]
     assert size == 2
     lost_at = (total - 2 * steps) / (3 - 2)  # steps summed by 3 workers before the loss, by 2 after it
-    assert lost_at == int(lost_at) and 5 <= lost_at < steps, results
+    # The first worker at batch 5 set the event: step 5's sum needed every worker's push, so every worker had committed
+    # batch 4 at least; the re-formed job goes on from the new rank 0's last commit, which may be 4 or later.
+    assert lost_at == int(lost_at) and 4 <= lost_at < steps, results
 
 
 def test_a_keras_state_commits_restores_and_syncs_the_model_and_its_optimizer(cluster):

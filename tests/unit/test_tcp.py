@@ -186,3 +186,36 @@ def test_frames_read_whole_however_the_bytes_arrive_several_to_a_receive_or_one_
         feeder.join(10)
         ours.close()
         theirs.close()
+
+
+def test_a_connection_the_kernel_gave_its_own_port_is_refused_and_frees_the_port(monkeypatch):
+    """TCP's simultaneous open: a socket connecting to a port nobody listens on, given that same port as its own end,
+    is connected to itself. `connect` refuses it as nothing listened, so the port is free for a restarted listener."""
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+
+    def to_itself(address, timeout=None):  # what the kernel does now and then on a reconnect loop
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.connect(address)
+        return sock
+
+    monkeypatch.setattr(endpoints.socket, "create_connection", to_itself)
+    with pytest.raises(ConnectionRefusedError, match="connected to itself"):
+        endpoints.connect(("127.0.0.1", port), secret=b"", role="worker", rank=0, max_payload=1024, timeout=1.0)
+    monkeypatch.undo()
+    endpoints.listen("127.0.0.1", port).close()  # the port is free at once
+
+
+def test_a_listener_at_a_given_port_waits_for_it_to_be_free_only_as_long_as_asked():
+    holder = endpoints.listen("127.0.0.1")
+    port = holder.getsockname()[1]
+    with pytest.raises(OSError, match="in use"):
+        endpoints.listen("127.0.0.1", port)
+    threading.Timer(0.3, holder.close).start()
+    began = time.monotonic()
+    endpoints.listen("127.0.0.1", port, in_use_wait=10.0).close()
+    assert 0.2 < time.monotonic() - began < 5.0

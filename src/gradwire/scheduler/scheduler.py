@@ -81,7 +81,7 @@ class Scheduler:
                 "`gradwire launch` makes one for you"
             )
         host, port = config.scheduler_address
-        self._listener = endpoints.listen(host, port)
+        self._listener = endpoints.listen(host, port, in_use_wait=5.0 if port else 0.0)
         self.address = f"{host}:{self._listener.getsockname()[1]}"
 
     # what tests and tools read of the job

@@ -5,11 +5,13 @@ What a connection then moves is transport/tcp.py's `Connection`.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 
 from gradwire.transport.tcp import Connection
@@ -63,18 +65,29 @@ def listen_unix(backlog: int = 128) -> tuple[socket.socket, str]:
     return sock, name
 
 
-def listen(host: str, port: int = 0, backlog: int = 128) -> socket.socket:
-    """A listening socket; port 0 lets the kernel pick (read it back with getsockname)."""
+def listen(host: str, port: int = 0, backlog: int = 128, in_use_wait: float = 0.0) -> socket.socket:
+    """A listening socket; port 0 lets the kernel pick (read it back with getsockname).
+
+    A given port still in use is tried again for up to `in_use_wait` seconds: a process restarted at its address
+    (the scheduler, scheduler/recovery.py) can find the port held for a moment by a connection that the kernel gave
+    it as its own end while the port was free."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(backlog)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
+    deadline = time.monotonic() + in_use_wait
+    while True:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(backlog)
+            return sock
+        except OSError as e:
+            sock.close()
+            if e.errno != errno.EADDRINUSE or port == 0 or time.monotonic() >= deadline:
+                raise
+        except BaseException:
+            sock.close()
+            raise
+        time.sleep(0.05)
 
 
 def accept_forever(
@@ -126,6 +139,11 @@ def connect(
     else:
         sock = socket.create_connection(address, timeout=timeout)
         peer = f"{address[0]}:{address[1]}"
+        if sock.getsockname() == sock.getpeername():
+            # TCP's simultaneous open: nothing listened at the port and the kernel gave this socket the same port as
+            # its own end, so it is connected to itself. Refused, as it would have been, and the port is free again.
+            sock.close()
+            raise ConnectionRefusedError(errno.ECONNREFUSED, f"nothing listens at {peer} (connected to itself)")
     return _authenticated(sock, peer, True, secret, role, rank, max_payload, timeout, buffer_bytes)
 
 
