@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
-import re
 import time
 from collections.abc import Iterator
 
 import numpy as np
 
 from gradwire import native
-from gradwire.errors import GradwireError, TensorError
+from gradwire.errors import GradwireError
 from gradwire.worker import Worker
+from gradwire.worker.native_path import refusal
 
 
 @contextlib.contextmanager
@@ -79,21 +78,6 @@ def settings_of(worker: Worker) -> dict:
         "credit": link.credit.limit,
         "max_payload": link.conn.max_payload,
     }
-
-
-def refusal(name: str, message: str) -> TensorError | None:
-    """A server's refusal as the native worker words it, as the Python path says it (worker/answers.py); None for any
-    other error."""
-    refused = re.fullmatch(r"worker (\d+): server (\d+) refused (.*) \(key (\d+)\): (\{.*\})", message, re.S)
-    if refused is None:
-        return None
-    rank, server, _, key, body = refused.groups()
-    return TensorError(
-        f"server {server} refused {name!r} (key {int(key):016x}): {json.loads(body).get('message')}",
-        tensor=name,
-        server=int(server),
-        rank=int(rank),
-    )
 
 
 class LoopCalls:

@@ -51,6 +51,21 @@ ENDED = re.compile(r"server (\d+) ended the job: (\{.*\})", re.S)
 LINK = re.compile(r"server (\d+): (protocol error: )?(.*)", re.S)
 
 
+def refusal(tensor: str, error: str) -> TensorError | None:
+    """A server's refusal of `tensor` as the native loop words it, as the Python path says it (worker/answers.py);
+    None for any other error."""
+    refused = REFUSED.fullmatch(error)
+    if refused is None:
+        return None
+    rank, server, _, key, body = refused.groups()
+    return TensorError(
+        f"server {server} refused {tensor!r} (key {int(key):016x}): {json.loads(body).get('message')}",
+        tensor=tensor,
+        server=int(server),
+        rank=int(rank),
+    )
+
+
 def why_not(state: WorkerState, links: list[ServerLink | LostLink]) -> str:
     """Why the native path does not apply to a worker with `links` ("" where it does)."""
     if native.for_datapath(state.config.datapath) is None:
@@ -246,16 +261,9 @@ class NativePath:
         rank = self.state.rank
         if self._stopping is not None:
             return self._stopping
-        refused = REFUSED.fullmatch(error)
+        refused = refusal(call.tensor, error)
         if refused is not None:
-            _, server, _, key, body = refused.groups()
-            message = json.loads(body).get("message")
-            return TensorError(
-                f"server {server} refused {call.tensor!r} (key {int(key):016x}): {message}",
-                tensor=call.tensor,
-                server=int(server),
-                rank=rank,
-            )
+            return refused
         ended = ENDED.fullmatch(error)
         if ended is not None:
             return abort_error(json.loads(ended.group(2)), server=int(ended.group(1)), rank=rank)
