@@ -54,7 +54,7 @@ sanitize: install
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 		ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 		PYTHONPATH=$(SANITIZE)/pkg GRADWIRE_SANITIZED=1 $(PY) -m pytest -q -p no:cacheprovider tests/native \
-		tests/cluster/test_native_worker.py -k "not wheel"
+		tests/cluster/test_native_worker.py tests/faults/test_failover.py -k "not wheel and (not test_failover or native)"
 
 clean:
 	rm -rf $(VENV) build native/build src/*.egg-info

@@ -43,18 +43,23 @@ Loop::Loop(const std::vector<int>& fds, const Settings& settings)
       wake_fd_(make_eventfd()),
       poll_(with(fds, wake_fd_)) {
     for (size_t s = 0; s < fds.size(); ++s) {
-        Side side{flow::Flow(settings.window, settings.cap), nullptr, std::nullopt, std::nullopt, {}, 0, "", {}, {}, {}};
-        if (s < settings.arenas.size() && settings.arenas[s].base) {
-            side.arena = settings.arenas[s];
-            for (uint32_t i = side.arena.push; i-- > 0;) side.free_push.push_back(uint16_t(i));
-            for (uint32_t i = side.arena.pull; i-- > 0;) side.free_pull.push_back(uint16_t(i));
-            side.flow.set_limits(side.fitting(settings.window), settings.cap);
-        }
+        Side side{flow::Flow(settings.window, settings.cap)};
+        side.epoch = settings.epoch;
+        if (s < settings.arenas.size()) set_arena(side, settings.arenas[s]);
         side.link = std::make_unique<Link>(fds[s], settings.max_payload, settings.batch_frames);
         sides_.push_back(std::move(side));
         if (s < settings.shares.size()) credit_.pace(int64_t(s), settings.shares[s]);
     }
     thread_ = std::thread([this] { run(); });
+}
+
+void Loop::set_arena(Side& side, const Arena& arena) {
+    side.arena = arena;
+    side.free_push.clear(), side.free_pull.clear();
+    if (!arena.base) return;
+    for (uint32_t i = arena.push; i-- > 0;) side.free_push.push_back(uint16_t(i));
+    for (uint32_t i = arena.pull; i-- > 0;) side.free_pull.push_back(uint16_t(i));
+    side.flow.set_limits(side.fitting(settings_.window), side.flow.cap());
 }
 
 Loop::~Loop() {
@@ -104,9 +109,138 @@ void Loop::stop(const std::string& why) {
     // the sockets as they were, now, while they are still the caller's to close: a Link destroyed later would set
     // the flags of whatever socket has the same number by then
     for (Side& side : sides_) side.link.reset();
-    std::lock_guard<std::mutex> lock(mutex_);
-    stopped_ = true;
-    done_.notify_all();
+    std::vector<std::function<void()>> tasks;
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        stopped_ = true;
+        tasks.swap(tasks_);
+        done_.notify_all();
+    }
+    for (auto& task : tasks) task();  // asked for as it stopped: they run here, on what the loop left
+}
+
+template <typename F>
+auto Loop::on_loop(F&& task) {
+    std::packaged_task<decltype(task())()> job(std::forward<F>(task));
+    auto result = job.get_future();
+    bool here = false;
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (stopped_)
+            here = true;  // the thread has ended: nothing else touches the loop's state
+        else
+            tasks_.emplace_back([&job] { job(); });
+    }
+    if (here) {
+        job();
+    } else {
+        const uint64_t one = 1;
+        (void)!::write(wake_fd_, &one, sizeof one);
+    }
+    return result.get();
+}
+
+void Loop::run_tasks() {
+    std::vector<std::function<void()>> tasks;
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        tasks.swap(tasks_);
+    }
+    for (auto& task : tasks) task();
+}
+
+std::vector<std::tuple<uint64_t, int64_t, bool>> Loop::seeds(const std::vector<uint64_t>& keys) {
+    return on_loop([&] {
+        std::vector<std::tuple<uint64_t, int64_t, bool>> found;
+        for (uint64_t key : keys) {
+            auto seed = seeds_.find(key);
+            if (seed != seeds_.end() && seed->second.round >= 0)
+                found.emplace_back(key, seed->second.round, seed->second.contribution);
+        }
+        return found;
+    });
+}
+
+std::vector<std::pair<uint64_t, uint32_t>> Loop::unanswered(const std::vector<uint64_t>& keys) {
+    return on_loop([&] {
+        std::vector<std::pair<uint64_t, uint32_t>> found;
+        for (uint64_t key : keys) {
+            auto slot = by_key_.find(key);
+            if (slot != by_key_.end()) found.emplace_back(key, parts_[size_t(slot->second)].part.round);
+        }
+        return found;
+    });
+}
+
+std::vector<std::pair<uint64_t, uint32_t>> Loop::orphans(size_t s) {
+    return on_loop([&] {
+        std::vector<std::pair<uint64_t, uint32_t>> found;
+        if (s >= sides_.size()) return found;
+        if (!sides_[s].lost && sides_[s].broken.empty())  // the scheduler saw the death first
+            lose_link(s, server(s) + " was declared lost by the scheduler", false);
+        for (int64_t slot : sides_[s].orphans) found.emplace_back(parts_[size_t(slot)].part.key, parts_[size_t(slot)].part.round);
+        return found;
+    });
+}
+
+void Loop::reroute(size_t s, std::unordered_map<uint64_t, size_t> owners) {
+    on_loop([&] {
+        if (s >= sides_.size()) return;
+        Side& side = sides_[s];
+        std::vector<int64_t> orphans;
+        orphans.swap(side.orphans);
+        for (int64_t slot : orphans) {
+            --side.owed;
+            auto owner = owners.find(parts_[size_t(slot)].part.key);
+            if (owner == owners.end() || owner->second >= sides_.size()) {
+                ++side.owed;  // answer() counts it off its link
+                answer(slot, server(s) + "'s key " + std::to_string(parts_[size_t(slot)].part.key) +
+                                 " has no new server");
+                continue;
+            }
+            requeue(slot, owner->second);
+        }
+        if (side.lost) side.owners = std::move(owners);  // parts submitted to it from now on go where their key went
+    });
+}
+
+void Loop::replace(size_t s, int fd, Arena arena, uint32_t epoch) {
+    on_loop([&] {
+        if (ended_ || s >= sides_.size() || !sides_[s].lost) throw std::logic_error("no lost link to replace");
+        Side& side = sides_[s];
+        side.link = std::make_unique<Link>(fd, settings_.max_payload, settings_.batch_frames);
+        set_arena(side, arena);
+        side.lost = false, side.broken.clear(), side.owners.reset();
+        side.epoch = epoch;
+        poll_.replace(s, fd);
+        if (s < settings_.shares.size()) credit_.pace(int64_t(s), settings_.shares[s]);
+    });
+}
+
+uint64_t Loop::seed_bytes() {
+    return on_loop([&] {
+        uint64_t bytes = 0;
+        for (const auto& [key, seed] : seeds_) bytes += seed.data.size();
+        return bytes;
+    });
+}
+
+bool Loop::push_seed(uint64_t key, uint32_t round, size_t s, uint8_t flags) {
+    return on_loop([&] {
+        auto found = seeds_.find(key);
+        if (ended_ || found == seeds_.end() || found->second.round != int64_t(round) || s >= sides_.size()) return false;
+        const Seed& seed = found->second;
+        Part part;
+        part.key = key, part.round = round, part.dtype = seed.dtype, part.link = s;
+        part.priority = int64_t(1) << 62;  // ahead of everything (worker/failover.py's SEED_PRIORITY)
+        part.seed = true, part.flags = uint8_t(flags | (seed.contribution ? kReplay : kSeed));
+        part.own = seed.data;  // its own copy: the key's next answer may land in the seed before this is sent
+        part.send = part.own.data(), part.push_bytes = part.own.size();
+        const uint64_t call = seeding_calls_--;  // completions nobody waits for
+        calls_[call] = CallState{1, ""};
+        place(call, std::move(part), monotonic());
+        return true;
+    });
 }
 
 Counts Loop::counts() const {
@@ -133,6 +267,7 @@ void Loop::run() {
                 }
                 shared_counts_ = with_use(monotonic());
             }
+            run_tasks();
             take_submissions();
             const double now = monotonic();
             for (size_t s = 0; s < sides_.size(); ++s)
@@ -152,16 +287,26 @@ void Loop::run() {
                 } catch (const ProtocolError& error) {
                     fail_link(s, server(s) + ": protocol error: " + error.what());
                 } catch (const LinkClosed& error) {
-                    fail_link(s, server(s) + ": " + error.what());
+                    closed(s, server(s) + ": " + error.what());
                 }
             }
         }
     } catch (const std::exception& error) {  // a bug: every call fails with it, none waits forever
         why = std::string("the native worker failed: ") + error.what();
     }
-    for (size_t s = 0; s < sides_.size(); ++s)
-        if (sides_[s].broken.empty()) fail_link(s, why);
-    take_submissions();  // submitted as it stopped: they fail too (their links are out)
+    try {  // nothing may escape the thread (that would end the process)
+        for (size_t s = 0; s < sides_.size(); ++s) {
+            if (sides_[s].broken.empty()) fail_link(s, why);
+            std::vector<int64_t> orphans;
+            orphans.swap(sides_[s].orphans);
+            for (int64_t slot : orphans) answer(slot, why);
+            sides_[s].lost = false;  // nothing waits for its server any more
+        }
+        ended_ = true;
+        take_submissions();  // submitted as it stopped: they fail too (their links are out)
+    } catch (const std::exception&) {
+        ended_ = true;  // a bug: every call still open fails below all the same
+    }
     std::lock_guard<std::mutex> lock(mutex_);
     for (auto& [call, state] : calls_) outbox_.emplace_back(call, state.error.empty() ? why : state.error);
     calls_.clear();
@@ -216,39 +361,63 @@ void Loop::take_submissions() {
             continue;
         }
         calls_[call] = CallState{parts.size(), ""};
-        for (Part& part : parts) {
-            int64_t slot;
-            if (free_slots_.empty()) {
-                slot = int64_t(parts_.size());
-                parts_.push_back({});
-            } else {
-                slot = free_slots_.back();
-                free_slots_.pop_back();
-            }
-            InFlight& held = parts_[size_t(slot)];
-            held = InFlight{std::move(part), call, false, false, now, 0, 0, 0};
-            const Part& p = held.part;
-            if (p.link >= sides_.size()) {
-                answer(slot, "a part for server " + std::to_string(p.link) + ", which the worker has no link to");
-                continue;
-            }
-            Side& side = sides_[p.link];
-            ++side.owed;
-            if (!side.broken.empty()) {
-                answer(slot, side.broken);
-                continue;
-            }
-            if (!by_key_.emplace(p.key, slot).second) {
-                answer(slot, "key " + std::to_string(p.key) + " of " + p.tensor + " is already in flight");
-                continue;
-            }
-            credit_.queue(int64_t(p.link), int64_t(p.push_bytes));  // pacing counts what waits to be sent
-            flow::Part fp;
-            fp.id = slot, fp.key = p.key;
-            fp.order.round = p.round, fp.order.tensor = p.tensor, fp.order.index = p.index;
-            side.flow.push(std::move(fp), p.priority);
-        }
+        for (Part& part : parts) place(call, std::move(part), now);
     }
+}
+
+void Loop::place(uint64_t call, Part part, double now) {
+    int64_t slot;
+    if (free_slots_.empty()) {
+        slot = int64_t(parts_.size());
+        parts_.push_back({});
+    } else {
+        slot = free_slots_.back();
+        free_slots_.pop_back();
+    }
+    InFlight& held = parts_[size_t(slot)];
+    held = InFlight{std::move(part), call, false, false, now, 0, 0, 0};
+    Part& p = held.part;
+    if (p.link < sides_.size() && sides_[p.link].owners) {  // a lost server's key, moved: where it went
+        auto owner = sides_[p.link].owners->find(p.key);
+        if (owner != sides_[p.link].owners->end()) p.link = owner->second;
+    }
+    if (p.link >= sides_.size()) {
+        answer(slot, "a part for server " + std::to_string(p.link) + ", which the worker has no link to");
+        return;
+    }
+    Side& side = sides_[p.link];
+    ++side.owed;
+    if (side.lost) {  // its server died: it waits for the key's new one (a seed for the dead one is dropped)
+        if (p.seed || !by_key_.emplace(p.key, slot).second)
+            answer(slot, p.seed ? "" : "key " + std::to_string(p.key) + " of " + p.tensor + " is already in flight");
+        else
+            side.orphans.push_back(slot);
+        return;
+    }
+    if (!side.broken.empty()) {
+        answer(slot, side.broken);
+        return;
+    }
+    if (!p.seed && !by_key_.emplace(p.key, slot).second) {  // a seed is never answered: not found by its key
+        answer(slot, "key " + std::to_string(p.key) + " of " + p.tensor + " is already in flight");
+        return;
+    }
+    --side.owed;
+    requeue(slot, p.link);
+}
+
+void Loop::requeue(int64_t slot, size_t s) {
+    InFlight& held = parts_[size_t(slot)];
+    Part& p = held.part;
+    p.link = s;
+    held.credited = held.acked = false;
+    held.push_slot = held.pull_slot = kNoSlot;
+    ++sides_[s].owed;
+    if (!p.seed) credit_.queue(int64_t(s), int64_t(p.push_bytes));  // pacing counts what waits to be sent
+    flow::Part fp;
+    fp.id = slot, fp.key = p.key, fp.seed = p.seed;
+    fp.order.round = p.round, fp.order.tensor = p.tensor, fp.order.index = p.index;
+    sides_[s].flow.push(std::move(fp), p.priority);
 }
 
 void Loop::pump(size_t s, double now) {
@@ -267,21 +436,22 @@ void Loop::pump(size_t s, double now) {
                     side.waiting = slot;  // the head of the next batch
                     break;
                 }
-                if (!credit_for(s, p, now)) {
+                if (!p.seed && !credit_for(s, p, now)) {
                     side.waiting = slot;  // an acknowledgement gives credit back, or its pacing turn comes
                     break;
                 }
-                held.credited = true;
+                held.credited = !p.seed;
                 held.sent = now;
                 Header h;
                 h.type = kPushPull;
                 h.dtype = p.dtype;
-                h.epoch = settings_.epoch;
+                h.epoch = side.epoch;
                 h.sender = settings_.rank;
                 h.key = p.key;
                 h.round = p.round;
                 h.length = p.push_bytes;
-                if (side.arena.base) {  // copied into a push slot: the frame is its header (transport/shm.py)
+                h.flags = p.flags;
+                if (side.arena.base && !p.seed) {  // copied into a push slot: the frame is its header (transport/shm.py)
                     if (side.free_push.empty() || p.push_bytes > side.arena.slot_bytes)
                         throw std::logic_error("a push with no free shared slot to hold it");
                     held.push_slot = side.free_push.back();
@@ -294,7 +464,7 @@ void Loop::pump(size_t s, double now) {
                     const uint64_t data = p.push_bytes - p.extra_bytes;
                     if (data) std::memcpy(into, p.send, data);
                     if (p.extra_bytes) std::memcpy(into + data, p.extra, p.extra_bytes);
-                    h.flags = kShmPayload;
+                    h.flags |= kShmPayload;
                     h.status = uint32_t(held.push_slot) | uint32_t(held.pull_slot) << 16;
                     link.queue(h, nullptr, uint64_t(*slot));
                 } else {
@@ -306,9 +476,14 @@ void Loop::pump(size_t s, double now) {
             counts_.pushes += frames;
             counts_.batches += frames > 0;
         }
-        link.flush([this](uint64_t slot) { parts_[size_t(slot)].pushed = monotonic(); });
+        link.flush([this](uint64_t slot) {
+            if (parts_[size_t(slot)].part.seed)
+                answer(int64_t(slot), "");  // a seed is done once sent
+            else
+                parts_[size_t(slot)].pushed = monotonic();
+        });
     } catch (const LinkClosed& error) {
-        fail_link(s, server(s) + ": " + error.what());
+        closed(s, server(s) + ": " + error.what());
         return;
     }
     poll_.want(s, side.owed > 0, link.queued() > 0);
@@ -326,7 +501,7 @@ bool Loop::credit_for(size_t s, const Part& p, double now) {
     // as worker/pushes.py's _credit_for: a push that has waited pace_give_up for its turn goes unpaced
     Side& side = sides_[s];
     const bool waited = side.turn_since && now - *side.turn_since >= settings_.pace_give_up;
-    if (!credit_.take(int64_t(p.push_bytes), int64_t(s), true, !waited, now)) {
+    if (!credit_.take(int64_t(p.push_bytes), int64_t(s), side.network(), !waited, now)) {
         if (waited || credit_.may_send(int64_t(s)))
             side.turn_since.reset();  // short of credit, not of a turn
         else if (!side.turn_since)
@@ -367,7 +542,13 @@ uint8_t* Loop::destination(size_t s, const Header& h) {
                                 "); expected round " + std::to_string(p.round) + " with " + std::to_string(p.nbytes));
         held.result = monotonic();
         static uint8_t nothing;  // any pointer but nullptr: nothing to read (none, or it lies in the pull slot)
-        return p.nbytes && !shared ? p.out : &nothing;
+        if (!p.nbytes || shared) return &nothing;
+        if (!p.keep_sum) return p.out;
+        // received into the key's seed, then copied out: a sum cut off mid-frame by a dying server never half
+        // overwrites an input that is the output too (it is pushed again whole), and the seed is the last sum's
+        std::vector<uint8_t>& seed = seeds_[p.key].data;
+        seed.resize(p.nbytes);
+        return seed.data();
     }
     if (h.type == kAcks || h.type == kError) {
         sides_[s].body.resize(std::max<uint64_t>(h.length, 1));
@@ -399,7 +580,7 @@ void Loop::arrived(size_t s, const Header& h) {
                 freed_.push_back(int64_t(held.part.push_bytes));
             }
         }
-        if (!freed_.empty()) credit_.release_all(freed_, true, true, now);
+        if (!freed_.empty()) credit_.release_all(freed_, side.network(), true, now);
         return;
     }
     std::string error;
@@ -419,16 +600,35 @@ void Loop::arrived(size_t s, const Header& h) {
     InFlight& held = parts_[size_t(taken->first)];
     if (taken->second) {
         acked(s, held);
-        credit_.release_all({int64_t(held.part.push_bytes)}, true, true, now);
+        credit_.release_all({int64_t(held.part.push_bytes)}, side.network(), true, now);
     }
+    const bool shared = h.type == kResult && (h.flags & kShmPayload);
     if (held.pull_slot != kNoSlot) {  // the sum lies in the pull slot the push offered, or came over the socket
-        if (h.type == kResult && (h.flags & kShmPayload) && held.part.nbytes)
-            std::memcpy(held.part.out, side.pull_slot(held.pull_slot), held.part.nbytes);
+        if (shared && held.part.nbytes) std::memcpy(held.part.out, side.pull_slot(held.pull_slot), held.part.nbytes);
         side.free_pull.push_back(held.pull_slot);
         held.pull_slot = kNoSlot;
     }
-    if (error.empty()) record(held, now);
+    if (error.empty()) {
+        landed(held, shared);
+        record(held, now);
+    }
     answer(taken->first, error);
+}
+
+void Loop::landed(const InFlight& held, bool shared) {
+    const Part& p = held.part;
+    if (p.keep_sum) {  // the seed holds the sum (received into it, or copied from the output it was copied into)
+        Seed& seed = seeds_[p.key];
+        if (shared)
+            seed.data.assign(p.out, p.out + p.nbytes);
+        else if (p.nbytes)
+            std::memcpy(p.out, seed.data.data(), p.nbytes);
+        seed.round = p.round, seed.dtype = p.dtype, seed.contribution = false;
+    } else if (p.keep_contribution) {  // a sliced round: what this worker pushed, for its replay
+        Seed& seed = seeds_[p.key];
+        seed.data.assign(p.send, p.send + (p.push_bytes - p.extra_bytes));
+        seed.round = p.round, seed.dtype = p.dtype, seed.contribution = true;
+    }
 }
 
 void Loop::answer(int64_t slot, const std::string& error) {
@@ -455,16 +655,53 @@ void Loop::fail_link(size_t s, const std::string& why) {
     if (!side.broken.empty()) return;
     side.broken = why.empty() ? "the link failed" : why;
     std::vector<int64_t> slots = side.flow.take_all();
-    if (side.waiting) slots.push_back(*side.waiting);
+    // (a part waiting for credit or its turn was taken off the queue: it is among those in flight already)
     side.waiting.reset();
     side.turn_since.reset();
     credit_.unpace(int64_t(s));
     for (int64_t slot : slots) {
         InFlight& held = parts_[size_t(slot)];
-        if (held.credited && !held.acked) credit_.release_all({int64_t(held.part.push_bytes)}, true, false, monotonic());
+        if (held.credited && !held.acked)
+            credit_.release_all({int64_t(held.part.push_bytes)}, side.network(), false, monotonic());
         answer(slot, side.broken);
     }
     poll_.remove(s);
+}
+
+void Loop::closed(size_t s, const std::string& why) {
+    if (settings_.failover)
+        lose_link(s, why, true);
+    else
+        fail_link(s, why);
+}
+
+void Loop::lose_link(size_t s, const std::string& why, bool report) {
+    Side& side = sides_[s];
+    if (!side.broken.empty()) return;
+    side.broken = why.empty() ? "the link failed" : why;
+    side.lost = true;
+    std::vector<int64_t> slots = side.flow.take_all();
+    // (a part waiting for credit or its turn was taken off the queue: it is among those in flight already)
+    side.waiting.reset();
+    side.turn_since.reset();
+    credit_.unpace(int64_t(s));
+    const double now = monotonic();
+    for (int64_t slot : slots) {
+        InFlight& held = parts_[size_t(slot)];
+        if (held.part.seed) {  // a seed for the dead server: dropped
+            answer(slot, "");
+            continue;
+        }
+        if (held.credited && !held.acked)
+            credit_.release_all({int64_t(held.part.push_bytes)}, side.network(), false, now);
+        held.credited = held.acked = false;
+        held.push_slot = held.pull_slot = kNoSlot;  // the dead link's shared slots are gone with it
+        side.orphans.push_back(slot);
+    }
+    set_arena(side, Arena{});
+    poll_.remove(s);
+    side.link.reset();  // the socket's flags as they were, before the caller closes it
+    if (report) finish(0, why);
 }
 
 void Loop::finish(uint64_t call, const std::string& error) {

@@ -3,8 +3,8 @@
 // a call submits its plan and waits on a completion); calls overlap, as a training step's tensors do. worker.hpp's
 // push_pull is one call on it, waited for on the caller's thread.
 //
-// Thread-safety: `submit`, `completions`, `set_limits` and `stop` may be called from any thread; everything else is
-// the loop thread's. A call's buffers must stay valid until its completion is taken.
+// Thread-safety: `submit`, `completions`, `set_limits`, `stop` and the failover's calls may be called from any
+// thread; everything else is the loop thread's. A call's buffers must stay valid until its completion is taken.
 #pragma once
 
 #include <sys/eventfd.h>
@@ -13,6 +13,8 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -51,6 +53,26 @@ class Loop {
     // flags they had before the loop took them.
     void stop(const std::string& why = "the native worker stopped");
 
+    // Server failover (Settings::failover; docs/faults.md, worker/failover.py runs it). Each runs on the loop thread
+    // and returns once done there (at once where the loop has stopped).
+    // Of `keys`, those with a seed: (key, its round, whether it is this worker's contribution rather than a sum).
+    std::vector<std::tuple<uint64_t, int64_t, bool>> seeds(const std::vector<uint64_t>& keys);
+    // What lost link `s` holds, unanswered: (key, round) of each part.
+    std::vector<std::pair<uint64_t, uint32_t>> orphans(size_t s);
+    // Of `keys`, those in flight here (queued, pushed or orphaned): (key, round).
+    std::vector<std::pair<uint64_t, uint32_t>> unanswered(const std::vector<uint64_t>& keys);
+    // Lost link `s`'s parts, and any submitted to it from now on, go to the link `owners` names for their key (a
+    // part whose key it does not name fails).
+    void reroute(size_t s, std::unordered_map<uint64_t, size_t> owners);
+    // A new socket (a standby's, connected in worker epoch `epoch`) in lost link `s`'s place, with its shared memory
+    // (base nullptr: none); `reroute` then moves the parts onto it. The socket is the caller's, as the others.
+    void replace(size_t s, int fd, Arena arena, uint32_t epoch);
+    // Push `key`'s seed of `round` to link `s`, flagged REPLAY where it is a contribution, else SEED (and `flags`);
+    // false where it holds none of that round.
+    bool push_seed(uint64_t key, uint32_t round, size_t s, uint8_t flags);
+    // The bytes of every key's seed: what this worker keeps for a failover.
+    uint64_t seed_bytes();
+
     Counts counts() const;
     // The stage histogram of the partitions answered since the last call (then empty again).
     Stages take_stages();
@@ -78,13 +100,26 @@ class Loop {
         std::string broken;              // why the link failed ("" while it works)
         Arena arena;                     // its shared memory (base nullptr: none)
         std::vector<uint16_t> free_push, free_pull;
+        // failover: its server closed it; its parts wait in `orphans` until `reroute` (then `owners` redirects any
+        // later part) or `replace`
+        uint32_t epoch = 0;  // the worker's epoch when the link was made (the server checks every frame's)
+        bool lost = false;
+        std::vector<int64_t> orphans;
+        std::optional<std::unordered_map<uint64_t, size_t>> owners;
         int64_t fitting(int64_t window) const {  // a window within its push slots (one per window place)
             return arena.base ? std::min<int64_t>(window, arena.push) : window;
         }
+        bool network() const { return !arena.base; }  // its bytes cross a socket (the drift check counts them)
         uint8_t* push_slot(uint16_t i) const { return arena.base + uint64_t(i) * arena.slot_bytes; }
         uint8_t* pull_slot(uint16_t i) const { return arena.base + (uint64_t(arena.push) + i) * arena.slot_bytes; }
     };
     struct Receiver;
+    struct Seed {  // a key's last answered round, kept for a failover
+        std::vector<uint8_t> data;
+        int64_t round = -1;
+        uint8_t dtype = 0;
+        bool contribution = false;  // `data` is what this worker pushed (a sliced round), not the round's sum
+    };
 
     void run();
     void take_submissions();
@@ -94,6 +129,15 @@ class Loop {
     void arrived(size_t s, const Header& h);
     void answer(int64_t slot, const std::string& error);  // a part is done (its sum in, or refused)
     void fail_link(size_t s, const std::string& why);     // every part on it fails; the link is out
+    void lose_link(size_t s, const std::string& why, bool report);  // (failover) its parts wait as orphans
+    void closed(size_t s, const std::string& why);  // its server closed it: lost (failover) or failed
+    void place(uint64_t call, Part part, double now);  // a part submitted: on its link's queue (or answered)
+    void landed(const InFlight& held, bool shared);   // its answer is in: the key's seed kept (failover)
+    void requeue(int64_t slot, size_t s);                 // a part (again) on link s's queue
+    void set_arena(Side& side, const Arena& arena);
+    template <typename F>
+    auto on_loop(F&& task);  // run `task` on the loop thread and return its result
+    void run_tasks();
     void finish(uint64_t call, const std::string& error);
     bool credit_for(size_t s, const Part& p, double now);  // credit and the pacing turn for a push on link s
     void acked(size_t s, InFlight& held);                    // the server has it: its push slot is free
@@ -114,6 +158,9 @@ class Loop {
     std::unordered_map<uint64_t, int64_t> by_key_;  // key -> slot, while in flight
     std::unordered_map<uint64_t, CallState> calls_;
     std::vector<int64_t> freed_;
+    std::unordered_map<uint64_t, Seed> seeds_;  // failover: each key's seed
+    uint64_t seeding_calls_ = UINT64_MAX;       // the calls of seeds pushed (push_seed), numbered down
+    bool ended_ = false;                        // the thread has left its loop
     Counts counts_;
 
     // shared with callers, under mutex_
@@ -122,6 +169,7 @@ class Loop {
     std::vector<std::pair<uint64_t, std::vector<Part>>> inbox_;
     std::vector<std::pair<uint64_t, std::string>> outbox_;
     std::optional<std::tuple<int64_t, int64_t, int64_t>> limits_;
+    std::vector<std::function<void()>> tasks_;  // on_loop's
     std::string stopping_;  // "" while it runs
     bool stopped_ = false;
     Counts shared_counts_;

@@ -8,6 +8,7 @@
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
+#include <nanobind/stl/unordered_map.h>
 #include <nanobind/stl/vector.h>
 
 #include "floor.hpp"
@@ -147,6 +148,29 @@ std::vector<worker::Part> parts_of(const std::string& tensor, uint32_t round, in
     return parts;
 }
 
+// The shared slots Python mapped for a link, checked (none: a socket only).
+worker::Arena arena_of(const std::optional<SharedSlots>& given) {
+    worker::Arena arena;
+    if (given) {
+        auto& [memory, push, pull, slot_bytes] = *given;
+        if (uint64_t(push + pull) * slot_bytes > memory.nbytes() || push + pull >= worker::kNoSlot)
+            throw nb::value_error("shared slots past their memory");
+        arena.base = static_cast<uint8_t*>(memory.data());
+        arena.push = push, arena.pull = pull, arena.slot_bytes = slot_bytes;
+    }
+    return arena;
+}
+
+// What each part keeps of its answered round for a failover (`keep`: by part, 0 nothing, 1 the sum, 2 what it pushed).
+void kept(std::vector<worker::Part>& parts, const std::vector<uint8_t>& keep) {
+    if (keep.empty()) return;
+    if (keep.size() != parts.size()) throw nb::value_error("`keep` names a different number of parts");
+    for (size_t i = 0; i < parts.size(); ++i) {
+        if (keep[i] > 2) throw nb::value_error("`keep` is 0, 1 or 2");
+        parts[i].keep_sum = keep[i] == 1, parts[i].keep_contribution = keep[i] == 2;
+    }
+}
+
 worker::Settings settings_of(uint32_t rank, uint32_t epoch, int64_t window, int64_t cap, int64_t credit,
                              uint64_t max_payload, double timeout) {
     worker::Settings settings;
@@ -180,6 +204,8 @@ struct BytesSource {
 
 NB_MODULE(_core, m) {
     m.doc() = "gradwire's native data path (C++17): frames, sums, and the native floor";
+    // objects a Python program leaves alive at its exit (a worker in a global, a cycle) are not leaks of ours
+    nb::set_leak_warnings(false);
     m.attr("HEADER_SIZE") = kHeaderSize;
     m.attr("MAX_CONTROL_BYTES") = kMaxControlBytes;
 
@@ -341,55 +367,81 @@ NB_MODULE(_core, m) {
             "__init__",
             [](worker::Loop* self, std::vector<int> fds, uint32_t rank, uint32_t epoch, int64_t window, int64_t cap,
                int64_t credit, uint64_t max_payload, std::vector<double> shares, int64_t lead, double pace_give_up,
-               std::vector<double> buckets, std::vector<std::optional<SharedSlots>> arenas) {
+               std::vector<double> buckets, std::vector<std::optional<SharedSlots>> arenas, bool failover) {
                 worker::Settings settings = settings_of(rank, epoch, window, cap, credit, max_payload, 0);
                 settings.shares = std::move(shares), settings.lead = lead, settings.pace_give_up = pace_give_up;
                 settings.buckets = std::move(buckets);
-                for (auto& given : arenas) {
-                    worker::Arena arena;
-                    if (given) {
-                        auto& [memory, push, pull, slot_bytes] = *given;
-                        if (uint64_t(push + pull) * slot_bytes > memory.nbytes() || push + pull >= worker::kNoSlot)
-                            throw nb::value_error("shared slots past their memory");
-                        arena.base = static_cast<uint8_t*>(memory.data());
-                        arena.push = push, arena.pull = pull, arena.slot_bytes = slot_bytes;
-                    }
-                    settings.arenas.push_back(arena);
-                }
+                for (auto& given : arenas) settings.arenas.push_back(arena_of(given));
+                settings.failover = failover;
                 new (self) worker::Loop(fds, settings);
             },
             nb::arg("fds"), nb::kw_only(), nb::arg("rank"), nb::arg("epoch"), nb::arg("window"), nb::arg("cap"),
             nb::arg("credit"), nb::arg("max_payload"), nb::arg("shares") = std::vector<double>{}, nb::arg("lead") = 0,
             nb::arg("pace_give_up") = 0.2, nb::arg("buckets") = std::vector<double>{},
-            nb::arg("arenas") = std::vector<std::optional<SharedSlots>>{},
+            nb::arg("arenas") = std::vector<std::optional<SharedSlots>>{}, nb::arg("failover") = false,
             "`shares`: each link's share of the bytes for pacing (0: not paced), `lead`: pacing's lead in bytes (0: "
             "no pacing), `pace_give_up`: the most seconds a push waits for its pacing turn (worker/credit.py); "
             "`buckets`: the stage histogram's bounds in seconds (none: no histogram); `arenas`: by link, None or "
-            "its shared-memory slots (memory, push slots, pull slots, slot bytes), which must outlive the loop.")
+            "its shared-memory slots (memory, push slots, pull slots, slot bytes), which must outlive the loop; "
+            "`failover`: a link its server closes keeps its parts for the key's next server (completion (0, 'server S: "
+            "why') says so), and each answered round is kept as its key's seed where `keep` asks.")
         .def(
             "submit",
             [](worker::Loop& loop, uint64_t call, const std::string& tensor, uint32_t round, int64_t priority,
-               uint8_t dtype, ReadBytes send, Bytes out, Plan plan) {
-                loop.submit(call, parts_of(tensor, round, priority, dtype, send, out, plan));
+               uint8_t dtype, ReadBytes send, Bytes out, Plan plan, std::vector<uint8_t> keep) {
+                std::vector<worker::Part> parts = parts_of(tensor, round, priority, dtype, send, out, plan);
+                kept(parts, keep);
+                loop.submit(call, std::move(parts));
             },
             nb::arg("call"), nb::arg("tensor"), nb::arg("round"), nb::arg("priority"), nb::arg("dtype"),
-            nb::arg("send"), nb::arg("out"), nb::arg("plan"),
+            nb::arg("send"), nb::arg("out"), nb::arg("plan"), nb::arg("keep") = std::vector<uint8_t>{},
             "Queue one tensor's call (as worker_push_pull's arguments); `send` and `out` must stay alive until its "
-            "completion is taken.")
+            "completion is taken. `keep` (failover on; none: nothing kept): by part, what the loop keeps of its answered "
+            "round as the key's seed: 0 nothing, 1 the sum, 2 what this worker pushed (a sliced round).")
         .def(
             "submit_parts",
             [](worker::Loop& loop, uint64_t call, const std::string& tensor, uint32_t round, int64_t priority,
-               uint8_t dtype, const std::vector<BufferPart>& parts) {
-                loop.submit(call, parts_of(tensor, round, priority, dtype, parts));
+               uint8_t dtype, const std::vector<BufferPart>& given, std::vector<uint8_t> keep) {
+                std::vector<worker::Part> parts = parts_of(tensor, round, priority, dtype, given);
+                kept(parts, keep);
+                loop.submit(call, std::move(parts));
             },
             nb::arg("call"), nb::arg("tensor"), nb::arg("round"), nb::arg("priority"), nb::arg("dtype"),
-            nb::arg("parts"),
+            nb::arg("parts"), nb::arg("keep") = std::vector<uint8_t>{},
             "Queue one tensor's call whose parts have buffers of their own: [(key, link, index, send, trailer or "
             "None, out)], each a uint8 array that must stay alive until the call's completion is taken.")
         .def("completions", &worker::Loop::completions, nb::arg("timeout"), nb::call_guard<nb::gil_scoped_release>(),
              "The calls finished since the last time: [(call, '' or what failed it)], waiting up to `timeout` s.")
         .def("set_limits", &worker::Loop::set_limits, nb::arg("window"), nb::arg("cap"), nb::arg("lead"),
              "Every link's window and cap, and pacing's lead, from the next decision on.")
+        .def("seeds", &worker::Loop::seeds, nb::arg("keys"), nb::call_guard<nb::gil_scoped_release>(),
+             "Failover: of `keys`, those whose last answered round the loop keeps: [(key, round, whether it is this "
+             "worker's contribution rather than the sum)].")
+        .def("unanswered", &worker::Loop::unanswered, nb::arg("keys"), nb::call_guard<nb::gil_scoped_release>(),
+             "Of `keys`, those in flight (queued, pushed, or waiting for a lost server's successor): [(key, round)].")
+        .def("orphans", &worker::Loop::orphans, nb::arg("link"), nb::call_guard<nb::gil_scoped_release>(),
+             "Failover: what the lost link holds unanswered, [(key, round)] (a link not lost yet is lost now: the "
+             "scheduler saw its server's death first).")
+        .def("reroute", &worker::Loop::reroute, nb::arg("link"), nb::arg("owners"),
+             nb::call_guard<nb::gil_scoped_release>(),
+             "Failover: the lost link's parts, and any submitted to it later, go to the link `owners` names for their "
+             "key ({key: link}).")
+        .def(
+            "replace",
+            [](worker::Loop& loop, size_t link, int fd, std::optional<SharedSlots> slots, uint32_t epoch) {
+                const worker::Arena arena = arena_of(slots);
+                nb::gil_scoped_release released;
+                loop.replace(link, fd, arena, epoch);
+            },
+            nb::arg("link"), nb::arg("fd"), nb::arg("arena").none(), nb::arg("epoch"),
+            "Failover: a standby's socket (and its shared slots, or None), connected in the worker's epoch `epoch`, "
+            "in the lost link's place; `reroute` then moves the parts onto it.")
+        .def("seed_bytes", &worker::Loop::seed_bytes, nb::call_guard<nb::gil_scoped_release>(),
+             "Failover: the bytes of every key's kept round (what this worker keeps for a failover).")
+        .def("push_seed", &worker::Loop::push_seed, nb::arg("key"), nb::arg("round"), nb::arg("link"),
+             nb::arg("flags") = 0, nb::call_guard<nb::gil_scoped_release>(),
+             "Failover: push the key's kept round to `link`, flagged REPLAY (a contribution) or SEED, and `flags`; "
+             "False where the loop keeps no such round.")
         .def("stop", &worker::Loop::stop, nb::arg("why") = "the native worker stopped",
              nb::call_guard<nb::gil_scoped_release>())
         .def_prop_ro("counts", [](const worker::Loop& loop) {

@@ -26,13 +26,26 @@ class Poll {
     Poll(const Poll&) = delete;
     Poll& operator=(const Poll&) = delete;
 
-    // Stop watching socket i (its peer may close it now: epoll reports a hang-up whatever the interest).
+    // Stop watching socket i (its peer may close it now: epoll reports a hang-up whatever the interest). A socket
+    // closed already has left the epoll by itself: nothing to do.
     void remove(size_t i) {
         if (events_[i] == kRemoved) return;
         epoll_event e{};
-        if (::epoll_ctl(epoll_, EPOLL_CTL_DEL, fds_[i], &e) < 0)
+        if (::epoll_ctl(epoll_, EPOLL_CTL_DEL, fds_[i], &e) < 0 && errno != EBADF && errno != ENOENT)
             throw std::system_error(errno, std::generic_category(), "epoll_ctl");
         events_[i] = kRemoved;
+    }
+
+    // Watch socket `fd` as socket i from now on (one removed before: a lost link's replacement).
+    void replace(size_t i, int fd) {
+        if (events_[i] != kRemoved) throw std::logic_error("a socket is replaced while still watched");
+        epoll_event e{};
+        e.events = EPOLLIN;
+        e.data.u64 = i;
+        if (::epoll_ctl(epoll_, EPOLL_CTL_ADD, fd, &e) < 0)
+            throw std::system_error(errno, std::generic_category(), "epoll_ctl");
+        fds_[i] = fd;
+        events_[i] = EPOLLIN;
     }
 
     void want(size_t i, bool readable, bool writable) {

@@ -6,8 +6,7 @@
 // straight into its partition's output (link.hpp's Decoder). The real servers answer it: the protocol is the job's.
 // The rule runs on loop.hpp's Loop (a thread owning the links); `push_pull` here is one call on it, waited for.
 //
-// What it does not do yet (the Python path does): shared-memory links, pacing's shares, a failover's seed copies and
-// held keys, compressed keys, the stage histogram.
+// What it does not do yet (the Python path does): held keys (worker/holding.py).
 #pragma once
 
 #include <cstdint>
@@ -31,6 +30,15 @@ struct Part {
     uint64_t extra_bytes = 0;
     uint8_t* out = nullptr;
     uint64_t nbytes = 0;
+    // server failover (docs/faults.md; loop.hpp keeps each key's seed): the answer is received into the key's seed
+    // and copied out (`keep_sum`), or, in a sliced round, what this worker pushed is kept as its seed once answered
+    // (`keep_contribution`)
+    bool keep_sum = false, keep_contribution = false;
+    // a seed pushed to a dead server's successor (flags SEED or REPLAY): its own bytes, sent past the window and the
+    // credit, never answered; it is done once sent (or once its link is lost)
+    bool seed = false;
+    uint8_t flags = 0;
+    std::vector<uint8_t> own;
 };
 
 // A link's shared-memory slots (transport/shm.py's Arena, mapped by Python): `push` slots, then `pull` slots, each
@@ -58,6 +66,9 @@ struct Settings {
     uint64_t max_payload = 0;
     uint64_t batch_bytes = 256 << 10, batch_frames = 64;
     double timeout = 60;  // seconds a blocking call (push_pull) may take
+    // server failover: a link whose server closes it keeps its parts (and takes later ones) until the worker moves
+    // them (loop.hpp's `reroute`, `replace`); the loss comes back as a completion of call 0, "server S: why"
+    bool failover = false;
 };
 
 // Each answered partition's four stages (queued, push, wait, pull: admin/metrics.py's STAGES), as a histogram over

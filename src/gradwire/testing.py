@@ -18,6 +18,7 @@ from gradwire.config import Config
 from gradwire.scheduler import Scheduler
 from gradwire.server import Server
 from gradwire.session import use_worker
+from gradwire.transport.tcp import ConnectionClosed
 from gradwire.worker import Worker
 
 T = TypeVar("T")
@@ -142,6 +143,8 @@ class LocalCluster:
         """Cut worker `rank` off abruptly (its connections close without a bye, as if its process died)."""
         worker = next(w for w in self.workers if w.rank == rank)
         worker.state.closed = True  # its own threads stay quiet about it
+        if worker.state.native is not None:  # the native loop lets go of the sockets before they close under it
+            worker.state.native.stop(ConnectionClosed(f"worker {rank} was killed"))
         if worker.control.conn is not None:
             worker.control.conn.close()
         for link in worker.links:

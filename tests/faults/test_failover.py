@@ -18,6 +18,25 @@ from gradwire.protocol import dtypes
 from gradwire.testing import FakeClock, LocalCluster
 
 STEPS = 12
+# Both data paths: the Python one, and the native loop (worker/native_path.py), which a worker takes where failover
+# holds no key (GRADWIRE_FAILOVER_HOLD=0; held keys are the Python path's)
+PATHS = {"python": {"datapath": "python"}, "native": {"datapath": "native", "failover_hold": False}}
+
+
+@pytest.fixture(params=list(PATHS))
+def path(request) -> dict:
+    """The data path's settings for a LocalCluster (the native one's needs gradwire-native)."""
+    if request.param == "native":
+        request.getfixturevalue("gn")
+    return PATHS[request.param]
+
+
+def _on(cluster: LocalCluster, path: dict) -> None:
+    """Every worker moves its bytes on the data path `path` asks for."""
+    paths = {w.status()["data_path"]["worker"] for w in cluster.workers}  # "native", or "python (why)"
+    assert {p.split()[0] for p in paths} == {path["datapath"]}, paths
+
+
 SHAPES = {"w0": (3000,), "w1": (64, 40), "b": (7,), "w2": (5000,)}  # 4 KiB partitions: several per tensor
 
 
@@ -72,8 +91,9 @@ def _kill_when(cluster: LocalCluster, rank: int, rounds: int, killed: threading.
 
 
 @pytest.mark.parametrize("standby", [0, 1], ids=["onto-survivors", "to-a-standby"])
-def test_a_server_killed_mid_training_changes_no_bit_of_any_sum(standby):
-    with LocalCluster(num_workers=3, num_servers=3, num_standby=standby, partition_bytes=4096) as c:
+def test_a_server_killed_mid_training_changes_no_bit_of_any_sum(standby, path):
+    with LocalCluster(num_workers=3, num_servers=3, num_standby=standby, partition_bytes=4096, **path) as c:
+        _on(c, path)
         killed = threading.Event()
         killer = _kill_when(c, 1, rounds=20, killed=killed)
         results = c.run(lambda w: _train(w, killed, kill_at=STEPS - 2))
@@ -145,7 +165,7 @@ def _answer_one_then_die(cluster: LocalCluster, killed: threading.Event, after: 
 
 
 @pytest.mark.parametrize("copies", ["replica", "worker", "held", "held-averaged"])
-def test_a_round_answered_to_some_workers_only_is_completed_from_a_copy(copies):
+def test_a_round_answered_to_some_workers_only_is_completed_from_a_copy(copies, path):
     """The trap: the server dies after sending a round's sum to worker 0 and before the others got it. Worker 0's
     input is gone (summed in place) and it has moved on; the others resend theirs. The round's sum comes from the
     replica server, which had it before anyone was answered (tensors past GRADWIRE_FAILOVER_COPY_BYTES with
@@ -154,14 +174,13 @@ def test_a_round_answered_to_some_workers_only_is_completed_from_a_copy(copies):
     it seeds the round averaged, and the others take it as it is: the same bits."""
     budget = 1 << 30 if copies == "worker" else 0
     held, average = copies.startswith("held"), copies.endswith("averaged")
+    if held and "failover_hold" in path:
+        pytest.skip("held keys are the Python path's")
+    options = path | {"failover_hold": held}
     with LocalCluster(
-        num_workers=3,
-        num_servers=2,
-        partition_bytes=4096,
-        failover_copy_bytes=budget,
-        failover_hold=held,
-        placement="equal",
+        num_workers=3, num_servers=2, partition_bytes=4096, failover_copy_bytes=budget, placement="equal", **options
     ) as c:
+        _on(c, path)
         killed = threading.Event()
         _answer_one_then_die(c, killed, after=15)
         results = c.run(lambda w: _train(w, killed, kill_at=STEPS - 2, average=average))
@@ -211,7 +230,7 @@ def test_a_silent_server_is_failed_over_after_the_heartbeat_timeout():
         assert first == after == [3.0, 3.0]
 
 
-def test_horovods_collectives_survive_a_server_killed_mid_job():
+def test_horovods_collectives_survive_a_server_killed_mid_job(path):
     """allgather (variable rows), broadcast, min and max keep their exact results across a failover: their results
     are whole on every worker, so a round the dead server answered to some workers only is seeded from their copy."""
     from gradwire import collectives
@@ -236,7 +255,8 @@ def test_horovods_collectives_survive_a_server_killed_mid_job():
             out.append((gathered.copy(), broadcast.copy(), low.copy(), high.copy()))
         return out
 
-    with LocalCluster(num_workers=3, num_servers=3, partition_bytes=1024) as c:
+    with LocalCluster(num_workers=3, num_servers=3, partition_bytes=1024, **path) as c:
+        _on(c, path)
         killed = threading.Event()
         threading.Thread(target=lambda: (time.sleep(0.3), c.kill_server(1), killed.set()), daemon=True).start()
         results = c.run(lambda w: job(w, killed))
@@ -253,7 +273,7 @@ def test_horovods_collectives_survive_a_server_killed_mid_job():
 
 @pytest.mark.parametrize("copies", ["replica", "worker"])
 @pytest.mark.parametrize("collective", ["reducescatter", "alltoall"])
-def test_a_sliced_round_answered_to_some_workers_only_is_completed_exactly(collective, copies):
+def test_a_sliced_round_answered_to_some_workers_only_is_completed_exactly(collective, copies, path):
     """The trap of the test above, for keys whose ranks each pull only a slice: the replica server holds the whole
     result and answers each rank its slice; with workers' copies, no worker holds the round's sum to seed, so the
     workers the dead server answered replay their contributions, and the others get exact results."""
@@ -285,8 +305,9 @@ def test_a_sliced_round_answered_to_some_workers_only_is_completed_exactly(colle
     # equal placement: server 0 holds its share of the keys whatever the links measure (on a loaded machine the measured
     # placement can leave it too few sliced rounds for the trap to fire)
     with LocalCluster(
-        num_workers=n, num_servers=2, partition_bytes=1024, failover_copy_bytes=budget, placement="equal"
+        num_workers=n, num_servers=2, partition_bytes=1024, failover_copy_bytes=budget, placement="equal", **path
     ) as c:
+        _on(c, path)
         killed = threading.Event()
         _answer_one_then_die(c, killed, after=5, sliced=True)
         results = c.run(job)
@@ -340,10 +361,10 @@ def _narrow(name: str, acc: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize(
     "n, copy_bytes, hold",
-    [(1, None, True), (2, None, True), (3, None, True), (4, None, True), (3, 0, True), (3, 0, False)],
-    ids=["1", "2", "3", "4", "3-held", "3-replicas"],
+    [(1, None, True), (2, None, True), (3, None, True), (4, None, True), (3, 0, True), (3, 0, False), (3, None, False)],
+    ids=["1", "2", "3", "4", "3-held", "3-replicas", "3-native"],
 )
-def test_every_op_of_every_dtype_is_exact_across_a_server_failover(n, copy_bytes, hold):
+def test_every_op_of_every_dtype_is_exact_across_a_server_failover(n, copy_bytes, hold, request):
     """Each per-key operation (the four reductions, allgather with rows differing by rank, broadcast, reducescatter,
     alltoall with uneven splits) of each dtype gradwire carries, at odd sizes, all in flight at once, step after step,
     while a server is killed: every result is the exact one (reductions in rank order, in the accumulator's
@@ -389,7 +410,12 @@ def test_every_op_of_every_dtype_is_exact_across_a_server_failover(n, copy_bytes
 
     # 0: every sum held in the workers' outputs (or kept by a replica: hold off; sliced and compressed keys always)
     budget = {} if copy_bytes is None else {"failover_copy_bytes": copy_bytes, "failover_hold": hold}
+    if copy_bytes is None and not hold:  # the native data path: the workers' copies kept in its loop
+        request.getfixturevalue("gn")
+        budget = PATHS["native"]
     with LocalCluster(num_workers=n, num_servers=3, partition_bytes=256, **budget) as c:
+        if "datapath" in budget:
+            _on(c, budget)
         killed = threading.Event()
         killer = _kill_when(c, 1, rounds=25, killed=killed)
         results = c.run(lambda w: job(w, killed))

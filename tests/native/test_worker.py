@@ -187,3 +187,50 @@ def test_bytes_pushed_and_not_acknowledged_are_counted_as_credit_in_use(gn):
         assert loop.credit_used == 4096  # pushed, never acknowledged by this silent server
         loop.stop("done")
         assert loop.completions(1.0) == [(1, "done")]
+
+
+def _completions(loop, want: int, seconds: float = 5.0) -> list:
+    import time
+
+    got, deadline = [], time.monotonic() + seconds
+    while len(got) < want and time.monotonic() < deadline:
+        got += loop.completions(0.1)
+    return got
+
+
+@pytest.mark.parametrize("failover", [False, True], ids=["failed", "kept"])
+def test_a_part_waiting_for_credit_when_its_link_dies_is_counted_once(gn, failover):
+    """A part let go by the flow and waiting for credit is among the link's parts in flight: when the link dies it is
+    failed once (the call completes once) or, with failover on, kept once (pushed once to the key's next server)."""
+    import socket
+    import time
+
+    ours, server = socket.socketpair()
+    with ours:
+        options = dict(rank=0, epoch=0, window=4, cap=0, credit=6000, max_payload=1 << 20, failover=failover)
+        loop = gn.WorkerLoop([ours.fileno()], **options)
+        send, out = np.ones(2048, np.float32), np.empty(2048, np.float32)
+        plan = [(7, 0, 0, 4096, 0, 4096, 0), (8, 0, 4096, 4096, 4096, 4096, 1)]  # the second waits for credit
+        code = dtypes.BY_NAME["float32"].code
+        loop.submit(1, "t", 1, 0, code, send.view(np.uint8), out.view(np.uint8), plan, [1, 1] if failover else [])
+        server.settimeout(5)
+        got = b""
+        while len(got) < 40 + 4096:  # the first push, whole
+            got += server.recv(1 << 16)
+        deadline = time.monotonic() + 5
+        while loop.credit_used != 4096 and time.monotonic() < deadline:  # as of the loop's next pass
+            time.sleep(0.01)
+        assert loop.credit_used == 4096
+        server.close()  # the server dies
+        if failover:
+            (lost,) = _completions(loop, 1)  # the link's loss, said as call 0's completion
+            assert lost[0] == 0 and lost[1].startswith("server 0: "), lost
+            assert sorted(loop.orphans(0)) == [(7, 1), (8, 1)]
+            assert sorted(loop.unanswered([7, 8, 9])) == [(7, 1), (8, 1)]
+            loop.stop("done")
+            assert _completions(loop, 1) == [(1, "done")]
+        else:
+            done = _completions(loop, 2, seconds=1.0)
+            assert len(done) == 1 and done[0][0] == 1 and done[0][1].startswith("server 0: "), done
+            loop.stop("done")
+        assert loop.credit_used == 0

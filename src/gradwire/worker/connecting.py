@@ -62,7 +62,7 @@ class Connecting:
         self.state.loop.start()
         for link in links:
             link.start()
-        self.state.native = NativePath.start(self.state, links)  # where it applies (worker/native_path.py)
+        self.state.native = NativePath.start(self.state, links, hooks.on_lost)  # where it applies (native_path.py)
 
     def link(self, index: int, server: dict, hooks: LinkHooks) -> ServerLink:
         """A link to server `index` (not started)."""

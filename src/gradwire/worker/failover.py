@@ -19,6 +19,7 @@ from gradwire.worker.connecting import Connecting, LinkHooks
 from gradwire.worker.control import Control
 from gradwire.worker.holding import release
 from gradwire.worker.link import ServerLink
+from gradwire.worker.native_path import NativePath
 from gradwire.worker.recut import Retuning
 from gradwire.worker.state import SHUTDOWN_JOIN_SECONDS, WorkerState
 from gradwire.worker.tensors import TensorTable
@@ -82,10 +83,13 @@ class Failover:
         started, told_at = time.monotonic(), time.time()
         dead, state.epoch = body.server, body.epoch
         self.retuning.retune(Tuning.from_dict(body.tuning))
-        old = state.links[dead]
+        old, native = state.links[dead], self._native()
         with self._lock:
-            orphans = old.detach(SHUTDOWN_JOIN_SECONDS)
-            self._holding.append((old, old.holds.take_all()))
+            if native is not None:  # the native loop keeps the dead link's parts (worker/native_path.py)
+                orphans, pending = [], native.detach(dead)
+            else:
+                orphans = old.detach(SHUTDOWN_JOIN_SECONDS)
+                self._holding.append((old, old.holds.take_all()))
             standby = body.standby
             if standby and not self._replace_link(dead, standby):
                 return
@@ -96,11 +100,18 @@ class Failover:
             with state.lock:
                 moved_keys = self.table.move(moved, dead)
                 self.table.unreplicate()
-            orphans += old.retire(self.resubmit)
+            if native is None:
+                orphans += old.retire(self.resubmit)
             seeded = self._seed_state(moved_keys)
-            for work in orphans:
-                self.resubmit(work, 0)
-            held = self._held(moved_keys, {w.key: w.round for w in orphans})
+            if native is not None:
+                with state.lock:
+                    owners = {key: self.table.owner[key] for key in moved_keys if key in self.table.owner}
+                native.reroute(dead, owners)
+            else:
+                pending = {w.key: w.round for w in orphans}
+                for work in orphans:
+                    self.resubmit(work, 0)
+            held = self._held(moved_keys, pending)
             self._last, self._over = (body, moved_keys), False
         # even empty: the scheduler waits for every worker's report
         self.control.send(messages.FailoverState(state.epoch, held))
@@ -108,7 +119,7 @@ class Failover:
             "server": dead,
             "epoch": state.epoch,
             "standby": bool(standby),
-            "resent": len(orphans),
+            "resent": len(pending),
             "seeds": seeded,  # parameters resent for a server-side optimizer; plus on_seed's, if any
             "seconds": time.monotonic() - started,
             "lost_at": self.lost_at.pop(dead, None),  # wall clock: when this worker saw the connection die
@@ -118,20 +129,28 @@ class Failover:
         where = "to a standby" if standby else "onto the surviving servers"
         log.warning(
             "worker %d: server %d's keys moved (%s); resent %d partitions in %.1f ms",
-            *(state.rank, dead, where, len(orphans), record["seconds"] * 1e3),
+            *(state.rank, dead, where, len(pending), record["seconds"] * 1e3),
         )
 
     def _replace_link(self, dead: int, standby: dict) -> bool:
         """A link to the standby that took server `dead`'s place; False (and every call failed) if unreachable."""
         state = self.state
         try:
-            state.links[dead] = self.connecting.link(dead, standby, self.hooks)
+            link = state.links[dead] = self.connecting.link(dead, standby, self.hooks)
+            link.start()
+            native = self._native()
+            if native is not None:
+                native.replace(dead, link)
         except (GradwireError, OSError) as e:
             error = JobAborted(f"worker {state.rank} cannot reach standby server {dead}: {e}", rank=state.rank)
             self.control.fail_all(error)
             return False
-        state.links[dead].start()
         return True
+
+    def _native(self) -> NativePath | None:
+        """The native data path, where it moves this worker's bytes: it keeps the seeds and the lost parts."""
+        native = self.state.native
+        return native if isinstance(native, NativePath) else None
 
     def latest(self) -> dict | None:
         """The latest failover this worker was in, for a scheduler that resumes the job (worker/report.py): the
@@ -142,7 +161,10 @@ class Failover:
                 return None
             body, moved_keys = self._last
             waiting: dict[int, int] = {}
-            for link in list(self.state.links):
+            native = self._native()
+            if native is not None:
+                waiting = native.unanswered(moved_keys)
+            for link in list(self.state.links) if native is None else []:
                 if isinstance(link, ServerLink):
                     waiting |= link.unanswered(moved_keys)
             return {"replace": body.fields(), "held": self._held(moved_keys, waiting), "over": self._over}
@@ -151,52 +173,69 @@ class Failover:
         """Per moved key: [the round of the sum held, the round resent (`pending`: key -> the round waited for),
         whether what is held is this worker's contribution] (the scheduler's FAILOVER_STATE: who seeds what,
         docs/faults.md)."""
-        seeds = self.seeds
+        kept = self._kept(moved_keys)
         return {
-            str(k): [
-                seeds[k].round if k in seeds else -1,
-                pending.get(k, -1),
-                int(k in seeds and seeds[k].contribution),
-            ]
+            str(k): [kept[k][0] if k in kept else -1, pending.get(k, -1), int(k in kept and kept[k][1])]
             for k in moved_keys
-            if k in seeds or k in pending
+            if k in kept or k in pending
         }
+
+    def kept_bytes(self) -> int:
+        """The bytes this worker keeps of its keys' last answered rounds for a failover (held outputs not counted:
+        they are the calls' own)."""
+        native = self._native()
+        if native is not None:
+            return native.seed_bytes()
+        return sum(seed.data.nbytes for seed in list(self.seeds.values()) if not seed.held)
+
+    def _kept(self, keys: list[int]) -> dict[int, tuple[int, bool]]:
+        """Of `keys`, those whose last answered round this worker keeps: key -> (the round, whether it is this
+        worker's contribution rather than the sum)."""
+        native = self._native()
+        if native is not None:
+            return native.seeds(keys)
+        seeds = self.seeds
+        return {k: (seeds[k].round, seeds[k].contribution) for k in keys if k in seeds}
 
     def _seed_state(self, keys: list[int]) -> int:
         """Resend the parameters this worker holds of every moved key whose servers hold state (parameter-server
         mode, docs/ps-mode.md), ahead of its resent pushes: the new server starts from them."""
         with self.state.lock:
             stateful = self.table.stateful_keys()
-        seeds = self.seeds
-        return sum(self._seed(key, seeds[key]) for key in keys if key in stateful and key in seeds)
+        kept = self._kept(keys)
+        return sum(self._seed(key, kept[key][0]) for key in keys if key in stateful and key in kept)
 
     def on_seed(self, body: messages.Seed) -> None:
         """SEED: resend the sums (or, for sliced keys, the contributions) the scheduler asked for: a round another
         worker still waits for. One already replaced by a later round's is not needed any more: that later round could
         only complete once everyone had this one."""
-        seeds = self.seeds
-        asked = [int(k) for k, rnd in body.keys if int(k) in seeds and seeds[int(k)].round == int(rnd)]
-        sent = sum(self._seed(key, seeds[key]) for key in asked)
+        kept = self._kept([int(k) for k, _ in body.keys])
+        asked = [(int(k), int(rnd)) for k, rnd in body.keys if int(k) in kept and kept[int(k)][0] == int(rnd)]
+        sent = sum(self._seed(key, rnd) for key, rnd in asked)
         with self._lock:
             over = self._last is not None and self._last[0].epoch <= body.epoch
             if over:
                 self._over = True  # every worker gets its SEED (most an empty one) when the failover is over
             holding, self._holding = (self._holding, []) if over else ([], self._holding)
         for link, held in holding:  # the seeds asked of their outputs are sent: the calls may complete
-            for work in release(held, seeds):
+            for work in release(held, self.seeds):
                 link.finish_held(work)
         if self.records:
             self.records[-1]["seeds"] += sent
         if body.keys:
             log.warning("worker %d: seeded %d sums the new servers' workers were waiting for", self.state.rank, sent)
 
-    def _seed(self, key: int, seed: Seed) -> bool:
-        """Send the sum this worker holds of `key` to the key's server, flagged SEED (its contribution to a sliced
-        round: REPLAY); False if it holds none (or the key has no server)."""
+    def _seed(self, key: int, rnd: int) -> bool:
+        """Send the sum this worker holds of `key`'s round `rnd` to the key's server, flagged SEED (its contribution
+        to a sliced round: REPLAY); False if it holds none (or the key has no server)."""
         with self.state.lock:
             server = self.table.owner.get(key)
-        if server is None or seed.round < 0:
+        if server is None or rnd < 0:
             return False
+        native = self._native()
+        if native is not None:
+            return native.push_seed(key, rnd, server)
+        seed = self.seeds[key]
         flag = REPLAY if seed.contribution else SEED | (AVERAGED if seed.averaged else 0)
         data = seed.data.copy() if seed.held else seed.data  # a call's output: it may complete before this is sent
         work = Work("", key, seed.round, seed.dtype, data, data, 1, None, seed=flag)

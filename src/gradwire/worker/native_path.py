@@ -12,19 +12,27 @@ loop's completions: an average is divided there (numpy's rounding: the Python pa
 and the handle completes or fails with the error the Python path would raise (a server's refusal: TensorError; a
 lost server: JobAborted; a server's abort: abort_error's).
 
-Where it applies (`why_not`): gradwire-native loads under GRADWIRE_DATAPATH, server failover is off (a failover's
-seed copies and held keys are the Python path's), no timeline is asked for at the start (each partition's events are
-the Python path's), and no server's place is a lost one's. Anywhere else the Python
-path runs, as before. What runs where: docs/native.md.
+Server failover (docs/faults.md) runs through it too: the loop keeps each key's last answered round (the sum received
+into the key's seed and copied out, or a sliced round's contribution), keeps a dead server's parts when its socket
+closes and says so (call 0's completion), and worker/failover.py moves them (`detach`, `replace`, `reroute`) and sends
+the seeds the scheduler asks for (`push_seed`), as it does a Python link's.
+
+Where it applies (`why_not`): gradwire-native loads under GRADWIRE_DATAPATH, no key can be held (held keys,
+worker/holding.py, are the Python path's: failover on with GRADWIRE_FAILOVER_HOLD), no timeline is asked for at the
+start (each partition's events are the Python path's), and no server's place is a lost one's. Anywhere else the
+Python path runs, as before. What runs where: docs/native.md.
 """
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import json
 import logging
 import re
 import threading
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
 
@@ -33,6 +41,7 @@ import numpy as np
 from gradwire import native
 from gradwire.admin.metrics import BUCKETS
 from gradwire.errors import GradwireError, JobAborted, RemoteProtocolError, TensorError, abort_error
+from gradwire.transport.tcp import ConnectionClosed
 from gradwire.worker.credit import PACE_GIVE_UP_SECONDS
 from gradwire.worker.flow import LIVENESS_SECONDS
 from gradwire.worker.handle import Handle
@@ -49,6 +58,8 @@ LEND_SECONDS = 10.0  # how long a link may take to leave the Python loop when it
 REFUSED = re.compile(r"worker (\d+): server (\d+) refused (.*) \(key (\d+)\): (\{.*\})", re.S)
 ENDED = re.compile(r"server (\d+) ended the job: (\{.*\})", re.S)
 LINK = re.compile(r"server (\d+): (protocol error: )?(.*)", re.S)
+LINK_LOST = 0  # the call number of the loop's completions that say a link was lost (failover on)
+KEEP_NOTHING, KEEP_SUM, KEEP_CONTRIBUTION = 0, 1, 2  # what a part keeps of its answered round (the loop's `keep`)
 
 
 def refusal(tensor: str, error: str) -> TensorError | None:
@@ -70,8 +81,8 @@ def why_not(state: WorkerState, links: list[ServerLink | LostLink]) -> str:
     """Why the native path does not apply to a worker with `links` ("" where it does)."""
     if native.for_datapath(state.config.datapath) is None:
         return f"GRADWIRE_DATAPATH={state.config.datapath}" if state.config.datapath == "python" else "no native build"
-    if state.config.server_failover:
-        return "server failover is on (its seed copies and held keys are the Python path's)"
+    if state.config.server_failover and state.config.failover_hold:
+        return "a failover may hold keys (GRADWIRE_FAILOVER_HOLD; held keys are the Python path's)"
     if state.config.timeline:
         return "GRADWIRE_TIMELINE is set (each partition's events in the timeline are the Python path's)"
     if not links:
@@ -100,9 +111,17 @@ class Call:
 class NativePath:
     """A worker's links lent to gradwire-native's loop for their life. Thread-safe: `submit` from any thread."""
 
-    def __init__(self, state: WorkerState, module: ModuleType, links: list[ServerLink]) -> None:
+    def __init__(
+        self,
+        state: WorkerState,
+        module: ModuleType,
+        links: list[ServerLink],
+        on_lost: Callable[[ServerLink, BaseException], None] | None = None,
+    ) -> None:
         self.state = state
         self.links = links
+        self._on_lost = on_lost  # failover on: told of a server's lost link (worker/failover.py)
+        self._lost: set[int] = set()  # the links lost and not replaced (their sockets closed)
         self._lock = threading.Lock()
         self._calls: dict[int, Call] = {}
         self._numbers = itertools.count(1)
@@ -126,12 +145,19 @@ class NativePath:
             pace_give_up=PACE_GIVE_UP_SECONDS,
             buckets=list(BUCKETS),  # the stage histogram, as the Python path records it (admin/metrics.py)
             arenas=arenas,  # same-host links' shared slots (transport/shm.py)
+            failover=on_lost is not None,
         )
         self._drainer = threading.Thread(target=self._drain, name=f"gw-native-{state.rank}", daemon=True)
         self._drainer.start()
+        _running.add(self)
 
     @classmethod
-    def start(cls, state: WorkerState, links: list[ServerLink | LostLink]) -> NativePath | None:
+    def start(
+        cls,
+        state: WorkerState,
+        links: list[ServerLink | LostLink],
+        on_lost: Callable[[ServerLink, BaseException], None] | None = None,
+    ) -> NativePath | None:
         """The native path over `links` where it applies (module docstring), else None; says which once."""
         why = why_not(state, links)
         if why:  # said where the native path was asked for by name; else only at debug level
@@ -140,7 +166,7 @@ class NativePath:
             return None
         module = native.for_datapath(state.config.datapath)
         assert module is not None
-        path = cls(state, module, [link for link in links if isinstance(link, ServerLink)])
+        path = cls(state, module, [link for link in links if isinstance(link, ServerLink)], on_lost)
         log.info("worker %d: the native data path (%s)", state.rank, native.load().reason)
         return path
 
@@ -153,12 +179,12 @@ class NativePath:
         code, name = tensor.dtype.code, tensor.name
         try:
             if type(transfer) is Transfer and transfer.extra is None:
-                plan, pushed, pulled = self._plan(tensor, transfer, servers)
+                plan, pushed, pulled, keep = self._plan(tensor, transfer, servers)
                 send, pull = transfer.send.view(np.uint8), transfer.pull.view(np.uint8)
                 call = Call(handle, name, servers, (send, pull), transfer.average, transfer.pull, pushed=pushed)
                 call.pulled = pulled
                 if self._open(number, call):
-                    self.loop.submit(number, name, rnd, transfer.priority, code, send, pull, plan)
+                    self.loop.submit(number, name, rnd, transfer.priority, code, send, pull, plan, keep)
                 return
             works = list(transfer.works(tensor, rnd, handle))
             parts = [
@@ -167,8 +193,9 @@ class NativePath:
             ]
             call = Call(handle, name, servers, tuple(parts), works=works)
             call.pushed, call.pulled = sum(work.push_bytes for work in works), sum(work.nbytes for work in works)
+            keep = [_keep(work) for work in works] if self._on_lost is not None else []
             if self._open(number, call):
-                self.loop.submit_parts(number, name, rnd, transfer.priority, code, parts)
+                self.loop.submit_parts(number, name, rnd, transfer.priority, code, parts, keep)
         except Exception as e:  # a bug (a plan past its buffers): the call fails with it, nothing waits
             with self._lock:
                 self._calls.pop(number, None)
@@ -185,20 +212,33 @@ class NativePath:
             call.handle.fail(stopping if isinstance(stopping, GradwireError) else GradwireError(str(stopping)))
         return stopping is None
 
-    def _plan(self, tensor: Tensor, transfer: Transfer, servers: list[int]) -> tuple[list[tuple], int, int]:
+    def _plan(self, tensor: Tensor, transfer: Transfer, servers: list[int]) -> tuple[list[tuple], int, int, list[int]]:
         """A plain call's parts, (key, server, send offset, send bytes, out offset, out bytes, partition index) in
-        bytes, cut as `Transfer.works` cuts them (`Transfer.spans`: a gather's segment, a reduce-scatter's slice), and
-        the bytes pushed and pulled in all; cached per tensor and cut: a step's calls cost no Python per partition."""
-        cut = (tensor.name, transfer.send_at, len(transfer.send), transfer.pull_at, len(transfer.pull), tuple(servers))
+        bytes, cut as `Transfer.works` cuts them (`Transfer.spans`: a gather's segment, a reduce-scatter's slice), the
+        bytes pushed and pulled in all, and (failover on) what each part keeps of its answered round for a failover
+        (`_keep`, as `Transfer.works` decides); cached per tensor and cut: a step's calls cost no Python per
+        partition."""
+        cut = (
+            *(tensor.name, transfer.send_at, len(transfer.send), transfer.pull_at, len(transfer.pull)),
+            *(transfer.partial, tuple(servers), tuple(tensor.replicated or ())),
+        )
         cached = self._plans.get(cut)
         if cached is not None and cached[0] is tensor:
             return cached[1]
-        size, plan = tensor.dtype.itemsize, []
-        for part, key, server in zip(tensor.parts, tensor.keys, servers, strict=True):
+        size, plan, keep = tensor.dtype.itemsize, [], []
+        replicated = tensor.replicated or [False] * len(tensor.keys)
+        for part, key, server, kept in zip(tensor.parts, tensor.keys, servers, replicated, strict=True):
             give_from, give_to, take_from, take_to = transfer.spans(part.start, part.count)
             spans = (give_from * size, (give_to - give_from) * size, take_from * size, (take_to - take_from) * size)
             plan.append((key, server, *spans, part.index))
-        made = (plan, sum(part[3] for part in plan), sum(part[5] for part in plan))
+            sliced = take_to - take_from < part.count
+            if transfer.partial or kept:  # a read of a server's state, or a key its replica keeps: nothing
+                keep.append(KEEP_NOTHING)
+            else:
+                keep.append(KEEP_CONTRIBUTION if sliced else KEEP_SUM)
+        if self._on_lost is None:
+            keep.clear()
+        made = (plan, sum(part[3] for part in plan), sum(part[5] for part in plan), keep)
         self._plans[cut] = (tensor, made)
         return made
 
@@ -207,7 +247,10 @@ class NativePath:
         while True:
             done = self.loop.completions(DRAIN_SECONDS)
             for number, error in done:
-                self._complete(number, error)
+                if number == LINK_LOST:
+                    self._link_lost(error)
+                else:
+                    self._complete(number, error)
             with self._lock:
                 if self._stopping is not None and not self._calls and not done:
                     return
@@ -291,6 +334,65 @@ class NativePath:
         """Bytes pushed and not yet acknowledged, over all links (as of the loop's last pass)."""
         return self.loop.credit_used
 
+    # -- failover (worker/failover.py) --------------------------------------------------------------------------------
+
+    def _link_lost(self, error: str) -> None:
+        """(The drainer.) A server closed its link, failover on: the loop keeps its parts; its socket is closed here
+        and the failover told (which tells the scheduler)."""
+        link_lost = LINK.fullmatch(error)
+        server = int(link_lost.group(1)) if link_lost else -1
+        if not 0 <= server < len(self.links) or self._on_lost is None:
+            log.error("worker %d: the native data path lost a link it cannot name: %s", self.state.rank, error)
+            return
+        reason = ConnectionClosed(link_lost.group(3))
+        self._retire(server, reason)
+        self._on_lost(self.links[server], reason)
+
+    def _retire(self, server: int, reason: BaseException) -> None:
+        """The loop has let go of lost link `server` (its socket's flags as they were): close it."""
+        with self._lock:
+            if server in self._lost:
+                return
+            self._lost.add(server)
+        self.links[server].take_back(reason)
+
+    def detach(self, server: int) -> dict[int, int]:
+        """Server `server` is lost (the scheduler moved its keys): what its link holds unanswered, key -> round. The
+        loop keeps those parts until `reroute`; a link it had not seen die is lost now."""
+        orphans = dict(self.loop.orphans(server))
+        self._retire(server, ConnectionClosed(f"server {server} was declared lost by the scheduler"))
+        return orphans
+
+    def replace(self, server: int, link: ServerLink) -> None:
+        """A standby's new link (connected and started) in lost server `server`'s place, lent to the loop."""
+        fd = link.hand_over(LEND_SECONDS, borrower=self)
+        arena = (link.arena.memory, link.arena.push, link.arena.pull, link.arena.slot_bytes) if link.arena else None
+        self.loop.replace(server, fd, arena, link.epoch)
+        with self._lock:
+            self.links[server] = link
+            self._lost.discard(server)
+
+    def reroute(self, server: int, owners: dict[int, int]) -> None:
+        """Lost server `server`'s parts, and any submitted to it later, go to their key's server in `owners`."""
+        self.loop.reroute(server, owners)
+
+    def seeds(self, keys: list[int]) -> dict[int, tuple[int, bool]]:
+        """Of `keys`, those whose last answered round the loop keeps: key -> (round, whether it is this worker's
+        contribution rather than the sum)."""
+        return {key: (rnd, contribution) for key, rnd, contribution in self.loop.seeds(keys)}
+
+    def seed_bytes(self) -> int:
+        """The bytes the loop keeps of the keys' last answered rounds."""
+        return self.loop.seed_bytes()
+
+    def unanswered(self, keys: list[int]) -> dict[int, int]:
+        """Of `keys`, those in flight: key -> the round waited for."""
+        return dict(self.loop.unanswered(keys))
+
+    def push_seed(self, key: int, rnd: int, server: int) -> bool:
+        """Push `key`'s kept round `rnd` to `server` (SEED, or REPLAY for a contribution); False if none is kept."""
+        return self.loop.push_seed(key, rnd, server)
+
     def outstanding(self, name: str) -> list[int]:
         """The servers of `name`'s call in flight (for a timeout's message)."""
         with self._lock:
@@ -312,10 +414,28 @@ class NativePath:
             self.loop.stop(str(reason))
             if not draining:
                 self._drainer.join()
-            for link in self.links:
-                link.take_back(reason if cut_off else None)
+            for server, link in enumerate(self.links):
+                if server not in self._lost:
+                    link.take_back(reason if cut_off else None)
         finally:
             self._stopped.set()
+            _running.discard(self)
+
+
+_running: weakref.WeakSet[NativePath] = weakref.WeakSet()  # the paths not stopped yet
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    """A process that exits with a native path running (no `shutdown`) stops it first: its drainer must not be waiting
+    in the loop when the interpreter ends its threads (a thread ended inside native code aborts the process)."""
+    for path in list(_running):
+        path.stop(GradwireError("the process exits"))
+
+
+def _keep(work: Work) -> int:
+    """What a part of a call with its own buffers keeps of its answered round (as `Seed.of` decides)."""
+    return KEEP_CONTRIBUTION if work.replayable else KEEP_NOTHING if work.partial else KEEP_SUM
 
 
 def _extra(work: Work) -> np.ndarray | None:

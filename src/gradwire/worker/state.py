@@ -45,6 +45,9 @@ class DataPath(Protocol):
     def credit_used(self) -> int:
         """Bytes pushed and not yet acknowledged, over all links."""
 
+    def stop(self, reason: BaseException) -> None:
+        """Every call in flight fails with `reason`; the links are given back (closed where cut off mid-frame)."""
+
 
 class WorkerState:
     def __init__(self, config: Config) -> None:

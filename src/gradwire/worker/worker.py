@@ -191,6 +191,7 @@ class Worker:
             "tensors": len(self.table.tensors),
             "push_pulls_in_flight": state.active,
             "credit_in_flight_bytes": state.credit_used(),
+            "failover_copy_bytes": self.failover.kept_bytes(),  # kept of the last sums for a failover
             "servers": links,
             "aborted": str(state.abort) if state.abort else None,
             "local_aggregation": self.calls.aggregation and self.calls.aggregation.status(),
