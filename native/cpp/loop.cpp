@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <set>
 #include <system_error>
 #include <tuple>
 
@@ -46,7 +47,7 @@ Loop::Loop(const std::vector<int>& fds, const Settings& settings)
         Side side{flow::Flow(settings.window, settings.cap)};
         side.epoch = settings.epoch;
         if (s < settings.arenas.size()) set_arena(side, settings.arenas[s]);
-        side.link = std::make_unique<Link>(fds[s], settings.max_payload, settings.batch_frames);
+        side.link = std::make_unique<Link>(fds[s], settings.max_payload, settings.batch_frames + 1);
         sides_.push_back(std::move(side));
         if (s < settings.shares.size()) credit_.pace(int64_t(s), settings.shares[s]);
     }
@@ -140,6 +141,18 @@ auto Loop::on_loop(F&& task) {
     return result.get();
 }
 
+void Loop::finish_held(size_t s) {
+    on_loop([&] {
+        if (s >= sides_.size()) return;
+        std::vector<int64_t> held;
+        held.swap(sides_[s].held_lost);
+        for (int64_t slot : held) {
+            release(slot);
+            answer(slot, "");
+        }
+    });
+}
+
 void Loop::run_tasks() {
     std::vector<std::function<void()>> tasks;
     {
@@ -208,12 +221,25 @@ void Loop::replace(size_t s, int fd, Arena arena, uint32_t epoch) {
     on_loop([&] {
         if (ended_ || s >= sides_.size() || !sides_[s].lost) throw std::logic_error("no lost link to replace");
         Side& side = sides_[s];
-        side.link = std::make_unique<Link>(fd, settings_.max_payload, settings_.batch_frames);
+        side.link = std::make_unique<Link>(fd, settings_.max_payload, settings_.batch_frames + 1);
         set_arena(side, arena);
         side.lost = false, side.broken.clear(), side.owners.reset();
         side.epoch = epoch;
         poll_.replace(s, fd);
         if (s < settings_.shares.size()) credit_.pace(int64_t(s), settings_.shares[s]);
+    });
+}
+
+std::pair<std::vector<size_t>, std::vector<size_t>> Loop::where(const std::string& tensor) {
+    return on_loop([&] {
+        std::set<size_t> out, held;
+        for (const InFlight& part : parts_) {
+            if (part.call == 0 || part.part.tensor != tensor) continue;  // a free slot, or another tensor's
+            (part.holding ? held : out).insert(part.part.link);
+        }
+        for (const Side& side : sides_)
+            for (int64_t slot : side.held_lost) held.insert(parts_[size_t(slot)].part.link);
+        return std::make_pair(std::vector<size_t>(out.begin(), out.end()), std::vector<size_t>(held.begin(), held.end()));
     });
 }
 
@@ -234,7 +260,8 @@ bool Loop::push_seed(uint64_t key, uint32_t round, size_t s, uint8_t flags) {
         part.key = key, part.round = round, part.dtype = seed.dtype, part.link = s;
         part.priority = int64_t(1) << 62;  // ahead of everything (worker/failover.py's SEED_PRIORITY)
         part.seed = true, part.flags = uint8_t(flags | (seed.contribution ? kReplay : kSeed));
-        part.own = seed.data;  // its own copy: the key's next answer may land in the seed before this is sent
+        // its own copy: the key's next answer may land in the seed (or a held output be handed back) before it is sent
+        part.own = seed.held ? std::vector<uint8_t>(seed.held, seed.held + seed.held_bytes) : seed.data;
         part.send = part.own.data(), part.push_bytes = part.own.size();
         const uint64_t call = seeding_calls_--;  // completions nobody waits for
         calls_[call] = CallState{1, ""};
@@ -299,6 +326,9 @@ void Loop::run() {
             if (sides_[s].broken.empty()) fail_link(s, why);
             std::vector<int64_t> orphans;
             orphans.swap(sides_[s].orphans);
+            const std::vector<int64_t>& held = sides_[s].held_lost;  // (their sums need no failover any more)
+            orphans.insert(orphans.end(), held.begin(), held.end());
+            sides_[s].held_lost.clear();
             for (int64_t slot : orphans) answer(slot, why);
             sides_[s].lost = false;  // nothing waits for its server any more
         }
@@ -425,6 +455,20 @@ void Loop::pump(size_t s, double now) {
     Link& link = *side.link;
     try {
         if (link.queued() == 0) {
+            if (!side.receipts.empty()) {  // held keys: the sums that came in, said ahead of the next pushes
+                side.receipts_body.resize(side.receipts.size() * kAckEntrySize);
+                uint8_t* at = side.receipts_body.data();
+                for (const auto& [key, round] : side.receipts) {
+                    std::memcpy(at, &key, 8);
+                    std::memcpy(at + 8, &round, 4);
+                    at += kAckEntrySize;
+                }
+                side.receipts.clear();
+                Header h;
+                h.type = kReceived, h.epoch = side.epoch, h.sender = settings_.rank;
+                h.length = side.receipts_body.size();
+                link.queue(h, side.receipts_body.data(), kNotAPart);
+            }
             uint64_t bytes = 0, frames = 0;
             while (frames < settings_.batch_frames) {
                 std::optional<int64_t> slot = side.waiting ? side.waiting : side.flow.next(now);
@@ -450,7 +494,7 @@ void Loop::pump(size_t s, double now) {
                 h.key = p.key;
                 h.round = p.round;
                 h.length = p.push_bytes;
-                h.flags = p.flags;
+                h.flags = p.flags | (p.held ? kHeld : 0);
                 if (side.arena.base && !p.seed) {  // copied into a push slot: the frame is its header (transport/shm.py)
                     if (side.free_push.empty() || p.push_bytes > side.arena.slot_bytes)
                         throw std::logic_error("a push with no free shared slot to hold it");
@@ -477,6 +521,7 @@ void Loop::pump(size_t s, double now) {
             counts_.batches += frames > 0;
         }
         link.flush([this](uint64_t slot) {
+            if (slot == kNotAPart) return;  // a RECEIVED frame
             if (parts_[size_t(slot)].part.seed)
                 answer(int64_t(slot), "");  // a seed is done once sent
             else
@@ -536,6 +581,9 @@ uint8_t* Loop::destination(size_t s, const Header& h) {
         InFlight& held = part_of(s, h.key, "answered");
         const Part& p = held.part;
         const bool shared = h.flags == kShmPayload && held.pull_slot != kNoSlot && h.status == held.pull_slot;
+        if (h.flags & kAveraged)  // a held key's seed sent averaged: only a worker on the Python data path sends one
+            throw ProtocolError(server(s) + " answered " + p.tensor + " with an averaged sum (seeded by a worker on the "
+                                "Python data path: run every worker of a job on one data path)");
         if (h.round != p.round || h.length != p.nbytes || (h.flags && !shared))
             throw ProtocolError(server(s) + " answered " + p.tensor + " round " + std::to_string(h.round) + " with " +
                                 std::to_string(h.length) + " bytes (flags " + std::to_string(h.flags) +
@@ -543,6 +591,14 @@ uint8_t* Loop::destination(size_t s, const Header& h) {
         held.result = monotonic();
         static uint8_t nothing;  // any pointer but nullptr: nothing to read (none, or it lies in the pull slot)
         if (!p.nbytes || shared) return &nothing;
+        if (p.held) {  // into the output; where it is the input too, through the bounce buffer (a sum cut off
+                       // mid-frame must not overwrite the contribution that is pushed again)
+            const bool overlaps = p.out < p.send + p.push_bytes && p.send < p.out + p.nbytes;
+            held.bounced = overlaps;
+            if (!overlaps) return p.out;
+            sides_[s].bounce.resize(std::max<size_t>(sides_[s].bounce.size(), p.nbytes));
+            return sides_[s].bounce.data();
+        }
         if (!p.keep_sum) return p.out;
         // received into the key's seed, then copied out: a sum cut off mid-frame by a dying server never half
         // overwrites an input that is the output too (it is pushed again whole), and the seed is the last sum's
@@ -550,7 +606,7 @@ uint8_t* Loop::destination(size_t s, const Header& h) {
         seed.resize(p.nbytes);
         return seed.data();
     }
-    if (h.type == kAcks || h.type == kError) {
+    if (h.type == kAcks || h.type == kError || h.type == kEveryone) {
         sides_[s].body.resize(std::max<uint64_t>(h.length, 1));
         return sides_[s].body.data();
     }
@@ -583,6 +639,22 @@ void Loop::arrived(size_t s, const Header& h) {
         if (!freed_.empty()) credit_.release_all(freed_, side.network(), true, now);
         return;
     }
+    if (h.type == kEveryone) {  // every worker has these rounds' sums: the parts holding them are done
+        for (uint64_t at = 0; at < h.length; at += kAckEntrySize) {
+            uint64_t key;
+            uint32_t round;
+            std::memcpy(&key, side.body.data() + at, 8);
+            std::memcpy(&round, side.body.data() + at + 8, 4);
+            auto found = held_.find({key, round});
+            if (found == held_.end() || parts_[size_t(found->second)].part.link != s)
+                throw ProtocolError(server(s) + " says every worker has round " + std::to_string(round) + " of key " +
+                                    std::to_string(key) + ", which this worker does not hold");
+            const int64_t slot = found->second;
+            release(slot);
+            answer(slot, "");
+        }
+        return;
+    }
     std::string error;
     if (h.type == kError) {  // a refusal of one tensor (its key in flight here), or the job's abort
         const std::string body(reinterpret_cast<const char*>(side.body.data()), h.length);
@@ -611,6 +683,10 @@ void Loop::arrived(size_t s, const Header& h) {
     if (error.empty()) {
         landed(held, shared);
         record(held, now);
+        if (held.part.held) {
+            hold(s, taken->first);
+            return;
+        }
     }
     answer(taken->first, error);
 }
@@ -629,6 +705,31 @@ void Loop::landed(const InFlight& held, bool shared) {
         seed.data.assign(p.send, p.send + (p.push_bytes - p.extra_bytes));
         seed.round = p.round, seed.dtype = p.dtype, seed.contribution = true;
     }
+}
+
+void Loop::hold(size_t s, int64_t slot) {
+    InFlight& held = parts_[size_t(slot)];
+    const Part& p = held.part;
+    if (held.bounced) std::memcpy(p.out, sides_[s].bounce.data(), p.nbytes);
+    held.holding = true;
+    held_[{p.key, p.round}] = slot;
+    auto key = by_key_.find(p.key);
+    if (key != by_key_.end() && key->second == slot) by_key_.erase(key);  // answered: the key's next round may come
+    Seed& seed = seeds_[p.key];  // the output is the key's seed (the sum: the caller divides an average at the end)
+    seed.data.clear(), seed.data.shrink_to_fit();
+    seed.held = p.out, seed.held_bytes = p.nbytes;
+    seed.round = p.round, seed.dtype = p.dtype, seed.contribution = false;
+    sides_[s].receipts.emplace_back(p.key, p.round);
+}
+
+void Loop::release(int64_t slot) {
+    InFlight& held = parts_[size_t(slot)];
+    const Part& p = held.part;
+    held_.erase({p.key, p.round});
+    auto seed = seeds_.find(p.key);
+    if (seed != seeds_.end() && seed->second.held == p.out && seed->second.round == int64_t(p.round))
+        seeds_.erase(seed);  // the output is the caller's again
+    held.holding = false;
 }
 
 void Loop::answer(int64_t slot, const std::string& error) {
@@ -665,7 +766,19 @@ void Loop::fail_link(size_t s, const std::string& why) {
             credit_.release_all({int64_t(held.part.push_bytes)}, side.network(), false, monotonic());
         answer(slot, side.broken);
     }
+    for (int64_t slot : held_on(s)) {  // held sums: no EVERYONE is coming
+        release(slot);
+        answer(slot, side.broken);
+    }
+    side.receipts.clear();
     poll_.remove(s);
+}
+
+std::vector<int64_t> Loop::held_on(size_t s) const {
+    std::vector<int64_t> slots;
+    for (const auto& [round, slot] : held_)
+        if (parts_[size_t(slot)].part.link == s) slots.push_back(slot);
+    return slots;
 }
 
 void Loop::closed(size_t s, const std::string& why) {
@@ -698,6 +811,11 @@ void Loop::lose_link(size_t s, const std::string& why, bool report) {
         held.push_slot = held.pull_slot = kNoSlot;  // the dead link's shared slots are gone with it
         side.orphans.push_back(slot);
     }
+    for (int64_t slot : held_on(s)) {  // held sums: held on until the failover is over (`finish_held`)
+        held_.erase({parts_[size_t(slot)].part.key, parts_[size_t(slot)].part.round});
+        side.held_lost.push_back(slot);
+    }
+    side.receipts.clear();
     set_arena(side, Arena{});
     poll_.remove(s);
     side.link.reset();  // the socket's flags as they were, before the caller closes it

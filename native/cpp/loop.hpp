@@ -14,6 +14,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <future>
 #include <memory>
 #include <mutex>
@@ -70,8 +71,14 @@ class Loop {
     // Push `key`'s seed of `round` to link `s`, flagged REPLAY where it is a contribution, else SEED (and `flags`);
     // false where it holds none of that round.
     bool push_seed(uint64_t key, uint32_t round, size_t s, uint8_t flags);
-    // The bytes of every key's seed: what this worker keeps for a failover.
+    // The parts lost link `s` held (their sums in their outputs): done now, the failover over (none fail).
+    void finish_held(size_t s);
+    // The bytes of every key's seed: what this worker keeps for a failover (held outputs not counted).
     uint64_t seed_bytes();
+
+    // Where `tensor`'s parts are: the links with parts of it queued, pushed or waiting for a lost server's
+    // successor, and the links whose sums of it are held (for a timeout's message).
+    std::pair<std::vector<size_t>, std::vector<size_t>> where(const std::string& tensor);
 
     Counts counts() const;
     // The stage histogram of the partitions answered since the last call (then empty again).
@@ -85,6 +92,8 @@ class Loop {
         bool acked = false;
         double queued = 0, sent = 0, pushed = 0, result = 0;  // when: submitted, let go, wholly sent, answer began
         uint16_t push_slot = kNoSlot, pull_slot = kNoSlot;     // shared-memory slots in use
+        bool holding = false;  // a held key's: its sum is in the output, until EVERYONE
+        bool bounced = false;  // its sum came into the link's bounce buffer (the output is the input too)
     };
     struct CallState {
         size_t left = 0;
@@ -106,6 +115,12 @@ class Loop {
         bool lost = false;
         std::vector<int64_t> orphans;
         std::optional<std::unordered_map<uint64_t, size_t>> owners;
+        // held keys: the (key, round)s whose sums came in, to say so (RECEIVED) ahead of the next pushes, and the
+        // frame's body while it is sent; a buffer for a sum whose output is its input too; and, once its server is
+        // lost, the parts it held, until the failover is over (`finish_held`)
+        std::vector<std::pair<uint64_t, uint32_t>> receipts;
+        std::vector<uint8_t> receipts_body, bounce;
+        std::vector<int64_t> held_lost;
         int64_t fitting(int64_t window) const {  // a window within its push slots (one per window place)
             return arena.base ? std::min<int64_t>(window, arena.push) : window;
         }
@@ -114,8 +129,11 @@ class Loop {
         uint8_t* pull_slot(uint16_t i) const { return arena.base + (uint64_t(arena.push) + i) * arena.slot_bytes; }
     };
     struct Receiver;
+    static constexpr uint64_t kNotAPart = UINT64_MAX;  // a queued frame's tag that is no part's (RECEIVED)
     struct Seed {  // a key's last answered round, kept for a failover
         std::vector<uint8_t> data;
+        const uint8_t* held = nullptr;  // a held key's: the sum lies in this output instead, `held_bytes` long
+        uint64_t held_bytes = 0;
         int64_t round = -1;
         uint8_t dtype = 0;
         bool contribution = false;  // `data` is what this worker pushed (a sliced round), not the round's sum
@@ -133,6 +151,9 @@ class Loop {
     void closed(size_t s, const std::string& why);  // its server closed it: lost (failover) or failed
     void place(uint64_t call, Part part, double now);  // a part submitted: on its link's queue (or answered)
     void landed(const InFlight& held, bool shared);   // its answer is in: the key's seed kept (failover)
+    void hold(size_t s, int64_t slot);                // a held key's sum is in its output: held until EVERYONE
+    void release(int64_t slot);                        // a held part is done holding: its seed goes
+    std::vector<int64_t> held_on(size_t s) const;      // the parts holding sums link s answered
     void requeue(int64_t slot, size_t s);                 // a part (again) on link s's queue
     void set_arena(Side& side, const Arena& arena);
     template <typename F>
@@ -159,6 +180,7 @@ class Loop {
     std::unordered_map<uint64_t, CallState> calls_;
     std::vector<int64_t> freed_;
     std::unordered_map<uint64_t, Seed> seeds_;  // failover: each key's seed
+    std::map<std::pair<uint64_t, uint32_t>, int64_t> held_;  // held keys: (key, round) -> the part holding its sum
     uint64_t seeding_calls_ = UINT64_MAX;       // the calls of seeds pushed (push_seed), numbered down
     bool ended_ = false;                        // the thread has left its loop
     Counts counts_;

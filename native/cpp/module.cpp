@@ -161,13 +161,14 @@ worker::Arena arena_of(const std::optional<SharedSlots>& given) {
     return arena;
 }
 
-// What each part keeps of its answered round for a failover (`keep`: by part, 0 nothing, 1 the sum, 2 what it pushed).
+// What each part keeps of its answered round for a failover (`keep`: by part, 0 nothing, 1 the sum, 2 what it pushed,
+// 3 its sum held in the output until every worker has it: a held key's).
 void kept(std::vector<worker::Part>& parts, const std::vector<uint8_t>& keep) {
     if (keep.empty()) return;
     if (keep.size() != parts.size()) throw nb::value_error("`keep` names a different number of parts");
     for (size_t i = 0; i < parts.size(); ++i) {
-        if (keep[i] > 2) throw nb::value_error("`keep` is 0, 1 or 2");
-        parts[i].keep_sum = keep[i] == 1, parts[i].keep_contribution = keep[i] == 2;
+        if (keep[i] > 3) throw nb::value_error("`keep` is 0, 1, 2 or 3");
+        parts[i].keep_sum = keep[i] == 1, parts[i].keep_contribution = keep[i] == 2, parts[i].held = keep[i] == 3;
     }
 }
 
@@ -397,7 +398,8 @@ NB_MODULE(_core, m) {
             nb::arg("send"), nb::arg("out"), nb::arg("plan"), nb::arg("keep") = std::vector<uint8_t>{},
             "Queue one tensor's call (as worker_push_pull's arguments); `send` and `out` must stay alive until its "
             "completion is taken. `keep` (failover on; none: nothing kept): by part, what the loop keeps of its answered "
-            "round as the key's seed: 0 nothing, 1 the sum, 2 what this worker pushed (a sliced round).")
+            "round as the key's seed: 0 nothing, 1 the sum, 2 what this worker pushed (a sliced round), 3 the sum held "
+            "in the output until the server says every worker has it (a held key's: the call completes then).")
         .def(
             "submit_parts",
             [](worker::Loop& loop, uint64_t call, const std::string& tensor, uint32_t round, int64_t priority,
@@ -436,6 +438,10 @@ NB_MODULE(_core, m) {
             nb::arg("link"), nb::arg("fd"), nb::arg("arena").none(), nb::arg("epoch"),
             "Failover: a standby's socket (and its shared slots, or None), connected in the worker's epoch `epoch`, "
             "in the lost link's place; `reroute` then moves the parts onto it.")
+        .def("where", &worker::Loop::where, nb::arg("tensor"), nb::call_guard<nb::gil_scoped_release>(),
+             "([links with parts of `tensor` queued, pushed or orphaned], [links whose sums of it are held]).")
+        .def("finish_held", &worker::Loop::finish_held, nb::arg("link"), nb::call_guard<nb::gil_scoped_release>(),
+             "Failover: the parts the lost link held are done (the failover is over: no seed of theirs is needed).")
         .def("seed_bytes", &worker::Loop::seed_bytes, nb::call_guard<nb::gil_scoped_release>(),
              "Failover: the bytes of every key's kept round (what this worker keeps for a failover).")
         .def("push_seed", &worker::Loop::push_seed, nb::arg("key"), nb::arg("round"), nb::arg("link"),

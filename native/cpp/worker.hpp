@@ -6,7 +6,6 @@
 // straight into its partition's output (link.hpp's Decoder). The real servers answer it: the protocol is the job's.
 // The rule runs on loop.hpp's Loop (a thread owning the links); `push_pull` here is one call on it, waited for.
 //
-// What it does not do yet (the Python path does): held keys (worker/holding.py).
 #pragma once
 
 #include <cstdint>
@@ -34,6 +33,10 @@ struct Part {
     // and copied out (`keep_sum`), or, in a sliced round, what this worker pushed is kept as its seed once answered
     // (`keep_contribution`)
     bool keep_sum = false, keep_contribution = false;
+    // a held key's (worker/holding.py): pushed flagged HELD, its sum received into the output (through a buffer where
+    // the output is the input too) and held there, the part unanswered, until the server says every worker has it
+    // (EVERYONE); meanwhile the output is the key's seed
+    bool held = false;
     // a seed pushed to a dead server's successor (flags SEED or REPLAY): its own bytes, sent past the window and the
     // credit, never answered; it is done once sent (or once its link is lost)
     bool seed = false;

@@ -244,7 +244,9 @@ def test_a_raised_window_keeps_within_a_shared_memory_link_s_slots():
 
 def test_a_link_whose_sender_fails_fails_its_calls_at_once():
     """A bug in a link's sender ends that link with the cause, in every call waiting on it, instead of a hang."""
-    with LocalCluster(num_workers=1, num_servers=1, transport="tcp", adapt=False) as c:
+    with LocalCluster(
+        num_workers=1, num_servers=1, transport="tcp", adapt=False, datapath="python"
+    ) as c:  # a Python link's sender
         (w,) = c.workers
         link = w.links[0]
 

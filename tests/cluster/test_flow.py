@@ -16,7 +16,9 @@ def _escapes(cluster):
 
 
 def test_the_cap_keeps_a_fast_worker_from_running_ahead_of_the_rounds():
-    with LocalCluster(num_workers=2, num_servers=1, partition_bytes=4096, window=8, unanswered=4) as c:
+    # the Python path's flow, read below (the native loop's is the same rule: tests/native/test_flow.py)
+    options = dict(partition_bytes=4096, window=8, unanswered=4, datapath="python")
+    with LocalCluster(num_workers=2, num_servers=1, **options) as c:
         fast, slow = c.workers
         data = np.ones(20 * 1024, np.float32)  # 20 partitions, all on the one server
         c.run(lambda w: w.declare("t", data.shape, data.dtype))  # a tensor's first push waits for every declaration
@@ -67,7 +69,8 @@ def test_training_like_orders_and_delays_never_idle_the_links(transport, cap):
     sizes = [random.Random(7).choice([64, 1000, 5000, 20000]) for _ in range(30)]
     # settings fixed for the whole test (adapt=False): a re-derivation from measured rates on a loaded machine once
     # set a cap here mid-test; the checks below are of the flow under these settings
-    config = dict(partition_bytes=4096, window=4, transport=transport, adapt=False)
+    # (the Python path's links' counters are read below; the native loop's rule is the same: tests/native/test_flow.py)
+    config = dict(partition_bytes=4096, window=4, transport=transport, adapt=False, datapath="python")
     config |= {"unanswered": cap} if cap else {}
     with LocalCluster(num_workers=3, num_servers=2, **config) as c:
 

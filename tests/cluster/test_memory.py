@@ -74,7 +74,9 @@ def test_a_workers_memory_for_failover_stays_within_the_budget_whatever_the_tens
     partition per link (a 1 MiB tensor's copies within it; the large one's sums held in place, received through a
     buffer of one partition where a shared slot was not free), not a copy of the 16 MiB; with a budget past both, the
     same measure sees the copies of both."""
-    with LocalCluster(num_workers=2, num_servers=2, partition_bytes=1 << 20, failover_copy_bytes=budget) as c:
+    # the Python path's allocations, traced below (the native loop's copies: `failover_copy_bytes`, as checked)
+    options = dict(partition_bytes=1 << 20, failover_copy_bytes=budget, datapath="python")
+    with LocalCluster(num_workers=2, num_servers=2, **options) as c:
         small = [np.ones(1 << 18, np.float32) for _ in c.workers]
         large = [np.ones(1 << 22, np.float32) for _ in c.workers]
 

@@ -167,12 +167,9 @@ def test_a_servers_refusal_is_the_python_paths_tensor_error(gn, path):
 
 
 def test_where_the_native_path_applies_and_where_it_says_why_not(gn):
-    with LocalCluster(num_workers=2, num_servers=1, transport="tcp") as c:  # failover on, keys may be held (defaults)
-        assert all(w.state.native is None for w in c.workers)
-        assert "GRADWIRE_FAILOVER_HOLD" in native_path.why_not(c.workers[0].state, c.workers[0].state.links)
-        assert c.workers[0].status()["data_path"]["worker"].startswith("python (a failover may hold keys")
-    with LocalCluster(num_workers=2, num_servers=1, failover_hold=False) as c:  # failover on, no held keys
+    with LocalCluster(num_workers=2, num_servers=1, transport="tcp") as c:  # the defaults: failover on, keys held
         assert all(w.state.native is not None for w in c.workers)
+        assert c.workers[0].status()["data_path"]["worker"] == "native"
     with LocalCluster(num_workers=2, num_servers=1, server_failover=False, datapath="python") as c:
         assert all(w.state.native is None for w in c.workers)
         assert native_path.why_not(c.workers[0].state, c.workers[0].state.links) == "GRADWIRE_DATAPATH=python"

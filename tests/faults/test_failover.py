@@ -18,9 +18,8 @@ from gradwire.protocol import dtypes
 from gradwire.testing import FakeClock, LocalCluster
 
 STEPS = 12
-# Both data paths: the Python one, and the native loop (worker/native_path.py), which a worker takes where failover
-# holds no key (GRADWIRE_FAILOVER_HOLD=0; held keys are the Python path's)
-PATHS = {"python": {"datapath": "python"}, "native": {"datapath": "native", "failover_hold": False}}
+# Both data paths: the Python one, and the native loop (worker/native_path.py)
+PATHS = {"python": {"datapath": "python"}, "native": {"datapath": "native"}}
 
 
 @pytest.fixture(params=list(PATHS))
@@ -174,8 +173,6 @@ def test_a_round_answered_to_some_workers_only_is_completed_from_a_copy(copies, 
     it seeds the round averaged, and the others take it as it is: the same bits."""
     budget = 1 << 30 if copies == "worker" else 0
     held, average = copies.startswith("held"), copies.endswith("averaged")
-    if held and "failover_hold" in path:
-        pytest.skip("held keys are the Python path's")
     options = path | {"failover_hold": held}
     with LocalCluster(
         num_workers=3, num_servers=2, partition_bytes=4096, failover_copy_bytes=budget, placement="equal", **options
@@ -410,7 +407,7 @@ def test_every_op_of_every_dtype_is_exact_across_a_server_failover(n, copy_bytes
 
     # 0: every sum held in the workers' outputs (or kept by a replica: hold off; sliced and compressed keys always)
     budget = {} if copy_bytes is None else {"failover_copy_bytes": copy_bytes, "failover_hold": hold}
-    if copy_bytes is None and not hold:  # the native data path: the workers' copies kept in its loop
+    if copy_bytes is None and not hold:  # the native data path (held keys and copies, kept in its loop)
         request.getfixturevalue("gn")
         budget = PATHS["native"]
     with LocalCluster(num_workers=n, num_servers=3, partition_bytes=256, **budget) as c:

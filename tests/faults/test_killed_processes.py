@@ -177,7 +177,9 @@ def test_a_server_and_the_scheduler_sigkilled_together_lose_nothing(reference, g
     """Server 1 SIGKILLed, then the scheduler `gap` seconds later: before it noticed, while it failed the server over,
     or after. The restarted scheduler fails the server over, or completes the failover the dead one began, and the
     parameters equal the failure-free run's (scheduler/recovery.py)."""
-    run = _run("server 1+scheduler", kill_at=5, gap=gap)
+    # each step stretched: the 35 steps after the kill outlast the gap (on the native data path they took under 0.2 s,
+    # and the job ended before the scheduler died)
+    run = _run("server 1+scheduler", kill_at=5, gap=gap, extra_env={"STEP_SLEEP": "0.02"})
     out = run["output"]
     assert run["code"] == 0, out
     assert "server 1 was killed by SIGKILL" in out and "scheduler was killed by SIGKILL" in out, out

@@ -25,8 +25,10 @@ def _data(rank: int, n: int, dtype, seed: int) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def cluster(gn):
-    # window 2 and a cap of 1 unanswered partition: the flow rule's cap and job-wide order at work
-    with LocalCluster(num_workers=3, num_servers=2, partition_bytes=4096, transport="tcp", window=2, unanswered=1) as c:
+    # window 2 and a cap of 1 unanswered partition: the flow rule's cap and job-wide order at work. The workers' own
+    # data path is the Python one: their links are lent to the loops these tests make
+    options = dict(partition_bytes=4096, transport="tcp", window=2, unanswered=1, datapath="python")
+    with LocalCluster(num_workers=3, num_servers=2, **options) as c:
         yield c
 
 
@@ -69,7 +71,7 @@ def test_a_servers_refusal_names_the_worker_server_and_tensor_and_the_links_clos
         assert refusal.value.context == {"tensor": name, "server": 0, "rank": 0}
         return str(refusal.value)
 
-    with LocalCluster(num_workers=1, num_servers=1, transport="tcp") as c:
+    with LocalCluster(num_workers=1, num_servers=1, transport="tcp", datapath="python") as c:
         (message,) = c.run(refused)
     assert message.startswith(f"server 0 refused {name!r} (key ") and "int32 pushed, but the key is" in message
 
@@ -77,7 +79,8 @@ def test_a_servers_refusal_names_the_worker_server_and_tensor_and_the_links_clos
 def test_only_a_quiet_link_is_lent(gn):
     """A link with a partition unanswered is not lent (its stream is the Python path's until the answer is in); once
     quiet it is, shared memory and all, and comes back."""
-    with LocalCluster(num_workers=2, num_servers=1) as c:  # one host: the links move bytes through shared memory
+    # one host: the links move bytes through shared memory; the Python path's links, lent here
+    with LocalCluster(num_workers=2, num_servers=1, datapath="python") as c:
         a, b = c.workers
         c.run(lambda w: w.declare("busy", (10,), np.float32))
         handle = a.push_pull_async(np.ones(10, np.float32), "busy")  # b has not pushed: a's push waits for it

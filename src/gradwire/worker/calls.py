@@ -329,6 +329,7 @@ class Calls(Updates):
         busy = [f"server {link.server} ({link.conn.peer})" for link in links if name in link.outstanding()]
         if self.state.native is not None:  # the native data path's calls (worker/native_path.py)
             busy += [f"server {s} ({links[s].conn.peer})" for s in self.state.native.outstanding(name)]
+            held += [f"server {s}" for s in self.state.native.held(name)]
         out = f"; partitions still out on {', '.join(busy)}" if busy else ""
         if held:  # answered here; another worker has not said it has the sums (worker/holding.py)
             out += f"; sums held until every worker has them, from {', '.join(held)}"

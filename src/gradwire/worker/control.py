@@ -155,6 +155,8 @@ class Control:
             self._requests.clear()
         for request in cancelled:
             request.cancel()
+        if self.state.native is not None:  # its calls, a lost server's parts among them (worker/native_path.py)
+            self.state.native.stop(error)
         for link in self.state.links:
             link.close(error)
 

@@ -52,6 +52,7 @@ class Failover:
         # held partitions the dead servers had answered (worker/holding.py): done once the failover is over, when
         # every seed their outputs were asked for has been sent
         self._holding: list[tuple[ServerLink, list[tuple[Work, Seed]]]] = []
+        self._native_holding: list[int] = []  # the same on the native path: the dead links whose held parts wait
 
     @property
     def seeds(self) -> dict[int, Seed]:
@@ -87,6 +88,7 @@ class Failover:
         with self._lock:
             if native is not None:  # the native loop keeps the dead link's parts (worker/native_path.py)
                 orphans, pending = [], native.detach(dead)
+                self._native_holding.append(dead)
             else:
                 orphans = old.detach(SHUTDOWN_JOIN_SECONDS)
                 self._holding.append((old, old.holds.take_all()))
@@ -217,9 +219,13 @@ class Failover:
             if over:
                 self._over = True  # every worker gets its SEED (most an empty one) when the failover is over
             holding, self._holding = (self._holding, []) if over else ([], self._holding)
+            native_holding, self._native_holding = (self._native_holding, []) if over else ([], self._native_holding)
         for link, held in holding:  # the seeds asked of their outputs are sent: the calls may complete
             for work in release(held, self.seeds):
                 link.finish_held(work)
+        native = self._native()
+        for dead in native_holding if native is not None else ():
+            native.finish_held(dead)
         if self.records:
             self.records[-1]["seeds"] += sent
         if body.keys:
@@ -244,8 +250,8 @@ class Failover:
 
     def fail_held(self, error: GradwireError) -> None:
         """The job re-forms (elastic): the held partitions of a failover under way fail with their calls."""
-        with self._lock:
-            holding, self._holding = self._holding, []
+        with self._lock:  # (the native path's fail with its loop, which the re-forming stops)
+            holding, self._holding, self._native_holding = self._holding, [], []
         for _, held in holding:
             for work in release(held, self.hooks.seeds):
                 if work.handle is not None:

@@ -17,10 +17,15 @@ into the key's seed and copied out, or a sliced round's contribution), keeps a d
 closes and says so (call 0's completion), and worker/failover.py moves them (`detach`, `replace`, `reroute`) and sends
 the seeds the scheduler asks for (`push_seed`), as it does a Python link's.
 
-Where it applies (`why_not`): gradwire-native loads under GRADWIRE_DATAPATH, no key can be held (held keys,
-worker/holding.py, are the Python path's: failover on with GRADWIRE_FAILOVER_HOLD), no timeline is asked for at the
-start (each partition's events are the Python path's), and no server's place is a lost one's. Anywhere else the
-Python path runs, as before. What runs where: docs/native.md.
+A held key's partition (worker/holding.py) is pushed flagged HELD; the loop receives its sum into the output and
+holds it there (the key's seed), the part unanswered, saying so to the server (RECEIVED) until it answers that every
+worker has it (EVERYONE). An average is divided once the call completes, so a held output is the round's sum: a seed
+sent from it is a plain SEED, which its receivers divide as they divide any sum (the Python path holds the average
+and sends it flagged AVERAGED; the same bits either way).
+
+Where it applies (`why_not`): gradwire-native loads under GRADWIRE_DATAPATH, no timeline is asked for at the start
+(each partition's events are the Python path's), and no server's place is a lost one's. Anywhere else the Python
+path runs, as before. What runs where: docs/native.md.
 """
 
 from __future__ import annotations
@@ -59,7 +64,9 @@ REFUSED = re.compile(r"worker (\d+): server (\d+) refused (.*) \(key (\d+)\): (\
 ENDED = re.compile(r"server (\d+) ended the job: (\{.*\})", re.S)
 LINK = re.compile(r"server (\d+): (protocol error: )?(.*)", re.S)
 LINK_LOST = 0  # the call number of the loop's completions that say a link was lost (failover on)
-KEEP_NOTHING, KEEP_SUM, KEEP_CONTRIBUTION = 0, 1, 2  # what a part keeps of its answered round (the loop's `keep`)
+# what a part keeps of its answered round (the loop's `keep`): nothing, the sum, its contribution, or the sum held in
+# the output until every worker has it (a held key's, worker/holding.py)
+KEEP_NOTHING, KEEP_SUM, KEEP_CONTRIBUTION, KEEP_HELD = 0, 1, 2, 3
 
 
 def refusal(tensor: str, error: str) -> TensorError | None:
@@ -81,8 +88,6 @@ def why_not(state: WorkerState, links: list[ServerLink | LostLink]) -> str:
     """Why the native path does not apply to a worker with `links` ("" where it does)."""
     if native.for_datapath(state.config.datapath) is None:
         return f"GRADWIRE_DATAPATH={state.config.datapath}" if state.config.datapath == "python" else "no native build"
-    if state.config.server_failover and state.config.failover_hold:
-        return "a failover may hold keys (GRADWIRE_FAILOVER_HOLD; held keys are the Python path's)"
     if state.config.timeline:
         return "GRADWIRE_TIMELINE is set (each partition's events in the timeline are the Python path's)"
     if not links:
@@ -220,7 +225,7 @@ class NativePath:
         partition."""
         cut = (
             *(tensor.name, transfer.send_at, len(transfer.send), transfer.pull_at, len(transfer.pull)),
-            *(transfer.partial, tuple(servers), tuple(tensor.replicated or ())),
+            *(transfer.partial, tensor.held, tuple(servers), tuple(tensor.replicated or ())),
         )
         cached = self._plans.get(cut)
         if cached is not None and cached[0] is tensor:
@@ -235,7 +240,7 @@ class NativePath:
             if transfer.partial or kept:  # a read of a server's state, or a key its replica keeps: nothing
                 keep.append(KEEP_NOTHING)
             else:
-                keep.append(KEEP_CONTRIBUTION if sliced else KEEP_SUM)
+                keep.append(KEEP_CONTRIBUTION if sliced else KEEP_HELD if tensor.held else KEEP_SUM)
         if self._on_lost is None:
             keep.clear()
         made = (plan, sum(part[3] for part in plan), sum(part[5] for part in plan), keep)
@@ -381,6 +386,11 @@ class NativePath:
         contribution rather than the sum)."""
         return {key: (rnd, contribution) for key, rnd, contribution in self.loop.seeds(keys)}
 
+    def finish_held(self, server: int) -> None:
+        """The failover of lost server `server` is over: the parts its link held (their sums in their outputs, for a
+        seed) are done, and their calls may complete."""
+        self.loop.finish_held(server)
+
     def seed_bytes(self) -> int:
         """The bytes the loop keeps of the keys' last answered rounds."""
         return self.loop.seed_bytes()
@@ -394,9 +404,12 @@ class NativePath:
         return self.loop.push_seed(key, rnd, server)
 
     def outstanding(self, name: str) -> list[int]:
-        """The servers of `name`'s call in flight (for a timeout's message)."""
-        with self._lock:
-            return sorted({s for call in self._calls.values() if call.tensor == name for s in call.servers})
+        """The servers with partitions of `name` not answered yet (for a timeout's message)."""
+        return list(self.loop.where(name)[0])
+
+    def held(self, name: str) -> list[int]:
+        """The servers whose sums of `name` are held until every worker has them (for a timeout's message)."""
+        return list(self.loop.where(name)[1])
 
     def stop(self, reason: BaseException) -> None:
         """The loop ends (the worker shuts down, aborts, or re-forms): every call in flight fails with `reason`, and
@@ -435,6 +448,8 @@ def _stop_at_exit() -> None:
 
 def _keep(work: Work) -> int:
     """What a part of a call with its own buffers keeps of its answered round (as `Seed.of` decides)."""
+    if work.held:
+        return KEEP_HELD
     return KEEP_CONTRIBUTION if work.replayable else KEEP_NOTHING if work.partial else KEEP_SUM
 
 

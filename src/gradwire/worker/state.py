@@ -40,7 +40,10 @@ class DataPath(Protocol):
         """(seconds some push was unacknowledged, bytes acknowledged, seconds work waited on a full window)."""
 
     def outstanding(self, name: str) -> list[int]:
-        """The servers of `name`'s call in flight."""
+        """The servers with partitions of `name` not answered yet."""
+
+    def held(self, name: str) -> list[int]:
+        """The servers whose sums of `name` are held until every worker has them."""
 
     def credit_used(self) -> int:
         """Bytes pushed and not yet acknowledged, over all links."""
