@@ -146,8 +146,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
         (),
         "`auto`: the native data path (gradwire-native) where it is installed at gradwire's version, else the Python "
         "one (an info line says why); `native`: the native one or an error saying why not; `python`: the Python one. "
-        "Today the native path covers the servers' float16 and bfloat16 sums, and every worker's calls (a worker started "
-        "with `GRADWIRE_TIMELINE` keeps the Python one) (docs/native.md)",
+        "Today the native path covers the servers' float16 and bfloat16 sums, and every worker's calls (a worker "
+        "started with `GRADWIRE_TIMELINE` keeps the Python one) (docs/native.md)",
     ),
     EnvVar(
         "GRADWIRE_SOCKET_BUFFER_BYTES",
