@@ -357,8 +357,9 @@ def available_modes() -> tuple[str, ...]:
 
 def run_job_bench(args, env: dict[str, str]) -> int:
     """`gradwire bench --floor`: the native floor as a job (n workers, k servers, TCP loopback) beside gloo's ring and
-    gradwire's own job over its default transport, over TCP, and over TCP with failover off (the Python worker, and
-    the native worker: its own data path applies there), alternated round by round; ratios to gloo's time."""
+    gradwire's own job with its defaults (the native worker where gradwire-native is installed) over its default
+    transport and over TCP, and each with the Python worker (GRADWIRE_DATAPATH=python), alternated round by round;
+    ratios to gloo's time."""
     from gradwire.bench.runner import MiB, run_gloo, run_gradwire
 
     mod = native.load()
@@ -380,12 +381,12 @@ def run_job_bench(args, env: dict[str, str]) -> int:
             both = row["worker_cpu_seconds_per_gb"] + row["server_cpu_seconds_per_gb"]
             record(f"native floor, {p // 1024} KiB", row["seconds_per_call"], both)
         tcp = env | {"GRADWIRE_TRANSPORT": "tcp"}
-        unfailing = tcp | {"GRADWIRE_SERVER_FAILOVER": "0"}  # the worker's native data path applies (native.md)
+        python = {"GRADWIRE_DATAPATH": "python"}  # the worker's Python data path (and numpy's sums)
         for name, job in (
             ("gradwire (defaults)", env),
+            ("gradwire (defaults), Python worker", env | python),
             ("gradwire over TCP", tcp),
-            ("gradwire over TCP, failover off, Python worker", unfailing | {"GRADWIRE_DATAPATH": "python"}),
-            ("gradwire over TCP, failover off, native worker", unfailing),
+            ("gradwire over TCP, Python worker", tcp | python),
         ):
             for t in run_gradwire(n, k, [size], args.repeats, args.warmup, job):
                 record(name, t.median, t.cpu_per_gb())

@@ -7,10 +7,10 @@ size (GRADWIRE_PARTITION_BYTES) and reports the CPU seconds the workers and the 
 figure over the largest partition size's: the per-partition overhead, apart for both roles. gloo's ring on the same
 tensor in the same run gives the yardstick. Rounds alternate the sizes so that the machine's drift hits them alike.
 
-Both ways run with server failover off (GRADWIRE_SERVER_FAILOVER=0: no seed copies): the Python worker
-(GRADWIRE_DATAPATH=python) and, where gradwire-native is installed, the native worker (worker/native_path.py: the
-worker's own native data path, which applies to such a job); the servers sum float32 with numpy either way. What the
-worker's rule costs natively, beside the floor.
+Both ways run with the defaults (server failover on: each sum kept as its key's seed): the Python worker
+(GRADWIRE_DATAPATH=python) and, where gradwire-native is installed, the native worker (worker/native_path.py: every
+worker's own data path by default); the servers sum float32 with numpy either way. What the worker's rule costs
+natively, beside the floor.
 
 Beside it, the floor (bench/floor.py): the same partition sizes through a Python data path with nothing else in it,
 one worker and one server, the worker with one thread and with two (a sender woken by its receiver, as gradwire's
@@ -46,7 +46,6 @@ def run_partitions(args: argparse.Namespace, env: dict[str, str]) -> int:
             job = env | {
                 "GRADWIRE_PARTITION_BYTES": str(p),
                 "GRADWIRE_TRANSPORT": "tcp",
-                "GRADWIRE_SERVER_FAILOVER": "0",
             }
             for w in workers:
                 way = job | {"GRADWIRE_DATAPATH": "python"} if w == "python" else job
