@@ -61,6 +61,10 @@ def test_an_elastic_reset_after_a_server_failover_skips_the_dead_server():
         assert c.run(lambda w: w.push_pull(np.full(5000, 1.0, np.float32), "g")[0]) == [3.0] * 3
         c.kill_server(1)  # its keys move onto server 0
         assert c.run(lambda w: w.push_pull(np.full(5000, 1.0, np.float32), "g")[0]) == [3.0] * 3
+        # the workers' calls may complete before the scheduler has every worker's report and records the failover
+        deadline = time.monotonic() + 10
+        while not c.scheduler.failovers and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert len(c.scheduler.failovers) == 1
         c.kill_worker(2)
         out = c.run(lambda w: _sum_until_reset(w, 1.0))
