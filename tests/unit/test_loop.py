@@ -110,6 +110,24 @@ def test_a_link_whose_code_fails_is_failed_and_removed_and_the_loop_goes_on():
     assert healthy.removed  # a link still in the loop when it stops is removed (its socket closed)
 
 
+def test_a_link_whose_socket_closes_as_it_is_added_is_out_and_the_loop_goes_on():
+    """Another thread closes a link's socket between the loop's look at it and its registration (a killed worker's
+    sockets, given back by the native path): that link is out, the loop and the other links go on."""
+    loop = LinkLoop("test-loop").start()
+    closing, healthy = _Counting(), _Counting()
+    spare = socket.socket()
+    number = spare.fileno()
+    spare.close()  # a number no socket has now: registering it fails as a socket closed under the loop would
+    closing.fileno = lambda: number  # type: ignore[method-assign]
+    loop.add(closing)
+    loop.add(healthy)
+    assert _until(lambda: closing.removed)
+    healthy.bump()
+    loop.wake()
+    assert _until(lambda: healthy.seen == 1), "the loop stopped with the closed link"
+    loop.stop(2)
+
+
 def _work(key: int, values: np.ndarray) -> Work:
     out = np.zeros_like(values)
     handle = Handle(f"t{key}", out, 1, lambda h: None)

@@ -150,7 +150,11 @@ class LinkLoop:
             return
         if link not in self._links and self._selector is not None and not self._stopping:
             self._links[link], self._fds[link] = False, link.fileno()
-            self._selector.register(self._fds[link], selectors.EVENT_READ, link)
+            try:
+                self._selector.register(self._fds[link], selectors.EVENT_READ, link)
+            except (ValueError, OSError):  # closed on another thread since the check above: it is out
+                del self._links[link], self._fds[link]
+                link.on_removed()
 
     def _remove(self, link: LoopLink) -> None:
         if self._links.pop(link, None) is not None:
