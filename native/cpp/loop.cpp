@@ -23,6 +23,30 @@ int make_eventfd() {
     return fd;
 }
 
+// Each (key, round) entry of an ACKS, RECEIVED or EVERYONE body (`length` a multiple of kAckEntrySize: the decoder
+// checked it), to `f`.
+template <typename F>
+void for_each_entry(const uint8_t* body, uint64_t length, F&& f) {
+    for (uint64_t at = 0; at < length; at += kAckEntrySize) {
+        uint64_t key;
+        uint32_t round;
+        std::memcpy(&key, body + at, 8);
+        std::memcpy(&round, body + at + 8, 4);
+        f(key, round);
+    }
+}
+
+// `entries` as such a body, into `body`.
+void encode_entries(const std::vector<std::pair<uint64_t, uint32_t>>& entries, std::vector<uint8_t>& body) {
+    body.resize(entries.size() * kAckEntrySize);
+    uint8_t* at = body.data();
+    for (const auto& [key, round] : entries) {
+        std::memcpy(at, &key, 8);
+        std::memcpy(at + 8, &round, 4);
+        at += kAckEntrySize;
+    }
+}
+
 std::vector<int> with(std::vector<int> fds, int extra) {
     fds.push_back(extra);
     return fds;
@@ -203,14 +227,13 @@ void Loop::reroute(size_t s, std::unordered_map<uint64_t, size_t> owners) {
         std::vector<int64_t> orphans;
         orphans.swap(side.orphans);
         for (int64_t slot : orphans) {
-            --side.owed;
             auto owner = owners.find(parts_[size_t(slot)].part.key);
             if (owner == owners.end() || owner->second >= sides_.size()) {
-                ++side.owed;  // answer() counts it off its link
                 answer(slot, server(s) + "'s key " + std::to_string(parts_[size_t(slot)].part.key) +
                                  " has no new server");
                 continue;
             }
+            --side.owed, ++sides_[owner->second].owed;
             requeue(slot, owner->second);
         }
         if (side.lost) side.owners = std::move(owners);  // parts submitted to it from now on go where their key went
@@ -432,7 +455,6 @@ void Loop::place(uint64_t call, Part part, double now) {
         answer(slot, "key " + std::to_string(p.key) + " of " + p.tensor + " is already in flight");
         return;
     }
-    --side.owed;
     requeue(slot, p.link);
 }
 
@@ -442,7 +464,6 @@ void Loop::requeue(int64_t slot, size_t s) {
     p.link = s;
     held.credited = held.acked = false;
     held.push_slot = held.pull_slot = kNoSlot;
-    ++sides_[s].owed;
     if (!p.seed) credit_.queue(int64_t(s), int64_t(p.push_bytes));  // pacing counts what waits to be sent
     flow::Part fp;
     fp.id = slot, fp.key = p.key, fp.seed = p.seed;
@@ -456,13 +477,7 @@ void Loop::pump(size_t s, double now) {
     try {
         if (link.queued() == 0) {
             if (!side.receipts.empty()) {  // held keys: the sums that came in, said ahead of the next pushes
-                side.receipts_body.resize(side.receipts.size() * kAckEntrySize);
-                uint8_t* at = side.receipts_body.data();
-                for (const auto& [key, round] : side.receipts) {
-                    std::memcpy(at, &key, 8);
-                    std::memcpy(at + 8, &round, 4);
-                    at += kAckEntrySize;
-                }
+                encode_entries(side.receipts, side.receipts_body);
                 side.receipts.clear();
                 Header h;
                 h.type = kReceived, h.epoch = side.epoch, h.sender = settings_.rank;
@@ -620,11 +635,7 @@ void Loop::arrived(size_t s, const Header& h) {
     if (h.type == kAcks) {
         ++counts_.acks;
         freed_.clear();
-        for (uint64_t at = 0; at < h.length; at += kAckEntrySize) {
-            uint64_t key;
-            uint32_t round;
-            std::memcpy(&key, side.body.data() + at, 8);
-            std::memcpy(&round, side.body.data() + at + 8, 4);
+        for_each_entry(side.body.data(), h.length, [&](uint64_t key, uint32_t round) {
             InFlight& held = part_of(s, key, "acknowledged");
             if (round != held.part.round)
                 throw ProtocolError(server(s) + " acknowledged round " + std::to_string(round) + " of " +
@@ -635,16 +646,12 @@ void Loop::arrived(size_t s, const Header& h) {
                 acked(s, held);
                 freed_.push_back(int64_t(held.part.push_bytes));
             }
-        }
+        });
         if (!freed_.empty()) credit_.release_all(freed_, side.network(), true, now);
         return;
     }
     if (h.type == kEveryone) {  // every worker has these rounds' sums: the parts holding them are done
-        for (uint64_t at = 0; at < h.length; at += kAckEntrySize) {
-            uint64_t key;
-            uint32_t round;
-            std::memcpy(&key, side.body.data() + at, 8);
-            std::memcpy(&round, side.body.data() + at + 8, 4);
+        for_each_entry(side.body.data(), h.length, [&](uint64_t key, uint32_t round) {
             auto found = held_.find({key, round});
             if (found == held_.end() || parts_[size_t(found->second)].part.link != s)
                 throw ProtocolError(server(s) + " says every worker has round " + std::to_string(round) + " of key " +
@@ -652,7 +659,7 @@ void Loop::arrived(size_t s, const Header& h) {
             const int64_t slot = found->second;
             release(slot);
             answer(slot, "");
-        }
+        });
         return;
     }
     std::string error;
@@ -751,26 +758,33 @@ void Loop::answer(int64_t slot, const std::string& error) {
     }
 }
 
-void Loop::fail_link(size_t s, const std::string& why) {
+std::vector<int64_t> Loop::take_parts(size_t s, const std::string& why) {
     Side& side = sides_[s];
-    if (!side.broken.empty()) return;
     side.broken = why.empty() ? "the link failed" : why;
     std::vector<int64_t> slots = side.flow.take_all();
     // (a part waiting for credit or its turn was taken off the queue: it is among those in flight already)
     side.waiting.reset();
     side.turn_since.reset();
     credit_.unpace(int64_t(s));
+    const double now = monotonic();
     for (int64_t slot : slots) {
         InFlight& held = parts_[size_t(slot)];
         if (held.credited && !held.acked)
-            credit_.release_all({int64_t(held.part.push_bytes)}, side.network(), false, monotonic());
-        answer(slot, side.broken);
+            credit_.release_all({int64_t(held.part.push_bytes)}, side.network(), false, now);
+        held.credited = held.acked = false;
     }
+    side.receipts.clear();
+    return slots;
+}
+
+void Loop::fail_link(size_t s, const std::string& why) {
+    Side& side = sides_[s];
+    if (!side.broken.empty()) return;
+    for (int64_t slot : take_parts(s, why)) answer(slot, side.broken);
     for (int64_t slot : held_on(s)) {  // held sums: no EVERYONE is coming
         release(slot);
         answer(slot, side.broken);
     }
-    side.receipts.clear();
     poll_.remove(s);
 }
 
@@ -791,23 +805,13 @@ void Loop::closed(size_t s, const std::string& why) {
 void Loop::lose_link(size_t s, const std::string& why, bool report) {
     Side& side = sides_[s];
     if (!side.broken.empty()) return;
-    side.broken = why.empty() ? "the link failed" : why;
     side.lost = true;
-    std::vector<int64_t> slots = side.flow.take_all();
-    // (a part waiting for credit or its turn was taken off the queue: it is among those in flight already)
-    side.waiting.reset();
-    side.turn_since.reset();
-    credit_.unpace(int64_t(s));
-    const double now = monotonic();
-    for (int64_t slot : slots) {
+    for (int64_t slot : take_parts(s, why)) {
         InFlight& held = parts_[size_t(slot)];
         if (held.part.seed) {  // a seed for the dead server: dropped
             answer(slot, "");
             continue;
         }
-        if (held.credited && !held.acked)
-            credit_.release_all({int64_t(held.part.push_bytes)}, side.network(), false, now);
-        held.credited = held.acked = false;
         held.push_slot = held.pull_slot = kNoSlot;  // the dead link's shared slots are gone with it
         side.orphans.push_back(slot);
     }
@@ -815,7 +819,6 @@ void Loop::lose_link(size_t s, const std::string& why, bool report) {
         held_.erase({parts_[size_t(slot)].part.key, parts_[size_t(slot)].part.round});
         side.held_lost.push_back(slot);
     }
-    side.receipts.clear();
     set_arena(side, Arena{});
     poll_.remove(s);
     side.link.reset();  // the socket's flags as they were, before the caller closes it

@@ -146,6 +146,7 @@ class Loop {
     uint8_t* destination(size_t s, const Header& h);
     void arrived(size_t s, const Header& h);
     void answer(int64_t slot, const std::string& error);  // a part is done (its sum in, or refused)
+    std::vector<int64_t> take_parts(size_t s, const std::string& why);  // the link is broken: its parts off it
     void fail_link(size_t s, const std::string& why);     // every part on it fails; the link is out
     void lose_link(size_t s, const std::string& why, bool report);  // (failover) its parts wait as orphans
     void closed(size_t s, const std::string& why);  // its server closed it: lost (failover) or failed

@@ -162,13 +162,14 @@ class Failover:
             if self._last is None:
                 return None
             body, moved_keys = self._last
-            waiting: dict[int, int] = {}
             native = self._native()
             if native is not None:
                 waiting = native.unanswered(moved_keys)
-            for link in list(self.state.links) if native is None else []:
-                if isinstance(link, ServerLink):
-                    waiting |= link.unanswered(moved_keys)
+            else:
+                waiting = {}
+                for link in list(self.state.links):
+                    if isinstance(link, ServerLink):
+                        waiting |= link.unanswered(moved_keys)
             return {"replace": body.fields(), "held": self._held(moved_keys, waiting), "over": self._over}
 
     def _held(self, moved_keys: list[int], pending: dict[int, int]) -> dict[str, list[int]]:

@@ -198,7 +198,7 @@ class NativePath:
             ]
             call = Call(handle, name, servers, tuple(parts), works=works)
             call.pushed, call.pulled = sum(work.push_bytes for work in works), sum(work.nbytes for work in works)
-            keep = [_keep(work) for work in works] if self._on_lost is not None else []
+            keep = [_keep(w.partial, w.replayable, w.held) for w in works] if self._on_lost is not None else []
             if self._open(number, call):
                 self.loop.submit_parts(number, name, rnd, transfer.priority, code, parts, keep)
         except Exception as e:  # a bug (a plan past its buffers): the call fails with it, nothing waits
@@ -221,8 +221,8 @@ class NativePath:
         """A plain call's parts, (key, server, send offset, send bytes, out offset, out bytes, partition index) in
         bytes, cut as `Transfer.works` cuts them (`Transfer.spans`: a gather's segment, a reduce-scatter's slice), the
         bytes pushed and pulled in all, and (failover on) what each part keeps of its answered round for a failover
-        (`_keep`, as `Transfer.works` decides); cached per tensor and cut: a step's calls cost no Python per
-        partition."""
+        (`Transfer.keeps`, as a `Work` of `Transfer.works` has it); cached per tensor and cut: a step's calls cost no
+        Python per partition."""
         cut = (
             *(tensor.name, transfer.send_at, len(transfer.send), transfer.pull_at, len(transfer.pull)),
             *(transfer.partial, tensor.held, tuple(servers), tuple(tensor.replicated or ())),
@@ -236,11 +236,7 @@ class NativePath:
             give_from, give_to, take_from, take_to = transfer.spans(part.start, part.count)
             spans = (give_from * size, (give_to - give_from) * size, take_from * size, (take_to - take_from) * size)
             plan.append((key, server, *spans, part.index))
-            sliced = take_to - take_from < part.count
-            if transfer.partial or kept:  # a read of a server's state, or a key its replica keeps: nothing
-                keep.append(KEEP_NOTHING)
-            else:
-                keep.append(KEEP_CONTRIBUTION if sliced else KEEP_HELD if tensor.held else KEEP_SUM)
+            keep.append(_keep(*transfer.keeps(take_to - take_from < part.count, kept, tensor.held)))
         if self._on_lost is None:
             keep.clear()
         made = (plan, sum(part[3] for part in plan), sum(part[5] for part in plan), keep)
@@ -446,11 +442,12 @@ def _stop_at_exit() -> None:
         path.stop(GradwireError("the process exits"))
 
 
-def _keep(work: Work) -> int:
-    """What a part of a call with its own buffers keeps of its answered round (as `Seed.of` decides)."""
-    if work.held:
+def _keep(partial: bool, replayable: bool, held: bool) -> int:
+    """What a part keeps of its answered round, from what `Transfer.keeps` says of it (as `Seed.of` and
+    worker/holding.py treat a Python link's `Work`)."""
+    if held:
         return KEEP_HELD
-    return KEEP_CONTRIBUTION if work.replayable else KEEP_NOTHING if work.partial else KEEP_SUM
+    return KEEP_CONTRIBUTION if replayable else KEEP_NOTHING if partial else KEEP_SUM
 
 
 def _extra(work: Work) -> np.ndarray | None:

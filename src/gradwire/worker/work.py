@@ -207,6 +207,16 @@ class Transfer:
             min(max(end - self.pull_at, 0), pulled),
         )
 
+    def keeps(self, sliced: bool, replicated: bool, held: bool) -> tuple[bool, bool, bool]:
+        """What a partition of this call keeps for a failover, as (partial: no sum of its own to keep, replayable: its
+        contribution kept instead, held: its sum held in the output until every worker has it), from whether this
+        rank pulls only a slice of it, whether its key's replica server keeps its rounds, and whether its tensor's
+        sums are held. A key whose replica keeps its last round needs no copy here: after a failover the replica
+        answers that round from its own (a cut-off answer is then simply asked for again)."""
+        partial = self.partial or sliced or replicated
+        replayable = sliced and not self.partial and not replicated
+        return partial or held, replayable, held and not partial  # the scheduler holds no sliced or read key's sums
+
     def works(self, tensor: Tensor, rnd: int, handle: Handle) -> Iterator[Work]:
         """A `Work` per partition of `tensor`, for round `rnd`, in partition order."""
         send, pull = self.send, self.pull
@@ -216,11 +226,8 @@ class Transfer:
         for part, key, kept in zip(tensor.parts, tensor.keys, replicated, strict=True):
             give_from, give_to, take_from, take_to = self.spans(part.start, part.count)
             give, take = send[give_from:give_to], pull[take_from:take_to]
-            sliced = len(take) < part.count
-            # a key whose replica server keeps its last round needs no copy here: after a failover the replica
-            # answers that round from its own (a cut-off answer is then simply asked for again)
-            partial, replayable = self.partial or sliced or kept, sliced and not self.partial and not kept
+            partial, replayable, held = self.keeps(len(take) < part.count, kept, tensor.held)
             args = (tensor.name, key, rnd, code, give, take, self.average, handle, part.index)
-            work = Work(*args, partial=partial or tensor.held, replayable=replayable).trail(extra)
-            work.held = tensor.held and not partial  # sums only: the scheduler holds no sliced or read key's
+            work = Work(*args, partial=partial, replayable=replayable).trail(extra)
+            work.held = held
             yield work
