@@ -51,10 +51,15 @@ sanitize: install
 	cmake --build $(SANITIZE) -j2
 	mkdir -p $(SANITIZE)/pkg/gradwire_native
 	cp native/src/gradwire_native/__init__.py $(SANITIZE)/_core*.so $(SANITIZE)/pkg/gradwire_native/
+	# the sanitizers' reports go to files (pytest captures stderr, and a process they abort never shows it)
+	rm -f $(SANITIZE)/report.*
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
-		ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+		ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:log_path=$(abspath $(SANITIZE))/report \
+		UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1:log_path=$(abspath $(SANITIZE))/report \
 		PYTHONPATH=$(SANITIZE)/pkg GRADWIRE_SANITIZED=1 $(PY) -m pytest -q -p no:cacheprovider tests/native \
-		tests/cluster/test_native_worker.py tests/faults/test_failover.py -k "not wheel and (not test_failover or native)"
+		tests/cluster/test_native_worker.py tests/cluster/test_native_server.py tests/faults/test_failover.py \
+		-k "not wheel and (not test_failover or native)"; \
+		status=$$?; cat $(SANITIZE)/report.* 2>/dev/null; exit $$status
 
 clean:
 	rm -rf $(VENV) build native/build src/*.egg-info

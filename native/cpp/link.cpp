@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <system_error>
@@ -41,6 +42,16 @@ void Link::queue(const Header& h, const uint8_t* payload, uint64_t tag, const ui
 }
 
 ssize_t Link::operator()(iovec* iov, size_t n) {
+    if (ahead_at_ < ahead_.size()) {
+        size_t got = 0;
+        for (size_t i = 0; i < n && ahead_at_ < ahead_.size(); ++i) {
+            const size_t take = std::min(iov[i].iov_len, ahead_.size() - ahead_at_);
+            std::memcpy(iov[i].iov_base, ahead_.data() + ahead_at_, take);
+            ahead_at_ += take, got += take;
+        }
+        if (ahead_at_ == ahead_.size()) ahead_.clear(), ahead_at_ = 0;
+        return ssize_t(got);
+    }
     msghdr msg{};
     msg.msg_iov = iov;
     msg.msg_iovlen = n;

@@ -97,8 +97,17 @@ class Link {
         decoder_.receive(*this, sink);
     }
 
-    // One receive from the socket (a Decoder's source).
+    // One receive from the socket (a Decoder's source); bytes read ahead (`prepend`) first.
     ssize_t operator()(iovec* iov, size_t n);
+
+    // Bytes already read from the socket by someone else (a handshake's read-ahead): the next receives return them
+    // before the socket's.
+    void prepend(std::vector<uint8_t> bytes) {
+        ahead_ = std::move(bytes);
+        ahead_at_ = 0;
+    }
+    // Whether a frame has begun and is not whole.
+    bool mid_frame() const { return decoder_.mid_frame(); }
 
    private:
     struct Outgoing {
@@ -120,6 +129,8 @@ class Link {
     size_t head_sent_ = 0;  // bytes of the head frame (header and payload) already sent
     iovec iov_[kMaxIov];
     Decoder decoder_;
+    std::vector<uint8_t> ahead_;
+    size_t ahead_at_ = 0;
 };
 
 template <typename Sent>

@@ -13,16 +13,6 @@
 namespace gradwire::worker {
 namespace {
 
-double monotonic() {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-int make_eventfd() {
-    const int fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    if (fd < 0) throw std::system_error(errno, std::generic_category(), "eventfd");
-    return fd;
-}
-
 // Each (key, round) entry of an ACKS, RECEIVED or EVERYONE body (`length` a multiple of kAckEntrySize: the decoder
 // checked it), to `f`.
 template <typename F>
@@ -124,6 +114,7 @@ void Loop::set_limits(int64_t window, int64_t cap, int64_t lead) {
 }
 
 void Loop::stop(const std::string& why) {
+    std::lock_guard<std::mutex> alone(stopping_lock_);  // one caller joins the thread; others wait for it
     {
         std::lock_guard<std::mutex> lock(mutex_);
         if (stopping_.empty()) stopping_ = why.empty() ? "stopped" : why;
@@ -134,35 +125,20 @@ void Loop::stop(const std::string& why) {
     // the sockets as they were, now, while they are still the caller's to close: a Link destroyed later would set
     // the flags of whatever socket has the same number by then
     for (Side& side : sides_) side.link.reset();
-    std::vector<std::function<void()>> tasks;
     {
         std::lock_guard<std::mutex> lock(mutex_);
         stopped_ = true;
-        tasks.swap(tasks_);
         done_.notify_all();
     }
-    for (auto& task : tasks) task();  // asked for as it stopped: they run here, on what the loop left
+    tasks_.end();  // asked for as it stopped: they run here, on what the loop left
 }
 
 template <typename F>
 auto Loop::on_loop(F&& task) {
-    std::packaged_task<decltype(task())()> job(std::forward<F>(task));
-    auto result = job.get_future();
-    bool here = false;
-    {
-        std::lock_guard<std::mutex> lock(mutex_);
-        if (stopped_)
-            here = true;  // the thread has ended: nothing else touches the loop's state
-        else
-            tasks_.emplace_back([&job] { job(); });
-    }
-    if (here) {
-        job();
-    } else {
+    return tasks_.run(std::forward<F>(task), [this] {
         const uint64_t one = 1;
         (void)!::write(wake_fd_, &one, sizeof one);
-    }
-    return result.get();
+    });
 }
 
 void Loop::finish_held(size_t s) {
@@ -175,15 +151,6 @@ void Loop::finish_held(size_t s) {
             answer(slot, "");
         }
     });
-}
-
-void Loop::run_tasks() {
-    std::vector<std::function<void()>> tasks;
-    {
-        std::lock_guard<std::mutex> lock(mutex_);
-        tasks.swap(tasks_);
-    }
-    for (auto& task : tasks) task();
 }
 
 std::vector<std::tuple<uint64_t, int64_t, bool>> Loop::seeds(const std::vector<uint64_t>& keys) {
@@ -317,7 +284,7 @@ void Loop::run() {
                 }
                 shared_counts_ = with_use(monotonic());
             }
-            run_tasks();
+            tasks_.run_pending();
             take_submissions();
             const double now = monotonic();
             for (size_t s = 0; s < sides_.size(); ++s)

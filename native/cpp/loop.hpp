@@ -29,6 +29,7 @@
 #include "flow.hpp"
 #include "link.hpp"
 #include "poll.hpp"
+#include "tasks.hpp"
 #include "worker.hpp"
 
 namespace gradwire::worker {
@@ -159,7 +160,6 @@ class Loop {
     void set_arena(Side& side, const Arena& arena);
     template <typename F>
     auto on_loop(F&& task);  // run `task` on the loop thread and return its result
-    void run_tasks();
     void finish(uint64_t call, const std::string& error);
     bool credit_for(size_t s, const Part& p, double now);  // credit and the pacing turn for a push on link s
     void acked(size_t s, InFlight& held);                    // the server has it: its push slot is free
@@ -192,7 +192,8 @@ class Loop {
     std::vector<std::pair<uint64_t, std::vector<Part>>> inbox_;
     std::vector<std::pair<uint64_t, std::string>> outbox_;
     std::optional<std::tuple<int64_t, int64_t, int64_t>> limits_;
-    std::vector<std::function<void()>> tasks_;  // on_loop's
+    Tasks tasks_;  // on_loop's
+    std::mutex stopping_lock_;  // `stop`'s: several threads may call it at once
     std::string stopping_;  // "" while it runs
     bool stopped_ = false;
     Counts shared_counts_;

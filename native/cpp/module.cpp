@@ -17,6 +17,7 @@
 #include "link.hpp"
 #include "sums.hpp"
 #include "loop.hpp"
+#include "server.hpp"
 #include "worker.hpp"
 
 #include <algorithm>
@@ -476,6 +477,98 @@ NB_MODULE(_core, m) {
             },
             "(seconds some push was unacknowledged, bytes acknowledged, seconds work waited on a full window), as of "
             "the loop's last pass (at most a second old): the links' use for the scheduler's drift check.");
+
+    // A server's data path (server.hpp): Python hands it each worker's socket after the handshake and gets back
+    // what it keeps (server/native_path.py).
+    nb::class_<server::Loop>(m, "ServerLoop",
+                             "A server's worker links and the rounds of its plain keys, on a thread of their own.")
+        .def(
+            "__init__",
+            [](server::Loop* self, uint32_t rank, uint32_t epoch, uint32_t workers, uint64_t max_payload,
+               double frame_timeout) {
+                server::Settings settings;
+                settings.rank = rank, settings.epoch = epoch, settings.workers = workers;
+                settings.max_payload = max_payload, settings.frame_timeout = frame_timeout;
+                new (self) server::Loop(settings);
+            },
+            nb::arg("rank"), nb::arg("epoch"), nb::arg("workers"), nb::arg("max_payload"),
+            nb::arg("frame_timeout") = 60.0)
+        .def(
+            "add",
+            [](server::Loop& loop, uint32_t worker, int fd, nb::bytes ahead) {
+                std::vector<uint8_t> bytes(reinterpret_cast<const uint8_t*>(ahead.c_str()),
+                                           reinterpret_cast<const uint8_t*>(ahead.c_str()) + ahead.size());
+                nb::gil_scoped_release release;
+                loop.add(worker, fd, std::move(bytes));
+            },
+            nb::arg("worker"), nb::arg("fd"), nb::arg("ahead") = nb::bytes(""),
+            "Worker `worker`'s socket after its handshake, with the bytes the handshake read ahead.")
+        .def(
+            "attach",
+            [](server::Loop& loop, uint32_t worker, const SharedSlots& slots) {
+                const worker::Arena arena = arena_of(slots);
+                nb::gil_scoped_release release;
+                loop.attach(worker, arena);
+            },
+            nb::arg("worker"), nb::arg("slots"), "The worker's shared slots: (memory, push, pull, slot bytes).")
+        .def("close", &server::Loop::close, nb::arg("worker"), nb::call_guard<nb::gil_scoped_release>(),
+             "The worker's link leaves the loop (a closed event follows).")
+        .def(
+            "send",
+            [](server::Loop& loop, uint32_t worker, nb::bytes frame) {
+                std::vector<uint8_t> bytes(reinterpret_cast<const uint8_t*>(frame.c_str()),
+                                           reinterpret_cast<const uint8_t*>(frame.c_str()) + frame.size());
+                nb::gil_scoped_release release;
+                loop.send(worker, std::move(bytes));
+            },
+            nb::arg("worker"), nb::arg("frame"), "One whole frame to the worker, in order with the loop's replies.")
+        .def("declare", &server::Loop::declare, nb::arg("key"), nb::arg("dtype"), nb::arg("length"), nb::arg("name"),
+             nb::arg("members"), nb::arg("native"), nb::call_guard<nb::gil_scoped_release>(),
+             "A key: summed here (`native`) or handed to Python; `members`: its ranks (empty: every worker).")
+        .def("set_joined", &server::Loop::set_joined, nb::arg("mask"), nb::call_guard<nb::gil_scoped_release>())
+        .def("set_departed", &server::Loop::set_departed, nb::arg("mask"), nb::call_guard<nb::gil_scoped_release>())
+        .def("reset", &server::Loop::reset, nb::arg("workers"), nb::arg("forget"),
+             nb::call_guard<nb::gil_scoped_release>())
+        .def("set_identity", &server::Loop::set_identity, nb::arg("rank"), nb::arg("epoch"),
+             nb::call_guard<nb::gil_scoped_release>())
+        .def(
+            "events",
+            [](server::Loop& loop, double timeout) {
+                std::vector<server::Event> events;
+                {
+                    nb::gil_scoped_release release;
+                    events = loop.events(timeout);
+                }
+                nb::list out;
+                for (server::Event& e : events) {
+                    nb::object body = nb::none();
+                    if (e.body) {  // the payload as a uint8 array that owns it
+                        auto* owned = new std::shared_ptr<std::vector<uint8_t>>(std::move(e.body));
+                        nb::capsule keep(owned, [](void* p) noexcept {
+                            delete static_cast<std::shared_ptr<std::vector<uint8_t>>*>(p);
+                        });
+                        const size_t shape[1] = {(*owned)->size()};
+                        body = nb::cast(nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>((*owned)->data(), 1, shape, keep));
+                    }
+                    out.append(nb::make_tuple(int(e.kind), e.worker, header_tuple(e.header), body, e.why, e.routine,
+                                              e.ranks));
+                }
+                return out;
+            },
+            nb::arg("timeout"),
+            "What happened since the last call, waiting up to `timeout` seconds: (kind, worker, header tuple, payload "
+            "or None, why, routine, ranks) each; kinds 0 a frame for Python, 1 a link ended, 2 a held round answered.")
+        .def(
+            "take_counts",
+            [](server::Loop& loop) {
+                const server::Counts c = loop.take_counts();
+                return nb::make_tuple(c.pushed, c.pulled, c.rounds, c.seeded_answers);
+            },
+            "(bytes pushed, bytes pulled, rounds answered to every worker, seeded answers) since the last call.")
+        .def("stalled", &server::Loop::stalled, nb::arg("now"), nb::arg("threshold"), nb::call_guard<nb::gil_scoped_release>())
+        .def("sizes", &server::Loop::sizes, nb::call_guard<nb::gil_scoped_release>(),
+             "(keys summed here, bytes of the buffers its pool has made).")
+        .def("stop", &server::Loop::stop, nb::call_guard<nb::gil_scoped_release>());
 
     nb::register_exception_translator([](const std::exception_ptr& p, void*) {
         try {

@@ -2,7 +2,10 @@
 #pragma once
 
 #include <sys/epoll.h>
+#include <sys/eventfd.h>
 #include <unistd.h>
+
+#include <chrono>
 
 #include <cerrno>
 #include <cstdint>
@@ -14,13 +17,30 @@ namespace gradwire {
 
 constexpr uint32_t kInput = EPOLLIN | EPOLLERR | EPOLLHUP;  // readable, or its end: a receive says which
 
+// A loop's clock: the steady clock's seconds (Python's time.monotonic).
+inline double monotonic() {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// A loop's wake-up: an eventfd it polls beside its sockets, written by the threads that hand it work.
+inline int make_eventfd() {
+    const int fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (fd < 0) throw std::system_error(errno, std::generic_category(), "eventfd");
+    return fd;
+}
+
 // Sockets under one epoll, level-triggered; a socket's interest changes only when its wants do.
 class Poll {
    public:
     explicit Poll(const std::vector<int>& fds) : fds_(fds), events_(fds.size(), EPOLLIN) {
         epoll_ = ::epoll_create1(EPOLL_CLOEXEC);
         if (epoll_ < 0) throw std::system_error(errno, std::generic_category(), "epoll_create1");
-        for (size_t i = 0; i < fds.size(); ++i) control(EPOLL_CTL_ADD, i, EPOLLIN);
+        try {
+            for (size_t i = 0; i < fds.size(); ++i) control(EPOLL_CTL_ADD, i, EPOLLIN);
+        } catch (...) {
+            ::close(epoll_);  // no destructor runs for a constructor that throws
+            throw;
+        }
     }
     ~Poll() { ::close(epoll_); }
     Poll(const Poll&) = delete;
@@ -34,6 +54,19 @@ class Poll {
         if (::epoll_ctl(epoll_, EPOLL_CTL_DEL, fds_[i], &e) < 0 && errno != EBADF && errno != ENOENT)
             throw std::system_error(errno, std::generic_category(), "epoll_ctl");
         events_[i] = kRemoved;
+    }
+
+    // Watch socket `fd` too, as the next index (returned).
+    size_t add(int fd) {
+        fds_.push_back(fd);
+        events_.push_back(EPOLLIN);
+        try {
+            control(EPOLL_CTL_ADD, fds_.size() - 1, EPOLLIN);
+        } catch (...) {
+            fds_.pop_back(), events_.pop_back();  // an `add` that failed leaves nothing behind
+            throw;
+        }
+        return fds_.size() - 1;
     }
 
     // Watch socket `fd` as socket i from now on (one removed before: a lost link's replacement).
@@ -71,11 +104,8 @@ class Poll {
         epoll_event e{};
         e.events = events;
         e.data.u64 = i;
-        if (::epoll_ctl(epoll_, op, fds_[i], &e) < 0) {
-            const int err = errno;
-            if (op == EPOLL_CTL_ADD) ::close(epoll_);
-            throw std::system_error(err, std::generic_category(), "epoll_ctl");
-        }
+        if (::epoll_ctl(epoll_, op, fds_[i], &e) < 0)
+            throw std::system_error(errno, std::generic_category(), "epoll_ctl");
     }
 
     std::vector<int> fds_;

@@ -48,13 +48,16 @@ class LocalCluster:
         colocated: int = 0,
         hosts: int = 0,
         standby_schedulers: int = 0,
+        server_config: dict[int, dict] | None = None,
         **config: object,
     ) -> None:
         """`colocated` of the `num_servers` servers say they run on a worker host (GRADWIRE_COLOCATED); here every
         node shares this process's host, unless `hosts` > 0: then the workers act as if on that many hosts (ranks in
         contiguous blocks), colocated server c on host c % hosts, each dedicated server on a host of its own
         (GRADWIRE_HOST_ID: between hosts, sockets instead of shared memory). `standby_schedulers`: standby schedulers
-        (`standby_schedulers` in this object), their addresses in every node's GRADWIRE_SCHEDULER_STANDBY."""
+        (`standby_schedulers` in this object), their addresses in every node's GRADWIRE_SCHEDULER_STANDBY.
+        `server_config`: settings of server i (by its start order) that differ from the others'."""
+        self._server_overrides = server_config or {}
         base = Config(
             num_workers=num_workers,
             num_servers=num_servers,
@@ -95,6 +98,7 @@ class LocalCluster:
             standby=i >= num_servers,
             colocated=0 <= on_host < colocated,
             host_id=_host(hosts, on_host, f"server{i}") if hosts else "",
+            **self._server_overrides.get(i, {}),
         )
 
     def _worker_config(self, rank: int, hosts: int) -> Config:

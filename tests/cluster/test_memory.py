@@ -122,7 +122,8 @@ def _server_buffers(server) -> int:
             for r in state.rounds:
                 if not state.lent and r.acc is not None:
                     own[id(r.acc)] = r.acc.nbytes
-    return sum(engine.pool.allocated for engine in server.state.engines) + sum(own.values())
+    native = server.state.native.loop.sizes()[1] if server.state.native else 0  # the native loop's pool
+    return sum(engine.pool.allocated for engine in server.state.engines) + sum(own.values()) + native
 
 
 @pytest.mark.parametrize("hold", [True, False], ids=["held", "replicas"])
@@ -138,8 +139,12 @@ def test_servers_hold_buffers_for_rounds_in_flight_and_one_per_replicated_key(ho
         c.run(lambda w: [w.push_pull_inplace(grads[w.rank], "g") for _ in range(4)])
         assert all((g == 81).all() for g in grads)  # 1 -> 3 -> 9 -> 27 -> 81
         assert sum(s.replicated_rounds for s in c.servers) == (0 if hold else 4 * 16)
+        # held (the defaults): the native server loop sums the 16 partitions (its pool lends their buffers likewise);
+        # with replicas the Python engines do, and keep the replicas
+        assert all((s.state.native is not None) == hold for s in c.servers)
         states = [st for s in c.servers for e in s.state.engines for st in e.keys.values()]
-        assert sorted(st.kept for st in states) == [False] * 16 + [True] * 16 * (not hold)
+        assert sorted(st.kept for st in states) == [False] * 16 * (not hold) + [True] * 16 * (not hold)
+        assert sum(len(s.state.native.names) for s in c.servers if s.state.native) == 16 * hold
         deadline = time.monotonic() + 5  # the repliers give the last buffers back just after their sends
         while any(r.acc is not None for st in states if not st.kept for r in st.rounds):
             assert time.monotonic() < deadline, "round buffers still held after their replies were sent"

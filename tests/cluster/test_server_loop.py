@@ -1,11 +1,12 @@
-"""A server's link loop (transport/loop.py, server/reader.py): one thread reads every worker connection and runs the
-engine after each pass. A connection cut off mid-frame is dropped at the frame timeout without stalling the ring; more
-engines than one run as threads of their own and sum the same."""
+"""A server's link loop (transport/loop.py, server/reader.py; and the native server loop, server/native_path.py): one
+thread reads every worker connection and runs the engine after each pass. A connection cut off mid-frame is dropped at
+the frame timeout without stalling the ring; more engines than one run as threads of their own and sum the same."""
 
 import logging
 import time
 
 import numpy as np
+import pytest
 
 from gradwire.errors import GradwireError
 from gradwire.protocol import frames
@@ -28,21 +29,26 @@ def _as_worker(server, rank):
     )
 
 
-def test_a_worker_cut_off_mid_frame_is_dropped_at_the_frame_timeout_and_the_loop_goes_on(caplog):
+@pytest.mark.parametrize("datapath", ["python", "auto"])
+def test_a_worker_cut_off_mid_frame_is_dropped_at_the_frame_timeout_and_the_loop_goes_on(caplog, datapath):
     """A blocking reader's receive timed out; the loop has no blocking receive: a frame begun and not continued within
     GRADWIRE_FRAME_TIMEOUT must fail its connection, and its claimed ring slot must go to the engine empty (else the
     engine waits on it forever, and with it every worker)."""
-    with LocalCluster(num_workers=2, num_servers=1, transport="tcp", frame_timeout=0.5) as c:
+    with LocalCluster(num_workers=2, num_servers=1, transport="tcp", frame_timeout=0.5, datapath=datapath) as c:
         c.run(lambda w: w.push_pull(np.ones(1000, np.float32), "g"))
         server = c.servers[0]
-        ((key, state),) = server.engines[0].keys.items()
+        if server.state.native is not None:  # the native loop's key: 1000 float32
+            ((key, _),) = server.state.native.names.items()
+            length, code = 4000, 2
+        else:
+            ((key, state),) = server.engines[0].keys.items()
+            length, code = state.length, state.dtype.code
         c.workers[1].links[0].close(GradwireError("test"), farewell=frames.encode_header(FrameType.BYE, 0))
         _wait(lambda: 1 not in server.state.links)
 
         cut = _as_worker(server, 1)
-        length = state.length
         header = frames.encode_header(
-            FrameType.PUSHPULL, length, dtype=state.dtype.code, sender=1, epoch=server.epoch, key=key, round=2
+            FrameType.PUSHPULL, length, dtype=code, sender=1, epoch=server.epoch, key=key, round=2
         )
         with caplog.at_level(logging.WARNING, logger="gradwire.server"):
             cut.sock.sendall(header + bytes(length // 2))
@@ -63,10 +69,11 @@ def test_a_worker_cut_off_mid_frame_is_dropped_at_the_frame_timeout_and_the_loop
         cut.close()
 
 
-def test_a_connection_s_first_frames_read_ahead_by_its_handshake_are_not_left_unread():
+@pytest.mark.parametrize("datapath", ["python", "auto"])
+def test_a_connection_s_first_frames_read_ahead_by_its_handshake_are_not_left_unread(datapath):
     """The handshake reads ahead: a frame sent right behind it is in the connection's buffer, and epoll never says
     the socket is readable for it. The loop reads it on its first pass over the connection."""
-    with LocalCluster(num_workers=1, num_servers=1, transport="tcp") as c:
+    with LocalCluster(num_workers=1, num_servers=1, transport="tcp", datapath=datapath) as c:
         c.run(lambda w: w.push_pull(np.ones(10, np.float32), "g"))
         server = c.servers[0]
         c.workers[0].links[0].close(GradwireError("test"), farewell=frames.encode_header(FrameType.BYE, 0))
@@ -81,11 +88,13 @@ def test_a_connection_s_first_frames_read_ahead_by_its_handshake_are_not_left_un
 
 
 def test_engines_on_threads_of_their_own_sum_the_same():
-    """GRADWIRE_ENGINES > 1: each engine is a thread (the loop only reads); sums and their bytes are the same."""
+    """GRADWIRE_ENGINES > 1: each engine is a thread (the loop only reads); sums and their bytes are the same. (The
+    Python path's engines: the native loop sums on its own thread.)"""
     x = [np.arange(50_000, dtype=np.float32) * (r + 1) for r in range(3)]
     sums = []
     for engines in (1, 3):
-        with LocalCluster(num_workers=3, num_servers=2, engines=engines, partition_bytes=16384) as c:
+        options = dict(engines=engines, partition_bytes=16384, datapath="python")
+        with LocalCluster(num_workers=3, num_servers=2, **options) as c:
             server = c.servers[0]
             assert [e.inline for e in server.engines] == ([True] if engines == 1 else [False] * 3)
             for step in range(3):

@@ -139,10 +139,13 @@ def test_a_hung_replica_is_reported_and_failed_over_not_waited_for():
         assert took < 20, f"{took:.1f}s: the workers waited on the hung replica"
 
 
-def _answer_one_then_die(cluster: LocalCluster, killed: threading.Event, after: int, sliced: bool = False) -> None:
-    """The trap: server 0 answers its `after`-th round (of a key each rank pulls only a slice of, with `sliced`) to
-    worker 0 only, then dies (`killed` is set once it is dead); the other workers wait for that round."""
-    victim = cluster.servers[0]
+def _answer_one_then_die(
+    cluster: LocalCluster, killed: threading.Event, after: int, sliced: bool = False, victim: int = 0
+) -> None:
+    """The trap: server `victim` (a Python engine's: the trap is set there) answers its `after`-th round (of a key each
+    rank pulls only a slice of, with `sliced`) to worker 0 only, then dies (`killed` is set once it is dead); the other
+    workers wait for that round."""
+    victim = cluster.servers[victim]
     seen = {"rounds": 0}
     original = victim.outgoing.reply
 
@@ -157,7 +160,7 @@ def _answer_one_then_die(cluster: LocalCluster, killed: threading.Event, after: 
         while victim.links[0].replies.qsize() and time.monotonic() < deadline:
             time.sleep(0.001)
         time.sleep(0.05)
-        threading.Thread(target=lambda: (cluster.kill_server(0), killed.set()), daemon=True).start()
+        threading.Thread(target=lambda: (cluster.kill_server(victim.rank), killed.set()), daemon=True).start()
 
     for engine in victim.engines:
         engine._reply = queue_reply
@@ -174,18 +177,27 @@ def test_a_round_answered_to_some_workers_only_is_completed_from_a_copy(copies, 
     budget = 1 << 30 if copies == "worker" else 0
     held, average = copies.startswith("held"), copies.endswith("averaged")
     options = path | {"failover_hold": held}
+    # the trap is set in a Python engine (`_answer_one_then_die`): one server's; the other, which completes the round
+    # from the copy, runs the job's data path
     with LocalCluster(
-        num_workers=3, num_servers=2, partition_bytes=4096, failover_copy_bytes=budget, placement="equal", **options
+        num_workers=3,
+        num_servers=2,
+        partition_bytes=4096,
+        failover_copy_bytes=budget,
+        placement="equal",
+        server_config={0: {"datapath": "python"}},
+        **options,
     ) as c:
         _on(c, path)
         killed = threading.Event()
-        _answer_one_then_die(c, killed, after=15)
+        victim = next(i for i, s in enumerate(c.servers) if s.state.native is None)
+        _answer_one_then_die(c, killed, after=15, victim=victim)
         results = c.run(lambda w: _train(w, killed, kill_at=STEPS - 2, average=average))
         expected = _expected(3, average)
         for rank, sums in enumerate(results):
             wrong = [k for k in expected if sums[k] != expected[k]]
             assert not wrong, f"worker {rank}: sums differ for {wrong[:5]}"
-        assert c.servers[1].seeded_answers >= 2  # workers 1 and 2 got that round's sum from a copy
+        assert c.servers[1 - victim].seeded_answers >= 2  # workers 1 and 2 got that round's sum from a copy
         seeded = c.scheduler.failovers[0]["seeds"]
         assert (seeded == 0) if copies == "replica" else (seeded >= 1)  # which copy: worker 0 seeded, or none had to
         tensors = [t for w in c.workers for t in w.table.tensors.values()]

@@ -334,6 +334,8 @@ def test_a_failover_of_held_sums_under_way_when_the_scheduler_dies_is_completed_
 
 def _failover_interrupted(told: str, standby: int, copy_bytes: int) -> None:
     config = {"partition_bytes": 4096, "failover_copy_bytes": copy_bytes, "scheduler_timeout": 20.0}
+    # the trap is set in server 0's Python engine (`_answer_one_then_die`): the servers run the Python data path
+    config["server_config"] = {i: {"datapath": "python"} for i in range(2 + standby)}
     with LocalCluster(num_workers=3, num_servers=2, num_standby=standby, heartbeat_interval=0.2, **config) as c:
         killed, interrupted, go = threading.Event(), threading.Event(), threading.Event()
         _answer_one_then_die(c, killed, after=15)

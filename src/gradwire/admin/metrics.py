@@ -49,12 +49,14 @@ class Metrics:
 
     def __init__(self, role: str) -> None:
         self.role = role
-        self.bytes_pushed = 0
-        self.bytes_pulled = 0
-        self.rounds = 0
+        self._pushed = 0
+        self._pulled = 0
+        self._rounds = 0
         self._lock = threading.Lock()
         self.started = time.monotonic()
         self.extra: Callable[[], dict] | None = None  # more counters for the heartbeat (a worker's link use)
+        # counts kept elsewhere, added in before the counters are read (a server's native loop: server/native_path.py)
+        self.before_read: Callable[[], None] | None = None
         # per stage: partitions per bucket of BUCKETS (and past the last), and the seconds in all
         self._buckets = [[0] * (len(BUCKETS) + 1) for _ in STAGES]
         self._seconds = [0.0] * len(STAGES)
@@ -62,17 +64,28 @@ class Metrics:
         if prom is not None:
             self.registry.register(_Collector(self._families))
 
+    def counts(self) -> tuple[int, int, int]:
+        """(bytes pushed, bytes pulled, rounds), with the counts kept elsewhere added in (`before_read`)."""
+        if self.before_read is not None:
+            self.before_read()
+        with self._lock:
+            return self._pushed, self._pulled, self._rounds
+
+    bytes_pushed = property(lambda self: self.counts()[0])
+    bytes_pulled = property(lambda self: self.counts()[1])
+    rounds = property(lambda self: self.counts()[2])
+
     def pushed(self, n: int) -> None:
         with self._lock:
-            self.bytes_pushed += n
+            self._pushed += n
 
     def pulled(self, n: int) -> None:
         with self._lock:
-            self.bytes_pulled += n
+            self._pulled += n
 
     def round_done(self, n: int = 1) -> None:
         with self._lock:
-            self.rounds += n
+            self._rounds += n
 
     def stages(self, counts: list[list[int]], seconds: list[float]) -> None:
         """Partitions' stages counted elsewhere (the native data path's loop: the same buckets), added in."""
@@ -86,15 +99,15 @@ class Metrics:
     def partition(self, pulled: int, *seconds: float) -> None:
         """A partition's sum came back: `pulled` bytes, and its time in each of STAGES, in that order."""
         with self._lock:
-            self.bytes_pulled += pulled
+            self._pulled += pulled
             for i, value in enumerate(seconds):
                 self._buckets[i][bisect.bisect_left(BUCKETS, value)] += 1
                 self._seconds[i] += value
 
     def _families(self) -> list:
         """The counters and the stage histogram, in prometheus_client's types (when /metrics is read)."""
+        counts = self.counts()
         with self._lock:
-            counts = (self.bytes_pushed, self.bytes_pulled, self.rounds)
             buckets = [list(b) for b in self._buckets]
             seconds = list(self._seconds)
         families = []
@@ -129,11 +142,12 @@ class Metrics:
             self.registry.register(_Collector(fn))
 
     def snapshot(self) -> dict:
+        pushed, pulled, rounds = self.counts()
         with self._lock:
             counters = {
-                "bytes_pushed": self.bytes_pushed,
-                "bytes_pulled": self.bytes_pulled,
-                "rounds": self.rounds,
+                "bytes_pushed": pushed,
+                "bytes_pulled": pulled,
+                "rounds": rounds,
                 "uptime_seconds": time.monotonic() - self.started,
             }
         # outside the lock, which the data path takes once per partition: a file read, and the extra's own locks

@@ -357,8 +357,8 @@ def available_modes() -> tuple[str, ...]:
 
 def run_job_bench(args, env: dict[str, str]) -> int:
     """`gradwire bench --floor`: the native floor as a job (n workers, k servers, TCP loopback) beside gloo's ring and
-    gradwire's own job with its defaults (the native worker where gradwire-native is installed) over its default
-    transport and over TCP, and each with the Python worker (GRADWIRE_DATAPATH=python), alternated round by round;
+    gradwire's own job with its defaults (the native data path where gradwire-native is installed) over its default
+    transport and over TCP, and each on the Python data path (GRADWIRE_DATAPATH=python), alternated round by round;
     ratios to gloo's time."""
     from gradwire.bench.runner import MiB, run_gloo, run_gradwire
 
@@ -381,12 +381,12 @@ def run_job_bench(args, env: dict[str, str]) -> int:
             both = row["worker_cpu_seconds_per_gb"] + row["server_cpu_seconds_per_gb"]
             record(f"native floor, {p // 1024} KiB", row["seconds_per_call"], both)
         tcp = env | {"GRADWIRE_TRANSPORT": "tcp"}
-        python = {"GRADWIRE_DATAPATH": "python"}  # the worker's Python data path (and numpy's sums)
+        python = {"GRADWIRE_DATAPATH": "python"}  # the Python data path, workers' and servers'
         for name, job in (
             ("gradwire (defaults)", env),
-            ("gradwire (defaults), Python worker", env | python),
+            ("gradwire (defaults), Python data path", env | python),
             ("gradwire over TCP", tcp),
-            ("gradwire over TCP, Python worker", tcp | python),
+            ("gradwire over TCP, Python data path", tcp | python),
         ):
             for t in run_gradwire(n, k, [size], args.repeats, args.warmup, job):
                 record(name, t.median, t.cpu_per_gb())

@@ -7,10 +7,10 @@ size (GRADWIRE_PARTITION_BYTES) and reports the CPU seconds the workers and the 
 figure over the largest partition size's: the per-partition overhead, apart for both roles. gloo's ring on the same
 tensor in the same run gives the yardstick. Rounds alternate the sizes so that the machine's drift hits them alike.
 
-Both ways run with the defaults (server failover on: each sum kept as its key's seed): the Python worker
-(GRADWIRE_DATAPATH=python) and, where gradwire-native is installed, the native worker (worker/native_path.py: every
-worker's own data path by default); the servers sum float32 with numpy either way. What the worker's rule costs
-natively, beside the floor.
+Both ways run with the defaults (server failover on: each sum kept as its key's seed): the Python data path
+(GRADWIRE_DATAPATH=python: workers and servers) and, where gradwire-native is installed, the native one (every
+worker's and every server's own data path by default: worker/native_path.py, server/native_path.py). What the rule
+costs natively, beside the floor.
 
 Beside it, the floor (bench/floor.py): the same partition sizes through a Python data path with nothing else in it,
 one worker and one server, the worker with one thread and with two (a sender woken by its receiver, as gradwire's
@@ -54,7 +54,7 @@ def run_partitions(args: argparse.Namespace, env: dict[str, str]) -> int:
                 floors[mode, p].append(run_floor(p, size, FLOOR_REPEATS, mode))
         gloo += run_gloo(n, [size], args.repeats, args.warmup)
     rows = [_row(w, p, runs[w, p]) for w in workers for p in parts]
-    base = rows[len(parts) - 1] if rows else None  # the Python worker's largest partitions
+    base = rows[len(parts) - 1] if rows else None  # the Python data path's largest partitions
     gloo_cpu = statistics.median(t.cpu_per_gb() for t in gloo)
     floor_rows = [_floor_row(mode, p, floors[mode, p]) for mode in modes for p in parts]
     if args.json:
@@ -114,7 +114,7 @@ def _row(worker: str, partition: int, timings: list[Timing]) -> dict:
 
 def table(rows: list[dict], base: dict | None, gloo_cpu: float, n: int, k: int, size: int) -> str:
     """A markdown table: per worker (Python, native) and partition size, the time of a call, workers' and servers' CPU
-    per GB and each over the Python worker's at the largest size."""
+    per GB and each over the Python data path's at the largest size."""
     lines = [
         f"push_pull of {size / MiB:g} MiB, n={n} workers, k={k} servers, TCP loopback; gloo's ring: "
         f"{gloo_cpu:.2f} CPU s per GB",

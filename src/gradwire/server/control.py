@@ -17,6 +17,7 @@ from gradwire.ring import DEPARTED_EVENT, JOIN_EVENT
 from gradwire.scheduler import client
 from gradwire.server import ops
 from gradwire.server.held import Held
+from gradwire.server.native_path import summed_natively
 from gradwire.server.reader import claim
 from gradwire.server.state import ServerState
 
@@ -129,9 +130,15 @@ class ServerControl:
                 raise RemoteProtocolError(f"scheduler declared key {key:016x} with {length} bytes")
             cut = _slices(slices.get(str(key)), key, length, dtype.itemsize, state.num_workers)
             engine = state.engine_of(key)
+            target = replicas.get(str(key))
+            path = state.native
+            if path is not None:  # summed by the native loop, or its pushes handed to the engines
+                mine = key in path.names or key not in engine.keys and summed_natively(op, cut, body.kept, target)
+                path.declare(key, dtype, length, name, members, mine)
+                if mine:
+                    continue
             engine.declare(key, dtype, length, name, op, cut, members)
             engine.keys[key].keep(body.kept)  # an owner's registration (a promotion) ends a replica's
-            target = replicas.get(str(key))
             if target is not None and state.replicas is not None:  # its updates are replicated there
                 address = (body.addresses or {})[str(target)]
                 if state.replicas.ensure(int(target), address):
@@ -154,6 +161,9 @@ class ServerControl:
             if not 0 <= rank < self.state.num_workers:
                 raise RemoteProtocolError(f"scheduler says worker {rank} joined or left, of {self.state.num_workers}")
             mask |= 1 << rank
+        path = self.state.native
+        if path is not None:  # its keys' rounds, in order with the pushes it has taken
+            (path.loop.set_departed if flags & DEPARTED_EVENT else path.loop.set_joined)(mask)
         for engine in self.state.engines:
             seq, slot = claim(engine.ring)
             slot.valid, slot.flags, slot.key, slot.length, slot.conn = True, JOIN_EVENT | flags, mask, 0, None
@@ -168,6 +178,8 @@ class ServerControl:
         deadline = time.monotonic() + state.config.timeout
         with state.links_lock:
             state.epoch = epoch  # frames of the old epoch are refused from now on
+            if state.native is not None:
+                state.native.identify()
             links = list(state.links.values())
         for link in links:
             link.close()
@@ -175,6 +187,10 @@ class ServerControl:
             time.sleep(0.001)
         for engine in state.engines:
             engine.reset(num_workers, forget=forget)
+        if state.native is not None:
+            state.native.loop.reset(num_workers, forget)
+            if forget:
+                state.native.names.clear()
         if state.receipts is not None:
             state.receipts.reset()
         state.set_workers(num_workers)
@@ -186,6 +202,8 @@ class ServerControl:
         """A standby takes a dead server's place."""
         state = self.state
         state.rank, state.epoch, state.standby = body.rank, body.epoch, False
+        if state.native is not None:
+            state.native.identify()
         if state.replicas is not None:
             state.replicas.rank = state.rank
         self._reply(body.id)

@@ -185,7 +185,7 @@ class Reader:
         elif kind == FrameType.SHM_ATTACH:
             incoming.then = lambda body: self.attach(link, frames.decode_json(body.tobytes()))
         elif kind == FrameType.RECEIVED:  # sums of held keys are in its outputs (server/receipts.py)
-            incoming.then = lambda body: self._received(link.conn, header, body)
+            incoming.then = lambda body: self.received(link.conn, header, body)
         else:
             raise RemoteProtocolError(f"unexpected {kind.name} frame (flags {header.flags:#x})")
         return np.empty(header.length, np.uint8)  # a control frame's body (its length was checked with its header)
@@ -232,7 +232,8 @@ class Reader:
             self._scratch = np.empty(length, np.uint8)
         return self._scratch[:length]
 
-    def _received(self, conn: tcp.Connection, header: frames.Header, body: memoryview) -> None:
+    def received(self, conn: tcp.Connection, header: frames.Header, body: memoryview) -> None:
+        """A RECEIVED frame: the worker has these held rounds' sums (server/receipts.py)."""
         if header.sender != conn.peer_rank or header.epoch != self.state.epoch or self.state.receipts is None:
             raise RemoteProtocolError(
                 f"RECEIVED claims sender {header.sender} epoch {header.epoch}; connection is worker {conn.peer_rank} "
@@ -275,17 +276,22 @@ class Reader:
     def attach(self, link: Replier, body: dict) -> None:
         """Map the worker's shared slots (transport/shm.py) and say whether it worked."""
         try:
-            push, pull, slot_bytes = int(body["push"]), int(body["pull"]), int(body["slot_bytes"])
-            path = str(body["path"])
-            if link.arena is not None or not path.startswith(shm.SHM_DIR + "/gradwire-") or "/" in path[9:]:
-                raise RemoteProtocolError(f"refusing shared memory at {path!r}")
-            if slot_bytes > self.state.config.max_frame_bytes or push + pull > 1024:
-                raise RemoteProtocolError(f"shared memory of {push}+{pull} slots of {slot_bytes} bytes is too large")
-            link.arena = shm.Arena(path, push, pull, slot_bytes, create=False)
+            self.map_arena(link, body)
             link.conn.send_json(FrameType.SHM_ATTACH, {"ok": True})
         except (KeyError, ValueError, OSError, RemoteProtocolError) as e:
             log.info("worker %d: shared memory not used: %s", link.conn.peer_rank, e)
             link.conn.send_json(FrameType.SHM_ATTACH, {"ok": False, "error": str(e)})
+
+    def map_arena(self, link: Replier, body: dict) -> shm.Arena:
+        """The worker's shared slots that a SHM_ATTACH frame names, checked and mapped (the link's from now on)."""
+        push, pull, slot_bytes = int(body["push"]), int(body["pull"]), int(body["slot_bytes"])
+        path = str(body["path"])
+        if link.arena is not None or not path.startswith(shm.SHM_DIR + "/gradwire-") or "/" in path[9:]:
+            raise RemoteProtocolError(f"refusing shared memory at {path!r}")
+        if slot_bytes > self.state.config.max_frame_bytes or push + pull > 1024:
+            raise RemoteProtocolError(f"shared memory of {push}+{pull} slots of {slot_bytes} bytes is too large")
+        link.arena = shm.Arena(path, push, pull, slot_bytes, create=False)
+        return link.arena
 
 
 def landing_of(engine: Engine, slot: Slot, header: frames.Header) -> np.ndarray:

@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 
+from gradwire import native
 from gradwire.admin.node import NodeAdmin
 from gradwire.admin.stalls import watch_stalls
 from gradwire.config import Config
@@ -24,7 +25,7 @@ from gradwire.errors import GradwireError, RemoteProtocolError
 from gradwire.protocol import messages
 from gradwire.ring import Ring
 from gradwire.scheduler.client import join
-from gradwire.server import compressed, optim
+from gradwire.server import compressed, native_path, optim
 from gradwire.server.control import ServerControl
 from gradwire.server.engine import Engine
 from gradwire.server.outgoing import Outgoing
@@ -108,6 +109,15 @@ class Server:
             deadline=config.heartbeat_timeout,
             on_lost=self._replica_lost,
         )
+        why_not = native_path.why_not(config)
+        if not why_not:
+            module = native.load().module
+            assert module is not None
+            state.native = native_path.NativeServer(state, module, self.reader, self._closed_link)
+            state.native.start()
+            log.info("server %d: the native data path", state.rank)
+        else:
+            log.debug("server %d: the Python data path (%s)", state.rank, why_not)
         self._start_engines()
         state.loop.start()
         for listener in (self._listener, self._unix_listener):
@@ -127,7 +137,7 @@ class Server:
         state.engines.extend(self._engine(i) for i in range(self.config.engines))
         for engine in state.engines:
             engine.ring.on_space = state.loop.wake  # a push that found the ring full is taken up (reader.py)
-        if len(state.engines) == 1:
+        if len(state.engines) == 1 and state.native is None:  # (the native loop's keys are summed on its thread)
             (engine,) = state.engines
             engine.inline = True
             engine.ring.on_publish = state.loop.wake  # a join event or a replica's update, published by another thread
@@ -209,7 +219,8 @@ class Server:
             "epoch": state.epoch,
             "standby": state.standby,
             "workers": workers,
-            "keys": sum(len(e.keys) for e in state.engines),
+            "keys": sum(len(e.keys) for e in state.engines) + (len(state.native.names) if state.native else 0),
+            "datapath": "native" if state.native else "python",
             "rounds_completed": self.rounds_completed,
             "replicated_rounds": self.replicated_rounds,  # other servers' answered rounds kept here (failover)
             "ring_occupancy": sum(e.ring.occupancy for e in state.engines),
@@ -232,6 +243,8 @@ class Server:
         endpoints.close_listener(self._unix_listener)  # listening, for the life of the process
         for engine in state.engines:
             engine.ring.close()
+        if state.native is not None:
+            state.native.stop()  # every worker link leaves the loop and is closed
         if state.replicas is not None:
             state.replicas.close()
         state.loop.stop(self.config.timeout)  # every worker connection leaves it and is closed (`_closed`)
@@ -264,7 +277,10 @@ class Server:
     @property
     def seeded_answers(self) -> int:
         """Workers answered with a sum another worker seeded after a failover (docs/faults.md)."""
-        return sum(e.seeded_answers for e in self.state.engines)
+        path = self.state.native
+        if path is not None:
+            path.counted()
+        return sum(e.seeded_answers for e in self.state.engines) + (path.seeded_answers if path else 0)
 
     @property
     def replicated_rounds(self) -> int:
@@ -273,7 +289,7 @@ class Server:
 
     @property
     def rounds_completed(self) -> int:
-        return self.state.metrics.rounds  # counted once, where each finished round is handed to the repliers
+        return self.state.metrics.rounds  # counted once, where each finished round is handed out
 
     # -- connections -----------------------------------------------------------------------------
 
@@ -292,15 +308,17 @@ class Server:
         # is fine. The socket's own timeouts bound the replier's blocking sends.
         endpoints.set_frame_timeout(sock, self.config.frame_timeout)
         self._thread(link.reply_loop, "reply", state.epoch, state.rank)
-        incoming = Incoming(link, self.reader, self._closed)
         if state.done.is_set():
-            self._closed(incoming)
+            self._closed_link(link)
+        elif state.native is not None:
+            state.native.add(link)
         else:
-            state.loop.add(incoming)
+            state.loop.add(Incoming(link, self.reader, lambda incoming: self._closed_link(incoming.link)))
 
-    def _closed(self, incoming: Incoming) -> None:
-        """A worker connection left the link loop (reader.py: a BYE, an error, or the server closing it): close it."""
-        state, link = self.state, incoming.link
+    def _closed_link(self, link: Replier) -> None:
+        """A worker connection left the link loop (reader.py, or the native loop: a BYE, an error, or the server
+        closing it): close it."""
+        state = self.state
         link.replies.put(None)
         link.conn.close()
         link.release()
@@ -341,13 +359,15 @@ class Server:
         state = self.state
         now = time.monotonic() if now is None else now
         lines = []
-        for engine in state.engines:
-            for name, key, rnd, waited, missing in engine.stalled(now, self.config.stall_seconds):
-                pushed = [r for r in range(state.num_workers) if r not in missing]
-                lines.append(
-                    f"server {state.rank}: tensor {name!r} (key {key:016x}) round {rnd} has waited {waited:.1f}s for "
-                    f"worker(s) {missing}; pushed by {pushed}"
-                )
+        stalls = [stall for engine in state.engines for stall in engine.stalled(now, self.config.stall_seconds)]
+        if state.native is not None:
+            stalls += state.native.stalled(now, self.config.stall_seconds)
+        for name, key, rnd, waited, missing in stalls:
+            pushed = [r for r in range(state.num_workers) if r not in missing]
+            lines.append(
+                f"server {state.rank}: tensor {name!r} (key {key:016x}) round {rnd} has waited {waited:.1f}s for "
+                f"worker(s) {missing}; pushed by {pushed}"
+            )
         return lines
 
     def _replica_lost(self, rank: int, why: str) -> None:

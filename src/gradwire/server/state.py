@@ -6,6 +6,7 @@ control.py, replier.py) share one `ServerState`; the facade (server.py) wires th
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 from gradwire.admin.metrics import Metrics
 from gradwire.config import Config
@@ -32,6 +33,8 @@ class ServerState:
         self.links: dict[int, Replier] = {}  # each worker's end of its connection, by rank
         self.links_lock = threading.Lock()
         self.loop = LinkLoop("gw-server-links")  # reads every worker connection (reader.py)
+        # or the native loop owns them, and sums the plain keys: native_path.NativeServer (Any: it imports this module)
+        self.native: Any = None
         self.replicas: Replicas | None = None  # forwards to the servers replicating this one's keys
         self.receipts: Receipts | None = None  # which workers have the sums of held keys (server/receipts.py)
         self.scheduler: tcp.Connection | None = None
