@@ -25,12 +25,12 @@ import numpy as np
 
 from gradwire import native
 from gradwire.config import Config
-from gradwire.errors import GradwireError, RemoteProtocolError
+from gradwire.errors import GradwireError
 from gradwire.protocol import dtypes, frames
 from gradwire.protocol.frames import SHM_PAYLOAD, FrameType
 from gradwire.ring import RingClosed
 from gradwire.server import ops
-from gradwire.server.reader import Reader, claim, publish
+from gradwire.server.reader import Reader, check_slots, claim, publish
 from gradwire.server.replier import ErrorReply, Replier
 from gradwire.server.rounds import KeyOp
 from gradwire.server.state import ServerState
@@ -192,7 +192,7 @@ class NativeServer:
             self._push(link, header, body)
         elif header.type == FrameType.SHM_ATTACH:
             assert body is not None
-            self._attach(link, frames.decode_json(body.tobytes()))
+            self._reader.attach(link, frames.decode_json(body.tobytes()), lambda arena: self._lend(worker, arena))
         elif header.type == FrameType.RECEIVED:
             assert body is not None
             self._reader.received(link.conn, header, memoryview(body))
@@ -205,12 +205,10 @@ class NativeServer:
             link.reply(ErrorReply(header.key, problem))
             return
         pull = shm.NO_SLOT
-        if header.flags & SHM_PAYLOAD:
-            arena = link.arena
-            push, pull = header.status & 0xFFFF, header.status >> 16
-            if arena is None or push >= arena.push or header.length > arena.slot_bytes:
-                raise RemoteProtocolError(f"bad shared push slot {push} for {header.length} bytes")
-            data = arena.push_slot(push, header.length)
+        if header.flags & SHM_PAYLOAD:  # checked as the reader checks it
+            push, pull = check_slots(link, header)
+            assert link.arena is not None
+            data = link.arena.push_slot(push, header.length)
         else:
             assert body is not None
             data = body
@@ -219,15 +217,9 @@ class NativeServer:
         self.state.metrics.pushed(header.length)
         publish(engine.ring, seq, slot, link.conn, header, header.sender)
 
-    def _attach(self, link: Replier, body: dict) -> None:
-        """Map the worker's shared slots for the loop and the engines alike, then say whether it worked."""
-        try:
-            arena = self._reader.map_arena(link, body)
-            self.loop.attach(link.conn.peer_rank, (arena.memory, arena.push, arena.pull, arena.slot_bytes))
-            link.conn.send_json(FrameType.SHM_ATTACH, {"ok": True})
-        except (KeyError, ValueError, OSError, RemoteProtocolError) as e:
-            log.info("worker %d: shared memory not used: %s", link.conn.peer_rank, e)
-            link.conn.send_json(FrameType.SHM_ATTACH, {"ok": False, "error": str(e)})
+    def _lend(self, worker: int, arena: shm.Arena) -> None:
+        """The worker's shared slots, mapped by Python, to the loop."""
+        self.loop.attach(worker, (arena.memory, arena.push, arena.pull, arena.slot_bytes))
 
     def _refuse(self, worker: int, error: Exception) -> None:
         """A worker broke the protocol in a frame Python handles: its connection is closed."""

@@ -199,7 +199,7 @@ class Reader:
             incoming.then = lambda _: link.reply(ErrorReply(header.key, problem))
             return EMPTY if in_shm else self._scratch_of(header.length)
         if in_shm:
-            push, pull = _check_slots(link, header)
+            push, pull = check_slots(link, header)
         seq = engine.ring.try_claim()
         if seq is None and engine.inline:  # the engine runs on this thread: let it free what it can now
             engine.handle_published()
@@ -273,10 +273,13 @@ class Reader:
         finally:
             conn.close()
 
-    def attach(self, link: Replier, body: dict) -> None:
-        """Map the worker's shared slots (transport/shm.py) and say whether it worked."""
+    def attach(self, link: Replier, body: dict, mapped: Callable[[shm.Arena], None] | None = None) -> None:
+        """Map the worker's shared slots (transport/shm.py), hand them to `mapped` (the native loop, which must have
+        them before the worker hears it may use them), and say whether it worked."""
         try:
-            self.map_arena(link, body)
+            arena = self.map_arena(link, body)
+            if mapped is not None:
+                mapped(arena)
             link.conn.send_json(FrameType.SHM_ATTACH, {"ok": True})
         except (KeyError, ValueError, OSError, RemoteProtocolError) as e:
             log.info("worker %d: shared memory not used: %s", link.conn.peer_rank, e)
@@ -306,7 +309,8 @@ def landing_of(engine: Engine, slot: Slot, header: frames.Header) -> np.ndarray:
     return into
 
 
-def _check_slots(link: Replier, header: frames.Header) -> tuple[int, int]:
+def check_slots(link: Replier, header: frames.Header) -> tuple[int, int]:
+    """The worker's shared push and pull slots a push names, checked against its arena."""
     arena = link.arena
     push, pull = header.status & 0xFFFF, header.status >> 16
     if arena is None or push >= arena.push or header.length > arena.slot_bytes:
