@@ -514,13 +514,9 @@ void Loop::arrived(Side& side, const Header& h) {
     const uint16_t pull = shared ? uint16_t(h.status >> 16) : kNoSlot;
     Buffer landing = std::move(side.landing);
     try {
-        // a contribution landed in its staging buffer is added from there (contribute); one in the accumulator is in
-        const bool landed = into == Side::Into::kStage ? bool(landing) : !shared;
-        if (into == Side::Into::kStage && landing && !(h.flags & (kSeed | kReplay))) {
-            Round& r = found->second.rounds[h.round & 1];
-            if (h.sender < r.stage.size() && r.stage[h.sender] != landing) r.stage[h.sender] = landing;
-        }
-        on_push(found->second, h.key, h, side.data, landed && !(h.flags & (kSeed | kReplay)), pull);
+        // received off the socket into its landing (contribute tells the accumulator and a staging buffer apart)
+        const bool landed = !shared && !(h.flags & (kSeed | kReplay));
+        on_push(found->second, h.key, h, side.data, landed, pull);
     } catch (const TensorError& error) {
         error_to(side.worker, h.key, std::string("server failed to sum key ") + hex_key(h.key) + ": " + error.what());
     }
