@@ -335,10 +335,19 @@ void Loop::run() {
 
 void Loop::record(const InFlight& held, double done) {
     const std::vector<double>& bounds = settings_.buckets;
-    if (bounds.empty()) return;
+    const bool tracing = tracing_.load(std::memory_order_relaxed);
+    if (bounds.empty() && !tracing) return;
     const double pushed = held.pushed ? held.pushed : held.result;  // an answer before the socket took it all
     const double stages[4] = {held.sent - held.queued, pushed - held.sent, held.result - pushed, done - held.result};
     std::lock_guard<std::mutex> lock(mutex_);
+    if (tracing && traced_.size() < kMaxTraced) {
+        const Part& p = held.part;
+        traced_.push_back(
+            {p.tensor, p.key, p.round, p.nbytes, p.link, held.queued, held.sent, pushed, held.result, done, credit_.used});
+    } else if (tracing) {
+        ++untraced_;
+    }
+    if (bounds.empty()) return;
     if (stages_.counts.empty()) {
         stages_.counts.assign(4, std::vector<uint64_t>(bounds.size() + 1, 0));
         stages_.seconds.assign(4, 0.0);
@@ -354,6 +363,16 @@ Stages Loop::take_stages() {
     std::lock_guard<std::mutex> lock(mutex_);
     Stages taken;
     std::swap(taken, stages_);
+    return taken;
+}
+
+void Loop::trace(bool on) { tracing_.store(on, std::memory_order_relaxed); }
+
+std::pair<std::vector<Traced>, uint64_t> Loop::take_traced() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::pair<std::vector<Traced>, uint64_t> taken{std::move(traced_), untraced_};
+    traced_.clear();
+    untraced_ = 0;
     return taken;
 }
 

@@ -84,6 +84,12 @@ class Loop {
     Counts counts() const;
     // The stage histogram of the partitions answered since the last call (then empty again).
     Stages take_stages();
+    // Keep each answered partition's stages for the timeline (`take_traced`), or stop keeping them.
+    void trace(bool on);
+    // The partitions answered since the last call while tracing (at most kMaxTraced; then empty again), and how many
+    // past that bound were dropped.
+    std::pair<std::vector<Traced>, uint64_t> take_traced();
+    static constexpr size_t kMaxTraced = size_t(1) << 18;
 
    private:
     struct InFlight {  // a part the loop holds: queued or pushed, not answered
@@ -198,6 +204,9 @@ class Loop {
     bool stopped_ = false;
     Counts shared_counts_;
     Stages stages_;  // under mutex_
+    std::atomic<bool> tracing_{false};
+    std::vector<Traced> traced_;  // under mutex_
+    uint64_t untraced_ = 0;       // under mutex_: dropped past kMaxTraced
 
     std::thread thread_;
 };

@@ -463,6 +463,20 @@ NB_MODULE(_core, m) {
             },
             "The stage histogram of the partitions answered since the last call, ([per stage: partitions per bucket, "
             "and past the last], [per stage: seconds in all]); empty lists when none was answered.")
+        .def("trace", &worker::Loop::trace, nb::arg("on"),
+             "Keep each answered partition's stages for the timeline (`take_traced`), or stop keeping them.")
+        .def(
+            "take_traced",
+            [](worker::Loop& loop) {
+                auto [traced, dropped] = loop.take_traced();
+                nb::list rows;
+                for (const worker::Traced& t : traced)
+                    rows.append(nb::make_tuple(t.tensor, t.key, t.round, t.nbytes, t.link, t.queued, t.sent, t.pushed,
+                                               t.result, t.done, t.credit_used));
+                return nb::make_tuple(rows, dropped);
+            },
+            "The partitions answered since the last call while tracing: ([(tensor, key, round, bytes, link, queued, "
+            "sent, pushed, result, done, credit used)], dropped past the bound), times as time.monotonic()'s.")
         .def_prop_ro(
             "cap_escapes", [](const worker::Loop& loop) { return loop.counts().cap_escapes; },
             "Pushes the liveness rule let past a full cap so far, all links (as of the loop's last pass).")

@@ -82,6 +82,19 @@ struct Stages {
     std::vector<double> seconds;
 };
 
+// One answered partition's four stages for the timeline (Loop::trace): queued (submitted until let go), push (until
+// wholly sent), wait (until its answer began), pull (until it was all in); seconds of CLOCK_MONOTONIC, Python's
+// time.monotonic(). `link`: the side its server's link is; `credit_used`: the bytes in flight as it was answered.
+struct Traced {
+    std::string tensor;
+    uint64_t key = 0;
+    uint32_t round = 0;
+    uint64_t nbytes = 0;
+    size_t link = 0;
+    double queued = 0, sent = 0, pushed = 0, result = 0, done = 0;
+    int64_t credit_used = 0;
+};
+
 // What one call did: for the caller's metrics and the benchmarks.
 struct Counts {
     uint64_t pushes = 0, batches = 0, acks = 0;  // frames pushed, the batches they went in, ACKS frames received

@@ -6,8 +6,10 @@ push). A server's refusal, a lost server and a shutdown fail calls as the Python
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -178,14 +180,60 @@ def test_where_the_native_path_applies_and_where_it_says_why_not(gn):
         assert c.workers[0].status()["data_path"]["worker"] == "native"
 
 
-def test_a_timeline_asked_for_at_the_start_keeps_the_python_path(gn, tmp_path):
-    """Each partition's events in the timeline are the Python path's: a job started with a timeline keeps it, and
-    every stage is in it."""
-    with LocalCluster(
-        num_workers=2, num_servers=1, server_failover=False, timeline=str(tmp_path / "tl-{rank}.json")
-    ) as c:
-        assert all(w.state.native is None for w in c.workers)
-        assert "GRADWIRE_TIMELINE" in native_path.why_not(c.workers[0].state, c.workers[0].state.links)
+def _partitions(path) -> dict[str, set]:
+    """A timeline file's partition events: per stage, (tensor, key, round, bytes, track) of each."""
+    events = json.loads(path.read_text())["traceEvents"]
+    stages: dict[str, set] = {}
+    for e in events:
+        if e["ph"] == "X":
+            a = e["args"]
+            stages.setdefault(e["name"], set()).add((a["tensor"], a["key"], a["round"], a["bytes"], e["tid"]))
+            assert e["dur"] >= 0 and abs(e["ts"] / 1e6 - time.time()) < 60
+    assert any(e["ph"] == "C" and e["name"] == "bytes in flight" for e in events)
+    return stages
+
+
+@pytest.mark.parametrize("transport", ["tcp", "auto"])
+def test_a_timeline_has_the_same_partition_events_on_both_paths(gn, tmp_path, transport):
+    """GRADWIRE_TIMELINE at the start: the native loop keeps each answered partition's four stages, and the timeline
+    gets the events the Python path writes for the same calls (every partition, stage and round, each on its
+    server's track)."""
+    found = {}
+    for path in PATHS:
+        template = str(tmp_path / f"{path}-{{rank}}.json")
+        with _cluster(path, num_workers=2, transport=transport, timeline=template) as c:
+            assert all((w.state.native is None) == (path == "python") for w in c.workers)
+            for _ in range(2):  # two rounds of each key
+                c.run(lambda w: [w.push_pull(np.ones(10_000 + 3000 * i, np.float32), f"tl{i}") for i in range(3)])
+            found[path] = []
+            for w in c.workers:
+                w.stop_timeline()
+                stages = _partitions(tmp_path / f"{path}-{w.rank}.json")
+                for events in stages.values():  # each on its key's server's track (placement differs by job)
+                    assert {(key, tid) for _, key, _, _, tid in events} <= {
+                        (f"{key:016x}", server) for key, server in w.table.owner.items()
+                    }
+                found[path].append({name: {e[:4] for e in events} for name, events in stages.items()})
+    assert found["native"] == found["python"]
+    stages = found["native"][0]
+    assert set(stages) == {"queued", "push", "wait", "pull"} and {p[2] for p in stages["push"]} == {1, 2}
+    assert len(stages["push"]) == sum(2 * -(-(10_000 + 3000 * i) * 4 // 4096) for i in range(3))
+
+
+def test_a_timeline_started_on_a_native_worker_gets_its_partitions_until_stopped(gn, tmp_path):
+    with _cluster("native", num_workers=2) as c:
+        c.run(lambda w: w.push_pull(np.ones(10_000, np.float32), "tl-before"))
+        for w in c.workers:
+            w.start_timeline(str(tmp_path / "later-{rank}.json"))
+        c.run(lambda w: w.push_pull(np.ones(10_000, np.float32), "tl-during"))
+        for w in c.workers:
+            w.stop_timeline()
+        c.run(lambda w: w.push_pull(np.ones(10_000, np.float32), "tl-after"))
+        assert all(w.state.native is not None for w in c.workers)
+        for rank in range(2):
+            stages = _partitions(tmp_path / f"later-{rank}.json")
+            assert {p[0] for events in stages.values() for p in events} == {"tl-during"}
+            assert len(stages["pull"]) == -(-10_000 * 4 // 4096)
 
 
 def test_a_lost_server_fails_the_calls_in_flight_naming_it_and_nothing_hangs(gn):

@@ -68,6 +68,14 @@ class Timeline:
             self._steps[-1].append(event)
             self._dirty = True
 
+    def partition(
+        self, stages: tuple[tuple[str, float, float], ...], tid: int, args: dict, done: float, in_flight: int
+    ) -> None:
+        """One answered partition: its stages (name, start, end) on track `tid`, and the bytes in flight then."""
+        for name, start, end in stages:
+            self.complete(name, start, end, tid, args)
+        self.counter("bytes in flight", done, in_flight)
+
     def counter(self, name: str, at: float, value: float) -> None:
         event = {"ph": "C", "name": name, "ts": (at + self._offset) * 1e6, "pid": self.rank, "args": {"bytes": value}}
         with self._lock:

@@ -202,6 +202,13 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
         help="a 1.2 GB tensor and a 0.35B-parameter transformer: first and steady calls, peak RSS per worker, against "
         "gloo and DDP",
     )
+    parser.add_argument(
+        "--gil",
+        action="store_true",
+        help="a training thread's step while its process's data path is busy, against the same step alone, on the "
+        "native and the Python path (bench/gil.py; --sizes' first is the busy tensor's MiB, --steps the steps)",
+    )
+    parser.add_argument("--gil-rate", type=float, default=100.0, help="with --gil: the busy thread's MB per second")
     parser.add_argument("--large-elements", type=int, default=300_000_000, help="with --large: the tensor's elements")
     parser.add_argument(
         "--calls", type=int, default=4, help="with --large: calls on the tensor (steady: the median from the third on)"
@@ -238,6 +245,10 @@ def _run_mode(args: argparse.Namespace, sizes: list[int], env: dict[str, str]) -
         from gradwire.bench.partitions import run_partitions
 
         return run_partitions(args, env)
+    if args.gil:
+        from gradwire.bench.gil import run_gil
+
+        return run_gil(args, env)
     if args.large:
         from gradwire.bench.large import run_large
 

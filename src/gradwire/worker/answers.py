@@ -193,9 +193,7 @@ class Answers(LinkState):
         self.metrics.partition(work.nbytes, *(end - start for _, start, end in stages))
         if self.timeline:
             args = {"tensor": work.tensor, "key": f"{work.key:016x}", "bytes": work.nbytes, "round": work.round}
-            for name, start, end in stages:
-                self.timeline.complete(name, start, end, self.server, args)
-            self.timeline.counter("bytes in flight", done, self.credit.used)
+            self.timeline.partition(stages, self.server, args, done, self.credit.used)
 
     def _on_error(self, header: frames.Header, body: dict) -> None:
         if body.get("abort"):

@@ -23,9 +23,11 @@ worker has it (EVERYONE). An average is divided once the call completes, so a he
 sent from it is a plain SEED, which its receivers divide as they divide any sum (the Python path holds the average
 and sends it flagged AVERAGED; the same bits either way).
 
-Where it applies (`why_not`): gradwire-native loads under GRADWIRE_DATAPATH, no timeline is asked for at the start
-(each partition's events are the Python path's), and no server's place is a lost one's. Anywhere else the Python
-path runs, as before. What runs where: docs/native.md.
+With a timeline on (GRADWIRE_TIMELINE, `Worker.start_timeline`), the loop keeps each answered partition's four
+stages and the drainer writes them before the call completes, as the Python path's answers.py does.
+
+Where it applies (`why_not`): gradwire-native loads under GRADWIRE_DATAPATH and no server's place is a lost one's.
+Anywhere else the Python path runs, as before. What runs where: docs/native.md.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ from gradwire.worker.link import ServerLink
 from gradwire.worker.lost_link import LostLink
 from gradwire.worker.state import SHUTDOWN_JOIN_SECONDS, WorkerState
 from gradwire.worker.tensors import Tensor
-from gradwire.worker.work import Transfer, Work
+from gradwire.worker.work import Transfer, Work, stages
 
 log = logging.getLogger("gradwire.worker")
 DRAIN_SECONDS = 0.5  # how long the drainer waits for a completion before it looks whether it should stop
@@ -88,8 +90,6 @@ def why_not(state: WorkerState, links: list[ServerLink | LostLink]) -> str:
     """Why the native path does not apply to a worker with `links` ("" where it does)."""
     if native.for_datapath(state.config.datapath) is None:
         return f"GRADWIRE_DATAPATH={state.config.datapath}" if state.config.datapath == "python" else "no native build"
-    if state.config.timeline:
-        return "GRADWIRE_TIMELINE is set (each partition's events in the timeline are the Python path's)"
     if not links:
         return "no links"
     lost = [link.server for link in links if not isinstance(link, ServerLink)]
@@ -152,6 +152,7 @@ class NativePath:
             arenas=arenas,  # same-host links' shared slots (transport/shm.py)
             failover=on_lost is not None,
         )
+        self.loop.trace(state.timeline is not None)
         self._drainer = threading.Thread(target=self._drain, name=f"gw-native-{state.rank}", daemon=True)
         self._drainer.start()
         _running.add(self)
@@ -284,8 +285,28 @@ class NativePath:
         counts, seconds = self.loop.take_stages()
         if counts:
             metrics.stages(counts, seconds)
+        self._traced()
         self._say_escapes()
         call.handle.part_done()
+
+    def trace(self, on: bool) -> None:
+        """Each answered partition's stages into the worker's timeline from now on, or no longer (`_traced`)."""
+        self.loop.trace(on)
+
+    def _traced(self) -> None:
+        """The partitions the loop answered since last time, each one's stages into the timeline (as the Python
+        path's answers.py puts them: one track per server), ahead of the call's completion."""
+        rows, dropped = self.loop.take_traced()
+        timeline = self.state.timeline
+        if timeline is None:
+            return
+        for tensor, key, rnd, nbytes, server, queued, sent, pushed, result, done, in_flight in rows:
+            args = {"tensor": tensor, "key": f"{key:016x}", "bytes": nbytes, "round": rnd}
+            timeline.partition(stages(queued, sent, pushed, result, done), server, args, done, in_flight)
+        if dropped:
+            log.warning(
+                "worker %d: %d partitions' events did not fit in the native loop's trace", self.state.rank, dropped
+            )
 
     def _say_escapes(self) -> None:
         """Warn, as worker/pushes.py does, where the liveness rule let a partition past a full cap since last time."""

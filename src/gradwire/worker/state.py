@@ -48,6 +48,9 @@ class DataPath(Protocol):
     def credit_used(self) -> int:
         """Bytes pushed and not yet acknowledged, over all links."""
 
+    def trace(self, on: bool) -> None:
+        """Each answered partition's stages into the worker's timeline from now on (`on`), or no longer."""
+
     def stop(self, reason: BaseException) -> None:
         """Every call in flight fails with `reason`; the links are given back (closed where cut off mid-frame)."""
 

@@ -19,6 +19,14 @@ def divisor(size: int, average: bool, members: list[int] | None = None) -> int:
     return (size if members is None else len(members)) if average else 1
 
 
+def stages(
+    queued: float, sent: float, pushed: float, result: float, done: float
+) -> tuple[tuple[str, float, float], ...]:
+    """A partition's four stages (name, start, end) from its times: queued (submitted until let go), push (until
+    wholly sent), wait (for the sum), pull (until it was all in). Both data paths' timelines and histograms use them."""
+    return (("queued", queued, sent), ("push", sent, pushed), ("wait", pushed, result), ("pull", result, done))
+
+
 class Seed:
     """What a worker keeps of its last answered round of one key (allocated once per key), to seed a new server with
     after a failover: the sum it received, or, for a key it pulls only a slice of (reducescatter, alltoall), its own
@@ -161,13 +169,8 @@ class Work:
             np.copyto(self.out.reshape(-1).view(np.uint8), seed.data)
 
     def stages(self, done: float) -> tuple[tuple[str, float, float], ...]:
-        """Its four stages (name, start, end), once answered at `done`: queued, pushed, waiting for the sum, pulled."""
-        return (
-            ("queued", self.t_queued, self.t_sent),
-            ("push", self.t_sent, self.t_pushed),
-            ("wait", self.t_pushed, self.t_result),
-            ("pull", self.t_result, done),
-        )
+        """Its four stages, once answered at `done` (`stages`)."""
+        return stages(self.t_queued, self.t_sent, self.t_pushed, self.t_result, done)
 
     def trail(self, extra: memoryview | None) -> Work:
         """Push `extra` after the data (a server-side update's trailer: protocol/update.py)."""

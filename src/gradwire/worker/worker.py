@@ -147,17 +147,15 @@ class Worker:
         for link in state.links:
             link.timeline = state.timeline
         if state.native is not None:
-            log.warning(
-                "worker %d: the native data path moves this worker's bytes: the timeline gets its steps but no event "
-                "of each partition (set GRADWIRE_TIMELINE at the start for them: the Python path then moves the bytes)",
-                state.rank,
-            )
+            state.native.trace(True)
 
     def stop_timeline(self) -> None:
         """Stop writing the timeline (its file keeps what was written)."""
         timeline, self.state.timeline = self.state.timeline, None
         for link in self.state.links:
             link.timeline = None
+        if self.state.native is not None:
+            self.state.native.trace(False)
         if timeline is not None:
             timeline.close()
 
