@@ -176,6 +176,21 @@ def servers_used(k: int, layers: Sequence[Layer], partition: int) -> int:
     return min(k, max(1, sum(-(-layer.nbytes // partition) for layer in layers)))
 
 
+# CPU seconds a dedicated server spends per GB reduced, by its data path: 16 MiB calls of 4 MiB partitions, 4 workers
+# and 4 servers over TCP on one host (`gradwire bench --partitions 32,4096 -n 4 -s 4 --sizes 16`, 2026-12-07:
+# native 0.49-0.50, Python 0.58-0.75; docs/benchmarks.md)
+SERVER_CPU_S_PER_GB = {"native": 0.5, "python": 0.7}
+
+
+def server_cpu_s_per_gb(datapath: str = "auto") -> tuple[float, str]:
+    """The measured CPU seconds per GB of a server on the data path `datapath` (GRADWIRE_DATAPATH) would run here,
+    and that path's name."""
+    from gradwire import native
+
+    path = "python" if datapath == "python" or native.load().module is None else "native"
+    return SERVER_CPU_S_PER_GB[path], path
+
+
 def server_cores(n: int, k: int, nbytes: int, step_s: float, cpu_s_per_gb: float) -> float:
     """CPU cores one of k dedicated servers keeps busy: the GB it sums per second (n x S / k per step) times the
     CPU seconds a server spends per GB reduced (measured: `gradwire bench`)."""

@@ -103,3 +103,23 @@ def test_gradwire_plan_predict_tabulates_every_rate_and_n(capsys):
     assert [(r[0], int(r[1])) for r in rows] == [(rate, n) for rate in ("1gbit", "100gbit") for n in (1, 2, 4, 8)]
     at_8 = next(r for r in rows if r[:2] == ["1gbit", "8"])
     assert float(at_8[6]) > 1.0  # k = n dedicated servers beat the ring where the network binds
+
+
+@pytest.mark.parametrize("datapath", ["python", "auto"])
+def test_gradwire_plan_predict_takes_the_measured_cpu_of_the_data_path_a_server_would_run(
+    capsys, monkeypatch, datapath
+):
+    import argparse
+
+    from gradwire import native
+    from gradwire.launch import plan
+
+    monkeypatch.setenv("GRADWIRE_DATAPATH", datapath)
+    parser = argparse.ArgumentParser()
+    plan.add_arguments(parser)
+    assert plan.main(parser.parse_args(["--predict", "-n", "2", "--rates", "100gbit"])) == 0
+    path = "python" if datapath == "python" or native.load().module is None else "native"
+    head = capsys.readouterr().out.splitlines()[0]
+    assert f"servers' CPU {predict.SERVER_CPU_S_PER_GB[path]:g} s per GB (the {path} data path's, measured)" in head
+    assert plan.main(parser.parse_args(["--predict", "-n", "2", "--server-cpu-per-gb", "1.5"])) == 0
+    assert "servers' CPU 1.5 s per GB (as given)" in capsys.readouterr().out

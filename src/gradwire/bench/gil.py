@@ -46,9 +46,9 @@ def worker(steps: int, mib: float, rate: float) -> None:
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
 
-    def train() -> list[float]:
+    def train(count: int = steps) -> list[float]:
         times = []
-        for _ in range(steps):
+        for _ in range(count):
             t0 = time.perf_counter()
             opt.zero_grad()
             F.cross_entropy(net(x), y).backward()
@@ -72,7 +72,7 @@ def worker(steps: int, mib: float, rate: float) -> None:
                 break
             time.sleep(max(0.0, start + len(moved) * period - time.perf_counter()))
 
-    train()  # warm: the model's first steps allocate
+    train(10)  # warm: the model's first steps allocate
     gradwire.barrier()
     quiet = train() if rank == 0 else []
     gradwire.barrier()
@@ -120,9 +120,9 @@ def run_gil(args: argparse.Namespace, env: dict[str, str]) -> int:
             quiet = statistics.median(row["quiet"] + row["again"])
             busy = statistics.median(row["busy"])
             ratios[path].append(busy / quiet)
-            running = row["path"].get("worker", "?")
+            running = row["path"].get("worker", "?")  # what the worker ran, where it is not what was asked
             print(
-                f"| {path} ({running}) | {statistics.median(row['quiet']) * 1e3:.1f} | {busy * 1e3:.1f} | "
+                f"| {path if running.startswith(path) else f'{path} ({running})'} | {statistics.median(row['quiet']) * 1e3:.1f} | {busy * 1e3:.1f} | "
                 f"{statistics.median(row['again']) * 1e3:.1f} | {busy / quiet:.3f} | {row['calls']} | "
                 f"{row['moved'] / row['wall'] / 1e6:.0f} | {row['call_seconds'] * 1e3:.1f} | "
                 f"{row['cpu'] / row['wall'] * 100:.0f}% |",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from gradwire import split
 from gradwire.netem.topology import parse_rate
@@ -38,8 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--server-cpu-per-gb",
         type=float,
-        default=0.7,
-        help="with --predict: a server's CPU seconds per GB reduced (measured by `gradwire bench`, TCP)",
+        default=None,
+        help="with --predict: a server's CPU seconds per GB reduced (default: what `gradwire bench` measured for the "
+        "data path GRADWIRE_DATAPATH gives here, native 0.5 or Python 0.7)",
     )
 
 
@@ -107,6 +109,10 @@ def predict_table(args: argparse.Namespace) -> int:
     from gradwire.bench import replay
 
     profile = replay.load(args.profile or replay.BENCH_MODEL)
+    cpu_per_gb, path = args.server_cpu_per_gb, "as given"
+    if cpu_per_gb is None:
+        cpu_per_gb, path = predict.server_cpu_s_per_gb(os.environ.get("GRADWIRE_DATAPATH", "auto"))
+        path = f"the {path} data path's, measured"
     scale = args.compute_scale
     layers = replay.layers(profile, scale)
     total = sum(la.nbytes for la in layers)
@@ -115,7 +121,7 @@ def predict_table(args: argparse.Namespace) -> int:
     print(
         f"{profile['model']}: {total / MiB:.1f} MiB of gradient, compute {predict.compute_s(layers) * 1e3:.1f} ms per "
         f"step ({profile['device']}, divided by {scale:g}); one-way delay {args.delay_ms:g} ms; servers' CPU "
-        f"{args.server_cpu_per_gb:g} s per GB"
+        f"{cpu_per_gb:g} s per GB ({path})"
     )
     print(
         f"{'rate':>8} {'n':>5} {'ring s':>8} {'eff':>5} {'k=n s':>8} {'eff':>5} {'x ring':>6} "
@@ -131,7 +137,7 @@ def predict_table(args: argparse.Namespace) -> int:
             colocated = predict.gradwire_step(layers, n, 0, links, True, *predict.derived(n, 0, links)).step_s
             one = one or {"ring": ring, "dedicated": dedicated, "colocated": colocated}
             used = predict.servers_used(n, layers, partition)
-            cores = predict.server_cores(n, used, total, dedicated, args.server_cpu_per_gb)
+            cores = predict.server_cores(n, used, total, dedicated, cpu_per_gb)
             print(
                 f"{rate:>8} {n:>5} {ring:8.4f} {one['ring'] / ring:5.2f} {dedicated:8.4f} "
                 f"{one['dedicated'] / dedicated:5.2f} {ring / dedicated:6.2f} {colocated:8.4f} "
