@@ -121,8 +121,9 @@ def run_gil(args: argparse.Namespace, env: dict[str, str]) -> int:
             busy = statistics.median(row["busy"])
             ratios[path].append(busy / quiet)
             running = row["path"].get("worker", "?")  # what the worker ran, where it is not what was asked
+            name = path if running.startswith(path) else f"{path} ({running})"
             print(
-                f"| {path if running.startswith(path) else f'{path} ({running})'} | {statistics.median(row['quiet']) * 1e3:.1f} | {busy * 1e3:.1f} | "
+                f"| {name} | {statistics.median(row['quiet']) * 1e3:.1f} | {busy * 1e3:.1f} | "
                 f"{statistics.median(row['again']) * 1e3:.1f} | {busy / quiet:.3f} | {row['calls']} | "
                 f"{row['moved'] / row['wall'] / 1e6:.0f} | {row['call_seconds'] * 1e3:.1f} | "
                 f"{row['cpu'] / row['wall'] * 100:.0f}% |",
