@@ -182,15 +182,6 @@ def servers_used(k: int, layers: Sequence[Layer], partition: int) -> int:
 SERVER_CPU_S_PER_GB = {"native": 0.5, "python": 0.7}
 
 
-def server_cpu_s_per_gb(datapath: str = "auto") -> tuple[float, str]:
-    """The measured CPU seconds per GB of a server on the data path `datapath` (GRADWIRE_DATAPATH) would run here,
-    and that path's name."""
-    from gradwire import native
-
-    path = "python" if datapath == "python" or native.load().module is None else "native"
-    return SERVER_CPU_S_PER_GB[path], path
-
-
 def server_cores(n: int, k: int, nbytes: int, step_s: float, cpu_s_per_gb: float) -> float:
     """CPU cores one of k dedicated servers keeps busy: the GB it sums per second (n x S / k per step) times the
     CPU seconds a server spends per GB reduced (measured: `gradwire bench`)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -60,5 +61,18 @@ class AdminServer:
         return f"http://{self.host}:{self.port}"
 
     def stop(self) -> None:
-        self._httpd.shutdown()
+        """Stop serving, at once: serve_forever looks for a shutdown only between two waits of half a second, so a
+        connection to the listening socket (this node's own) wakes it until it has seen it."""
+        stopper = threading.Thread(target=self._httpd.shutdown, name="gw-admin-stop", daemon=True)
+        stopper.start()
+        while stopper.is_alive():
+            self._wake()
+            stopper.join(0.05)
         self._httpd.server_close()
+
+    def _wake(self) -> None:
+        host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
+        try:
+            socket.create_connection((host, self.port), timeout=0.2).close()
+        except OSError:
+            pass  # not listening any more, or not reachable from here: the wait ends within half a second anyway

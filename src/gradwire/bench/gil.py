@@ -37,6 +37,7 @@ def worker(steps: int, mib: float, rate: float) -> None:
     import gradwire
     import torch
     from gradwire.bench.train import BATCH, model
+    from gradwire.session import current_worker
 
     torch.set_num_threads(1)
     gradwire.init()
@@ -86,7 +87,7 @@ def worker(steps: int, mib: float, rate: float) -> None:
     gradwire.barrier()
     again = train() if rank == 0 else []
     if rank == 0:
-        path = gradwire.current_worker().status()["data_path"]
+        path = current_worker().status()["data_path"]
         row = {"quiet": quiet, "busy": loaded, "again": again, "calls": len(moved), "moved": sum(b for _, b in moved)}
         row |= {"call_seconds": statistics.median(s for s, _ in moved), "wall": wall, "cpu": cpu, "path": path}
         print("GIL " + json.dumps(row), flush=True)

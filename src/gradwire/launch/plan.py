@@ -105,14 +105,15 @@ def predict_table(args: argparse.Namespace) -> int:
     """`--predict`: per link rate and n (powers of two up to -n, default 1,024), the step of ring all-reduce (DDP), of
     gradwire with k = n dedicated servers and with colocated servers only, their scaling efficiencies, how many of
     the k servers the step's partitions keep busy, and the CPU cores each of those needs at that pace."""
-    from gradwire import predict
+    from gradwire import native, predict
     from gradwire.bench import replay
 
     profile = replay.load(args.profile or replay.BENCH_MODEL)
     cpu_per_gb, path = args.server_cpu_per_gb, "as given"
-    if cpu_per_gb is None:
-        cpu_per_gb, path = predict.server_cpu_s_per_gb(os.environ.get("GRADWIRE_DATAPATH", "auto"))
-        path = f"the {path} data path's, measured"
+    if cpu_per_gb is None:  # the measured figure of the data path a server started here would run
+        native_here = os.environ.get("GRADWIRE_DATAPATH", "auto") != "python" and native.load().module is not None
+        cpu_per_gb = predict.SERVER_CPU_S_PER_GB["native" if native_here else "python"]
+        path = f"the {'native' if native_here else 'python'} data path's, measured"
     scale = args.compute_scale
     layers = replay.layers(profile, scale)
     total = sum(la.nbytes for la in layers)
