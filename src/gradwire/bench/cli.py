@@ -101,6 +101,16 @@ def _training_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--steps", type=int, default=8, help="with --train: timed steps per way")
     parser.add_argument(
+        "--train-model",
+        choices=["bench", "mixed"],
+        default="bench",
+        help="with --train: the 3.8M-parameter CNN+MLP, or `mixed` (two conv layers and Linear layers of 1024x2048, "
+        "2048x1024 and 1024x10: most bytes in two matrices beside small tensors; batch 16)",
+    )
+    parser.add_argument(
+        "--ways", default=None, help="with --train: only these of its ways, comma-separated (their peer included)"
+    )
+    parser.add_argument(
         "--scale",
         action="store_true",
         help="with --netem: samples/s against n (--scale-workers) with a profiled model's compute replayed, "

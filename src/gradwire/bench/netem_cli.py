@@ -10,7 +10,14 @@ import shlex
 import sys
 
 from gradwire.bench.netem import DEFAULT_CONFIGS, Record, plot, run_config, table, to_json
-from gradwire.bench.netem_train import COMPRESSION_WAYS, KERAS_WAYS, TRAIN_WAYS, run_train_config, train_table
+from gradwire.bench.netem_train import (
+    COMPRESSION_WAYS,
+    KERAS_WAYS,
+    PEERS,
+    TRAIN_WAYS,
+    run_train_config,
+    train_table,
+)
 from gradwire.netem import NetemUnavailable, Topology
 from gradwire.netem.cluster import check_available
 
@@ -75,8 +82,13 @@ def run_train(args: argparse.Namespace, env: dict[str, str]) -> int:
     for topo in configs:
         drift = tuple(args.drift.split(":", 1)) if args.drift else None
         settle = args.settle if drift else 0
-        chosen = (topo.tuning() if args.hand_tuned else {}) | env
+        chosen = (topo.tuning() if args.hand_tuned else {}) | env | {"GRADWIRE_BENCH_MODEL": args.train_model}
         ways = COMPRESSION_WAYS if args.compression else KERAS_WAYS if args.keras else TRAIN_WAYS
+        if args.ways:
+            unknown = set(args.ways.split(",")) - set(ways)
+            if unknown:
+                raise SystemExit(f"--ways: no such way here: {sorted(unknown)} (these are: {', '.join(ways)})")
+            ways = tuple(w for w in ways if w in args.ways.split(",") or w in PEERS)
         results = run_train_config(topo, args.steps, args.warmup, chosen, drift=drift, settle=settle, ways=ways)  # type: ignore[arg-type]
         every += results
         for r in results:

@@ -30,6 +30,14 @@ import time
 from typing import Any
 
 BATCH = 32
+# GRADWIRE_BENCH_MODEL (`--train-model`): `bench`, the model below; `mixed`, most of its bytes in two large matrices
+# beside several small tensors (two conv layers, Linear layers of 1024x2048, 2048x1024 and 1024x10: 4.2M parameters),
+# at batch 16, where each PowerSGD round's fixed cost shows (docs/compression.md)
+MIXED_BATCH = 16
+
+
+def batch_size() -> int:
+    return MIXED_BATCH if os.environ.get("GRADWIRE_BENCH_MODEL") == "mixed" else BATCH
 
 
 def model():
@@ -40,6 +48,20 @@ def model():
         from gradwire.bench import replay
 
         return replay.replay_model(replay.load(os.environ["GRADWIRE_BENCH_REPLAY"])["layers"])
+    if os.environ.get("GRADWIRE_BENCH_MODEL") == "mixed":
+        return torch.nn.Sequential(
+            torch.nn.Conv2d(3, 16, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.Conv2d(16, 16, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.MaxPool2d(4),
+            torch.nn.Flatten(),
+            torch.nn.Linear(16 * 8 * 8, 2048),
+            torch.nn.ReLU(),
+            torch.nn.Linear(2048, 1024),
+            torch.nn.ReLU(),
+            torch.nn.Linear(1024, 10),
+        )
     return torch.nn.Sequential(
         torch.nn.Conv2d(3, 32, 3, padding=1),
         torch.nn.BatchNorm2d(32),
@@ -105,6 +127,7 @@ def main(way: str, steps: int, warmup: int) -> None:
     torch.set_num_threads(1)
     net, opt, rank, world = _distributed(way)
     g = torch.Generator().manual_seed(rank)
+    batch = batch_size()
     times = []
     partitions = [_data_path(way).get("partition_bytes")]
     starts = []  # each step's wall-clock start: the step a re-cut came in
@@ -112,9 +135,9 @@ def main(way: str, steps: int, warmup: int) -> None:
     for step in range(warmup + steps):
         if step == warmup:
             pushed = -_pushed(way)
-        x, y = torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
+        x, y = torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)
         if os.environ.get("GRADWIRE_BENCH_REPLAY"):
-            x = torch.randn(BATCH, 10, generator=g)  # the replayed model passes its input through
+            x = torch.randn(batch, 10, generator=g)  # the replayed model passes its input through
         t0 = time.perf_counter()
         starts.append(time.time())
         opt.zero_grad()
@@ -130,7 +153,7 @@ def main(way: str, steps: int, warmup: int) -> None:
     data_path = _data_path(way)
     partitions.append(data_path.get("partition_bytes"))
     if rank == 0:
-        row = {"way": way, "times": times, "samples_per_step": BATCH * world, "parameters": params}
+        row = {"way": way, "times": times, "samples_per_step": batch * world, "parameters": params}
         recuts = [bisect.bisect(starts, r["at"]) - 1 for r in data_path.get("recuts") or []]
         row |= {"partition_bytes": partitions, "derived_again": data_path.get("derived_again"), "recut_steps": recuts}
         row["window"] = data_path.get("window")
