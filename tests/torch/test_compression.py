@@ -263,6 +263,49 @@ def test_a_powersgd_batch_of_a_megabyte_leaves_before_it_is_waited_for(cluster):
         torch.testing.assert_close(results[1], average, rtol=1e-4, atol=1e-4)
 
 
+def test_a_powersgd_batch_is_done_by_its_sums_alone_before_anyone_waits(cluster):
+    """Each sum of a batch that has left moves it on as it arrives (Q computed and sent, then the approximation and
+    the residual made) on the compressor's thread: a training thread still in backward finds it done."""
+    big = (600, 500)
+
+    def worker(rank):
+        compressor = gwt.Compression.powersgd(rank=2, start_iter=0)
+        call = gwt.allreduce_async(_rank2(big, rank), name="alone", compression=compressor)
+        deadline = time.monotonic() + 30
+        while call.batch.stage != "done" and time.monotonic() < deadline:  # no done(), no synchronize
+            time.sleep(0.005)
+        return call.batch.stage, gwt.synchronize(call)
+
+    average = sum(_rank2(big, r) for r in range(N)) / N
+    for stage, result in run(cluster, worker):
+        assert stage == "done"
+        torch.testing.assert_close(result, average, rtol=1e-4, atol=1e-4)
+
+
+def test_distributed_optimizer_never_fuses_a_matrix_powersgd_compresses(cluster):
+    """A small matrix PowerSGD shrinks (10 x 64 here, under the fusion size) travels as P and Q, as torch's hook
+    carries every matrix of a bucket; the biases and a matrix too small to gain travel fused."""
+    before = {}
+
+    def worker(rank):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 10), torch.nn.Linear(10, 3))
+        worker = gradwire.current_worker()
+        before[rank] = set(worker.table.tensors)
+        compressor = gwt.Compression.powersgd(rank=2, start_iter=0)
+        opt = gwt.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), compression=compressor
+        )
+        torch.nn.functional.cross_entropy(model(torch.randn(8, 64)), torch.randint(0, 3, (8,))).backward()
+        opt.step()
+        return sorted(t.user_name for k, t in worker.table.tensors.items() if k not in before[rank])
+
+    for names in run(cluster, worker):
+        assert any(n.startswith("grad.0.weight+0.powersgd.") and n.endswith(".p") for n in names), names
+        fused = [n for n in names if n.startswith("grad.fused.")]
+        assert len(fused) == 1 and "0.weight" not in fused[0], names
+
+
 def _rank2(shape, rank):
     a, c = torch.linspace(-1, 1, shape[0]), torch.cos(torch.linspace(0, 6, shape[0]))
     b, d = torch.linspace(0.5, 2, shape[1]), torch.sin(torch.linspace(0, 3, shape[1]))

@@ -10,6 +10,7 @@ in, with the priority of its earliest layer. The sum is copied back into each me
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
 import torch
 
@@ -58,8 +59,10 @@ def plan(
     names: dict[int, str],
     fusion_bytes: int,
     explicit: list[list[torch.Tensor]] | None = None,
+    alone: Callable[[torch.Tensor], bool] | None = None,
 ) -> dict[int, FusionGroup]:
-    """Group small parameters; returns the group of each fused parameter (by id). Large ones are left alone.
+    """Group small parameters; returns the group of each fused parameter (by id). Large ones are left alone, and
+    those `alone` names (the matrices PowerSGD compresses: fused, they would travel whole).
 
     With `explicit` groups (Horovod's `groups=`), those are the groups, whatever their sizes (split by dtype)."""
     groups: dict[int, FusionGroup] = {}
@@ -85,7 +88,7 @@ def plan(
 
     for p in reversed(params):
         nbytes = p.numel() * p.element_size()
-        if nbytes >= SMALL_BYTES or fusion_bytes <= 0:
+        if nbytes >= SMALL_BYTES or fusion_bytes <= 0 or (alone is not None and alone(p)):
             close()
             continue
         if current and (current[-1].dtype != p.dtype or size + nbytes > fusion_bytes):

@@ -23,6 +23,7 @@ from .collectives import Average, Sum
 from .compression import Compressor, configured
 from .exchange import sparse_allreduce_async
 from .ops import TorchHandle, push_pull_async
+from .powersgd import PowerSGD
 
 
 class GradientSync:
@@ -60,9 +61,14 @@ class GradientSync:
         self.priority = {id(p): len(params) - i for i, p in enumerate(params)}  # first layers first
         self.params = [p for p in params if p.requires_grad]
         self.by_id = {id(p): p for p in self.params}
+        config = self._bound.config if self._bound is not None else Config.from_env()
         if fusion_bytes is None:
-            fusion_bytes = (self._bound.config if self._bound is not None else Config.from_env()).fusion_bytes
-        self.groups = fusion.plan(self.params, names, fusion_bytes, groups)
+            fusion_bytes = config.fusion_bytes
+        compressor = configured(compression, config)
+        alone = None
+        if isinstance(compressor, PowerSGD) and members is None:  # its matrices travel as P and Q, never fused
+            alone = lambda p: compressor.applies(p.detach(), "sum", None)  # noqa: E731
+        self.groups = fusion.plan(self.params, names, fusion_bytes, groups, alone)
         self.handles: dict[int, TorchHandle | None] = {}  # None: in flight inside its fusion group
         self.group_handles: dict[str, tuple[fusion.FusionGroup, TorchHandle]] = {}
         self.counts: dict[int, int] = {}

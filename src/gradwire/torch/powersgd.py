@@ -11,8 +11,9 @@ Q = M^T P (m x r), each an ordinary sum on the servers; every worker rebuilds th
 Every worker receives the same bytes of P's and Q's sums and orthogonalises P alike, so every worker computes the same
 bits of P Q^T: the parameters stay identical across workers. As torch's hook does with a bucket, the matrices a
 worker starts before it waits for any (a step's gradients) travel together: every P in one sum, then every Q in one,
-computed on the thread that waits. The second sum waits for the first: two round trips a step, which the small size
-repays on slow links.
+each step taken on the compressor's thread as the sum before it arrives (`_Batch`). The second sum waits for the
+first: two round trips a step, which the small size repays on slow links. Matrices it compresses never travel fused
+with small gradients (torch/fusion.py's `plan`): each is P and Q, as torch's hook carries every matrix of a bucket.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from __future__ import annotations
 import logging
 import threading
 import zlib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -58,6 +61,15 @@ class PowerSGD(Passthrough):
         self._tensors: dict[tuple[int, str], _TensorState] = {}
         self._open: dict[int, _Batch] = {}  # by worker: the calls started and not yet waited for
         self._lock = threading.Lock()
+        # moves batches on as their sums arrive (`later`); its thread starts with the first task
+        self._advancer = ThreadPoolExecutor(1, thread_name_prefix="gw-powersgd")
+
+    def later(self, task: Callable[[], None]) -> None:
+        """Run `task` on this compressor's thread: a batch's next step once a sum of it arrived, off the receiving
+        thread (which completes every call of the worker) and off the training thread (still in backward). Takes no
+        lock of the compressor's: the receiving thread calls it, and a training thread adding to a batch a waiter holds
+        waits, holding the compressor's lock, for a sum the receiving thread must deliver."""
+        self._advancer.submit(task)
 
     def __repr__(self) -> str:
         return f"powersgd(rank={self.rank}, start_iter={self.start_iter}, warm_start={self.warm_start})"
@@ -108,7 +120,7 @@ class PowerSGD(Passthrough):
         with self._lock:
             batch = self._open.get(id(worker))
             if batch is None or not batch.add(call, priority):
-                batch = self._open[id(worker)] = _Batch(worker)
+                batch = self._open[id(worker)] = _Batch(self, worker)
                 batch.add(call, priority)
         return call
 
@@ -200,13 +212,15 @@ BATCH_BYTES = 1 << 20  # a batch whose matrices hold this much gradient leaves a
 class _Batch:
     """PowerSGD calls a worker started one after the other, carried by two sums, as torch's hook carries a bucket's:
     every P in one, then every Q in one. A batch leaves when its matrices hold BATCH_BYTES of gradient (a large layer's,
-    during backward: its Q is computed on the receiving thread as its P's sum arrives, overlapping the rest of backward)
-    or when one of its calls is first waited for or polled (the small rest of a step: computed on the thread that
-    waits, two round trips whatever the number of matrices). Every worker starts the same tensors in the same order,
-    so every worker's batches are the same; their sums are named after their members."""
+    during backward) or when one of its calls is first waited for or polled (the small rest of a step: two round trips
+    whatever the number of matrices). Once it has left, each of its sums moves it on as it arrives, on the
+    compressor's thread (`PowerSGD.later`): Q computed and sent, then the approximation and the residual made,
+    overlapping the rest of backward, so the training thread mostly finds it done; a waiter that finds it short does
+    the rest itself. Every worker starts the same tensors in the same order, so every worker's batches are the same;
+    their sums are named after their members."""
 
-    def __init__(self, worker: Worker) -> None:
-        self.worker = worker
+    def __init__(self, sgd: PowerSGD, worker: Worker) -> None:
+        self.sgd, self.worker = sgd, worker
         self.calls: list[_PowerSGDCall] = []
         self.priority = 0
         self.bytes = 0
@@ -219,6 +233,8 @@ class _Batch:
     def add(self, call: _PowerSGDCall, priority: int) -> bool:
         """Take `call` if the batch has not left; a tensor it holds already begins a new one (a step whose calls
         were never waited for, as after an elastic reset, is dropped whole rather than mixed into the next)."""
+        if self.stage != "open":  # it left (read without the lock, which a waiter may hold for a round trip: the
+            return False  # stage only moves on from "open")
         with self._lock:
             if self.stage != "open" or any(c.name == call.name for c in self.calls):
                 return False
@@ -228,8 +244,6 @@ class _Batch:
             self.bytes += call.m.numel() * call.m.element_size()
             if self.bytes >= BATCH_BYTES:
                 self._advance(wait=False)
-                if self.handle is not None:
-                    self.handle.add_done_callback(self._on_p)
             return True
 
     def advance(self, wait: bool) -> bool:
@@ -237,8 +251,13 @@ class _Batch:
         with self._lock:
             return self._advance(wait)
 
-    def _on_p(self, handle: Handle) -> None:
-        """P's sum arrived (on the receiving thread): Q's computed and sent, unless a waiter is at it already."""
+    def _on_sum(self, handle: Handle) -> None:
+        """A sum of the batch arrived (on the receiving thread): its next step on the compressor's thread."""
+        self.sgd.later(self._advance_arrived)
+
+    def _advance_arrived(self) -> None:
+        """(The compressor's thread.) P's sum in: Q computed and sent; Q's sum in: the approximation and the residual
+        made, so the training thread finds them done. Never waits: where a waiter holds the batch, it does the rest."""
         if self._lock.acquire(blocking=False):
             try:
                 self._advance(wait=False)
@@ -267,6 +286,7 @@ class _Batch:
         name = _batch_name(self.calls, stage)
         self.handle = self.worker.push_pull_async(array, name, False, self.priority, out=array)
         self.stage = stage
+        self.handle.add_done_callback(self._on_sum)
 
     def _arrived(self, wait: bool) -> bool:
         assert self.handle is not None
