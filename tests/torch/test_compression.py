@@ -283,27 +283,29 @@ def test_a_powersgd_batch_is_done_by_its_sums_alone_before_anyone_waits(cluster)
 
 
 def test_distributed_optimizer_never_fuses_a_matrix_powersgd_compresses(cluster):
-    """A small matrix PowerSGD shrinks (10 x 64 here, under the fusion size) travels as P and Q, as torch's hook
-    carries every matrix of a bucket; the biases and a matrix too small to gain travel fused."""
+    """Small matrices PowerSGD shrinks (10 x 64 and 64 x 5 here, under the fusion size) travel as P and Q, as torch's
+    hook carries every matrix of a bucket; the biases and a matrix too small to gain travel fused, across them."""
     before = {}
 
     def worker(rank):
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(64, 10), torch.nn.Linear(10, 3))
+        model = torch.nn.Sequential(torch.nn.Linear(5, 64), torch.nn.Linear(64, 10), torch.nn.Linear(10, 3))
         worker = gradwire.current_worker()
         before[rank] = set(worker.table.tensors)
         compressor = gwt.Compression.powersgd(rank=2, start_iter=0)
         opt = gwt.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), compression=compressor
         )
-        torch.nn.functional.cross_entropy(model(torch.randn(8, 64)), torch.randint(0, 3, (8,))).backward()
+        torch.nn.functional.cross_entropy(model(torch.randn(8, 5)), torch.randint(0, 3, (8,))).backward()
         opt.step()
         return sorted(t.user_name for k, t in worker.table.tensors.items() if k not in before[rank])
 
     for names in run(cluster, worker):
-        assert any(n.startswith("grad.0.weight+0.powersgd.") and n.endswith(".p") for n in names), names
-        fused = [n for n in names if n.startswith("grad.fused.")]
-        assert len(fused) == 1 and "0.weight" not in fused[0], names
+        # both matrices in one batch (started before any is waited for): one sum of P, one of Q
+        assert [n.rsplit(".", 1)[1] for n in names if n.startswith("grad.1.weight+1.powersgd.")] == ["p", "q"], names
+        # in backward order 2.bias, 2.weight, 1.bias, (1.weight apart), 0.bias, (0.weight apart): one fused sum
+        assert [n.rsplit(".", 1)[0] for n in names if n.startswith("grad.fused.")] == ["grad.fused.2.bias..0.bias.4"]
+        assert len(names) == 3, names
 
 
 def _rank2(shape, rank):

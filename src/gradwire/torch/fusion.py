@@ -88,7 +88,9 @@ def plan(
 
     for p in reversed(params):
         nbytes = p.numel() * p.element_size()
-        if nbytes >= SMALL_BYTES or fusion_bytes <= 0 or (alone is not None and alone(p)):
+        if alone is not None and alone(p):  # it travels apart; the small ones around it may still go together
+            continue
+        if nbytes >= SMALL_BYTES or fusion_bytes <= 0:
             close()
             continue
         if current and (current[-1].dtype != p.dtype or size + nbytes > fusion_bytes):
