@@ -5,7 +5,8 @@
     for step in ...:
         w = gradwire.update("w", grad(w), out=w)               # kv.push("w", g); kv.pull("w", out=w)
 
-The servers hold each parameter and its optimizer state, and apply the update (numpy's formulas, server/optim.py).
+The servers hold each parameter and its optimizer state, and apply the update (numpy's formulas,
+server/optimizer_op.py).
 Calling set_optimizer again changes the hyper-parameters (a learning-rate schedule) from the next update on; the
 algorithm, its structural arguments and the staleness are fixed per parameter when it is first used.
 """

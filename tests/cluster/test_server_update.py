@@ -213,8 +213,8 @@ def _alternating(lam: float, rounds: int, a: np.ndarray, target: np.ndarray, sta
 
 
 def test_delay_compensation_corrects_each_stale_gradient_and_brings_async_closer_to_synchronous():
-    """DC-ASGD on the servers (server/optim.py): each stale gradient g, computed at w_old and applied at w_now, is
-    applied as g + lambda * g * g * (w_now - w_old) (checked against that formula step by step), and on a convex
+    """DC-ASGD on the servers (server/optimizer_op.py): each stale gradient g, computed at w_old and applied at w_now,
+    is applied as g + lambda * g * g * (w_now - w_old) (checked against that formula step by step), and on a convex
     problem whose curvature that term estimates, asynchronous training with it ends closer to synchronous training
     (every gradient fresh) than without it. lambda = 0 declares and runs exactly the asynchronous mode without it."""
     rng = np.random.default_rng(0)
@@ -263,7 +263,7 @@ def test_delay_compensations_state_restarts_with_the_parameters_after_a_failover
     """A key's copies of what each worker was answered with start afresh when its parameters are installed anew (a
     replacement server seeded by a worker): that worker's next push goes uncorrected until it is answered again."""
     from gradwire.server.held import Held
-    from gradwire.server.optim import ServerUpdate
+    from gradwire.server.optimizer_op import ServerUpdate
 
     op = ServerUpdate({"algorithm": "sgd", "staleness": 1, "delay_compensation": 0.5, "impl": "numpy"})
     held = Held(op.args, 4, np.dtype(np.float32), num_workers=2)

@@ -1,5 +1,5 @@
 """The per-key operations a declaration may name: the wire's vocabulary, which the scheduler checks before any server
-sees a declaration and the servers implement (server/ops.py, server/optim.py)."""
+sees a declaration and the servers implement (server/ops.py, server/optimizer_op.py)."""
 
 from __future__ import annotations
 

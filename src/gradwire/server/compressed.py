@@ -5,7 +5,7 @@ the key's own error-feedback residual, and every worker pulls the same block.
 The residual (what encoding the sum dropped, carried into the next round's sum, as BytePS's servers do) is the key's
 state on this server. A failover does not move it: the key's new server (or its replica) starts with a zero residual,
 and counts it (`restarts`: the server's status and gradwire_server_compression_residual_restarts), as a server-side
-optimizer's state restarted by a failover is counted (server/optim.py). What is lost is at most one round's
+optimizer's state restarted by a failover is counted (server/optimizer_op.py). What is lost is at most one round's
 compression error of that key, which error feedback would have sent later. Every worker still receives the same
 bytes, so their parameters stay identical.
 """

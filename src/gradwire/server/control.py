@@ -144,7 +144,8 @@ class ServerControl:
                 if state.replicas.ensure(int(target), address):
                     engine.keys[key].replica = int(target)
                     held = engine.keys[key].held
-                    if isinstance(held, Held):  # a server-side optimizer's state (server/optim.py), not a residual
+                    # a server-side optimizer's state (server/optimizer_op.py), not a residual
+                    if isinstance(held, Held):
                         held.replica = int(target)
         self._reply(body.id)
 

@@ -1,4 +1,4 @@
-"""What a key of the server-side optimizer holds (parameter-server mode, server/optim.py): its partition of the
+"""What a key of the server-side optimizer holds (parameter-server mode, server/optimizer_op.py): its partition of the
 parameters and of the optimizer's state, the bookkeeping of asynchronous mode and delay compensation, and the codec its
 compressed gradient pushes are decoded with (protocol/update.py)."""
 
@@ -8,7 +8,7 @@ import numpy as np
 
 from gradwire.errors import TensorError
 from gradwire.protocol import compression, update
-from gradwire.server.optimizers import NumpyStep, TorchStep
+from gradwire.server.optimizer_steps import NumpyStep, TorchStep
 
 
 class Held:

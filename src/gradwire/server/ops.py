@@ -13,7 +13,7 @@ failover seeds, metrics). An operation only says how a contribution goes into th
 What each rank pulls is the key's, not the operation's: the whole result, or a slice of it per rank (`slices`,
 declared with the key): reducescatter is a sum with slices, and a rank whose slice misses a key pulls nothing.
 New operations subclass `KeyOp` and are added to `OPS`, or built from declared arguments by `build` (the optimizer
-update of parameter-server mode, server/optim.py, which also keeps per-key state and handles some pushes itself).
+update of parameter-server mode, server/optimizer_op.py, which also keeps per-key state and handles some pushes itself).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def build(name: str, args: dict | None) -> KeyOp:
     except ValueError as e:
         raise TensorError(str(e)) from None
     if name == "optimizer":
-        from gradwire.server.optim import ServerUpdate
+        from gradwire.server.optimizer_op import ServerUpdate
 
         return ServerUpdate(checked or {})
     if name == "compressed":

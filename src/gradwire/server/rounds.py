@@ -4,8 +4,9 @@
 are in (rank order, staging, seeds: server/engine.py says why), and its accumulator with its result. `KeyState`: one
 key's two rounds and who contributes to them; its buffers' life (`Lending`, which it inherits): lent by the engine's
 pool while a round needs them, given back once its replies are sent, and a replica's one buffer for both rounds.
-`KeyOp`: the interface of a per-key operation (the engine's one extension point; server/ops.py and server/optim.py
-implement it). `Outbox`: what an operation may send, and nothing else of the engine's (the engine implements it).
+`KeyOp`: the interface of a per-key operation (the engine's one extension point; server/ops.py and
+server/optimizer_op.py implement it). `Outbox`: what an operation may send, and nothing else of the engine's (the
+engine implements it).
 
 Why lend: a server held two round buffers per key, and a replica two per key it keeps; on a 1.2 GB tensor that was 5-6
 copies of each server's share, and each of the first two calls paid for fresh pages. Lent, a server holds buffers for
@@ -417,7 +418,7 @@ class KeyState(Lending):
                 whole = r.result
                 assert isinstance(whole, memoryview)
                 r.result = [whole[a : a + b] for a, b in slices]
-        self.held = None  # what the operation keeps per key (server/optim.py)
+        self.held = None  # what the operation keeps per key (server/optimizer_op.py)
         self.replica: int | None = None  # the server that keeps this key's last answered round (server/replica.py)
         self.kept = False  # this server only keeps the key's answered rounds for its server (a replica), not owns it
         self.shared = False  # its two rounds share one buffer (`keep`)

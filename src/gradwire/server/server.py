@@ -25,7 +25,7 @@ from gradwire.errors import GradwireError, RemoteProtocolError
 from gradwire.protocol import messages
 from gradwire.ring import Ring
 from gradwire.scheduler.client import join
-from gradwire.server import compressed, native_path, optim
+from gradwire.server import compressed, native_path, optimizer_op
 from gradwire.server.control import ServerControl
 from gradwire.server.engine import Engine
 from gradwire.server.outgoing import Outgoing
@@ -181,17 +181,17 @@ class Server:
         metrics.gauge(
             "gradwire_server_optimizer_bytes",
             "Parameters and optimizer state this server holds (parameter-server mode)",
-            lambda: optim.stats(self._key_states())["bytes"],
+            lambda: optimizer_op.stats(self._key_states())["bytes"],
         )
         metrics.gauge(
             "gradwire_server_optimizer_updates",
             "Optimizer updates applied to this server's partitions (parameter-server mode)",
-            lambda: optim.stats(self._key_states())["updates"],
+            lambda: optimizer_op.stats(self._key_states())["updates"],
         )
         metrics.gauge(
             "gradwire_server_delay_compensated",
             "Asynchronous pushes corrected for their delay before being applied (delay compensation, PS mode)",
-            lambda: optim.stats(self._key_states())["delay_compensated"],
+            lambda: optimizer_op.stats(self._key_states())["delay_compensated"],
         )
         metrics.gauge(
             "gradwire_server_compression_residual_restarts",
@@ -224,7 +224,7 @@ class Server:
             "rounds_completed": self.rounds_completed,
             "replicated_rounds": self.replicated_rounds,  # other servers' answered rounds kept here (failover)
             "ring_occupancy": sum(e.ring.occupancy for e in state.engines),
-            "optimizer": optim.stats(self._key_states()),
+            "optimizer": optimizer_op.stats(self._key_states()),
             "compression": compressed.stats(self._key_states()),
             "error": state.error,
             "refused_connections": self.refusals.count,
@@ -269,7 +269,7 @@ class Server:
         mean = GaugeMetricFamily(
             "gradwire_server_staleness_mean", "Mean staleness of the applied asynchronous pushes", labels=["tensor"]
         )
-        for name, (top, avg) in sorted(optim.staleness_by_tensor(self._key_states()).items()):
+        for name, (top, avg) in sorted(optimizer_op.staleness_by_tensor(self._key_states()).items()):
             worst.add_metric([name], top)
             mean.add_metric([name], avg)
         return [worst, mean]

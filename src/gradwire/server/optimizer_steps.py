@@ -1,7 +1,8 @@
-"""The optimizer's math on one partition (parameter-server mode, docs/ps-mode.md), apart from the rounds that feed it
-(server/optim.py). Two implementations of each algorithm: `TorchStep` runs torch.optim's own single-tensor step, so
-the parameters are bit-identical to every worker stepping the same torch optimizer on the averaged gradients;
-`NumpyStep` follows torch's formulas in float32 or float64 (without fused multiply-adds its last bits differ).
+"""The optimizer's step on one partition (parameter-server mode, docs/ps-mode.md), apart from the rounds that feed it
+(server/optimizer_op.py) and the state it keeps (server/held.py). Two implementations of each algorithm: `TorchStep`
+runs torch.optim's own single-tensor step, so the parameters are bit-identical to every worker stepping the same torch
+optimizer on the averaged gradients; `NumpyStep` follows torch's formulas in float32 or float64 (without fused
+multiply-adds its last bits differ).
 """
 
 from __future__ import annotations
