@@ -1,4 +1,6 @@
-"""The job's tensors, as the scheduler keeps them: first declarations, partitions, keys, servers.
+"""The job's tensors, as the scheduler keeps them (`Declarations`): each tensor's first declaration, its partitions,
+keys and servers (`Declaration`), and each worker's declaration waiting for the others' (`Call`). What every worker
+must agree on: protocol/signature.py.
 
 The first worker to declare a tensor fixes its shape, dtype and partitioning for the job; its partitions are
 placed on servers (placement.py), and each owning server is told its keys (so it allocates their accumulators then,
@@ -13,6 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -22,10 +25,72 @@ from gradwire.errors import TensorError
 from gradwire.placement import Placement
 from gradwire.protocol import dtypes, messages, operations
 from gradwire.protocol.signature import Signature
-from gradwire.scheduler.declaration import Call, Declaration
 from gradwire.scheduler.server_requests import ServerRequests
 
 log = logging.getLogger("gradwire.scheduler")
+
+HOLDABLE_OPS = frozenset({"sum", "min", "max", "product"})
+
+
+@dataclass
+class Declaration:
+    """The first declaration of a tensor, against which every other worker's is checked."""
+
+    shape: list[int]
+    dtype: str
+    rank: int
+    servers: list[int]
+    partition_bytes: int
+    keys: list[int] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+    key_op: str = "sum"  # what its keys compute (server/ops.py)
+    slices: list[list[int]] | None = None  # per rank, the [first element, count] of the result it pulls
+    meta: str | None = None  # anything else the workers must agree on (a broadcast's root)
+    members: list[int] | None = None  # the ranks that take part (a process set); None: every worker
+    op_args: str | None = None  # the operation's declared arguments (canonical JSON: a server-side optimizer's)
+    replicas: list[int | None] | None = None  # per key, the server holding a replica of its state (server/replica.py)
+    # its workers hold each round's sum in their outputs until every one has it, in place of a copy or a replica
+    # (docs/faults.md, "Held keys"; server/receipts.py)
+    held: bool = False
+    ready: threading.Event = field(default_factory=threading.Event)  # set once every owning server knows its keys
+    error: str | None = None
+
+    @property
+    def signature(self) -> Signature:
+        return Signature(self.key_op, self.dtype, self.shape, self.slices, self.meta, self.members, self.op_args)
+
+    def answer(self) -> dict:
+        """What every declarer of it is told."""
+        if self.error:
+            return {"error": self.error}
+        # per key, whether a replica holds its last answered round (then workers keep no copy of it)
+        # (a server-side optimizer's keys keep the workers' copies: the parameters they pulled seed a new server where
+        # the replica is gone, docs/ps-mode.md)
+        replicas = self.replicas if self.key_op != "optimizer" else None
+        replicated = [r is not None for r in replicas] if replicas is not None else None
+        return {
+            "servers": self.servers,
+            "partition_bytes": self.partition_bytes,
+            "replicated": replicated,
+            "held": self.held,
+        }
+
+    @property
+    def holdable(self) -> bool:
+        """Its workers may hold its sums in their outputs for a failover (`held`): a reduction whose every worker
+        pulls the whole result, as it is (a compressed key's workers get a decoded block, which is not what a seed
+        must carry; a sliced key's hold only their slice; a server-side optimizer's keep the parameters)."""
+        return self.key_op in HOLDABLE_OPS and self.slices is None
+
+
+@dataclass
+class Call:
+    """One worker's declaration of a tensor, waiting for the others'."""
+
+    rank: int
+    signature: Signature
+    partition_bytes: int
+    answer: Callable[[dict], None]
 
 
 class Declarations:
@@ -348,8 +413,43 @@ class Declarations:
         return after[0] if after else None
 
     def register_keys(self, name: str, decl: Declaration, only: set[int] | None = None) -> None:
-        """Tell each owning server (or those in `only`) its keys and wait for every answer (server_requests.py)."""
-        self.requests.register_keys(name, decl, only, self.address_of)
+        """Tell each owning server (or those in `only`) its keys and wait for every answer (server_requests.py
+        carries each request)."""
+        requests, address_of = self.requests, self.address_of
+        wire = dtypes.BY_NAME[decl.dtype]
+        cuts = key_slices(decl.sizes, decl.slices, wire.itemsize) if decl.slices is not None else None
+        waits = []
+        bodies = []
+        replicas = decl.replicas or [None] * len(decl.keys)
+        for server in sorted({r for r in replicas if r is not None} if only is None else set()):
+            held = [
+                [k, wire.code, n] for k, n, r in zip(decl.keys, decl.sizes, replicas, strict=True) if r == server
+            ]  # keys whose state this server replicates: declared as any key, fed by their primaries
+            bodies.append((server, messages.Keys(keys=held, name=name, key_op=decl.key_op, kept=True)))
+        for server in sorted(set(decl.servers) if only is None else only):
+            owned = [
+                [k, wire.code, n] for k, n, s in zip(decl.keys, decl.sizes, decl.servers, strict=True) if s == server
+            ]
+            body = messages.Keys(keys=owned, name=name, key_op=decl.key_op)
+            pairs = zip(decl.keys, decl.servers, replicas, strict=True)
+            targets = {str(k): r for k, s, r in pairs if s == server and r is not None}
+            if targets and address_of is not None:
+                body.replicas = targets
+                body.addresses = {str(r): address_of(r) for r in set(targets.values())}
+            bodies.append((server, body))
+        for server, body in bodies:
+            body.members = decl.members
+            if decl.op_args is not None:
+                body.op_args = json.loads(decl.op_args)
+            if cuts is not None:
+                body.slices = {str(k): cuts[decl.keys.index(k)] for k, _, _ in body.keys}
+            request = requests.request(server, body)
+            if request is not None:
+                waits.append((server, *request))
+        for server, rid, event in waits:
+            if not requests.answered(server, rid, event) and server not in requests.dead:
+                decl.error = f"server {server} did not confirm the keys of {name!r} in {requests.timeout}s"
+        decl.ready.set()
 
     def _place(self, name: str, shape: list[int], dtype: str, rank: int, pbytes: int, among: list[int]) -> Declaration:
         itemsize = dtypes.BY_NAME[dtype].itemsize  # our own table, not the peer's word
@@ -386,3 +486,18 @@ def _cut(name: str, shape: list[int], dtype: str, pbytes: int) -> tuple[list[int
 
 class _Refused(Exception):
     """A declaration wrong on its own (whatever the other workers declare): only its declarer is told."""
+
+
+def key_slices(sizes: list[int], slices: list[list[int]], itemsize: int) -> list[list[list[int]]]:
+    """Per key (partitions of `sizes` bytes, in order), per rank: the [start byte, bytes] of the key that falls in
+    the rank's slice [first element, count] of the tensor (empty where they miss)."""
+    out, start = [], 0
+    for nbytes in sizes:
+        end = start + nbytes
+        per_rank = []
+        for first, count in slices:
+            lo, hi = max(start, first * itemsize), min(end, (first + count) * itemsize)
+            per_rank.append([lo - start, hi - lo] if hi > lo else [0, 0])
+        out.append(per_rank)
+        start = end
+    return out

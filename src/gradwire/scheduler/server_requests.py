@@ -6,15 +6,13 @@ nor sends it anything, until a standby takes its place (`revive`).
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import threading
 from collections.abc import Callable
 from dataclasses import replace
 
 from gradwire.errors import GradwireError
-from gradwire.protocol import dtypes, messages
-from gradwire.scheduler.declaration import Declaration, key_slices
+from gradwire.protocol import messages
 
 # what the scheduler asks a server, and waits for the answer of (each given a request id as it is sent)
 ServerRequest = messages.Keys | messages.Reset | messages.Promote | messages.Joined
@@ -78,42 +76,3 @@ class ServerRequests:
         """A standby takes dead server `server`'s place: requests go to it again."""
         with self._lock:
             self.dead.discard(server)
-
-    def register_keys(
-        self, name: str, decl: Declaration, only: set[int] | None, address_of: Callable[[int], dict] | None
-    ) -> None:
-        """Tell each owning server (or those in `only`) its keys and wait for every answer."""
-        wire = dtypes.BY_NAME[decl.dtype]
-        cuts = key_slices(decl.sizes, decl.slices, wire.itemsize) if decl.slices is not None else None
-        waits = []
-        bodies = []
-        replicas = decl.replicas or [None] * len(decl.keys)
-        for server in sorted({r for r in replicas if r is not None} if only is None else set()):
-            held = [
-                [k, wire.code, n] for k, n, r in zip(decl.keys, decl.sizes, replicas, strict=True) if r == server
-            ]  # keys whose state this server replicates: declared as any key, fed by their primaries
-            bodies.append((server, messages.Keys(keys=held, name=name, key_op=decl.key_op, kept=True)))
-        for server in sorted(set(decl.servers) if only is None else only):
-            owned = [
-                [k, wire.code, n] for k, n, s in zip(decl.keys, decl.sizes, decl.servers, strict=True) if s == server
-            ]
-            body = messages.Keys(keys=owned, name=name, key_op=decl.key_op)
-            pairs = zip(decl.keys, decl.servers, replicas, strict=True)
-            targets = {str(k): r for k, s, r in pairs if s == server and r is not None}
-            if targets and address_of is not None:
-                body.replicas = targets
-                body.addresses = {str(r): address_of(r) for r in set(targets.values())}
-            bodies.append((server, body))
-        for server, body in bodies:
-            body.members = decl.members
-            if decl.op_args is not None:
-                body.op_args = json.loads(decl.op_args)
-            if cuts is not None:
-                body.slices = {str(k): cuts[decl.keys.index(k)] for k, _, _ in body.keys}
-            request = self.request(server, body)
-            if request is not None:
-                waits.append((server, *request))
-        for server, rid, event in waits:
-            if not self.answered(server, rid, event) and server not in self.dead:
-                decl.error = f"server {server} did not confirm the keys of {name!r} in {self.timeout}s"
-        decl.ready.set()
