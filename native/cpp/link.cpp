@@ -23,9 +23,26 @@ Link::Link(int fd, uint64_t max_payload, size_t queue_capacity)
     flags_ = ::fcntl(fd_, F_GETFL);
     if (flags_ < 0 || ::fcntl(fd_, F_SETFL, flags_ | O_NONBLOCK) < 0)
         throw std::system_error(errno, std::generic_category(), "fcntl on the link's socket");
+    int domain = 0, type = 0, lowat = 0;
+    socklen_t size = sizeof(int);
+    tcp_ = ::getsockopt(fd_, SOL_SOCKET, SO_DOMAIN, &domain, &size) == 0 && (domain == AF_INET || domain == AF_INET6) &&
+           ::getsockopt(fd_, SOL_SOCKET, SO_TYPE, &type, &size) == 0 && type == SOCK_STREAM &&
+           ::getsockopt(fd_, SOL_SOCKET, SO_RCVLOWAT, &lowat, &size) == 0 && lowat == 1;
 }
 
-Link::~Link() { ::fcntl(fd_, F_SETFL, flags_); }  // the caller's socket as it was
+Link::~Link() {  // the caller's socket as it was: a blocking receive would wait for the mark
+    if (lowat_ != 1) await(0);
+    ::fcntl(fd_, F_SETFL, flags_);
+}
+
+void Link::await(uint64_t bytes) {
+    const int mark = bytes > kLowatMin ? int(std::min(bytes, kMaxLowat)) : 1;
+    if (mark == lowat_) return;
+    if (::setsockopt(fd_, SOL_SOCKET, SO_RCVLOWAT, &mark, sizeof mark) == 0)
+        lowat_ = mark;
+    else
+        tcp_ = false;  // not this socket's: readiness stays the kernel's default
+}
 
 void Link::queue(const Header& h, const uint8_t* payload, uint64_t tag, const uint8_t* trailer,
                  uint64_t trailer_length) {

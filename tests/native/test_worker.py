@@ -237,3 +237,55 @@ def test_a_part_waiting_for_credit_when_its_link_dies_is_counted_once(gn, failov
             assert len(done) == 1 and done[0][0] == 1 and done[0][1].startswith("server 0: "), done
             loop.stop("done")
         assert loop.credit_used == 0
+
+
+def test_a_payload_under_way_holds_the_sockets_readiness_until_more_of_it_is_in(gn):
+    """Over TCP, a payload arriving a segment at a time would wake the loop for each; while one is under way the
+    link sets SO_RCVLOWAT to the rest of it (at most 16 KiB), 1 again between frames, and a stopped loop gives the
+    socket back with the kernel's default mark (a blocking receive would otherwise wait for it)."""
+    import socket
+    import time
+
+    from gradwire.protocol import frames
+
+    def mark(s):
+        return s.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT)
+
+    def until(predicate):
+        deadline = time.monotonic() + 5
+        while not predicate() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return predicate()
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        ours = socket.create_connection(listener.getsockname())
+        server, _ = listener.accept()
+    with ours, server:
+        n = 16384  # float32: a 64 KiB partition
+        loop = gn.WorkerLoop([ours.fileno()], rank=0, epoch=0, window=2, cap=0, credit=0, max_payload=1 << 20)
+        send, out = np.ones(n, np.float32), np.zeros(n, np.float32)
+        code = dtypes.BY_NAME["float32"].code
+        loop.submit(1, "t", 1, 0, code, send.view(np.uint8), out.view(np.uint8), [(7, 0, 0, 4 * n, 0, 4 * n, 0)])
+        total = (2 * np.ones(n, np.float32)).tobytes()
+
+        def pushed_and_answered_in_part(rnd: int, part: int) -> bytes:
+            pushed = bytearray()
+            while len(pushed) < frames.HEADER_SIZE + 4 * n:
+                pushed += server.recv(1 << 20)
+            assert mark(ours) == 1  # between frames
+            answer = frames.encode_header(frames.FrameType.RESULT, 4 * n, dtype=code, key=7, round=rnd)
+            server.sendall(answer + total[:part])  # the header and a part of the payload
+            return answer
+
+        pushed_and_answered_in_part(1, 20000)
+        assert until(lambda: mark(ours) == 16384), mark(ours)  # the rest is 45,536 bytes: the cap
+        server.sendall(total[20000:60000])
+        assert until(lambda: mark(ours) == 5536), mark(ours)  # the rest exactly, over kLowatMin
+        server.sendall(total[60000:])
+        assert _completions(loop, 1) == [(1, "")] and (out == 2).all()
+        assert mark(ours) == 1
+        loop.submit(2, "t", 2, 0, code, send.view(np.uint8), out.view(np.uint8), [(7, 0, 0, 4 * n, 0, 4 * n, 0)])
+        pushed_and_answered_in_part(2, 30000)
+        assert until(lambda: mark(ours) == 16384)
+        loop.stop("done")
+        assert mark(ours) == 1  # given back as it was
