@@ -366,7 +366,13 @@ Stages Loop::take_stages() {
     return taken;
 }
 
-void Loop::trace(bool on) { tracing_.store(on, std::memory_order_relaxed); }
+void Loop::trace(bool on) {
+    tracing_.store(on, std::memory_order_relaxed);
+    if (on) return;
+    std::lock_guard<std::mutex> lock(mutex_);  // no timeline takes them any more
+    traced_.clear();
+    untraced_ = 0;
+}
 
 std::pair<std::vector<Traced>, uint64_t> Loop::take_traced() {
     std::lock_guard<std::mutex> lock(mutex_);

@@ -84,7 +84,8 @@ class Loop {
     Counts counts() const;
     // The stage histogram of the partitions answered since the last call (then empty again).
     Stages take_stages();
-    // Keep each answered partition's stages for the timeline (`take_traced`), or stop keeping them.
+    // Keep each answered partition's stages for the timeline (`take_traced`), or stop keeping them (and drop those
+    // kept and not taken).
     void trace(bool on);
     // The partitions answered since the last call while tracing (at most kMaxTraced; then empty again), and how many
     // past that bound were dropped.

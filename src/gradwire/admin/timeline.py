@@ -69,9 +69,19 @@ class Timeline:
             self._dirty = True
 
     def partition(
-        self, stages: tuple[tuple[str, float, float], ...], tid: int, args: dict, done: float, in_flight: int
+        self,
+        tensor: str,
+        key: int,
+        round: int,
+        nbytes: int,
+        stages: tuple[tuple[str, float, float], ...],
+        tid: int,
+        done: float,
+        in_flight: int,
     ) -> None:
-        """One answered partition: its stages (name, start, end) on track `tid`, and the bytes in flight then."""
+        """One answered partition: its stages (name, start, end) on track `tid` (its server), named by tensor, key,
+        round and bytes, and the bytes in flight as it was answered."""
+        args = {"tensor": tensor, "key": f"{key:016x}", "bytes": nbytes, "round": round}
         for name, start, end in stages:
             self.complete(name, start, end, tid, args)
         self.counter("bytes in flight", done, in_flight)

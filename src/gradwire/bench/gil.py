@@ -36,7 +36,7 @@ def worker(steps: int, mib: float, rate: float) -> None:
 
     import gradwire
     import torch
-    from gradwire.bench.train import BATCH, model
+    from gradwire.bench.train import batch_size, model
     from gradwire.session import current_worker
 
     torch.set_num_threads(1)
@@ -45,7 +45,8 @@ def worker(steps: int, mib: float, rate: float) -> None:
     net = model()
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
     g = torch.Generator().manual_seed(rank)
-    x, y = torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
+    batch = batch_size()
+    x, y = torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)
 
     def train(count: int = steps) -> list[float]:
         times = []

@@ -85,10 +85,11 @@ def run_train(args: argparse.Namespace, env: dict[str, str]) -> int:
         chosen = (topo.tuning() if args.hand_tuned else {}) | env | {"GRADWIRE_BENCH_MODEL": args.train_model}
         ways = COMPRESSION_WAYS if args.compression else KERAS_WAYS if args.keras else TRAIN_WAYS
         if args.ways:
-            unknown = set(args.ways.split(",")) - set(ways)
+            asked = set(args.ways.split(","))
+            unknown = sorted(asked - set(ways))
             if unknown:
-                raise SystemExit(f"--ways: no such way here: {sorted(unknown)} (these are: {', '.join(ways)})")
-            ways = tuple(w for w in ways if w in args.ways.split(",") or w in PEERS)
+                raise SystemExit(f"--ways: no such way here: {unknown} (these are: {', '.join(ways)})")
+            ways = tuple(w for w in ways if w in asked or w in PEERS)
         results = run_train_config(topo, args.steps, args.warmup, chosen, drift=drift, settle=settle, ways=ways)  # type: ignore[arg-type]
         every += results
         for r in results:

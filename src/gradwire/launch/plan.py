@@ -112,8 +112,8 @@ def predict_table(args: argparse.Namespace) -> int:
     cpu_per_gb, path = args.server_cpu_per_gb, "as given"
     if cpu_per_gb is None:  # the measured figure of the data path a server started here would run
         native_here = os.environ.get("GRADWIRE_DATAPATH", "auto") != "python" and native.load().module is not None
-        cpu_per_gb = predict.SERVER_CPU_S_PER_GB["native" if native_here else "python"]
-        path = f"the {'native' if native_here else 'python'} data path's, measured"
+        name = "native" if native_here else "python"
+        cpu_per_gb, path = predict.SERVER_CPU_S_PER_GB[name], f"the {name} data path's, measured"
     scale = args.compute_scale
     layers = replay.layers(profile, scale)
     total = sum(la.nbytes for la in layers)

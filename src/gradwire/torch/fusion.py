@@ -10,9 +10,12 @@ in, with the priority of its earliest layer. The sum is copied back into each me
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .powersgd import PowerSGD
 
 SMALL_BYTES = 64 << 10  # a parameter below this is fused; above it, its own message is already efficient
 
@@ -59,10 +62,10 @@ def plan(
     names: dict[int, str],
     fusion_bytes: int,
     explicit: list[list[torch.Tensor]] | None = None,
-    alone: Callable[[torch.Tensor], bool] | None = None,
+    alone: PowerSGD | None = None,
 ) -> dict[int, FusionGroup]:
-    """Group small parameters; returns the group of each fused parameter (by id). Large ones are left alone, and
-    those `alone` names (the matrices PowerSGD compresses: fused, they would travel whole).
+    """Group small parameters; returns the group of each fused parameter (by id). Large ones are left alone, and the
+    matrices `alone` carries as P and Q (fused, they would travel whole).
 
     With `explicit` groups (Horovod's `groups=`), those are the groups, whatever their sizes (split by dtype)."""
     groups: dict[int, FusionGroup] = {}
@@ -88,7 +91,7 @@ def plan(
 
     for p in reversed(params):
         nbytes = p.numel() * p.element_size()
-        if alone is not None and alone(p):  # it travels apart; the small ones around it may still go together
+        if alone is not None and alone.carries(p):  # it travels apart; the small ones around it may still go together
             continue
         if nbytes >= SMALL_BYTES or fusion_bytes <= 0:
             close()

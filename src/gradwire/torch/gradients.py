@@ -64,10 +64,8 @@ class GradientSync:
         config = self._bound.config if self._bound is not None else Config.from_env()
         if fusion_bytes is None:
             fusion_bytes = config.fusion_bytes
-        compressor = configured(compression, config)
-        alone = None
-        if isinstance(compressor, PowerSGD) and members is None:  # its matrices travel as P and Q, never fused
-            alone = lambda p: compressor.applies(p.detach(), "sum", None)  # noqa: E731
+        compressor = configured(compression, config)  # PowerSGD's matrices (a sum over every worker) travel apart
+        alone = compressor if isinstance(compressor, PowerSGD) and members is None else None
         self.groups = fusion.plan(self.params, names, fusion_bytes, groups, alone)
         self.handles: dict[int, TorchHandle | None] = {}  # None: in flight inside its fusion group
         self.group_handles: dict[str, tuple[fusion.FusionGroup, TorchHandle]] = {}

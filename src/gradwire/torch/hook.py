@@ -129,7 +129,7 @@ def sub_buckets(params: list[torch.Tensor], cap: int, alone: PowerSGD | None = N
     size, closed = 0, False  # closed: the last group is a matrix PowerSGD carries, which nothing joins
     for p in params:
         nbytes = p.numel() * p.element_size()
-        single = alone is not None and alone.applies(p.detach(), "sum", None)
+        single = alone is not None and alone.carries(p)
         if not out or single or closed or size + nbytes > cap or out[-1][0].dtype != p.dtype:
             out.append([])
             size = 0

@@ -81,6 +81,11 @@ class PowerSGD(Passthrough):
         n, m = tensor.shape[0], tensor.numel() // tensor.shape[0]
         return (n + m) * self.rank * self.min_compression_rate <= n * m
 
+    def carries(self, param: torch.Tensor) -> bool:
+        """Whether a parameter's gradient travels as P and Q (a sum over every worker): it is never fused into a
+        group (DistributedOptimizer's fusion) or a sub-bucket (the DDP hook's), which would carry it whole."""
+        return self.applies(param.detach(), "sum", None)
+
     def state(self, worker: Worker, name: str, n: int, m: int) -> _TensorState:
         with self._lock:
             key = (id(worker), name)

@@ -192,8 +192,9 @@ class Answers(LinkState):
         stages = work.stages(done)
         self.metrics.partition(work.nbytes, *(end - start for _, start, end in stages))
         if self.timeline:
-            args = {"tensor": work.tensor, "key": f"{work.key:016x}", "bytes": work.nbytes, "round": work.round}
-            self.timeline.partition(stages, self.server, args, done, self.credit.used)
+            self.timeline.partition(
+                work.tensor, work.key, work.round, work.nbytes, stages, self.server, done, self.credit.used
+            )
 
     def _on_error(self, header: frames.Header, body: dict) -> None:
         if body.get("abort"):

@@ -295,14 +295,15 @@ class NativePath:
 
     def _traced(self) -> None:
         """The partitions the loop answered since last time, each one's stages into the timeline (as the Python
-        path's answers.py puts them: one track per server), ahead of the call's completion."""
-        rows, dropped = self.loop.take_traced()
+        path's answers.py puts them: one track per server), ahead of the call's completion. Nothing to take while
+        no timeline is written (the loop keeps none, and drops what it kept when tracing stops)."""
         timeline = self.state.timeline
         if timeline is None:
             return
+        rows, dropped = self.loop.take_traced()
         for tensor, key, rnd, nbytes, server, queued, sent, pushed, result, done, in_flight in rows:
-            args = {"tensor": tensor, "key": f"{key:016x}", "bytes": nbytes, "round": rnd}
-            timeline.partition(stages(queued, sent, pushed, result, done), server, args, done, in_flight)
+            times = stages(queued, sent, pushed, result, done)
+            timeline.partition(tensor, key, rnd, nbytes, times, server, done, in_flight)
         if dropped:
             log.warning(
                 "worker %d: %d partitions' events did not fit in the native loop's trace", self.state.rank, dropped

@@ -23,7 +23,8 @@ def stages(
     queued: float, sent: float, pushed: float, result: float, done: float
 ) -> tuple[tuple[str, float, float], ...]:
     """A partition's four stages (name, start, end) from its times: queued (submitted until let go), push (until
-    wholly sent), wait (for the sum), pull (until it was all in). Both data paths' timelines and histograms use them."""
+    wholly sent), wait (for the sum), pull (until it was all in). Both data paths' timelines use them, and the Python
+    path's stage histogram."""
     return (("queued", queued, sent), ("push", sent, pushed), ("wait", pushed, result), ("pull", result, done))
 
 
