@@ -69,12 +69,18 @@ ssize_t Link::operator()(iovec* iov, size_t n) {
         if (ahead_at_ == ahead_.size()) ahead_.clear(), ahead_at_ = 0;
         return ssize_t(got);
     }
+    if (drained_) return 0;
     msghdr msg{};
     msg.msg_iov = iov;
     msg.msg_iovlen = n;
     for (;;) {
         const ssize_t got = ::recvmsg(fd_, &msg, MSG_DONTWAIT);
-        if (got > 0) return got;
+        if (got > 0) {
+            size_t asked = 0;
+            for (size_t i = 0; i < n; ++i) asked += iov[i].iov_len;
+            drained_ = size_t(got) < asked;
+            return got;
+        }
         if (got == 0) return -1;  // the end of the stream
         if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
         if (errno != EINTR) fail("receive", errno);

@@ -97,11 +97,14 @@ class Link {
     // under way, the socket is readable again only once more of it than kLowatMin is in (`await`).
     template <typename Sink>
     void receive(Sink& sink) {
+        drained_ = false;
         decoder_.receive(*this, sink);
         if (tcp_) await(decoder_.awaited());
     }
 
-    // One receive from the socket (a Decoder's source); bytes read ahead (`prepend`) first.
+    // One receive from the socket (a Decoder's source); bytes read ahead (`prepend`) first. After a receive that
+    // filled less than it was given the socket was empty: the next returns 0 without asking it again (the poll is
+    // level-triggered, so what arrives meanwhile wakes the loop), a third of the receives on a slow link.
     ssize_t operator()(iovec* iov, size_t n);
 
     // Bytes already read from the socket by someone else (a handshake's read-ahead): the next receives return them
@@ -135,6 +138,7 @@ class Link {
     int flags_;
     bool tcp_ = false;  // a TCP socket: SO_RCVLOWAT holds its readiness (`await`)
     int lowat_ = 1;
+    bool drained_ = false;  // this `receive` found the socket empty
     std::vector<Outgoing> queue_;  // a ring: capacity a power of two, head_ and tail_ count up
     size_t head_ = 0, tail_ = 0;
     size_t head_sent_ = 0;  // bytes of the head frame (header and payload) already sent

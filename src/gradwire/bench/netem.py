@@ -51,6 +51,7 @@ class Record:
     links_busy: dict[str, float] = field(default_factory=dict)  # with --links: mean use per kind of link (links.py)
     per_host: int = 1  # workers per worker host, sharing its link
     calls_cpu_utilization: float | None = None  # the same over the timed calls alone (`timed_calls`)
+    call_cpu_seconds: float | None = None  # CPU seconds of all the job's processes per timed call: the work itself
 
     @property
     def layout(self) -> str:
@@ -84,11 +85,11 @@ def timed(job_start, timeout: float) -> tuple[list[dict], float]:
     return rows, whole
 
 
-def timed_calls(job_start, timeout: float) -> tuple[list[dict], float, float | None]:
-    """`timed`, and the CPU use over the timed calls alone: the workers' own CPU in their timed calls (their CPU
-    lines, bench/workers.py) and the job's other processes' (servers, scheduler; sampled from /proc) over the same
-    span, per size, over (the spans x cores); None where the workers print no CPU lines. The whole job's figure
-    includes each process's start (imports, rendezvous) and warm-up; this one is the data path's."""
+def timed_calls(job_start, timeout: float) -> tuple[list[dict], float, dict[int, CallsCpu]]:
+    """`timed`, and per size the CPU over the timed calls alone: the workers' own CPU in their timed calls (their
+    CPU lines, bench/workers.py) and the job's other processes' (servers, scheduler; sampled from /proc) over the
+    same span; empty where the workers print no CPU lines. The whole job's figure includes each process's start
+    (imports, rendezvous) and warm-up; this one is the data path's."""
     before, t0 = os.times(), time.monotonic()
     job = job_start()
     sampler, stop = CpuSampler([p.pid for p in job.services]), threading.Event()
@@ -104,7 +105,8 @@ def timed_calls(job_start, timeout: float) -> tuple[list[dict], float, float | N
     rows = [json.loads(line) for line in outputs[0].splitlines() if line.startswith("{")]
     lines = [json.loads(line[4:]) for out in outputs for line in out.splitlines() if line.startswith("CPU ")]
     cores = os.cpu_count() or 1
-    return rows, cpu / (wall * cores), _calls_cpu(lines, sampler, cores)
+    calls = {row["bytes"]: len(row["times"]) for row in rows}
+    return rows, cpu / (wall * cores), _calls_cpu(lines, calls, sampler, cores)
 
 
 def _sample(sampler: CpuSampler, stop: threading.Event) -> None:
@@ -112,16 +114,26 @@ def _sample(sampler: CpuSampler, stop: threading.Event) -> None:
         sampler.sample()
 
 
-def _calls_cpu(lines: list[dict], sampler: CpuSampler, cores: int) -> float | None:
-    if not lines:
-        return None
-    spent = spans = 0.0
-    for size in {line["bytes"] for line in lines}:
+@dataclass
+class CallsCpu:
+    """The CPU of a job's timed calls of one size: over (their span x cores), and in CPU seconds per call. A faster
+    job spends the same work in less time, so its share of the cores rises; the seconds per call are the cost."""
+
+    utilization: float
+    seconds_per_call: float
+
+
+def _calls_cpu(lines: list[dict], calls: dict[int, int], sampler: CpuSampler, cores: int) -> dict[int, CallsCpu]:
+    shares = {}
+    for size, count in calls.items():
         mine = [line for line in lines if line["bytes"] == size]
+        if not mine or not count:
+            continue
         start, end = min(line["start"] for line in mine), max(line["end"] for line in mine)
-        spent += sum(line["cpu"] for line in mine) + sampler.between(start, end)
-        spans += end - start
-    return spent / (spans * cores) if spans > 0 else None
+        spent = sum(line["cpu"] for line in mine) + sampler.between(start, end)
+        if end > start:
+            shares[size] = CallsCpu(spent / ((end - start) * cores), spent / count)
+    return shares
 
 
 def run_config(
@@ -168,10 +180,14 @@ def run_config(
                         env.get("GRADWIRE_PLACEMENT", "model") if system == "gradwire" else "",
                         busy,
                         topo.per_host,
-                        calls_cpu,
+                        *_cpu_fields(calls_cpu.get(row["bytes"])),
                     )
                 )
     return records
+
+
+def _cpu_fields(calls: CallsCpu | None) -> tuple[float | None, float | None]:
+    return (None, None) if calls is None else (calls.utilization, calls.seconds_per_call)
 
 
 def _links(sampler: LinkSampler, topo: Topology, system: str, links_dir: str) -> dict[str, float]:
@@ -205,8 +221,8 @@ def table(configs: list[list[Record]]) -> str:
     """Markdown: per configuration and size, both systems' time, bound and ratio, and gloo's time over ours."""
     lines = [
         "| n | k | worker / server rate | partition, window | size | gradwire s | x its bound | gloo s | x its bound "
-        "| gloo / gradwire | CPU use (gradwire, gloo): whole job; timed calls |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| gloo / gradwire | CPU use (gradwire, gloo): whole job; timed calls | CPU s a call: gradwire / gloo |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for records in configs:
         gloo = {r.bytes: r for r in records if r.system == "gloo"}
@@ -221,9 +237,15 @@ def table(configs: list[list[Record]]) -> str:
                 f"| {r.seconds_median:.2f} | {r.ratio_to_bound:.2f} "
                 f"| {g.seconds_median:.2f} | {g.ratio_to_bound:.2f} | {g.seconds_median / r.seconds_median:.2f}x "
                 f"| {r.cpu_utilization:.0%}, {g.cpu_utilization:.0%}; {_pct(r.calls_cpu_utilization)}, "
-                f"{_pct(g.calls_cpu_utilization)} |"
+                f"{_pct(g.calls_cpu_utilization)} | {_per_call(r.call_cpu_seconds, g.call_cpu_seconds)} |"
             )
     return "\n".join(lines)
+
+
+def _per_call(ours: float | None, peer: float | None) -> str:
+    if ours is None or peer is None or peer <= 0:
+        return "?"
+    return f"{ours:.2f} / {peer:.2f} = {ours / peer:.2f}x"
 
 
 def _pct(share: float | None) -> str:
