@@ -1,7 +1,7 @@
 """The emulated-network benchmark's CPU figures: per size, a share of the cores over the timed calls and the CPU
 seconds per call (the cost of the work, which a faster job does not inflate)."""
 
-from gradwire.bench.netem import _calls_cpu
+from gradwire.bench.netem import _calls_cpu, timed_calls
 
 
 class _Servers:
@@ -26,3 +26,22 @@ def test_each_size_gets_its_share_and_its_cpu_seconds_per_call():
 def test_a_size_without_cpu_lines_or_calls_has_no_figure():
     lines = [{"rank": 0, "bytes": 16, "cpu": 1.0, "start": 0.0, "end": 1.0}]
     assert _calls_cpu(lines, {16: 0, 64: 3}, _Servers(), cores=2) == {}
+
+
+class _Job:
+    services: list = []
+
+    def __init__(self, outputs: list[str]) -> None:
+        self.outputs = outputs
+
+    def wait(self, timeout: float) -> list[str]:
+        return self.outputs
+
+
+def test_a_job_s_rows_and_cpu_figures_come_back_for_calls_and_for_training_rows():
+    cpu = 'CPU {"rank": 0, "bytes": 16, "cpu": 0.5, "start": 1.0, "end": 2.0}'
+    rows, whole, calls = timed_calls(lambda: _Job(['{"bytes": 16, "times": [0.1, 0.2]}\n' + cpu]), timeout=5)
+    assert rows == [{"bytes": 16, "times": [0.1, 0.2]}] and whole >= 0
+    assert calls[16].seconds_per_call == 0.25
+    rows, _, calls = timed_calls(lambda: _Job(['{"way": "ddp", "step_s": 0.3}']), timeout=5)  # bench --netem --train's
+    assert rows == [{"way": "ddp", "step_s": 0.3}] and calls == {}

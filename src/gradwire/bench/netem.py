@@ -105,7 +105,7 @@ def timed_calls(job_start, timeout: float) -> tuple[list[dict], float, dict[int,
     rows = [json.loads(line) for line in outputs[0].splitlines() if line.startswith("{")]
     lines = [json.loads(line[4:]) for out in outputs for line in out.splitlines() if line.startswith("CPU ")]
     cores = os.cpu_count() or 1
-    calls = {row["bytes"]: len(row["times"]) for row in rows}
+    calls = {row["bytes"]: len(row["times"]) for row in rows if "bytes" in row and "times" in row}  # not training's
     return rows, cpu / (wall * cores), _calls_cpu(lines, calls, sampler, cores)
 
 
