@@ -17,70 +17,32 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Generic, TypeVar
 
 import numpy as np
 
 from gradwire.errors import GradwireTimeout
 
-# A slot's `flags` are its frame's (protocol/frames.py's bits), or, for a slot a server's own publisher fills, a ring
-# event's, chosen apart from every bit of the wire's. JOIN_EVENT: the set of joined workers changed (hvd.join); the
-# slot's key is the bitmask. With it, DEPARTED_EVENT: the bitmask is of the workers that have left the job instead
-# (shutdown() while others go on).
-JOIN_EVENT = 0x80
-DEPARTED_EVENT = 0x40
+E = TypeVar("E")  # what a role keeps in a slot (the server's: server/slot.py)
 
 
-class Slot:
-    """One preallocated receive buffer and the header fields of the frame it holds."""
-
-    __slots__ = (
-        "array",
-        "buffer",
-        "conn",
-        "data",
-        "dtype",
-        "flags",
-        "key",
-        "landed",
-        "length",
-        "pull",
-        "round",
-        "sender",
-        "valid",
-    )
-
-    def __init__(self, buffer: memoryview, array: np.ndarray) -> None:
-        self.buffer = buffer  # the slot's own memory, for recv_into
-        self.array = array  # the same memory as uint8
-        self.data: np.ndarray = array  # where this event's payload lies: the slot, or a shared-memory slot
-        self.pull = 0xFFFF  # the worker's shared pull slot for the sum (transport/shm.py), or none
-        self.conn: object = None
-        self.key = 0
-        self.round = 0
-        self.dtype = 0
-        self.length = 0
-        self.sender = 0
-        self.flags = 0  # the frame's flags (SEED: a sum a worker already holds, resent after a failover)
-        self.valid = False  # False: the frame was not fully received; the consumer skips it
-        self.landed = False  # the payload was received straight into its key's landing buffer (server/engine.py)
-
-
-class Ring:
-    """The ring: `capacity` slots of `slot_bytes` each.
+class Ring(Generic[E]):
+    """The ring: `capacity` slots of `slot_bytes` each, each an event `event(buffer, array)` makes once over its own
+    memory (the Disruptor's RingBuffer<E> and its event factory: the ring knows nothing of what a slot holds).
 
     Thread-safety: `claim`/`publish` from any number of producer threads; `wait`/`release` from one
     consumer thread. Blocking: `claim` blocks while the ring is full, `wait` while nothing new is
     published; both take a timeout and raise GradwireTimeout, and both wake on `close`.
     """
 
-    def __init__(self, capacity: int, slot_bytes: int) -> None:
+    def __init__(self, capacity: int, slot_bytes: int, event: Callable[[memoryview, np.ndarray], E]) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
         self._memory = np.empty(capacity * slot_bytes, dtype=np.uint8)
         view = memoryview(self._memory)
         self.slots = [
-            Slot(view[i * slot_bytes : (i + 1) * slot_bytes], self._memory[i * slot_bytes : (i + 1) * slot_bytes])
+            event(view[i * slot_bytes : (i + 1) * slot_bytes], self._memory[i * slot_bytes : (i + 1) * slot_bytes])
             for i in range(capacity)
         ]
         self._published = [-1] * capacity  # the sequence last published in each slot
@@ -121,7 +83,7 @@ class Ring:
         self._next += 1
         return seq
 
-    def slot(self, seq: int) -> Slot:
+    def slot(self, seq: int) -> E:
         """The slot a claimed or published sequence maps to."""
         return self.slots[seq % self.capacity]
 

@@ -308,7 +308,7 @@ def _interrupt_the_failover(cluster: LocalCluster, told: str, interrupted: threa
         if told == "worker 0" and isinstance(message, messages.Replace):
             tell([n for n in nodes if n.rank == 0], message)
             stop_here()
-        elif told == "all" and isinstance(message, messages.Seed):
+        elif told == "all" and isinstance(message, messages.Reseed):
             stop_here()
         else:
             tell(nodes, message)

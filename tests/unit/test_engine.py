@@ -3,15 +3,16 @@ import pytest
 
 from gradwire.protocol import dtypes, frames
 from gradwire.protocol.frames import REPLAY, REPLICA, SEED, SHM_PAYLOAD
-from gradwire.ring import Ring, Slot
+from gradwire.ring import Ring
 from gradwire.server.engine import Engine
 from gradwire.server.reader import landing_of
+from gradwire.server.slot import Slot
 
 
 def _engine(replies, acks, fails, workers=2, deterministic=True):
     return Engine(
         0,
-        Ring(4, 64),
+        Ring(4, 64, Slot),
         workers,
         lambda *a: replies.append((*a[:4], [bytes(p) for p in a[3]] if isinstance(a[3], list) else bytes(a[3]), a[5])),
         lambda s, m: fails.append(m),
@@ -255,7 +256,9 @@ def test_a_rounds_result_stays_until_every_worker_has_pushed_the_next_round():
     """A lent buffer goes back only when the key's next round completes: until then a worker may still be receiving
     the result, however many other keys' rounds come and go meanwhile."""
     results = []
-    engine = Engine(0, Ring(4, 64), 2, lambda *a: results.append((a[1], a[3])), lambda s, m: None, lambda *a: None)
+    engine = Engine(
+        0, Ring(4, 64, Slot), 2, lambda *a: results.append((a[1], a[3])), lambda s, m: None, lambda *a: None
+    )
     engine.declare(9, dtypes.BY_NAME["float32"], MIB)
     engine.declare(8, dtypes.BY_NAME["float32"], MIB)
     count = MIB // 4
@@ -310,7 +313,7 @@ def test_a_rounds_buffer_goes_back_once_its_replies_are_sent_unless_lent_again()
     no buffer between rounds. A reply thread that calls back late, after the round's buffer was lent again to a later
     round, releases nothing."""
     sent = []
-    engine = Engine(0, Ring(4, 64), 2, lambda *a: sent.append(a[6]), lambda s, m: None, lambda *a: None)
+    engine = Engine(0, Ring(4, 64, Slot), 2, lambda *a: sent.append(a[6]), lambda s, m: None, lambda *a: None)
     count = MIB // 4
     for key in (8, 9):
         engine.declare(key, dtypes.BY_NAME["float32"], MIB)

@@ -8,7 +8,7 @@ from gradwire import partition
 from gradwire.errors import GradwireTimeout, RemoteProtocolError
 from gradwire.protocol import dtypes
 from gradwire.protocol.signature import Signature
-from gradwire.worker.recut import Recut
+from gradwire.worker.recut import Recutting
 from gradwire.worker.tensors import Tensor
 
 F32 = dtypes.BY_NAME["float32"]
@@ -24,7 +24,7 @@ def _tensor(name, elements, rnd, partition_bytes=4096):
 
 def test_step_1_reports_each_tensors_round_and_holds_calls_two_rounds_past_it():
     lock = threading.Lock()
-    recut = Recut(lock)
+    recut = Recutting(lock)
     tensors = {"a": _tensor("a", 100_000, 3), "b": _tensor("b", 100_000, 7)}
     with lock:
         assert recut.hold(list(tensors.values()), number=5) == {"a": 3, "b": 7}
@@ -33,7 +33,7 @@ def test_step_1_reports_each_tensors_round_and_holds_calls_two_rounds_past_it():
 
 def test_step_2_gives_a_successor_from_the_round_chosen_and_releases_the_holds():
     lock = threading.Lock()
-    recut = Recut(lock)
+    recut = Recutting(lock)
     tensors = {"a": _tensor("a", 100_000, 3)}
     with lock:
         recut.hold(list(tensors.values()), number=1)
@@ -48,14 +48,14 @@ def test_step_2_gives_a_successor_from_the_round_chosen_and_releases_the_holds()
 
 
 def test_a_re_cut_at_a_round_already_passed_is_the_schedulers_error():
-    recut, tensors = Recut(threading.Lock()), {"a": _tensor("a", 100_000, 6)}
+    recut, tensors = Recutting(threading.Lock()), {"a": _tensor("a", 100_000, 6)}
     with pytest.raises(RemoteProtocolError, match="worker 3: re-cut of 'a' at round 5 came too late"):
         recut.cut(tensors, {"a": 5}, 1, 1024, "worker 3")
 
 
 def test_a_held_round_waits_for_the_release_and_no_longer_than_the_timeout():
     lock = threading.Lock()
-    recut = Recut(lock)
+    recut = Recutting(lock)
     a = _tensor("a", 100_000, 3)
     with lock:
         recut.hold([a], number=2)

@@ -282,7 +282,7 @@ class Join(Request):
 
 
 @dataclass
-class FailoverState(Message):
+class FailoverReport(Message):
     """Per moved key: [round of the sum I hold, round I resend, whether I hold it]."""
 
     op = "failover_state"
@@ -416,7 +416,7 @@ class Replace(Message):
 
 
 @dataclass
-class Seed(Message):
+class Reseed(Message):
     """Resend the sums I hold of these [key, round] (a round some worker still needs, after a failover). Every worker
     gets one (most with no keys) when the failover of `epoch` is over."""
 
@@ -484,7 +484,7 @@ MESSAGES: dict[str, type[Message]] = {
         Rejoin,
         Blocked,
         Join,
-        FailoverState,
+        FailoverReport,
         RecutRounds,
         ProbeResult,
         AddressBook,
@@ -494,7 +494,7 @@ MESSAGES: dict[str, type[Message]] = {
         Shutdown,
         Probe,
         Replace,
-        Seed,
+        Reseed,
         Members,
         Reset,
         Recut,

@@ -10,7 +10,7 @@ import logging
 import threading
 
 from gradwire.protocol import messages
-from gradwire.scheduler.elastic import Membership
+from gradwire.scheduler.elastic import Reforming
 from gradwire.scheduler.failover import Failover
 from gradwire.scheduler.generations import Generations
 from gradwire.scheduler.node import Node
@@ -29,7 +29,7 @@ class Departures:
         synchronisation: Synchronisation,
         generations: Generations,
         failover: Failover,
-        membership: Membership | None,
+        membership: Reforming | None,
     ) -> None:
         self.roster = roster
         self.synchronisation = synchronisation

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("gradwire.scheduler")
 
 
-class Membership:
+class Reforming:
     """The elastic part of a scheduler; every method is called with the roster's lock held unless it says not. The
     workers waiting to join are the roster's `joiners`."""
 

@@ -66,7 +66,7 @@ class Failover:
             target=self._fail_over, args=(node, standby, epoch, why), name="gw-sched-failover", daemon=True
         ).start()
 
-    def reported(self, node: Node, state: messages.FailoverState) -> None:
+    def reported(self, node: Node, state: messages.FailoverReport) -> None:
         """A worker's FAILOVER_STATE: per moved key, the round of the sum it holds and the round it resends."""
         with self.roster.lock:
             entry = self._states.get(state.epoch)
@@ -138,7 +138,7 @@ class Failover:
             seeds = seeds_needed(dict(reported))
             live = roster.live_workers()
         for worker in live:
-            roster.tell([worker], messages.Seed(epoch, seeds.get(worker.rank, [])))
+            roster.tell([worker], messages.Reseed(epoch, seeds.get(worker.rank, [])))
         return sum(len(k) for k in seeds.values())
 
     def _everyone_in_locked(self, everyone: threading.Event, reported: dict) -> None:

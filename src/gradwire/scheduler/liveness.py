@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from gradwire.errors import GradwireError
-from gradwire.scheduler.elastic import Membership
+from gradwire.scheduler.elastic import Reforming
 from gradwire.scheduler.failover import Failover
 from gradwire.scheduler.node import Node
 from gradwire.scheduler.roster import Roster
@@ -17,7 +17,7 @@ from gradwire.scheduler.roster import Roster
 
 class Liveness:
     def __init__(
-        self, roster: Roster, failover: Failover, membership: Membership | None, acting: Callable[[], bool]
+        self, roster: Roster, failover: Failover, membership: Reforming | None, acting: Callable[[], bool]
     ) -> None:
         self.roster = roster
         self.failover = failover

@@ -29,7 +29,7 @@ from gradwire.protocol.frames import FrameType
 from gradwire.scheduler import rendezvous
 from gradwire.scheduler.adapt import Adaptation
 from gradwire.scheduler.departures import Departures
-from gradwire.scheduler.elastic import Membership
+from gradwire.scheduler.elastic import Reforming
 from gradwire.scheduler.failover import Failover
 from gradwire.scheduler.generations import Generations
 from gradwire.scheduler.lease import Lease, beat_seconds
@@ -59,7 +59,7 @@ class Scheduler:
         self.clock = clock
         self.roster = roster = Roster(config, clock)
         self.adaptation = Adaptation(roster)
-        self.membership = Membership(roster, self.adaptation) if config.elastic else None
+        self.membership = Reforming(roster, self.adaptation) if config.elastic else None
         self.rendezvous = rendezvous.Rendezvous(roster)
         self.generations = Generations(roster, self.rendezvous)
         self.failover = Failover(roster, self.adaptation)
@@ -304,7 +304,7 @@ class Scheduler:
         return {
             messages.Declare: (None, self._declare),
             messages.Blocked: ("worker", self._blocked),
-            messages.FailoverState: ("worker", self.failover.reported),
+            messages.FailoverReport: ("worker", self.failover.reported),
             messages.ProbeResult: (None, self._probe_result),
             messages.Heartbeat: (None, lambda node, m: self.liveness.heartbeat(node, m.stats)),
             messages.Beat: (None, self.lease.answered),

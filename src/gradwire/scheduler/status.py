@@ -10,7 +10,7 @@ from gradwire.scheduler.placing import host_of
 
 if TYPE_CHECKING:
     from gradwire.scheduler.adapt import Adaptation
-    from gradwire.scheduler.elastic import Membership
+    from gradwire.scheduler.elastic import Reforming
     from gradwire.scheduler.node import Node
     from gradwire.scheduler.roster import Roster
 
@@ -59,7 +59,7 @@ def _server(n: Node, loads: list[int]) -> dict:
 
 
 def cluster_status(
-    s: Roster, adaptation: Adaptation, membership: Membership | None, failovers: list[dict], refusals: int
+    s: Roster, adaptation: Adaptation, membership: Reforming | None, failovers: list[dict], refusals: int
 ) -> dict:
     """The whole job: nodes with roles, addresses and admin ports, epoch, health, per-server load and throughput."""
     now = s.clock()

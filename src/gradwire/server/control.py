@@ -13,12 +13,12 @@ from typing import Any
 from gradwire.errors import GradwireError, RemoteProtocolError, TensorError
 from gradwire.protocol import dtypes, messages
 from gradwire.protocol.frames import FrameType
-from gradwire.ring import DEPARTED_EVENT, JOIN_EVENT
 from gradwire.scheduler import client
 from gradwire.server import ops
 from gradwire.server.held import Held
 from gradwire.server.native_path import summed_natively
 from gradwire.server.reader import claim
+from gradwire.server.slot import DEPARTED_EVENT, JOIN_EVENT
 from gradwire.server.state import ServerState
 
 log = logging.getLogger("gradwire.server")

@@ -53,13 +53,14 @@ import numpy as np
 from gradwire.errors import TensorError, TensorMismatch
 from gradwire.protocol import dtypes
 from gradwire.protocol.frames import AVERAGED, HELD, REPLAY, REPLICA, SEED
-from gradwire.ring import JOIN_EVENT, Ring, RingClosed, Slot
+from gradwire.ring import Ring, RingClosed
 from gradwire.server import ops
 from gradwire.server.landing import Landing
 from gradwire.server.membership import Membership, ranks_of
 from gradwire.server.receipts import Receipts
-from gradwire.server.rounds import Ack, Batching, Fail, FailRank, Forward, KeyOp, KeyState, Reply, Round
+from gradwire.server.rounds import Ack, Batching, Fail, FailRank, Forward, KeyOp, KeyState, Round, SendResult
 from gradwire.server.seeding import Seeding
+from gradwire.server.slot import JOIN_EVENT, Slot
 from gradwire.server.staging import BufferPool
 from gradwire.server.sums import NUMPY, Sums
 from gradwire.transport.shm import NO_SLOT
@@ -75,7 +76,7 @@ class Engine(Landing, Seeding, Membership):
         index: int,
         ring: Ring,
         num_workers: int,
-        reply: Reply,
+        reply: SendResult,
         fail: Fail,
         ack: Ack,
         clock: Callable[[], float] = time.monotonic,
@@ -330,7 +331,7 @@ class Engine(Landing, Seeding, Membership):
         state.op.answer(self, state, key, code, r, state.everyone & ~r.virtual)
 
     def answer_round(self, key: int, code: int, r: Round, ranks: int, sent: Callable[[], None] | None = None) -> None:
-        """Send the result of round `r` to `ranks`: all of it, or each rank its slice (`sent`: Reply's). A held
+        """Send the result of round `r` to `ranks`: all of it, or each rank its slice (`sent`: SendResult's). A held
         round's receipts are waited for from them (server/receipts.py)."""
         if r.held and self.receipts is not None:
             self.receipts.expect(key, r.number, ranks)

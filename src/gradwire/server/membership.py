@@ -10,9 +10,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from gradwire.ring import DEPARTED_EVENT, Slot
 from gradwire.server.receipts import Receipts
 from gradwire.server.rounds import FailRank, KeyState, Round
+from gradwire.server.slot import DEPARTED_EVENT, Slot
 
 
 class Membership:

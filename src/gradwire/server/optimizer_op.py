@@ -41,7 +41,7 @@ from gradwire.server.held import Held
 from gradwire.server.rounds import KeyOp, KeyState, Outbox, Round
 
 if TYPE_CHECKING:
-    from gradwire.ring import Slot
+    from gradwire.server.slot import Slot
 
 log = logging.getLogger("gradwire.server")
 

@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 from gradwire.errors import GradwireError
 from gradwire.protocol.frames import FrameType
-from gradwire.ring import Slot
 from gradwire.server.replier import AckReply, ErrorReply, EveryoneReply, HeldReplies, ReplyItem, ResultReply
+from gradwire.server.slot import Slot
 from gradwire.server.staging import Countdown
 from gradwire.server.state import ServerState
 from gradwire.transport import tcp

@@ -25,9 +25,10 @@ from gradwire.errors import GradwireError, GradwireTimeout, RemoteProtocolError
 from gradwire.protocol import frames
 from gradwire.protocol.decoder import EMPTY, FrameDecoder
 from gradwire.protocol.frames import REPLAY, REPLICA, SEED, SHM_PAYLOAD, FrameType
-from gradwire.ring import JOIN_EVENT, Ring, RingClosed, Slot
+from gradwire.ring import Ring, RingClosed
 from gradwire.server.engine import Engine
 from gradwire.server.replier import ErrorReply, Replier
+from gradwire.server.slot import JOIN_EVENT, Slot
 from gradwire.server.state import ServerState
 from gradwire.transport import endpoints, shm, tcp
 

@@ -26,7 +26,7 @@ from gradwire.server.sums import NUMPY, Sums
 from gradwire.transport.shm import NO_SLOT
 
 if TYPE_CHECKING:
-    from gradwire.ring import Slot
+    from gradwire.server.slot import Slot
     from gradwire.server.staging import BufferPool
 
 
@@ -173,7 +173,7 @@ class Lending:
         return acc
 
     def release_when_sent(self, r: Round) -> Callable[[], None] | None:
-        """What the repliers call once every reply of round `r`'s result is sent (Reply's `sent`): its lent buffer
+        """What the repliers call once every reply of round `r`'s result is sent (SendResult's `sent`): its lent buffer
         goes back to the pool. None for a round that keeps its result (not lent, or seeded: a worker the dead server
         never answered may still push it and be answered from here). Every worker that pushed the round had its
         reply; a replica had it before them (server/replica.py); so nothing needs the buffer once they are sent.
@@ -228,7 +228,7 @@ LEND_BYTES = 1 << 20
 # what the engine sends through (the server's repliers): the callables it is given
 
 
-class Reply(Protocol):
+class SendResult(Protocol):
     """reply(key, round, dtype code, payload, pull slot per rank, bitmask of ranks, sent, flags): queue the result for
     them; the payload is one view for all, or a list with each rank's view (a key declared with slices); `sent` (or
     None): called once every one of those replies has been handed to the kernel (or its worker's shared slot);

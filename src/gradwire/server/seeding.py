@@ -9,9 +9,9 @@ from collections.abc import Callable
 
 from gradwire.protocol import dtypes
 from gradwire.protocol.frames import AVERAGED, REPLICA
-from gradwire.ring import Slot
 from gradwire.server import replica
 from gradwire.server.rounds import KeyState, Round
+from gradwire.server.slot import Slot
 from gradwire.server.staging import BufferPool
 
 

@@ -33,6 +33,7 @@ from gradwire.server.reader import Incoming, Reader
 from gradwire.server.receipts import Receipts
 from gradwire.server.replica import Replicas
 from gradwire.server.replier import Replier
+from gradwire.server.slot import Slot
 from gradwire.server.state import ServerState
 from gradwire.server.sums import for_datapath
 from gradwire.throttle import HandshakeGate
@@ -153,7 +154,7 @@ class Server:
     def _engine(self, index: int) -> Engine:
         state = self.state
         assert state.replicas is not None
-        ring = Ring(self.config.ring_slots, self.config.partition_bytes)
+        ring = Ring(self.config.ring_slots, self.config.partition_bytes, Slot)
         return Engine(
             index,
             ring,

@@ -54,7 +54,7 @@ class BufferPool:
 
 
 class Countdown:
-    """Calls `then` once `count` calls of `one` have come, from any threads (the replies of one round: Reply's
+    """Calls `then` once `count` calls of `one` have come, from any threads (the replies of one round: SendResult's
     `sent`)."""
 
     __slots__ = ("_left", "_lock", "_then")

@@ -19,7 +19,7 @@ from gradwire.worker.control import Control
 from gradwire.worker.declaring import Declaring
 from gradwire.worker.handle import Handle
 from gradwire.worker.launching import Launching
-from gradwire.worker.recut import Recut
+from gradwire.worker.recut import Recutting
 from gradwire.worker.state import WorkerState
 from gradwire.worker.tensors import Tensor, TensorTable
 from gradwire.worker.updates import Updates
@@ -53,7 +53,7 @@ class Aggregation(Protocol):
 
 class Calls(Updates):
     def __init__(
-        self, state: WorkerState, table: TensorTable, control: Control, declaring: Declaring, recut: Recut
+        self, state: WorkerState, table: TensorTable, control: Control, declaring: Declaring, recut: Recutting
     ) -> None:
         self.state = state
         self.table = table

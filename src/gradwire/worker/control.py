@@ -1,5 +1,5 @@
 """A worker's control connection to the scheduler: its requests (declarations, barriers, joins, rejoins), each
-waiting for the REPLY with its id or cancelled by an abort or a membership change (`Request`), and the control thread
+waiting for the REPLY with its id or cancelled by an abort or a membership change (`Pending`), and the control thread
 that hands each of the scheduler's messages to its handler (`Control`). Thread-safe: replies come on that thread."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from gradwire.worker.state import SHUTDOWN_JOIN_SECONDS, WorkerState
 log = logging.getLogger("gradwire.worker")
 
 
-class Request:
+class Pending:
     """One request in flight. `reply` is the scheduler's answer (the REPLY's result fields) once `done` is set, or
     None if it was cancelled; `callback(reply)` (or `callback(None)`) runs on the thread that answers or cancels it.
     `message`: what was sent (sent again to a scheduler that resumes the job)."""
@@ -59,7 +59,7 @@ class Control:
     def __init__(self, state: WorkerState) -> None:
         self.state = state
         self.conn: tcp.Connection | None = None
-        self._requests: dict[int, Request] = {}  # by id, until answered
+        self._requests: dict[int, Pending] = {}  # by id, until answered
         self._ids = itertools.count(1)
         self._rejoin_id = -1  # an elastic reset's request: its reply is the new membership
         self._thread: threading.Thread | None = None
@@ -92,11 +92,11 @@ class Control:
 
     def request_async(
         self, body: messages.Request, callback: Callable[[dict | None], None] | None = None, rejoin: bool = False
-    ) -> Request:
+    ) -> Pending:
         """Send a request without waiting. With a `callback`, `callback(reply)` runs on the control thread when the
         reply comes, or `callback(None)` if an abort or a membership change cancels it first."""
         rid = next(self._ids)
-        request = Request(replace(body, id=rid), callback)
+        request = Pending(replace(body, id=rid), callback)
         with self.state.lock:
             self._requests[rid] = request
             if rejoin:

@@ -116,7 +116,7 @@ class Failover:
             held = self._held(moved_keys, pending)
             self._last, self._over = (body, moved_keys), False
         # even empty: the scheduler waits for every worker's report
-        self.control.send(messages.FailoverState(state.epoch, held))
+        self.control.send(messages.FailoverReport(state.epoch, held))
         record = {
             "server": dead,
             "epoch": state.epoch,
@@ -208,7 +208,7 @@ class Failover:
         kept = self._kept(keys)
         return sum(self._seed(key, kept[key][0]) for key in keys if key in stateful and key in kept)
 
-    def on_seed(self, body: messages.Seed) -> None:
+    def on_seed(self, body: messages.Reseed) -> None:
         """SEED: resend the sums (or, for sliced keys, the contributions) the scheduler asked for: a round another
         worker still waits for. One already replaced by a later round's is not needed any more: that later round could
         only complete once everyone had this one."""

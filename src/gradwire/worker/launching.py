@@ -11,7 +11,7 @@ import numpy as np
 
 from gradwire.errors import GradwireError, GradwireTimeout, TensorError
 from gradwire.worker.handle import Handle
-from gradwire.worker.recut import Recut
+from gradwire.worker.recut import Recutting
 from gradwire.worker.state import WorkerState
 from gradwire.worker.tensors import Tensor, TensorTable
 from gradwire.worker.work import Transfer, Work
@@ -22,7 +22,7 @@ log = logging.getLogger("gradwire.worker")
 class Launching:
     """Launches calls' rounds (`launch`); what every kind of call shares once it has its tensor and its transfer."""
 
-    def __init__(self, state: WorkerState, table: TensorTable, recut: Recut) -> None:
+    def __init__(self, state: WorkerState, table: TensorTable, recut: Recutting) -> None:
         self.state, self.table, self.recut = state, table, recut
 
     rank = property(lambda self: self.state.rank)

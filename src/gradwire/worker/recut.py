@@ -25,7 +25,7 @@ from gradwire.worker.tensors import Tensor, TensorTable
 log = logging.getLogger("gradwire.worker")
 
 
-class Recut:
+class Recutting:
     """The worker's side of re-cuts (the module docstring). Every method is called with `lock` held, the lock that
     guards the worker's tensors; `wait_turn` waits on it."""
 
@@ -106,7 +106,7 @@ class Retuning:
         self.table = table
         self.control = control
         self.declaring = declaring
-        self.recut = Recut(state.lock)
+        self.recut = Recutting(state.lock)
         self.last_retune: messages.Retune | None = None  # the RETUNE of the latest re-cut (its number > 0)
 
     def retune(self, tuning: Tuning | None) -> None:

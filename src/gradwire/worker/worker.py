@@ -107,7 +107,7 @@ class Worker:
         self.control.start(
             {
                 messages.Replace: self.failover.on_replace,
-                messages.Seed: self.failover.on_seed,
+                messages.Reseed: self.failover.on_seed,
                 messages.Reset: self.elastic.on_reset,
                 messages.Members: self.elastic.on_members,
                 messages.Recut: self.retuning.on_recut,
