@@ -423,3 +423,88 @@ def test_horovods_tensorflow2_example_step_with_a_keras_model_leaves_every_worke
     first, second = cluster.run_ranks(worker)
     for a, b in zip(first, second, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def _two_layer_model(rank):
+    """Dense(2) then Dense(1), every weight `rank + 1`: each worker's gradients differ."""
+    init = keras.initializers.Constant(rank + 1.0)
+    layers = [keras.layers.Dense(2, kernel_initializer=init), keras.layers.Dense(1, kernel_initializer=init)]
+    return keras.Sequential([keras.Input((3,)), *layers])
+
+
+def test_a_partial_tape_keeps_its_local_layers_gradients_scaled_and_averages_the_rest(cluster):
+    x = np.arange(12, dtype=np.float32).reshape(4, 3) / 10
+
+    def worker(rank):
+        model = _two_layer_model(rank)
+        out = {}
+        for locals_, scale in ((0, True), (1, True), (1, False), (2, True)):
+            with tf.GradientTape(persistent=True) as tape:
+                loss = tf.reduce_sum(model(x) ** 2)
+            plain = [g.numpy() for g in tape.gradient(loss, model.trainable_weights)]
+            layers = model.layers[:locals_]
+            partial = gw.PartialDistributedGradientTape(tape, local_layers=layers, scale_local_gradients=scale)
+            reduced = [g.numpy() for g in partial.gradient(loss, model.trainable_weights)]
+            local, shared = partial.get_local_and_global_gradients(loss, model.trainable_weights)
+            out[(locals_, scale)] = plain, reduced, len(local), len(shared)
+        return out
+
+    results = cluster.run_ranks(worker)
+    for (locals_, scale), (plain0, reduced0, n_local, n_shared) in results[0].items():
+        plain1, reduced1, _, _ = results[1][(locals_, scale)]
+        assert (n_local, n_shared) == (2 * locals_, 4 - 2 * locals_)
+        for i in range(4):
+            if i < 2 * locals_:  # a local layer's kernel and bias: this worker's own gradient, over 2 if scaled
+                np.testing.assert_allclose(reduced0[i], plain0[i] / (N if scale else 1), rtol=1e-6)
+                np.testing.assert_allclose(reduced1[i], plain1[i] / (N if scale else 1), rtol=1e-6)
+            else:  # the average, the same on both workers
+                np.testing.assert_allclose(reduced0[i], (plain0[i] + plain1[i]) / 2, rtol=1e-6)
+                np.testing.assert_array_equal(reduced0[i], reduced1[i])
+
+
+def test_a_partial_keras_optimizer_steps_its_local_layers_alone(cluster):
+    x = np.arange(12, dtype=np.float32).reshape(4, 3) / 10
+
+    def worker(rank):
+        model = _two_layer_model(rank)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(x) ** 2)
+        grads = tape.gradient(loss, model.trainable_weights)
+        before = [w.numpy() for w in model.trainable_weights]
+        opt = gwk.PartialDistributedOptimizer(keras.optimizers.SGD(1.0), local_layers=model.layers[0])
+        opt.apply_gradients(zip(grads, model.trainable_weights, strict=True))
+        return before, [g.numpy() for g in grads], [w.numpy() for w in model.trainable_weights]
+
+    (b0, g0, a0), (b1, g1, a1) = cluster.run_ranks(worker)
+    for i in range(2):  # the first layer: each worker's own step, its gradient over the 2 workers
+        np.testing.assert_allclose(a0[i], b0[i] - g0[i] / N, rtol=1e-6)
+        np.testing.assert_allclose(a1[i], b1[i] - g1[i] / N, rtol=1e-6)
+    for i in range(2, 4):  # the second: the averaged gradient on both
+        np.testing.assert_allclose(a0[i], b0[i] - (g0[i] + g1[i]) / 2, rtol=1e-6)
+        np.testing.assert_allclose(a1[i], b1[i] - (g0[i] + g1[i]) / 2, rtol=1e-6)
+    with pytest.raises(ValueError, match="keras.layers.Layer"):
+        gwk.PartialDistributedOptimizer(keras.optimizers.SGD(1.0), local_layers=["not a layer"])
+
+
+def test_horovods_tensorflow_util_module_and_global_variables_broadcast(cluster):
+    from gradwire.tensorflow import util
+
+    assert gw.util is util and util._executing_eagerly()
+    calls = []
+    cached = util._cache(lambda a: calls.append(a) or a * 2)
+    assert (cached(3), cached(3), calls) == (6, 6, [3])
+    v = tf.Variable(1.0)
+    assert util.refs_to_vars(util.vars_to_refs([v, [v]])) == [v, [v]]
+    with pytest.raises(RuntimeError, match="broadcast_variables"):
+        gw.broadcast_global_variables(0)
+
+    def worker(rank):
+        with tf.Graph().as_default():
+            var = tf.compat.v1.get_variable("g", initializer=float(rank + 5))
+            assign = gw.broadcast_global_variables(0)
+            with tf.compat.v1.Session() as session:
+                session.run(tf.compat.v1.global_variables_initializer())
+                session.run(assign)
+                return session.run(var)
+
+    assert cluster.run_ranks(worker) == [5.0, 5.0]

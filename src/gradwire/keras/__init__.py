@@ -27,11 +27,12 @@ from . import callbacks, elastic
 from .compression import Compression
 from .exchange import broadcast_variables as _broadcast_variables
 from .exchange import to_numpy
-from .optimizer import DistributedOptimizer
+from .optimizer import DistributedOptimizer, PartialDistributedOptimizer
 
 __all__ = [
     "Compression",
     "DistributedOptimizer",
+    "PartialDistributedOptimizer",
     "allgather",
     "allreduce",
     "broadcast",

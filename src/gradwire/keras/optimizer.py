@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from gradwire.introspection import global_process_set
+from gradwire.session import current_worker
 
 from .compression import Compression
 from .exchange import reduce_values, signature
@@ -27,20 +28,37 @@ class _DistributedOptimizer:
 
     _gw: dict
 
-    def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
-        return super().apply(self._gw_average(list(grads)), trainable_variables)  # type: ignore[misc]
+    def register_local_var(self, var: Any) -> None:
+        """Keep `var`'s gradient on this worker: never reduced, divided by the number of workers where
+        `scale_local_gradients` (Horovod's rule: a local layer then learns at the rate the reduced ones do)."""
+        self._gw["local"].add(id(var))
 
-    def _gw_average(self, grads: list[Any]) -> list[Any]:
+    def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
+        grads = list(grads)
+        if self._gw["local"]:
+            variables = self._trainable_variables if trainable_variables is None else trainable_variables  # type: ignore[attr-defined]
+            trainable_variables = list(variables)
+            local = [id(v) in self._gw["local"] for v in trainable_variables]
+        else:
+            local = [False] * len(grads)
+        return super().apply(self._gw_average(grads, local), trainable_variables)  # type: ignore[misc]
+
+    def _gw_average(self, grads: list[Any], local: list[bool]) -> list[Any]:
         o = self._gw
-        present = [i for i, g in enumerate(grads) if g is not None]
+        out = list(grads)
+        if any(local):
+            scale = 1.0 / o["workers"]() if o["scale_local"] else 1.0
+            for i, g in enumerate(grads):
+                if local[i] and g is not None and scale != 1.0:
+                    out[i] = g * scale
+        present = [i for i, g in enumerate(grads) if g is not None and not local[i]]
         if not present:
-            return grads
+            return out
         compression = o["compression"]
         wire = [compression.compress(grads[i]) for i in present]
         values = [w for w, _ in wire]
         name = f"keras.DistributedOptimizer.{o['name']}.{signature(values)}"
         reduced = reduce_values(values, name, average=o["average"], members=o["members"])
-        out = list(grads)
         for i, value, (_, ctx) in zip(present, reduced, wire, strict=True):
             out[i] = compression.decompress(value, ctx)
         return out
@@ -65,9 +83,10 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     """`optimizer` (a Keras 3 optimizer), applying the gradients averaged (`op="sum"`: summed) over the workers.
 
     `backward_passes_per_step` > 1 is Keras's own `gradient_accumulation_steps` (set on the optimizer): the average
-    is taken every pass and accumulated by Keras. `device_*`, `sparse_as_dense`, `groups` and
-    `scale_local_gradients` are accepted for Horovod's signature: Keras hands the optimizer dense gradients, and a
-    step's gradients always travel together.
+    is taken every pass and accumulated by Keras. The variables given to `register_local_var` keep their gradients
+    (scaled by 1/workers if `scale_local_gradients`: PartialDistributedOptimizer). `device_*`, `sparse_as_dense` and
+    `groups` are accepted for Horovod's signature: Keras hands the optimizer dense gradients, and a step's gradients
+    always travel together.
     """
     if op not in ("average", "sum"):
         raise ValueError(f"DistributedOptimizer reduces gradients by 'average' or 'sum', not {op!r}")
@@ -87,6 +106,63 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         "average": op == "average",
         "members": None if members is None else list(members),
         "name": name or base.__name__,
+        "local": set(),  # id() of the variables kept local
+        "scale_local": scale_local_gradients,
+        "workers": lambda: len(members) if members is not None else current_worker().size,
     }
     object.__setattr__(wrapped, "_gw", options)
     return wrapped
+
+
+def PartialDistributedOptimizer(  # noqa: N802 - Horovod's name
+    optimizer: Any,
+    name: str | None = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Any = Compression.none,
+    sparse_as_dense: bool = False,
+    gradient_predivide_factor: float = 1.0,
+    op: str = "average",
+    backward_passes_per_step: int = 1,
+    average_aggregated_gradients: bool = False,
+    groups: Any = None,
+    process_set: Any = global_process_set,
+    local_layers: Any = None,
+    scale_local_gradients: bool = True,
+) -> Any:
+    """`DistributedOptimizer` whose `local_layers` (a Keras layer or several) keep their trainable weights' gradients
+    on each worker (a per-worker head, say), as Horovod's."""
+    layers = _layers(local_layers)
+    wrapped = DistributedOptimizer(
+        optimizer,
+        name,
+        device_dense,
+        device_sparse,
+        compression,
+        sparse_as_dense,
+        gradient_predivide_factor,
+        op,
+        backward_passes_per_step,
+        average_aggregated_gradients,
+        groups=groups,
+        process_set=process_set,
+        scale_local_gradients=scale_local_gradients,
+    )
+    for layer in layers:
+        for var in layer.trainable_weights:
+            wrapped.register_local_var(var)
+    return wrapped
+
+
+def _layers(local_layers: Any) -> list[Any]:
+    """`local_layers` as a list of Keras layers (one layer, several, or None); ValueError for anything else."""
+    import keras
+
+    if local_layers is None:
+        return []
+    if isinstance(local_layers, keras.layers.Layer):
+        return [local_layers]
+    layers = list(local_layers)
+    if not all(isinstance(layer, keras.layers.Layer) for layer in layers):
+        raise ValueError("every local layer must be a keras.layers.Layer")
+    return layers

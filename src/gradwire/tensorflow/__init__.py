@@ -54,13 +54,14 @@ from gradwire.introspection import (
 from gradwire.objects import allgather_object, broadcast_object
 from gradwire.session import current_worker
 
-from . import elastic
+from . import elastic, util
 from .collectives import (
     allgather,
     allreduce,
     alltoall,
     broadcast,
     broadcast_,
+    broadcast_global_variables,
     broadcast_variables,
     grouped_allgather,
     grouped_allreduce,
@@ -68,13 +69,14 @@ from .collectives import (
     reducescatter,
 )
 from .compression import Compression
-from .tape import DistributedGradientTape
+from .tape import DistributedGradientTape, PartialDistributedGradientTape
 
 __all__ = [
     "Adasum",
     "Average",
     "Compression",
     "DistributedGradientTape",
+    "PartialDistributedGradientTape",
     "HorovodInternalError",
     "Max",
     "Min",
@@ -89,6 +91,7 @@ __all__ = [
     "barrier",
     "broadcast",
     "broadcast_",
+    "broadcast_global_variables",
     "broadcast_object",
     "broadcast_variables",
     "ccl_built",
@@ -125,6 +128,7 @@ __all__ = [
     "size_op",
     "start_timeline",
     "stop_timeline",
+    "util",
 ]
 
 

@@ -228,6 +228,17 @@ def broadcast_variables(variables: list[Any], root_rank: int, process_set: Any =
     return None if tf.executing_eagerly() else tf.group(*assigns)
 
 
+def broadcast_global_variables(root_rank: int) -> Any:
+    """TensorFlow 1: assign worker `root_rank`'s values to every global variable of the default graph (the group of
+    assignments, to run in the session). Eagerly there are no global variables: RuntimeError, as Horovod raises."""
+    if tf.executing_eagerly():
+        raise RuntimeError(
+            "broadcast_global_variables() needs a TensorFlow 1 graph: eagerly, broadcast the model's and the "
+            "optimizer's variables with broadcast_variables(variables, root_rank)"
+        )
+    return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
+
+
 def broadcast_(
     variables: list[Any], root_rank: int, name: str | None = None, process_set: Any = global_process_set
 ) -> list:

@@ -32,10 +32,32 @@ class _DistributedGradientTape:
 
     _gw: dict
 
+    def register_local_source(self, source: Any) -> None:
+        """Keep `source`'s gradient on this worker: never reduced, divided by the number of workers where
+        `scale_local_gradients` (Horovod's rule: a local layer then learns at the rate the reduced ones do)."""
+        self._gw["local"].add(id(source))
+
     def gradient(self, target: Any, sources: Any, output_gradients: Any = None, **kwargs: Any) -> Any:
         grads = super().gradient(target, sources, output_gradients, **kwargs)  # type: ignore[misc]
         flat = tf.nest.flatten(grads)
-        return tf.nest.pack_sequence_as(grads, self._gw_reduce(flat))
+        local = self._gw["local"]
+        if not local:
+            return tf.nest.pack_sequence_as(grads, self._gw_reduce(flat))
+        mine = [id(s) in local for s in tf.nest.flatten(sources)]
+        reduced = iter(self._gw_reduce([g for g, m in zip(flat, mine, strict=True) if not m]))
+        scale = 1.0 / _size(self._gw["process_set"]) if self._gw["scale_local"] else 1.0
+        out = [_scaled(g, scale) if m else next(reduced) for g, m in zip(flat, mine, strict=True)]
+        return tf.nest.pack_sequence_as(grads, out)
+
+    def get_local_and_global_gradients(
+        self, target: Any, sources: Any, output_gradients: Any = None, **kwargs: Any
+    ) -> tuple[list[tuple[Any, Any]], list[tuple[Any, Any]]]:
+        """`gradient`'s (source, gradient) pairs, those of the local sources apart from the reduced ones."""
+        sources = tf.nest.flatten(sources)
+        grads = tf.nest.flatten(self.gradient(target, sources, output_gradients, **kwargs))
+        pairs = list(zip(sources, grads, strict=True))
+        local = self._gw["local"]
+        return [p for p in pairs if id(p[0]) in local], [p for p in pairs if id(p[0]) not in local]
 
     def _gw_reduce(self, grads: list[Any]) -> list[Any]:
         o = self._gw
@@ -60,6 +82,14 @@ class _DistributedGradientTape:
         return out
 
 
+def _scaled(grad: Any, scale: float) -> Any:
+    if grad is None or scale == 1.0:
+        return grad
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(grad.values * scale, grad.indices, grad.dense_shape)
+    return grad * scale
+
+
 def _size(process_set: Any) -> int:
     return current_worker().size if process_set.ranks is None else len(process_set.ranks)
 
@@ -77,8 +107,9 @@ def DistributedGradientTape(  # noqa: N802 - Horovod's name
     process_set: Any = global_process_set,
     scale_local_gradients: bool = True,
 ) -> tf.GradientTape:
-    """`gradtape`, whose `gradient` returns gradients averaged (or `op`) over the workers. `device_*`, `groups` and
-    `scale_local_gradients` are accepted for Horovod's signature: a step's gradients always travel as one group."""
+    """`gradtape`, whose `gradient` returns gradients averaged (or `op`) over the workers, but for the sources given
+    to `register_local_source` (scaled by 1/workers if `scale_local_gradients`). `device_*` and `groups` are accepted
+    for Horovod's signature: a step's gradients always travel as one group."""
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     if op not in (Average, Sum):
@@ -94,5 +125,54 @@ def DistributedGradientTape(  # noqa: N802 - Horovod's name
         "op": op,
         "predivide": gradient_predivide_factor,
         "process_set": process_set,
+        "local": set(),  # id() of the sources kept local (a tf.Variable or a Keras 3 variable, which has no ref())
+        "scale_local": scale_local_gradients,
     }
     return tape
+
+
+def PartialDistributedGradientTape(  # noqa: N802 - Horovod's name
+    gradtape: tf.GradientTape,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Any = Compression.none,
+    sparse_as_dense: bool = False,
+    op: str = Average,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: Any = None,
+    process_set: Any = global_process_set,
+    local_layers: Any = None,
+    scale_local_gradients: bool = True,
+) -> tf.GradientTape:
+    """`DistributedGradientTape` whose `local_layers` (a Keras layer or several) keep their trainable weights'
+    gradients on each worker (a per-worker head, say), as Horovod's."""
+    tape = DistributedGradientTape(
+        gradtape,
+        device_dense,
+        device_sparse,
+        compression,
+        sparse_as_dense,
+        op,
+        gradient_predivide_factor,
+        num_groups,
+        groups,
+        process_set,
+        scale_local_gradients,
+    )
+    for layer in local_layers_of(local_layers):
+        for var in layer.trainable_weights:
+            tape.register_local_source(var)
+    return tape
+
+
+def local_layers_of(local_layers: Any) -> list[Any]:
+    """`local_layers` as a list of Keras layers (one layer, several, or None); ValueError for anything else."""
+    if local_layers is None:
+        return []
+    if isinstance(local_layers, tf.keras.layers.Layer):
+        return [local_layers]
+    layers = list(local_layers)
+    if not all(isinstance(layer, tf.keras.layers.Layer) for layer in layers):
+        raise ValueError("every local layer must be a tf.keras.layers.Layer")
+    return layers
