@@ -37,6 +37,7 @@ from gradwire.errors import (
     WorkerLost,
     WorkersJoining,
 )
+from gradwire.local_job import run
 from gradwire.parameters import init_parameter, optimizer_state, set_optimizer, update, update_async
 from gradwire.session import current_worker, init, is_initialized, shutdown, use_worker
 from gradwire.worker import Handle, Worker
@@ -79,6 +80,7 @@ __all__ = [
     "push_pull_inplace",
     "rank",
     "reducescatter",
+    "run",
     "set_optimizer",
     "shutdown",
     "size",

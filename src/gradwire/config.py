@@ -310,3 +310,21 @@ def _spelled(value: object) -> str:
 _BY_FIELD = {v.field: v for v in ENV_VARS}
 
 __all__ = ["ENV_VARS", "Config", "EnvVar", "default_of", "env_for"]
+
+
+def worker_env(rank: int, size: int) -> dict[str, str]:
+    """A worker's place in a one-host job, in gradwire's variables, torchrun's and horovodrun's (scripts, and Horovod's
+    own tests, read them)."""
+    r, n = str(rank), str(size)
+    return env_for(role="worker", rank=rank, local_rank=rank, local_size=size) | {
+        "RANK": r,
+        "LOCAL_RANK": r,
+        "WORLD_SIZE": n,
+        "LOCAL_WORLD_SIZE": n,
+        "HOROVOD_RANK": r,
+        "HOROVOD_SIZE": n,
+        "HOROVOD_LOCAL_RANK": r,
+        "HOROVOD_LOCAL_SIZE": n,
+        "HOROVOD_CROSS_RANK": "0",
+        "HOROVOD_CROSS_SIZE": "1",
+    }

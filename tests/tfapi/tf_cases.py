@@ -508,3 +508,25 @@ def test_horovods_tensorflow_util_module_and_global_variables_broadcast(cluster)
                 return session.run(var)
 
     assert cluster.run_ranks(worker) == [5.0, 5.0]
+
+
+def test_sync_batch_normalization_normalises_by_the_whole_global_batch(cluster):
+    x = np.arange(24, dtype=np.float32).reshape(8, 3) ** 1.5
+    whole = keras.layers.BatchNormalization(axis=1, momentum=0.5)
+    expected = whole(x, training=True).numpy()
+
+    def worker(rank):
+        sync = gw.SyncBatchNormalization(axis=1, momentum=0.5, name="bn_case")
+        half = x[rank * 4 : (rank + 1) * 4]
+        eager = sync(half, training=True).numpy()
+        inside = gw.SyncBatchNormalization(axis=1, momentum=0.5, name="bn_case_in_function")
+        graph = tf.function(lambda h: inside(h, training=True))(tf.constant(half)).numpy()
+        return eager, graph, sync.moving_mean.numpy(), sync.moving_variance.numpy()
+
+    for rank, (out, graph, mean, variance) in enumerate(cluster.run_ranks(worker)):
+        np.testing.assert_allclose(out, expected[rank * 4 : (rank + 1) * 4], rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(graph, out, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(mean, whole.moving_mean.numpy(), rtol=1e-5)
+        np.testing.assert_allclose(variance, whole.moving_variance.numpy(), rtol=1e-4)
+    with pytest.raises(ValueError, match="fused=True"):
+        gw.SyncBatchNormalization(fused=True)

@@ -21,7 +21,7 @@ import threading
 import time
 from http.client import HTTPException
 
-from gradwire.config import env_for
+from gradwire.config import env_for, worker_env
 from gradwire.launch.child import Child
 from gradwire.launch.output import consequence, how, make_output, progress_line
 from gradwire.launch.schedulers import REPLACEMENT_GRACE_SECONDS, Schedulers, is_scheduler
@@ -318,21 +318,3 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)
     except ProcessLookupError:
         pass
-
-
-def worker_env(rank: int, size: int) -> dict[str, str]:
-    """A worker's place in a one-host job, in gradwire's variables, torchrun's and horovodrun's (scripts, and Horovod's
-    own tests, read them)."""
-    r, n = str(rank), str(size)
-    return env_for(role="worker", rank=rank, local_rank=rank, local_size=size) | {
-        "RANK": r,
-        "LOCAL_RANK": r,
-        "WORLD_SIZE": n,
-        "LOCAL_WORLD_SIZE": n,
-        "HOROVOD_RANK": r,
-        "HOROVOD_SIZE": n,
-        "HOROVOD_LOCAL_RANK": r,
-        "HOROVOD_LOCAL_SIZE": n,
-        "HOROVOD_CROSS_RANK": "0",
-        "HOROVOD_CROSS_SIZE": "1",
-    }

@@ -69,6 +69,7 @@ from .collectives import (
     reducescatter,
 )
 from .compression import Compression
+from .sync_batch_norm import SyncBatchNormalization
 from .tape import DistributedGradientTape, PartialDistributedGradientTape
 
 __all__ = [
@@ -76,13 +77,14 @@ __all__ = [
     "Average",
     "Compression",
     "DistributedGradientTape",
-    "PartialDistributedGradientTape",
     "HorovodInternalError",
     "Max",
     "Min",
+    "PartialDistributedGradientTape",
     "ProcessSet",
     "Product",
     "Sum",
+    "SyncBatchNormalization",
     "add_process_set",
     "allgather",
     "allgather_object",
