@@ -132,7 +132,7 @@ def PartialDistributedOptimizer(  # noqa: N802 - Horovod's name
 ) -> Any:
     """`DistributedOptimizer` whose `local_layers` (a Keras layer or several) keep their trainable weights' gradients
     on each worker (a per-worker head, say), as Horovod's."""
-    layers = _layers(local_layers)
+    layers = local_layers_of(local_layers)
     wrapped = DistributedOptimizer(
         optimizer,
         name,
@@ -154,7 +154,7 @@ def PartialDistributedOptimizer(  # noqa: N802 - Horovod's name
     return wrapped
 
 
-def _layers(local_layers: Any) -> list[Any]:
+def local_layers_of(local_layers: Any) -> list[Any]:
     """`local_layers` as a list of Keras layers (one layer, several, or None); ValueError for anything else."""
     import keras
 

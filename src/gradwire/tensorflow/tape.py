@@ -21,6 +21,7 @@ from typing import Any
 import tensorflow as tf
 
 from gradwire.introspection import global_process_set
+from gradwire.keras.optimizer import local_layers_of
 from gradwire.session import current_worker
 
 from .collectives import Average, Sum, _signature, allreduce, grouped_allreduce
@@ -164,15 +165,3 @@ def PartialDistributedGradientTape(  # noqa: N802 - Horovod's name
         for var in layer.trainable_weights:
             tape.register_local_source(var)
     return tape
-
-
-def local_layers_of(local_layers: Any) -> list[Any]:
-    """`local_layers` as a list of Keras layers (one layer, several, or None); ValueError for anything else."""
-    if local_layers is None:
-        return []
-    if isinstance(local_layers, tf.keras.layers.Layer):
-        return [local_layers]
-    layers = list(local_layers)
-    if not all(isinstance(layer, tf.keras.layers.Layer) for layer in layers):
-        raise ValueError("every local layer must be a tf.keras.layers.Layer")
-    return layers
