@@ -338,3 +338,22 @@ def test_gradwire_compressor_names_the_default_compressor(name, k, expect):
         from gradwire.torch.compression import _named
 
         assert any(s.steps == 3 for s in _named("powersgd", k)._tensors.values())
+
+
+def test_the_ddp_hook_s_sub_buckets_carry_each_powersgd_matrix_alone_and_the_biases_around_them_in_one_sum():
+    """In DDP's bucket order (last layer first) a bias sits between every two matrices: each matrix PowerSGD carries
+    goes apart, and the biases, a matrix too small to gain and the rest still go together (every sum waits for the
+    slowest worker: five biases in five sums cost five waits), up to the fusion size and by dtype."""
+    from gradwire.torch.hook import sub_buckets
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.Linear(48, 64), torch.nn.Linear(64, 3))
+    w0, b0, w1, b1, w2, b2 = model.parameters()
+    powersgd = gwt.Compression.powersgd(rank=2)
+    bucket = [b2, w2, b1, w1, b0, w0]  # DDP's order; w2 (3 x 64) is too small to gain
+    groups = sub_buckets(bucket, cap=1 << 20, alone=powersgd)
+    assert [[id(p) for p in g] for g in groups] == [[id(b2), id(w2), id(b1), id(b0)], [id(w1)], [id(w0)]]
+    small = sub_buckets(bucket, cap=3 * 64 * 4 + 3 * 4 + 64 * 4, alone=powersgd)  # b2, w2 and b1 fill it
+    assert [len(g) for g in small] == [3, 1, 1, 1] and small[2][0] is b0
+    assert [len(g) for g in sub_buckets(bucket, cap=1 << 20)] == [6]  # no PowerSGD: one sum
+    half = [b2.detach().half(), b1]
+    assert [len(g) for g in sub_buckets(half, cap=1 << 20, alone=powersgd)] == [1, 1]  # by dtype

@@ -123,18 +123,22 @@ class PushPullHookState:
 
 
 def sub_buckets(params: list[torch.Tensor], cap: int, alone: PowerSGD | None = None) -> list[list[torch.Tensor]]:
-    """Consecutive parameters of one dtype, up to `cap` bytes together (a larger one alone, and each matrix `alone`
-    compresses)."""
+    """Parameters of one dtype in bucket order, up to `cap` bytes together (a larger one alone). Each matrix `alone`
+    compresses travels apart as P and Q, and the parameters around it still go together (fusion.plan's rule): the
+    biases between a model's matrices are one sum, not one each, and every sum waits for the slowest worker."""
     out: list[list[torch.Tensor]] = []
-    size, closed = 0, False  # closed: the last group is a matrix PowerSGD carries, which nothing joins
+    open_group: list[torch.Tensor] | None = None  # the group that takes the next small parameter
+    size = 0
     for p in params:
+        if alone is not None and alone.carries(p):
+            out.append([p])
+            continue
         nbytes = p.numel() * p.element_size()
-        single = alone is not None and alone.carries(p)
-        if not out or single or closed or size + nbytes > cap or out[-1][0].dtype != p.dtype:
-            out.append([])
-            size = 0
-        out[-1].append(p)
-        size, closed = size + nbytes, single
+        if open_group is None or size + nbytes > cap or open_group[0].dtype != p.dtype:
+            open_group, size = [], 0
+            out.append(open_group)
+        open_group.append(p)
+        size += nbytes
     return out
 
 
