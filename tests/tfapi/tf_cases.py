@@ -530,3 +530,18 @@ def test_sync_batch_normalization_normalises_by_the_whole_global_batch(cluster):
         np.testing.assert_allclose(variance, whole.moving_variance.numpy(), rtol=1e-4)
     with pytest.raises(ValueError, match="fused=True"):
         gw.SyncBatchNormalization(fused=True)
+
+
+def test_keras_2_idioms_on_the_wrapped_optimizer_variables_called_and_a_legacy_optimizer_refused():
+    opt = gwk.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9))
+    opt.build([keras.Variable(np.zeros(3, np.float32))])
+    with pytest.warns(DeprecationWarning, match="variables` is a property"):
+        called = opt.variables()
+    assert [id(v) for v in called] == [id(v) for v in opt.variables] and len(called) >= 2
+
+    class KerasTwoSGD:  # what tf_keras's optimizers look like to the wrapper: no Keras 3 `apply`
+        def apply_gradients(self, grads_and_vars):
+            pass
+
+    with pytest.raises(TypeError, match="wraps a Keras 3 optimizer .* not .*KerasTwoSGD: .*learning_rate for lr"):
+        gwk.DistributedOptimizer(KerasTwoSGD())

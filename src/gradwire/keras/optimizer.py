@@ -14,6 +14,7 @@ copied) of a subclass of its own class, named and saved as that class, so a save
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from gradwire.introspection import global_process_set
@@ -27,6 +28,12 @@ class _DistributedOptimizer:
     """The method a Keras optimizer's subclass gets (mixed in by `DistributedOptimizer`)."""
 
     _gw: dict
+
+    @property
+    def variables(self) -> list:
+        """Keras 3's list of the optimizer's variables; called as Keras 2's `variables()` (Horovod's examples do:
+        `hvd.broadcast_variables(opt.variables(), root_rank=0)`) it gives the same list, with a DeprecationWarning."""
+        return _CallableList(super().variables)  # type: ignore[misc]
 
     def register_local_var(self, var: Any) -> None:
         """Keep `var`'s gradient on this worker: never reduced, divided by the number of workers where
@@ -96,6 +103,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         optimizer.gradient_accumulation_steps = backward_passes_per_step
     if isinstance(optimizer, _DistributedOptimizer):
         return optimizer
+    _check_keras_3(optimizer)
     base = type(optimizer)
     cls = type(base.__name__, (_DistributedOptimizer, base), {"__module__": base.__module__})
     wrapped = object.__new__(cls)
@@ -112,6 +120,31 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     }
     object.__setattr__(wrapped, "_gw", options)
     return wrapped
+
+
+class _CallableList(list):
+    """A list that answers a call with itself: Keras 2's `optimizer.variables()` on Keras 3's property."""
+
+    def __call__(self) -> list:
+        warnings.warn(
+            "optimizer.variables() is Keras 2's; in Keras 3 `variables` is a property: use optimizer.variables",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return list(self)
+
+
+def _check_keras_3(optimizer: Any) -> None:
+    """A Keras 2 optimizer (tf_keras's, `keras.optimizers.legacy`) never calls the `apply` this wrapper replaces: its
+    gradients would not be averaged, silently. Refused, saying what to use."""
+    import keras
+
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(
+            f"DistributedOptimizer wraps a Keras 3 optimizer (keras.optimizers.*), not {type(optimizer).__module__}."
+            f"{type(optimizer).__name__}: a Keras 2 optimizer (tf_keras, keras.optimizers.legacy) is replaced by the "
+            "Keras 3 one of the same name (keras.optimizers.SGD(learning_rate=...), with learning_rate for lr)"
+        )
 
 
 def PartialDistributedOptimizer(  # noqa: N802 - Horovod's name
