@@ -357,3 +357,37 @@ def test_the_ddp_hook_s_sub_buckets_carry_each_powersgd_matrix_alone_and_the_bia
     assert [len(g) for g in sub_buckets(bucket, cap=1 << 20)] == [6]  # no PowerSGD: one sum
     half = [b2.detach().half(), b1]
     assert [len(g) for g in sub_buckets(half, cap=1 << 20, alone=powersgd)] == [1, 1]  # by dtype
+
+
+def test_a_finished_powersgd_step_leaves_no_reference_cycle_for_the_garbage_collector(cluster):
+    """A call and its batch referred to each other (and the sum's handle, through its callback): every step left its
+    tensors, locks and events for the collector. Once a batch is done it lets go of its calls and its handle."""
+    import gc
+
+    def worker(rank):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.Linear(48, 64))
+        opt = gwt.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            model.named_parameters(),
+            compression=gwt.Compression.powersgd(rank=2, start_iter=0),
+        )
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(4, 64)).sum().backward()
+            opt.step()
+        return True
+
+    run(cluster, worker)  # the first steps declare, warm and cache what later steps reuse
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        run(cluster, worker)
+        gc.collect()
+        left = sorted({type(o).__name__ for o in gc.garbage if type(o).__module__ == "gradwire.torch.powersgd"})
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert left == []

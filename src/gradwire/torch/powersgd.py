@@ -322,6 +322,9 @@ class _Batch:
             call.finish(call.p, q_sum[at : at + size].reshape(call.q.shape))
             at += size
         self.stage = "done"
+        # a done batch needs none of this: its calls keep `batch` only to find it done, and with these kept a step's
+        # calls, batch and handles would hold each other (the handle's callback too) until the garbage collector ran
+        self.calls, self.handle, self.flat = [], None, torch.empty(0)
 
 
 def _batch_name(calls: list[_PowerSGDCall], stage: str) -> str:
