@@ -54,10 +54,10 @@ def run(
     **horovod_only: Any,
 ) -> list[Any]:
     """Run `func(*args, **kwargs)` on `np` workers of a new job on this machine (`num_servers` servers); the workers'
-    results, by rank. `hosts` may name this machine only ("localhost:N"). `use_gloo` and `use_mpi` are accepted for
-    Horovod's signature (gradwire moves bytes through its servers either way); `start_timeout` is the job's timeout
-    for every wait (GRADWIRE_TIMEOUT); `env`, variables for every process. Horovod's elastic and remote options
-    (`min_np`, `ssh_port`, ...) raise NotSupported."""
+    results, by rank. `hosts` may name this machine only ("localhost:N"). `use_gloo`, `use_mpi` and `verbose` are
+    accepted for Horovod's signature and change nothing (gradwire moves bytes through its servers either way);
+    `start_timeout` is the job's timeout for every wait (GRADWIRE_TIMEOUT); `env`, variables for every process.
+    Horovod's elastic and remote options (`min_np`, `ssh_port`, ...) raise NotSupported."""
     if horovod_only:
         raise NotSupported(
             f"gradwire.run: {', '.join(sorted(horovod_only))} not supported: it runs a job on this machine "

@@ -74,7 +74,7 @@ class Engine(Landing, Seeding, Membership):
     def __init__(
         self,
         index: int,
-        ring: Ring,
+        ring: Ring[Slot],
         num_workers: int,
         reply: SendResult,
         fail: Fail,

@@ -35,7 +35,7 @@ from gradwire.transport import endpoints, shm, tcp
 log = logging.getLogger("gradwire.server")
 
 
-def claim(ring: Ring) -> tuple[int, Slot]:
+def claim(ring: Ring[Slot]) -> tuple[int, Slot]:
     """The next slot of `ring` to fill, marked empty until it is (`publish` hands it to the engine either way)."""
     seq = ring.claim()
     slot = ring.slot(seq)
@@ -43,7 +43,7 @@ def claim(ring: Ring) -> tuple[int, Slot]:
     return seq, slot
 
 
-def publish(ring: Ring, seq: int, slot: Slot, conn: object, header: frames.Header, sender: int) -> None:
+def publish(ring: Ring[Slot], seq: int, slot: Slot, conn: object, header: frames.Header, sender: int) -> None:
     """Hand the slot to the engine with the frame's fields (also one whose payload did not arrive: `slot.valid` is
     then False, and the engine skips it; a slot never published would stall the ring)."""
     slot.conn, slot.key, slot.round, slot.dtype = conn, header.key, header.round, header.dtype
