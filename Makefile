@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 NATIVE_STAMP := $(VENV)/.native-installed
 NATIVE_SOURCES := native/pyproject.toml native/CMakeLists.txt $(wildcard native/cpp/*) $(wildcard native/src/gradwire_native/*)
 
-.PHONY: install demo test bench lint sanitize clean
+.PHONY: install demo test bench lab lint sanitize clean
 
 install: $(STAMP) $(NATIVE_STAMP)
 
@@ -38,9 +38,15 @@ test: install
 bench: install
 	$(VENV)/bin/gradwire bench -n 4 -s 4 --sizes 4,16,64
 
+# the lab's harnesses (benchmarks/: the floor, partitions, large models, accuracy, PS mode, failover, scaling), e.g.
+# make lab ARGS="--floor -n 4 -s 4 --sizes 64"; with no ARGS, `python -m benchmarks --help`
+ARGS ?= --help
+lab: install
+	$(PY) -m benchmarks $(ARGS)
+
 lint: install
-	$(VENV)/bin/ruff check src tests examples
-	$(VENV)/bin/ruff format --check src tests examples
+	$(VENV)/bin/ruff check src benchmarks tests examples
+	$(VENV)/bin/ruff format --check src benchmarks tests examples
 
 # the native suite and the native worker's jobs against a build with AddressSanitizer and UndefinedBehaviorSanitizer
 # (any report fails it); the sanitizers' runtimes are preloaded into Python, whose own allocations are not leak-checked
@@ -57,6 +63,7 @@ sanitize: install
 		ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:log_path=$(abspath $(SANITIZE))/report \
 		UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1:log_path=$(abspath $(SANITIZE))/report \
 		PYTHONPATH=$(SANITIZE)/pkg GRADWIRE_SANITIZED=1 $(PY) -m pytest -q -p no:cacheprovider tests/native \
+		tests/benchmarks/test_native_floor.py \
 		tests/cluster/test_native_worker.py tests/cluster/test_native_server.py tests/faults/test_failover.py \
 		-k "not wheel and (not test_failover or native)"; \
 		status=$$?; cat $(SANITIZE)/report.* 2>/dev/null; exit $$status

@@ -1,4 +1,4 @@
-// The native floor: bench/floor.py's workers and summation servers, in C++ on one thread each.
+// The native floor: benchmarks/floor.py's workers and summation servers, in C++ on one thread each.
 //
 // The shape of the Python floor's one-thread and batched workers (frames of one partition, or of several up to
 // 256 KiB; a window of frames in flight per server), with gradwire's own 40-byte header validated on every frame, an

@@ -177,7 +177,7 @@ def servers_used(k: int, layers: Sequence[Layer], partition: int) -> int:
 
 
 # CPU seconds a dedicated server spends per GB reduced, by its data path: 16 MiB calls of 4 MiB partitions, 4 workers
-# and 4 servers over TCP on one host (`gradwire bench --partitions 32,4096 -n 4 -s 4 --sizes 16`, 2026-12-07:
+# and 4 servers over TCP on one host (`python -m benchmarks --partitions 32,4096 -n 4 -s 4 --sizes 16`, 2026-12-07:
 # native 0.49-0.50, Python 0.58-0.75; docs/benchmarks.md)
 SERVER_CPU_S_PER_GB = {"native": 0.5, "python": 0.7}
 

@@ -29,15 +29,3 @@ def test_bench_times_a_compressed_allreduce_against_gloos_plain_one():
     records = _bench("--collective", "allreduce-onebit")
     assert {r["system"] for r in records} == {"gradwire", "gradwire-tcp", "gloo"}
     assert all(r["seconds_median"] > 0 for r in records)
-
-
-def test_bench_partitions_runs_the_job_with_the_python_and_the_native_worker():
-    """`--partitions` runs the job once per worker kind (the native one where gradwire-native is installed: `make test`
-    requires it) and reports both roles' CPU; the native worker's job checks every sum (bench/workers.py)."""
-    from gradwire import native
-
-    records = [r for r in _bench("--partitions", "64") if "worker" in r]
-    kinds = {r["worker"] for r in records}
-    assert kinds == ({"python", "native"} if native.load().module is not None else {"python"})
-    for r in records:
-        assert r["partition_bytes"] == 64 << 10 and r["worker_cpu_seconds_per_gb"] > 0 and r["seconds_median"] > 0

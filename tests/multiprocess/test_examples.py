@@ -7,8 +7,8 @@ import sys
 import uuid
 
 import pytest
+from benchmarks.elastic import MOMENTS, run_once
 
-from gradwire.bench.elastic import MOMENTS, run_once
 from gradwire.config import Config
 from gradwire.scheduler import Scheduler
 from tests.multiprocess.harness import ROOT, launch, leftover_processes

@@ -70,13 +70,14 @@ def test_the_wheel_installs_and_runs_a_job_without_a_compiler(gn, tmp_path):
     fresh_python = fresh / "bin" / "python"
     install = [sys.executable, "-m", "pip", "--python", str(fresh_python), "install", "--no-deps", "--no-index", "-q"]
     subprocess.run([*install, str(wheel)], check=True, timeout=300, env=os.environ | bare)
-    # numpy from this environment, gradwire from this tree; gradwire_native only from the fresh one's site-packages
+    # numpy from this environment, gradwire and the lab's benchmarks (the floor) from this tree; gradwire_native only
+    # from the fresh one's site-packages
     (site,) = (fresh / "lib").glob("python3*/site-packages")
     numpy_dir = Path(__import__("numpy").__file__).parents[1]
-    (site / "deps.pth").write_text(f"{ROOT / 'src'}\n{numpy_dir}\n")
+    (site / "deps.pth").write_text(f"{ROOT / 'src'}\n{ROOT}\n{numpy_dir}\n")
     assert Path(sysconfig.get_paths()["purelib"]) != site
     job = (
-        "import gradwire_native, sys; from gradwire import native; from gradwire.bench import floor;"
+        "import gradwire_native, sys; from gradwire import native; from benchmarks import floor;"
         f"assert gradwire_native.__file__.startswith({str(site)!r}), gradwire_native.__file__;"
         "assert native.load().module is gradwire_native, native.load().reason;"
         "row = floor.measure_job(2, 2, 32768, 1 << 20, 2, 1, 'native'); print(row['seconds_per_call'] > 0)"

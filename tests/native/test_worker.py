@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gradwire.bench import native_worker
+from benchmarks import native_worker
 from gradwire.errors import GradwireError, TensorError
 from gradwire.protocol import dtypes
 from gradwire.testing import LocalCluster

@@ -160,3 +160,15 @@ def test_the_current_worker_is_reached_below_the_package_s_face():
             if by_attribute or by_import:
                 through_face.append(f"{name}:{node.lineno}")
     assert not through_face, f"the current worker reached through gradwire's face: {through_face}"
+
+
+def test_nothing_in_the_package_imports_the_lab():
+    """benchmarks/ (the lab, beside src/) uses the package; the package never reaches back into it, so that an installed
+    gradwire, which has no lab, imports and runs everything it ships."""
+    reaching = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            reaching += [f"{name} imports {n}" for n in names if n.split(".")[0] == "benchmarks"]
+    assert not reaching, reaching

@@ -18,8 +18,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _job_arguments(parser)
     _netem_arguments(parser)
     _training_arguments(parser)
-    _fault_arguments(parser)
-    _model_arguments(parser)
 
 
 def _job_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,20 +46,6 @@ def _job_arguments(parser: argparse.ArgumentParser) -> None:
             *(f"allreduce-{m}" for m in ("onebit", "topk", "randomk", "dithering")),
         ],
         help="what to time, against gloo's same collective (each rank ends with SIZE bytes; see bench/workers.py)",
-    )
-
-    parser.add_argument(
-        "--partitions",
-        default=None,
-        metavar="KIB,...",
-        help="CPU seconds per GB of workers and servers by partition size (KiB, comma-separated; TCP, the first of "
-        "--sizes), beside the floor of a Python data path with nothing else in it (bench/floor.py)",
-    )
-    parser.add_argument(
-        "--floor",
-        action="store_true",
-        help="the native floor (bench/floor.py, gradwire-native) as a job of n workers and k servers over TCP "
-        "loopback, at each of --partitions (default 32,4096 KiB), beside gloo and gradwire's own job, first of --sizes",
     )
 
 
@@ -111,15 +95,6 @@ def _training_arguments(parser: argparse.ArgumentParser) -> None:
         "--ways", default=None, help="with --train: only these of its ways, comma-separated (their peer included)"
     )
     parser.add_argument(
-        "--scale",
-        action="store_true",
-        help="with --netem: samples/s against n (--scale-workers) with a profiled model's compute replayed, "
-        "dedicated and colocated servers against DDP over gloo, each point beside the model's prediction",
-    )
-    parser.add_argument("--scale-workers", default="1,2,4,8", help="with --scale: the numbers of workers")
-    parser.add_argument("--scale-rate", default="100mbit", help="with --scale: every link's rate (tc's spelling)")
-    parser.add_argument("--replay", default=None, help="with --scale: a profile (bench/replay.py), not the default")
-    parser.add_argument(
         "--compression",
         action="store_true",
         help="with --train: DistributedOptimizer with onebit, top-k 1%% (error feedback) and PowerSGD rank 2 beside "
@@ -144,96 +119,15 @@ def _training_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _fault_arguments(parser: argparse.ArgumentParser) -> None:
-    """Failover and elastic runs: what is killed, when, how often."""
-    parser.add_argument(
-        "--failover",
-        action="store_true",
-        help="SIGKILL a server (with and without a standby) and a worker mid-run: detection and recovery times",
-    )
-    parser.add_argument(
-        "--kill",
-        choices=("server", "worker", "scheduler"),
-        default=None,
-        help="with --failover: only this process's trials (default: server and worker; scheduler: SIGKILLed and "
-        "restarted, or its standby taking the job over)",
-    )
-    parser.add_argument("--failover-mib", type=float, default=2.0, help="with --failover: MiB per tensor (8 tensors)")
-    parser.add_argument(
-        "--failover-rate", default="100mbit", help="with --failover --netem: every emulated link's rate (tc's spelling)"
-    )
-    parser.add_argument(
-        "--elastic",
-        action="store_true",
-        help="the elastic example with worker 2 SIGKILLed at a random moment, --runs times: completions, hangs, "
-        "times to the re-formed job and to the replacement, accuracy",
-    )
-    parser.add_argument("--runs", type=int, default=20, help="with --elastic: runs with a kill")
-    parser.add_argument("--seed", type=int, default=0, help="with --elastic: the moments' random seed")
-    parser.add_argument("--timeout", type=float, default=180, help="with --elastic: a run's deadline (then: a hang)")
-
-
-def _model_arguments(parser: argparse.ArgumentParser) -> None:
-    """Parameter-server mode, accuracy to the same epochs, and large models."""
-    parser.add_argument(
-        "--ps",
-        action="store_true",
-        help="parameter-server mode: worker memory (25M-parameter MLP, Adam) and digits training, sync and async, "
-        "against DistributedOptimizer",
-    )
-    parser.add_argument("--slow-ms", type=float, default=20.0, help="with --ps: the slow worker's sleep per step")
-    parser.add_argument("--epochs", type=int, default=16, help="with --ps, --elastic or --accuracy: training epochs")
-    parser.add_argument("--async-runs", type=int, default=3, help="with --ps: runs of each asynchronous way")
-    parser.add_argument(
-        "--dc",
-        type=float,
-        default=0.0,
-        metavar="LAMBDA",
-        help="with --ps: only the slowed digits runs, synchronous, asynchronous and asynchronous with delay "
-        "compensation LAMBDA, on --async-runs seeds each",
-    )
-    parser.add_argument(
-        "--accuracy",
-        action="store_true",
-        help="the digits CNN to the same epochs, uncompressed and with onebit, top-k 1%% and PowerSGD rank 2: test "
-        "accuracy per way (docs/compression.md); with --netem: time to accuracy on the emulated network, against DDP "
-        "over gloo plain and with torch's PowerSGD hook",
-    )
-    parser.add_argument("--accuracy-runs", type=int, default=4, help="with --accuracy: runs (seeds) per way")
-    parser.add_argument(
-        "--task",
-        choices=["digits", "mnist1d"],
-        default="digits",
-        help="with --accuracy: the README demo's digits CNN, or the larger MNIST-1D task (the bench extra's mnist1d)",
-    )
-    parser.add_argument(
-        "--large",
-        action="store_true",
-        help="a 1.2 GB tensor and a 0.35B-parameter transformer: first and steady calls, peak RSS per worker, against "
-        "gloo and DDP",
-    )
-    parser.add_argument(
-        "--gil",
-        action="store_true",
-        help="a training thread's step while its process's data path is busy, against the same step alone, on the "
-        "native and the Python path (bench/gil.py; --sizes' first is the busy tensor's MiB, --steps the steps)",
-    )
-    parser.add_argument("--gil-rate", type=float, default=100.0, help="with --gil: the busy thread's MB per second")
-    parser.add_argument("--large-elements", type=int, default=300_000_000, help="with --large: the tensor's elements")
-    parser.add_argument(
-        "--calls", type=int, default=4, help="with --large: calls on the tensor (steady: the median from the third on)"
-    )
-
-
 def run(args: argparse.Namespace) -> int:
     sizes = [int(float(s) * MiB) for s in args.sizes.split(",")]
     os.environ["GRADWIRE_BENCH_COLLECTIVE"] = args.collective  # read by the benchmark's worker processes
-    env = _job_env(args)
+    env = job_env(args)
     code = _run_mode(args, sizes, env)
     return _compare(args, sizes, env) if code is None else code
 
 
-def _job_env(args: argparse.Namespace) -> dict[str, str]:
+def job_env(args: argparse.Namespace) -> dict[str, str]:
     """The GRADWIRE_* settings the options impose on the gradwire jobs (none: the defaults)."""
     env = {"GRADWIRE_PARTITION_BYTES": str(args.partition_bytes)} if args.partition_bytes else {}
     if args.window:
@@ -247,50 +141,6 @@ def _job_env(args: argparse.Namespace) -> dict[str, str]:
 
 def _run_mode(args: argparse.Namespace, sizes: list[int], env: dict[str, str]) -> int | None:
     """The benchmark a mode option names, run (its exit code); None: no mode, the plain comparison."""
-    if args.floor:
-        from gradwire.bench.floor import run_job_bench
-
-        return run_job_bench(args, env)
-    if args.partitions:
-        from gradwire.bench.partitions import run_partitions
-
-        return run_partitions(args, env)
-    if args.gil:
-        from gradwire.bench.gil import run_gil
-
-        return run_gil(args, env)
-    if args.large:
-        from gradwire.bench.large import run_large
-
-        return run_large(args)
-    if args.accuracy and args.netem:
-        from gradwire.bench.time_to_accuracy import run_time_to_accuracy
-
-        return run_time_to_accuracy(args, env)
-    if args.accuracy:
-        from gradwire.bench.accuracy import run_accuracy
-
-        return run_accuracy(args)
-    if args.ps:
-        from gradwire.bench.ps import run_ps
-
-        return run_ps(args)
-    if args.elastic:
-        from gradwire.bench.elastic import run_elastic
-
-        return run_elastic(args)
-    if args.failover and args.netem:
-        from gradwire.bench.failover_netem import run_failover_netem
-
-        return run_failover_netem(args)
-    if args.failover:
-        from gradwire.bench.failover import run_failover
-
-        return run_failover(args)
-    if args.netem and args.scale:
-        from gradwire.bench.scale import run_scale
-
-        return run_scale(args, env)
     if args.netem:
         from gradwire.bench.netem_cli import run_netem
 

@@ -3,7 +3,7 @@
 A microbenchmark is not the workload: here a model with layers of mixed sizes (a conv stack with BatchNorm, then a
 3M-parameter MLP) trains for real, gradients leave in backward order as hooks fire, and workers drift apart in time
 (each computes on its own random batch, on shared cores); with GRADWIRE_BENCH_REPLAY=PROFILE its compute is replayed
-from a profile instead (bench/replay.py: `gradwire bench --netem --scale`). The three ways:
+from a profile instead (gradwire/profiles: `python -m benchmarks --netem --scale`). The three ways:
 - `optimizer`: gradwire's DistributedOptimizer (Horovod's shape);
 - `hook`: torch's DistributedDataParallel with gradwire's comm hook (DDP's buckets through the summation servers);
 - `ddp`: torch's DistributedDataParallel over gloo, the peer;
@@ -44,10 +44,10 @@ def model():
     import torch
 
     torch.manual_seed(0)
-    if os.environ.get("GRADWIRE_BENCH_REPLAY"):  # `--scale`: the profiled model's compute replayed (bench/replay.py)
-        from gradwire.bench import replay
+    if os.environ.get("GRADWIRE_BENCH_REPLAY"):  # `--scale`: the profiled model's compute replayed (gradwire/profiles)
+        from gradwire import profiles
 
-        return replay.replay_model(replay.load(os.environ["GRADWIRE_BENCH_REPLAY"])["layers"])
+        return profiles.replay_model(profiles.load(os.environ["GRADWIRE_BENCH_REPLAY"])["layers"])
     if os.environ.get("GRADWIRE_BENCH_MODEL") == "mixed":
         return torch.nn.Sequential(
             torch.nn.Conv2d(3, 16, 3, padding=1),
@@ -237,20 +237,5 @@ def _distributed(way: str) -> tuple:
     return ddp, opt, rank, world
 
 
-def write_profile() -> None:
-    """`python -m gradwire.bench.train profile`: this model's layers timed here, for `--scale` (bench/replay.py)."""
-    import torch
-    from gradwire.bench import replay
-
-    torch.manual_seed(0)
-    net, batch = model(), torch.randn(BATCH, 3, 32, 32)
-    replay.summary(
-        replay.write_profile(replay.BENCH_MODEL, net, batch, "bench/train.py's model (conv stack, then an MLP)")
-    )
-
-
 if __name__ == "__main__":
-    if sys.argv[1:] == ["profile"]:
-        write_profile()
-    else:
-        main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))

@@ -28,7 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a training step's time and scaling efficiency for n = 1, 2, 4, ... workers and each link rate "
         "(--rates), from a profiled model's layers (gradwire/predict.py, docs/scaling.md)",
     )
-    parser.add_argument("--profile", default=None, help="with --predict: a layer profile (bench/replay.py)")
+    parser.add_argument(
+        "--profile",
+        default=None,
+        help="with --predict: a layer profile (gradwire/profiles/; benchmarks/replay.py writes them)",
+    )
     parser.add_argument(
         "--compute-scale", type=float, default=1.0, help="with --predict: the profile's compute times divided by this"
     )
@@ -105,17 +109,16 @@ def predict_table(args: argparse.Namespace) -> int:
     """`--predict`: per link rate and n (powers of two up to -n, default 1,024), the step of ring all-reduce (DDP), of
     gradwire with k = n dedicated servers and with colocated servers only, their scaling efficiencies, how many of
     the k servers the step's partitions keep busy, and the CPU cores each of those needs at that pace."""
-    from gradwire import native, predict
-    from gradwire.bench import replay
+    from gradwire import native, predict, profiles
 
-    profile = replay.load(args.profile or replay.BENCH_MODEL)
+    profile = profiles.load(args.profile or profiles.BENCH_MODEL)
     cpu_per_gb, path = args.server_cpu_per_gb, "as given"
     if cpu_per_gb is None:  # the measured figure of the data path a server started here would run
         native_here = os.environ.get("GRADWIRE_DATAPATH", "auto") != "python" and native.load().module is not None
         name = "native" if native_here else "python"
         cpu_per_gb, path = predict.SERVER_CPU_S_PER_GB[name], f"the {name} data path's, measured"
     scale = args.compute_scale
-    layers = replay.layers(profile, scale)
+    layers = profiles.layers(profile, scale)
     total = sum(la.nbytes for la in layers)
     largest = args.num_workers or 1024
     ns = [1 << i for i in range(largest.bit_length()) if 1 << i <= largest]

@@ -1,23 +1,23 @@
-"""Replayed compute (`gradwire bench --netem --scale`, docs/scaling.md): a real model's layers, profiled once, stand
-in for the model in a scaling benchmark, so that two cores do not bound the curve.
+"""Replay profiling (docs/scaling.md): a real model's layers timed once, written as a profile (gradwire/profiles/) that
+the step-time model reads and `gradwire.profiles.replay_model` replays in a scaling benchmark (`python -m benchmarks
+--netem --scale`).
 
 `profile(net, batch)` times each layer with parameters, forward and backward, on this process's device (the layers
-without parameters, an activation or a pool, count toward the layer before them). A
-`ReplayModel` of that table has one parameter of each profiled size per layer, in the same order, and sleeps each
-layer's measured time in its forward and its backward: its gradients become ready in backward order, each after its
-layer's backward time, as the real model's do, with the same sizes, while the cores stay free (a sleep takes none)
-for the data path. DDP's and gradwire's hooks fire on them as on any model.
+without parameters, an activation or a pool, count toward the layer before them); `flops_profile` writes one by
+arithmetic for a device this machine does not have.
+
+    python -m benchmarks.replay bench    # gradwire/bench/train.py's model, timed here (profiles.BENCH_MODEL)
+    python -m benchmarks.replay gpt      # the GPT-2-medium-sized model at 100 TFLOP/s, by arithmetic (GPT_MEDIUM)
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
-TABLES = Path(__file__).parent / "tables"
-BENCH_MODEL = TABLES / "bench_model_cpu.json"  # bench/train.py's model, profiled on this project's 2-core machine
-GPT_MEDIUM = TABLES / "gpt2_medium_100tflops.json"  # bench --large's model, by arithmetic (`write_gpt_profile`)
+from gradwire import profiles
 
 
 def profile(net, batch, repeats: int = 10) -> list[dict]:  # noqa: ANN001 - a torch module and its input
@@ -62,26 +62,9 @@ def profile(net, batch, repeats: int = 10) -> list[dict]:  # noqa: ANN001 - a to
     return table
 
 
-def layers(profile: dict, compute_scale: float = 1.0) -> list:
-    """A profile's layers as the step-time model takes them (gradwire/predict.py): float32 gradients, the compute
-    times divided by `compute_scale` (a faster device)."""
-    from gradwire.predict import Layer
-
-    return [
-        Layer(4 * sum(la["elements"]), la["forward_s"] / compute_scale, la["backward_s"] / compute_scale)
-        for la in profile["layers"]
-    ]
-
-
-def load(path: str | Path = BENCH_MODEL) -> dict:
-    """A profile written by `write_profile`: {"device", "model", "batch", "layers": [...]}."""
-    with open(path) as f:
-        return json.load(f)
-
-
 def write_profile(path: str | Path, net, batch, model: str, repeats: int = 20) -> dict:  # noqa: ANN001
     """Profile `net` on `batch` on this process's CPU (one thread) and write the table (`python -m
-    gradwire.bench.train profile` does it for bench/train.py's model)."""
+    benchmarks.replay bench` does it for gradwire/bench/train.py's model)."""
     import platform
 
     import torch
@@ -118,15 +101,15 @@ def flops_profile(net, tokens: int, flops_per_s: float) -> list[dict]:  # noqa: 
 
 
 def write_gpt_profile(path: str | Path, tokens: int = 8 * 1024, flops_per_s: float = 100e12) -> dict:
-    """`flops_profile` of `gradwire bench --large`'s GPT-2-medium-sized model (bench/large_worker.py)."""
+    """`flops_profile` of `python -m benchmarks --large`'s GPT-2-medium-sized model (benchmarks/large_worker.py)."""
     import torch
-    from gradwire.bench.large_worker import GPT
+    from benchmarks.large_worker import GPT
 
     with torch.device("meta"):
         net = GPT()
     out = {
         "device": f"by arithmetic: a device sustaining {flops_per_s / 1e12:g} TFLOP/s, {tokens} tokens per worker",
-        "model": "GPT-2-medium-sized transformer (bench/large_worker.py)",
+        "model": "GPT-2-medium-sized transformer (benchmarks/large_worker.py)",
         "batch": tokens // 1024,
         "layers": flops_profile(net, tokens, flops_per_s),
     }
@@ -141,40 +124,18 @@ def summary(profile: dict) -> None:
     print(f"{len(layers)} layers, {total:,} parameters, forward {forward * 1e3:.1f} ms, backward {backward * 1e3:.1f}")
 
 
-def replay_model(table: list[dict]):
-    """A torch module that replays `table`'s layers: their parameters' sizes, their forward and backward times."""
+def write_bench_profile() -> dict:
+    """gradwire/bench/train.py's model (`--train`'s), profiled on this machine's CPU, one thread."""
     import torch
+    from gradwire.bench.train import BATCH, model
 
-    class Replayed(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, forward_s: float, backward_s: float, *params):  # noqa: ANN001
-            ctx.backward_s = backward_s
-            ctx.shapes = [p.shape for p in params]
-            time.sleep(forward_s)
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, grad):  # noqa: ANN001
-            time.sleep(ctx.backward_s)
-            return (grad, None, None, *(torch.full(s, 1e-3) for s in ctx.shapes))
-
-    class ReplayModel(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layers = table
-            self.params = torch.nn.ParameterList(
-                torch.nn.Parameter(torch.zeros(n)) for layer in table for n in layer["elements"]
-            )
-
-        def forward(self, x):  # noqa: ANN001
-            params = iter(self.params)
-            for layer in self.layers:
-                own = [next(params) for _ in layer["elements"]]
-                x = Replayed.apply(x, layer["forward_s"], layer["backward_s"], *own)
-            return x
-
-    return ReplayModel()
+    torch.manual_seed(0)
+    net, batch = model(), torch.randn(BATCH, 3, 32, 32)
+    return write_profile(profiles.BENCH_MODEL, net, batch, "bench/train.py's model (conv stack, then an MLP)")
 
 
-if __name__ == "__main__":  # python -m gradwire.bench.replay: write the GPT-2-medium profile by arithmetic
-    summary(write_gpt_profile(GPT_MEDIUM))
+if __name__ == "__main__":
+    which = sys.argv[1:] or ["gpt"]
+    if which not in (["bench"], ["gpt"]):
+        sys.exit("usage: python -m benchmarks.replay {bench|gpt}")
+    summary(write_bench_profile() if which == ["bench"] else write_gpt_profile(profiles.GPT_MEDIUM))

@@ -1,4 +1,4 @@
-"""`gradwire bench --gil`: what a busy data path takes from the training thread of its own process.
+"""`python -m benchmarks --gil`: what a busy data path takes from the training thread of its own process.
 
 A worker's training thread runs Python between its kernels (the model's modules, autograd's hooks, the optimizer), so
 a data path that takes the GIL per partition slows the step even where the link and the cores have room to spare.
@@ -30,7 +30,7 @@ PATHS = ("native", "python")
 
 
 def worker(steps: int, mib: float, rate: float) -> None:
-    """One rank of the job (`python -m gradwire.bench.gil STEPS MIB RATE` under `gradwire launch`)."""
+    """One rank of the job (`python -m benchmarks.gil STEPS MIB RATE` under `gradwire launch`)."""
     import numpy as np
     import torch.nn.functional as F
 
@@ -97,7 +97,7 @@ def worker(steps: int, mib: float, rate: float) -> None:
 
 def _job(path: str, steps: int, mib: float, rate: float, env: dict[str, str]) -> dict:
     cmd = [sys.executable, "-m", "gradwire", "launch", "-n", "2", "-s", "1", "--"]
-    cmd += [sys.executable, "-m", "gradwire.bench.gil", str(steps), str(mib), str(rate)]
+    cmd += [sys.executable, "-m", "benchmarks.gil", str(steps), str(mib), str(rate)]
     job_env = os.environ | env | {"GRADWIRE_DATAPATH": path}
     done = subprocess.run(cmd, capture_output=True, text=True, env=job_env, timeout=900)
     lines = [line.split("] ", 1)[-1] for line in done.stdout.splitlines()]  # the launcher prefixes "[worker r] "

@@ -1,11 +1,11 @@
-"""The floor under `gradwire bench --partitions` (bench/floor.py): a Python data path with nothing else in it."""
+"""The floor under `python -m benchmarks --partitions` (benchmarks/floor.py): a Python data path with nothing else."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from gradwire.bench import floor, partitions
+from benchmarks import floor, partitions
 
 KiB = 1 << 10
 

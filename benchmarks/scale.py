@@ -1,6 +1,6 @@
-"""`gradwire bench --netem --scale`: throughput against the number of workers on the emulated network, with a real
-model's compute replayed (bench/replay.py) so that two cores do not bound the curve, and the model's prediction
-(gradwire/predict.py) beside every point (docs/scaling.md).
+"""`python -m benchmarks --netem --scale`: throughput against the number of workers on the emulated network, with a real
+model's compute replayed (gradwire.profiles.replay_model) so that two cores do not bound the curve, and the model's
+prediction (gradwire/predict.py) beside every point (docs/scaling.md).
 
 For n = 1, 2, 4, 8 (`--scale-workers`) on links of `--scale-rate`: gradwire's DistributedOptimizer with k = n
 dedicated servers, and with colocated servers only (k = 0), each beside DDP over gloo with the same replayed compute
@@ -13,8 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from gradwire import predict
-from gradwire.bench import replay
+from gradwire import predict, profiles
 from gradwire.netem.topology import Topology, parse_rate
 
 LAYOUTS = {"dedicated": lambda n, rate: Topology(n, n, rate, rate), "colocated": lambda n, rate: _colocated(n, rate)}
@@ -42,9 +41,9 @@ def model_step(
 def run_scale(args: argparse.Namespace, env: dict[str, str]) -> int:
     from gradwire.bench.netem_train import run_train_config
 
-    profile = replay.load(args.replay or replay.BENCH_MODEL)
-    layers = replay.layers(profile)
-    env = env | {"GRADWIRE_BENCH_REPLAY": str(args.replay or replay.BENCH_MODEL)}
+    profile = profiles.load(args.replay or profiles.BENCH_MODEL)
+    layers = profiles.layers(profile)
+    env = env | {"GRADWIRE_BENCH_REPLAY": str(args.replay or profiles.BENCH_MODEL)}
     rows = []
     for n in [int(x) for x in args.scale_workers.split(",")]:
         for layout, make in LAYOUTS.items():

@@ -1,4 +1,4 @@
-"""The native floor (bench/floor.py's native shapes, native/cpp/floor.cpp): every sum right in every shape of job,
+"""The native floor (benchmarks/floor.py's native shapes, native/cpp/floor.cpp): every sum right in every shape of job,
 and a peer that dies or lies is an error, never a wait."""
 
 import os
@@ -7,7 +7,7 @@ import socket
 import numpy as np
 import pytest
 
-from gradwire.bench import floor
+from benchmarks import floor
 
 KiB = 1 << 10
 

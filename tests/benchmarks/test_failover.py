@@ -1,7 +1,7 @@
-"""`gradwire bench --failover --kill scheduler`'s summary of a trial (bench/failover.py): times from the kill, and the
-steps during the outage against those before it."""
+"""`python -m benchmarks --failover --kill scheduler`'s summary of a trial (benchmarks/failover.py): times from the
+kill, and the steps during the outage against those before it."""
 
-from gradwire.bench.failover import MEET_AFTER, summarize
+from benchmarks.failover import MEET_AFTER, summarize
 
 
 def test_a_scheduler_trial_reports_resume_barrier_declaration_and_the_outage_steps():

@@ -1,7 +1,7 @@
-"""`gradwire bench --netem --accuracy`'s reading of the curves: the time to a target is the first epoch's at or above
-it, seeds that never reach it are counted apart, and the ratios put the peers' times over each way's."""
+"""`python -m benchmarks --netem --accuracy`'s reading of the curves: the time to a target is the first epoch's at or
+above it, seeds that never reach it are counted apart, and the ratios put the peers' times over each way's."""
 
-from gradwire.bench.time_to_accuracy import TARGETS, curve, table, time_to
+from benchmarks.time_to_accuracy import TARGETS, curve, table, time_to
 
 
 def _points(accuracies, seconds_per_epoch):

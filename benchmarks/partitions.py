@@ -1,4 +1,4 @@
-"""`gradwire bench --partitions 16,32,...,4096`: what a partition costs, as CPU seconds per GB by partition size.
+"""`python -m benchmarks --partitions 16,32,...,4096`: what a partition costs, as CPU seconds per GB by partition size.
 
 Slow links need small partitions (16-32 KiB are derived at 20-100 Mbit/s), and every partition costs work that does
 not depend on its bytes: frames to build and read, acknowledgements, wake-ups, system calls. This benchmark runs the
@@ -12,7 +12,7 @@ Both ways run with the defaults (server failover on: each sum kept as its key's 
 worker's and every server's own data path by default: worker/native_path.py, server/native_path.py). What the rule
 costs natively, beside the floor.
 
-Beside it, the floor (bench/floor.py): the same partition sizes through a Python data path with nothing else in it,
+Beside it, the floor (benchmarks/floor.py): the same partition sizes through a Python data path with nothing else in it,
 one worker and one server, the worker with one thread and with two (a sender woken by its receiver, as gradwire's
 links are built), in the same rounds: what Python itself sets, and what the data path's shape adds.
 """
@@ -25,8 +25,8 @@ import statistics
 import subprocess
 import sys
 
+from benchmarks.floor import available_modes
 from gradwire import native
-from gradwire.bench.floor import available_modes
 from gradwire.bench.runner import MiB, Timing, run_gloo, run_gradwire
 
 KiB = 1 << 10
@@ -71,8 +71,8 @@ FLOOR_REPEATS = 40  # calls per floor measurement (each a few tens of millisecon
 
 
 def run_floor(partition: int, size: int, repeats: int, mode: str) -> dict:
-    """One floor measurement (bench/floor.py) in a process of its own."""
-    argv = [sys.executable, "-m", "gradwire.bench.floor", str(partition), str(size), str(repeats), mode]
+    """One floor measurement (benchmarks/floor.py) in a process of its own."""
+    argv = [sys.executable, "-m", "benchmarks.floor", str(partition), str(size), str(repeats), mode]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -88,7 +88,7 @@ def _floor_row(mode: str, partition: int, runs: list[dict]) -> dict:
 def floor_table(rows: list[dict], size: int) -> str:
     """The floor's markdown table: per shape and partition size, CPU per GB and each over the largest size's."""
     lines = [
-        f"the floor (bench/floor.py): push_pull of {size / MiB:g} MiB, one worker, one server, TCP loopback",
+        f"the floor (benchmarks/floor.py): push_pull of {size / MiB:g} MiB, one worker, one server, TCP loopback",
         "",
         "| worker | partition | workers' CPU s/GB | x largest | servers' CPU s/GB | x largest |",
         "|---|---:|---:|---:|---:|---:|",

@@ -1,8 +1,8 @@
-"""`gradwire bench --accuracy`: what compression costs in accuracy (docs/compression.md). A classifier trained the
+"""`python -m benchmarks --accuracy`: what compression costs in accuracy (docs/compression.md). A classifier trained the
 same epochs with SGD and momentum, DistributedOptimizer uncompressed and with onebit, top-k 1% (both with error
 feedback) and PowerSGD rank 2; several runs each (another seed: the initialisation and the data's order), one after
 the other on this machine with `gradwire launch` (n workers, k servers). `--task digits`: the README demo's CNN on
-scikit-learn's digits; `--task mnist1d`: the larger task (bench/mnist1d.py), a 1-D CNN on 16,000 samples of
+scikit-learn's digits; `--task mnist1d`: the larger task (benchmarks/mnist1d.py), a 1-D CNN on 16,000 samples of
 MNIST-1D, its learning rate on a cosine schedule. Prints each way's mean test accuracy, its spread, and its
 difference from uncompressed."""
 
@@ -13,7 +13,7 @@ import os
 import statistics
 import tempfile
 
-from gradwire.bench.ps import launch_task
+from benchmarks.ps import launch_task
 
 WAYS = ("none", "onebit", "topk", "powersgd")
 TASKS = {
@@ -29,7 +29,7 @@ def run_accuracy(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="gradwire-accuracy-") as tmp:
         data: list[str] = []
         if task == "mnist1d":  # made once, read by every worker of every run
-            from gradwire.bench import mnist1d
+            from benchmarks import mnist1d
 
             data = ["--data", os.path.join(tmp, "mnist1d.npz")]
             mnist1d.save(data[1])

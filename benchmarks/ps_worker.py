@@ -1,10 +1,10 @@
-"""One worker of `gradwire bench --ps` (started by `gradwire launch`): parameter-server mode against local optimizers.
+"""One worker of `python -m benchmarks --ps` (under `gradwire launch`): parameter-server mode against local optimizers.
 
-    python -m gradwire.bench.ps_worker memory --mode server     # a 25M-parameter MLP with Adam; prints peak RSS
-    python -m gradwire.bench.ps_worker digits --mode server --staleness 2 --slow-ms 20
-    python -m gradwire.bench.ps_worker digits --mode local --compression onebit --seed 3   # gradwire bench --accuracy
-    python -m gradwire.bench.ps_worker digits --mode server --compression topk               # bench --ps --compression
-    python -m gradwire.bench.ps_worker digits --mode ddp --curve    # under netem's gloo jobs: bench --netem --accuracy
+    python -m benchmarks.ps_worker memory --mode server     # a 25M-parameter MLP with Adam; prints peak RSS
+    python -m benchmarks.ps_worker digits --mode server --staleness 2 --slow-ms 20
+    python -m benchmarks.ps_worker digits --mode local --compression onebit --seed 3   # python -m benchmarks --accuracy
+    python -m benchmarks.ps_worker digits --mode server --compression topk               # bench --ps --compression
+    python -m benchmarks.ps_worker digits --mode ddp --curve    # under netem's gloo jobs: bench --netem --accuracy
 
 Rank 0 prints one line `PS {json}`; every rank prints `RSS {json}` in the memory task.
 """
@@ -23,8 +23,8 @@ import gradwire.torch as gw
 import torch
 from gradwire.session import current_worker
 
-# `--compression`: DistributedOptimizer's compressor (docs/compression.md), as `gradwire bench --accuracy` compares
-# them; ServerOptimizer's (onebit, topk) for `gradwire bench --ps --compression`
+# `--compression`: DistributedOptimizer's compressor (docs/compression.md), as `python -m benchmarks --accuracy`
+# compares them; ServerOptimizer's (onebit, topk) for `python -m benchmarks --ps --compression`
 COMPRESSORS = {
     "none": lambda: gw.Compression.none,
     "onebit": gw.Compression.onebit,
@@ -116,8 +116,8 @@ def _digits_model() -> torch.nn.Module:
 def digits(args: argparse.Namespace) -> None:
     """A classifier trained with SGD and momentum, test accuracy at the end (and, `--curve`, after every epoch, with
     the training seconds so far: evaluation is not counted): `digits`, the README demo's CNN on scikit-learn's digits
-    at a constant learning rate; `mnist1d`, the larger task (bench/mnist1d.py), its rate on a cosine schedule."""
-    from gradwire.bench import mnist1d
+    at a constant learning rate; `mnist1d`, the larger task (benchmarks/mnist1d.py), its rate on a cosine schedule."""
+    from benchmarks import mnist1d
 
     x_train, y_train, x_test, y_test = mnist1d.load(args.data) if args.task == "mnist1d" else _digits_data()
     torch.manual_seed(args.seed)
@@ -203,7 +203,9 @@ def main() -> None:
     p.add_argument("--compression", choices=sorted(COMPRESSORS), default="none")
     p.add_argument("--seed", type=int, default=0, help="the model's initialisation and the data's order")
     p.add_argument("--curve", action="store_true", help="digits: test accuracy after every epoch (EPOCH lines)")
-    p.add_argument("--data", default=None, help="mnist1d: the data set's file (bench/mnist1d.py save); else made here")
+    p.add_argument(
+        "--data", default=None, help="mnist1d: the data set's file (benchmarks/mnist1d.py save); else made here"
+    )
     args = p.parse_args()
     torch.set_num_threads(1)
     if args.mode == "ddp":  # started by the emulated network's gloo jobs (netem/jobs.py start_gloo)

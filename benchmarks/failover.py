@@ -1,7 +1,7 @@
-"""`gradwire bench --failover`: how fast a dead process is detected and the job recovers, with real SIGKILLs.
+"""`python -m benchmarks --failover`: how fast a dead process is detected and the job recovers, with real SIGKILLs.
 
 Each trial launches a job (`gradwire launch`), SIGKILLs one process in the middle of the run (server 1, with or
-without a standby, or worker n-1), and reads every worker's report (bench/failover_worker.py). Printed per trial:
+without a standby, or worker n-1), and reads every worker's report (benchmarks/failover_worker.py). Printed per trial:
 - detection: from the SIGKILL to the moment each worker saw it (its connection closed, or WorkerLost raised);
 - failover: from the SIGKILL to the scheduler's REPLACE reaching each worker, and the worker's own resend time;
 - recovery: the step that took the failure, against the median step (the cost of the failure in step time);
@@ -32,7 +32,7 @@ MEET_AFTER = 5  # steps after a scheduler's kill, the workers meet at a barrier 
 def run_trial(kill: str, standby: int, workers: int, servers: int, env: dict[str, str], timeout: float = 300) -> dict:
     cmd = [sys.executable, "-m", "gradwire", "launch", "-n", str(workers), "-s", str(servers)]
     cmd += ["--standby-schedulers" if kill == "scheduler" else "--standby-servers", str(standby)]
-    cmd += ["--", sys.executable, "-m", "gradwire.bench.failover_worker"]
+    cmd += ["--", sys.executable, "-m", "benchmarks.failover_worker"]
     proc = subprocess.Popen(
         cmd, env=os.environ | env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
@@ -65,12 +65,12 @@ def run_trial(kill: str, standby: int, workers: int, servers: int, env: dict[str
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-        raise SystemExit("gradwire bench --failover: the job hung:\n" + "".join(tail)) from None
+        raise SystemExit("python -m benchmarks --failover: the job hung:\n" + "".join(tail)) from None
     reader.join(10)
     if proc.stdout is not None:
         proc.stdout.close()
     if not killed or not results:
-        raise SystemExit("gradwire bench --failover: the job ended before the kill:\n" + "".join(tail))
+        raise SystemExit("python -m benchmarks --failover: the job ended before the kill:\n" + "".join(tail))
     return {"killed_at": killed[0], "results": sorted(results, key=lambda r: r["rank"]), "code": proc.returncode}
 
 
@@ -117,7 +117,7 @@ def _resumed(trial: dict, ms) -> dict:  # noqa: ANN001
 
 
 def bench_env(args) -> dict[str, str]:  # noqa: ANN001 - argparse namespace
-    """The failover worker's settings (bench/failover_worker.py)."""
+    """The failover worker's settings (benchmarks/failover_worker.py)."""
     return {
         "BENCH_TENSORS": "8",
         "BENCH_MIB": str(args.failover_mib),

@@ -1,4 +1,4 @@
-"""`gradwire bench --ps`: parameter-server mode (docs/ps-mode.md) against the local optimizer, side by side.
+"""`python -m benchmarks --ps`: parameter-server mode (docs/ps-mode.md) against the local optimizer, side by side.
 
 Two measurements, each way run one after the other on this machine with `gradwire launch` (n workers, k servers):
 - worker memory: peak RSS of each worker training a 25M-parameter MLP with Adam, DistributedOptimizer (the Adam
@@ -21,7 +21,7 @@ MiB = 1 << 20
 
 def launch_task(n: int, k: int, task: list[str], env: dict[str, str] | None = None) -> tuple[dict, list[dict]]:
     cmd = [sys.executable, "-m", "gradwire", "launch", "-n", str(n), "-s", str(k), "--"]
-    cmd += [sys.executable, "-m", "gradwire.bench.ps_worker", *task]
+    cmd += [sys.executable, "-m", "benchmarks.ps_worker", *task]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=os.environ | (env or {}))
     lines = [line.split("] ", 1)[-1] for line in proc.stdout.splitlines()]  # the launcher prefixes "[worker r] "
     summary = [json.loads(line[3:]) for line in lines if line.startswith("PS ")]

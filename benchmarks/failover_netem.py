@@ -1,9 +1,9 @@
-"""`gradwire bench --failover --kill scheduler --netem`: the scheduler SIGKILLed on the emulated network (its own host,
-every host on a shaped link), restarted on its host at its address, or taken over by a standby on a server's host.
+"""`python -m benchmarks --failover --kill scheduler --netem`: the scheduler SIGKILLed on the emulated network (its own
+host, every host on a shaped link), restarted on its host at its address, or taken over by a standby on a server's host.
 
-The same worker and summary as on loopback (bench/failover.py): per worker, from the SIGKILL to the job resumed, to the
-barrier passed and to a new tensor's declaration answered, and the steps during the outage against the median before.
-"""
+The same worker and summary as on loopback (benchmarks/failover.py): per worker, from the SIGKILL to the job resumed, to
+the barrier passed and to a new tensor's declaration answered, and the steps during the outage against the median
+before."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import tempfile
 import time
 from typing import TYPE_CHECKING
 
-from gradwire.bench.failover import MEET_AFTER, bench_env, print_rows, summarize
+from benchmarks.failover import MEET_AFTER, bench_env, print_rows, summarize
 
 if TYPE_CHECKING:
     from gradwire.netem import EmulatedCluster
@@ -29,7 +29,7 @@ def run_trial(standby: bool, workers: int, servers: int, rate: str, env: dict[st
     from gradwire.netem.jobs import start_gradwire
 
     topo = Topology(workers=workers, servers=servers, worker_rate=rate, server_rate=rate)
-    argv = [sys.executable, "-m", "gradwire.bench.failover_worker"]
+    argv = [sys.executable, "-m", "benchmarks.failover_worker"]
     with tempfile.TemporaryDirectory(prefix="gradwire-failover-") as tmp, EmulatedCluster(topo) as cluster:
         marker = os.path.join(tmp, "kill")
         job = start_gradwire(cluster, argv, os.environ | env | {"BENCH_KILL_FILE": marker}, standby_scheduler=standby)
@@ -45,7 +45,7 @@ def _kill_the_scheduler(cluster: EmulatedCluster, job: Job, marker: str, standby
     while not os.path.exists(marker) and time.monotonic() < deadline:
         time.sleep(0.001)
     if not os.path.exists(marker):
-        raise SystemExit("gradwire bench --failover --netem: the job never reached the kill's step")
+        raise SystemExit("python -m benchmarks --failover --netem: the job never reached the kill's step")
     job.services[0].send_signal(signal.SIGKILL)  # `ip netns exec` execs: this is the scheduler's own process
     killed_at = time.time()
     if not standby:
@@ -60,7 +60,7 @@ def _result(output: str) -> dict:
 
     found = re.search(r"^RESULT (.*)$", output, re.M)
     if found is None:
-        raise SystemExit(f"gradwire bench --failover --netem: a worker printed no result:\n{output[-2000:]}")
+        raise SystemExit(f"python -m benchmarks --failover --netem: a worker printed no result:\n{output[-2000:]}")
     return json.loads(found.group(1))
 
 
@@ -68,7 +68,7 @@ def run_failover_netem(args) -> int:  # noqa: ANN001 - argparse namespace
     """Restarted, then a standby, `args.rounds` times each; the partition size gradwire derives for the links unless
     --partition-bytes is given."""
     if args.kill != "scheduler":
-        raise SystemExit("gradwire bench --failover --netem: only with --kill scheduler")
+        raise SystemExit("python -m benchmarks --failover --netem: only with --kill scheduler")
     env = bench_env(args) | {"BENCH_MEET_AFTER": str(MEET_AFTER)}
     if not args.partition_bytes:
         del env["GRADWIRE_PARTITION_BYTES"]

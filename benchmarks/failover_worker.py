@@ -1,4 +1,4 @@
-"""The worker of `gradwire bench --failover`: push_pull steps with exact sums, timed, until told to stop.
+"""The worker of `python -m benchmarks --failover`: push_pull steps with exact sums, timed, until told to stop.
 
 Every step sums TENSORS tensors of MIB MiB each (in place, all in flight at once) and checks the sums exactly
 (small integers in float32). At step KILL_AT worker 0 prints `KILL`, and the bench SIGKILLs a process. Each

@@ -1,7 +1,7 @@
-"""The larger accuracy task of `gradwire bench --accuracy --task mnist1d` (docs/compression.md): MNIST-1D (Greydanus,
-2020), ten classes of one-dimensional digit templates, shifted, scaled, sheared and noised, made by the `mnist1d`
-package's own generator (its published settings and seed; 20,000 samples here instead of its 5,000: 16,000 to train,
-4,000 held out), and a 1-D CNN of 0.4M parameters with layers of mixed sizes (the three largest compressed).
+"""The larger accuracy task of `python -m benchmarks --accuracy --task mnist1d` (docs/compression.md): MNIST-1D
+(Greydanus, 2020), ten classes of one-dimensional digit templates, shifted, scaled, sheared and noised, made by the
+`mnist1d` package's own generator (its published settings and seed; 20,000 samples here instead of its 5,000: 16,000 to
+train, 4,000 held out), and a 1-D CNN of 0.4M parameters with layers of mixed sizes (the three largest compressed).
 
 Generating takes seconds of Python, so `gradwire bench` makes the set once and hands its workers the file
 (`--data`); a worker started alone makes it itself.

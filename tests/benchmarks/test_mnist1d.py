@@ -1,5 +1,5 @@
-"""The larger accuracy task of `gradwire bench --accuracy --task mnist1d` (bench/mnist1d.py): MNIST-1D as its package
-makes it, saved once and read back by every worker alike, and the 1-D CNN over it."""
+"""The larger accuracy task of `python -m benchmarks --accuracy --task mnist1d` (benchmarks/mnist1d.py): MNIST-1D as its
+package makes it, saved once and read back by every worker alike, and the 1-D CNN over it."""
 
 import pytest
 
@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("mnist1d")
 
-from gradwire.bench import mnist1d  # noqa: E402
+from benchmarks import mnist1d  # noqa: E402
 
 
 def test_the_set_is_made_alike_saved_and_read_back(tmp_path):

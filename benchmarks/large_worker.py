@@ -1,7 +1,7 @@
-"""One worker of `gradwire bench --large` (started by `gradwire launch`, or as a gloo rank).
+"""One worker of `python -m benchmarks --large` (started by `gradwire launch`, or as a gloo rank).
 
-    python -m gradwire.bench.large_worker tensor --way inplace --elements 300000000 --calls 3
-    python -m gradwire.bench.large_worker model --way optimizer --steps 4
+    python -m benchmarks.large_worker tensor --way inplace --elements 300000000 --calls 3
+    python -m benchmarks.large_worker model --way optimizer --steps 4
 
 `tensor`: one float32 tensor pushed and pulled `calls` times (`inplace`: push_pull_inplace; `outofplace`: push_pull;
 `gloo`: torch.distributed all_reduce in place). `model`: a GPT-2-medium-sized transformer (24 blocks of width 1024,

@@ -1,4 +1,4 @@
-"""`gradwire bench --elastic`: the elastic example under a SIGKILL at a random moment, run after run.
+"""`python -m benchmarks --elastic`: the elastic example under a SIGKILL at a random moment, run after run.
 
 Each run launches `examples/elastic_train.py` as a user would (`gradwire launch -n 3 -s 2 --min-workers 2
 --max-workers 3`), SIGKILLs worker 2 at one moment and reads, from the job's own output: whether the launcher exited
@@ -30,8 +30,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import IO
 
+from benchmarks import ROOT
+
 MOMENTS = ("mid-training", "epoch-end", "shutdown")
-EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "elastic_train.py"
+EXAMPLE = ROOT / "examples" / "elastic_train.py"
 _LOGGED = re.compile(r"^\[scheduler\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) gradwire\.scheduler \w+ (.*)$")
 
 
@@ -160,7 +162,7 @@ def _logged_after(output: str, since: float, text: str) -> float | None:
 
 
 def run_elastic(args: argparse.Namespace) -> int:
-    """`gradwire bench --elastic`: a failure-free run, then `--runs` runs each killed at a random moment."""
+    """`python -m benchmarks --elastic`: a failure-free run, then `--runs` runs each killed at a random moment."""
     rng = random.Random(args.seed)
     reference = run_once("none", args.epochs, args.timeout)
     print(

@@ -1,6 +1,6 @@
-"""`gradwire bench --netem --accuracy`: time to accuracy on the emulated network (docs/compression.md).
+"""`python -m benchmarks --netem --accuracy`: time to accuracy on the emulated network (docs/compression.md).
 
-The README demo's CNN on scikit-learn's digits (bench/ps_worker.py `digits --curve`), trained the same epochs six
+The README demo's CNN on scikit-learn's digits (benchmarks/ps_worker.py `digits --curve`), trained the same epochs six
 ways in one emulated cluster (default: 4 workers and 4 servers, each on its own host, 100 Mbit/s links): DDP over
 gloo, plain and with torch's PowerSGD hook (rank 2), and gradwire's DistributedOptimizer uncompressed, with onebit and
 top-k 1% (error feedback) and with PowerSGD rank 2. Rank 0 evaluates after every epoch (not counted in the time), so
@@ -55,7 +55,7 @@ def run_time_to_accuracy(args: argparse.Namespace, env: dict[str, str]) -> int:
     with EmulatedCluster(topo) as cluster:
         for seed in range(runs):
             for name, mode, compression in WAYS:
-                argv = [sys.executable, "-m", "gradwire.bench.ps_worker", "digits", "--mode", mode, "--curve"]
+                argv = [sys.executable, "-m", "benchmarks.ps_worker", "digits", "--mode", mode, "--curve"]
                 argv += ["--compression", compression, "--epochs", str(epochs), "--seed", str(seed)]
                 if mode == "ddp":
                     job = start_gloo(cluster, argv, os.environ | env)

@@ -1,4 +1,4 @@
-"""The floor under `gradwire bench --partitions`: what a partition costs a Python data path with nothing else in it.
+"""The floor under `python -m benchmarks --partitions`: a partition's cost to a Python data path with nothing else.
 
 One worker and one summation server over TCP loopback, each a process of its own; the worker pushes SIZE bytes in
 partitions of P bytes (a window of 4, or fewer where 4 would pass 256 KiB), the server adds each into a sum buffer and
@@ -18,7 +18,7 @@ or keys beyond a number: only the frames, the system calls and the summing. Thre
 
 Their CPU seconds per GB by partition size, beside gradwire's own in the same run, say how much of gradwire's
 per-partition cost Python itself sets and how much the data path's shape adds. Run as
-`python -m gradwire.bench.floor PARTITION SIZE REPEATS MODE`: one JSON line.
+`python -m benchmarks.floor PARTITION SIZE REPEATS MODE`: one JSON line.
 """
 
 from __future__ import annotations
@@ -356,8 +356,8 @@ def available_modes() -> tuple[str, ...]:
 
 
 def run_job_bench(args, env: dict[str, str]) -> int:
-    """`gradwire bench --floor`: the native floor as a job (n workers, k servers, TCP loopback) beside gloo's ring and
-    gradwire's own job with its defaults (the native data path where gradwire-native is installed) over its default
+    """`python -m benchmarks --floor`: the native floor as a job (n workers, k servers, TCP loopback) beside gloo's ring
+    and gradwire's own job with its defaults (the native data path where gradwire-native is installed) over its default
     transport and over TCP, and each on the Python data path (GRADWIRE_DATAPATH=python), alternated round by round;
     ratios to gloo's time."""
     from gradwire.bench.runner import MiB, run_gloo, run_gradwire

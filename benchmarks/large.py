@@ -1,4 +1,4 @@
-"""`gradwire bench --large`: a large gradient and a 0.35B-parameter model, gradwire against gloo, side by side.
+"""`python -m benchmarks --large`: a large gradient and a 0.35B-parameter model, gradwire against gloo, side by side.
 
 Each way runs as its own job on this machine, one after the other (2 workers; gradwire with 2 dedicated servers by
 `gradwire launch`, gloo's ranks meeting through a file):
@@ -6,7 +6,7 @@ Each way runs as its own job on this machine, one after the other (2 workers; gr
   place), and, for what a failover costs, push_pull_inplace with the sums kept by replica servers rather than held
   in the outputs (GRADWIRE_FAILOVER_HOLD=0), with the workers keeping every sum (a GRADWIRE_FAILOVER_COPY_BYTES past
   the tensor) and with failover off, against torch.distributed's all_reduce;
-- a GPT-2-medium-sized transformer (bench/large_worker.py) trained `--steps` steps with SGD: DistributedOptimizer
+- a GPT-2-medium-sized transformer (benchmarks/large_worker.py) trained `--steps` steps with SGD: DistributedOptimizer
   against DDP over gloo.
 Reported per way: the first and second call (or step), the steady one (the median from the third on: the second
 was a first too while a key's two round buffers served alternate calls), the time to set up a model
@@ -33,7 +33,7 @@ GB = 1e9
 def _gradwire(n: int, k: int, task: list[str], env: dict[str, str]) -> list[dict]:
     """The workers' rows, each with the largest peak RSS of the job's servers (`servers_rss`)."""
     cmd = [sys.executable, "-m", "gradwire", "launch", "-n", str(n), "-s", str(k), "--"]
-    cmd += [sys.executable, "-m", "gradwire.bench.large_worker", *task]
+    cmd += [sys.executable, "-m", "benchmarks.large_worker", *task]
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ | env) as p:
         peaks: dict[int, int] = {}
         watch = threading.Thread(target=_watch_servers, args=(p, peaks), daemon=True)
@@ -80,7 +80,7 @@ def _gloo(n: int, task: list[str]) -> list[dict]:
         init = f"file://{Path(tmp) / 'rendezvous'}"
         procs = [
             subprocess.Popen(
-                [sys.executable, "-m", "gradwire.bench.large_worker", *task],
+                [sys.executable, "-m", "benchmarks.large_worker", *task],
                 env=os.environ | {"RANK": str(r), "WORLD_SIZE": str(n), "GRADWIRE_BENCH_INIT": init},
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
