@@ -1,4 +1,4 @@
-"""Parameter-server mode on the numpy API (issue 17): servers hold the parameters and optimizer state and apply the
+"""Parameter-server mode on the numpy API: servers hold the parameters and optimizer state and apply the
 update; synchronous and bounded-staleness asynchronous; reads, writes, errors, failover. In-process clusters with
 small partitions, so every parameter spans several keys and servers."""
 

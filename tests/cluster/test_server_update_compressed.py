@@ -1,4 +1,4 @@
-"""Parameter-server mode with compressed gradients (issue 27): each worker encodes its gradient's partitions with its
+"""Parameter-server mode with compressed gradients: each worker encodes its gradient's partitions with its
 own error feedback, the servers decode every push where they would add it, step the optimizer, and answer the
 parameters as they are. Checked against a simulation that runs the same codecs by hand, synchronous and asynchronous;
 small and float64 tensors travel as they are; a server's death keeps every worker identical."""

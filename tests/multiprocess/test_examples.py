@@ -92,7 +92,7 @@ def test_the_elastic_example_survives_a_sigkilled_worker_at_any_moment(moment):
     """The documented scenario (docs/faults.md): worker 2 SIGKILLed mid-training (inside a step, at a commit or
     between), at an epoch's end, or while the job shuts down. The job trains to the failure-free accuracy and the
     launcher exits 0 within seconds of the result; a kill before the end re-forms the job at once and takes in a
-    replacement. (Before: the example crashed on rank 0 after a join, and the job then hung.)"""
+    replacement, and no rank crashes after a join (a crash there would leave the job waiting on it)."""
     run = run_once(moment, epochs=16, timeout=150, seed=list(MOMENTS).index(moment))
     assert run.code is not None, f"the job hung (killed after 150 s):\n{run.output}"
     assert run.code == 0 and run.killed_at is not None, run.output

@@ -204,8 +204,8 @@ def test_two_runs_never_collide():
 def test_workers_sharing_a_host_link_get_settings_for_their_share_and_no_re_cut():
     """2 hosts x 4 workers, a colocated server per host, 100 Mbit/s host links, the defaults (heartbeats every 0.5 s,
     so the drift check judges many intervals): the scheduler measures each host's link once, derives the settings
-    for a worker's share of it, and judges drift per host, so the job never re-derives them (it re-cut itself mid-job
-    and hung: issue 32). Every sum exact; the workers know their local ranks from the hosts."""
+    for a worker's share of it, and judges drift per host, so the job never re-derives them (a re-cut mid-job, with
+    workers at different steps, can hang it). Every sum exact; the workers know their local ranks from the hosts."""
     topo = Topology(workers=8, servers=0, worker_rate="100mbit", colocate=True, per_host=4)
     script = [sys.executable, str(ROOT / "tests" / "netem" / "shared_link_job.py")]
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRADWIRE_")}

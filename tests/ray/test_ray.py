@@ -1,4 +1,4 @@
-"""gradwire on Ray (issue 16): a local two-node Ray cluster (ray.cluster_utils.Cluster) runs a torch job of two
+"""gradwire on Ray: a local two-node Ray cluster (ray.cluster_utils.Cluster) runs a torch job of two
 workers and two servers with RayExecutor and with Ray Train's TorchTrainer; the parameters are those `gradwire
 launch` gives; a killed server actor fails over, a killed worker actor ends the run with WorkerLost naming it."""
 

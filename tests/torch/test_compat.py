@@ -1,4 +1,4 @@
-"""What Horovod's and BytePS's scripts rely on (issue 14): 0-dim tensors, out-of-place results, names reused with
+"""What Horovod's and BytePS's scripts rely on: 0-dim tensors, out-of-place results, names reused with
 new shapes, Horovod's optimizer keywords, and errors that say what to do. In-process cluster: a thread per rank."""
 
 import time

@@ -1,4 +1,4 @@
-"""Horovod's collectives (issue 15), checked exactly: every op, every dtype gradwire carries, odd sizes, 1 to 4
+"""Horovod's collectives, checked exactly: every op, every dtype gradwire carries, odd sizes, 1 to 4
 workers, process sets, gradients, and the errors Horovod raises, on every rank. In-process clusters: a thread per
 rank, small partitions so every tensor spans several keys and servers."""
 

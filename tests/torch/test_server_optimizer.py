@@ -1,4 +1,4 @@
-"""ServerOptimizer (issue 17): the servers hold parameters and optimizer state and step torch.optim's own optimizer.
+"""ServerOptimizer: the servers hold parameters and optimizer state and step torch.optim's own optimizer.
 
 Synchronous mode is checked bit for bit against DistributedOptimizer wrapping the same torch optimizer, in the same
 cluster (its parameters and its state_dict); checkpoints go both ways between the two; asynchronous mode keeps the

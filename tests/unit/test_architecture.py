@@ -3,7 +3,7 @@
 
 Rules: a module imports only from its own layer or below (a module's layer is that of the longest prefix listed); one
 role's package never imports another's, except the rendezvous client every node uses (gradwire.scheduler.client); no
-import circles. KNOWN lists what breaks them today (issue 26 removes each): a new break fails, and so does a listed
+import circles. KNOWN lists what breaks them today (empty: nothing does): a new break fails, and so does a listed
 one that is gone, so that the list stays true.
 """
 

@@ -151,7 +151,7 @@ def test_the_cooldown_doubles_so_the_settings_cannot_oscillate():
     assert all(b >= 2 * a - 3 for a, b in itertools.pairwise(gaps))
 
 
-# -- several workers per host (issue 32) ----------------------------------------------------------------------------
+# -- several workers per host ------------------------------------------------------------------------------------------
 
 
 def test_a_host_s_workers_are_one_sample_of_its_link_in_their_share():
@@ -168,8 +168,8 @@ def test_a_host_s_workers_are_one_sample_of_its_link_in_their_share():
 
 def test_four_workers_sharing_a_host_link_are_no_drift():
     """The settings for four workers on each 100 Mbit/s host are derived for their share (25 Mbit/s): the host's
-    samples, in that share, stay in the band. Judged by itself against the host's rate, each worker looked four times
-    slower than its link, and the job re-cut itself mid-step (issue 32)."""
+    samples, in that share, stay in the band. Judged by itself against the host's rate, each worker would look four
+    times slower than its link, and the job would re-cut itself mid-step."""
     share = derive([mbit(25)] * 8)
     d = Drift(1.0)
     host = Sample.of_host(_at(mbit(25), full=1.0, workers=4))

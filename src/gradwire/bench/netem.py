@@ -22,7 +22,7 @@ from gradwire.netem.jobs import start_gloo, start_gradwire
 from gradwire.netem.links import LinkSampler
 
 MiB = 1 << 20
-# The matrix of issue 4: n = k at equal rates, n = 4 with k = 2, and servers at a quarter of the workers' rate.
+# The default matrix: n = k at equal rates, n = 4 with k = 2, and servers at a quarter of the workers' rate.
 DEFAULT_CONFIGS = [
     (2, 2, "100mbit", "100mbit"),
     (4, 4, "100mbit", "100mbit"),
