@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from gradwire.protocol import dtypes, frames
 from gradwire.protocol.frames import FrameType
+from tests.protocol.test_decoder import MAX_PAYLOAD, STREAM, Recorder, python_events
 from tests.security.test_fuzz import _mutations
-from tests.unit.test_decoder import MAX_PAYLOAD, STREAM, Recorder, python_events
 
 
 def native_events(gn, data: bytes, chunk: int, refuse=frozenset(), end=False, stop_after=None) -> list[tuple]:
