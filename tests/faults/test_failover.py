@@ -163,7 +163,7 @@ def _answer_one_then_die(
         threading.Thread(target=lambda: (cluster.kill_server(victim.rank), killed.set()), daemon=True).start()
 
     for engine in victim.engines:
-        engine._reply = queue_reply
+        engine.outbox._reply = queue_reply
 
 
 @pytest.mark.parametrize("copies", ["replica", "worker", "held", "held-averaged"])

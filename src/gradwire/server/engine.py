@@ -52,18 +52,17 @@ import numpy as np
 
 from gradwire.errors import TensorError, TensorMismatch
 from gradwire.protocol import dtypes
-from gradwire.protocol.frames import AVERAGED, HELD, REPLAY, REPLICA, SEED
+from gradwire.protocol.frames import HELD, REPLAY, REPLICA, SEED
 from gradwire.ring import Ring, RingClosed
 from gradwire.server import ops
 from gradwire.server.landing import Landing
 from gradwire.server.membership import Membership, ranks_of
 from gradwire.server.receipts import Receipts
-from gradwire.server.rounds import Ack, Batching, Fail, FailRank, Forward, KeyOp, KeyState, Round, SendResult
+from gradwire.server.rounds import Ack, Batching, Fail, FailRank, Forward, KeyOp, KeyState, Outbox, Round, SendResult
 from gradwire.server.seeding import Seeding
 from gradwire.server.slot import JOIN_EVENT, Slot
 from gradwire.server.staging import BufferPool
 from gradwire.server.sums import NUMPY, Sums
-from gradwire.transport.shm import NO_SLOT
 
 log = logging.getLogger("gradwire.server")
 
@@ -92,14 +91,13 @@ class Engine(Landing, Seeding, Membership):
         self.receipts = receipts  # whom each held round was answered to, until all have it (server/receipts.py)
         self._batching = batching  # replies held over a batch, sent at its end (server/replier.py); None: at once
         self._fail_rank = fail_rank
-        self.forward = forward  # to a key's replica server (server/replica.py); None: no replicas
         self.deterministic = deterministic
         self.clock = clock
-        self._ack = ack
         self.ring = ring
         self.num_workers = num_workers
-        self._reply = reply
         self._fail = fail
+        # what the keys' operations send, on to the repliers (forward: to a key's replica server, server/replica.py)
+        self.outbox = Outbox(reply, ack, num_workers, forward, receipts)
         self.keys: dict[int, KeyState] = {}
         self.joined = 0  # workers that have joined (hvd.join), as a bitmask: zeros stand in for their contributions
         self.departed = 0  # workers that have left the job (shutdown()) while others go on: their rounds fail
@@ -183,24 +181,12 @@ class Engine(Landing, Seeding, Membership):
             state.pool, state.sums = self.pool, self.sums.for_dtype(dtype)
             self.keys[key] = state
 
-    def answer_one(self, slot: Slot, payload: memoryview) -> None:
-        """Answer one push alone (a key's operation handled it outside the rounds)."""
-        self.answer_rank(slot.key, slot.round, slot.dtype, payload, slot.pull, slot.sender)
-
-    def answer_rank(self, key: int, rnd: int, code: int, payload: memoryview, pull: int, rank: int) -> None:
-        pulls = [NO_SLOT] * self.num_workers
-        pulls[rank] = pull
-        self._reply(key, rnd, code, payload, pulls, 1 << rank, None)
-
-    def ack(self, rank: int, key: int, rnd: int) -> None:
-        self._ack(rank, key, rnd)
-
     def reset(self, num_workers: int, forget: bool = False) -> None:
         """Elastic: start every key afresh for `num_workers` workers (`forget`: drop every key, and its memory).
         Only while nothing is in the ring (the server's connections are closed and the ring drained), so the
         engine thread touches no key meanwhile."""
         same = num_workers == self.num_workers  # else a process set's ranks or a rank's slice mean nothing any more
-        self.num_workers = num_workers
+        self.num_workers = self.outbox.num_workers = num_workers
         self.joined = self.departed = 0
         if forget:
             self.keys, self.pool = {}, BufferPool()
@@ -238,7 +224,7 @@ class Engine(Landing, Seeding, Membership):
             raise TensorError(f"worker {slot.sender} pushed an undeclared or inconsistent key")
         if state.shared and not state.kept:
             state.own()  # a replica's key, promoted: its rounds get their own buffers again
-        if state.op.intercepts and state.op.intercept(self, state, slot):
+        if state.op.intercepts and state.op.intercept(self.outbox, state, slot):
             return
         dtype = state.dtype
         r = state.rounds[slot.round & 1]
@@ -263,7 +249,7 @@ class Engine(Landing, Seeding, Membership):
         if r.seeded and r.count == state.need:
             # a worker the dead server never answered pushes a round whose sum came as a seed: answer it alone
             self.seeded_answers += 1
-            self.answer_round(slot.key, slot.dtype, r, bit)
+            self.outbox.answer_round(slot.key, slot.dtype, r, bit)
             return
         if r.pushed & bit:
             raise TensorError(f"worker {slot.sender} pushed round {slot.round} twice")
@@ -280,7 +266,7 @@ class Engine(Landing, Seeding, Membership):
             # The worker's window counts contributions not yet in, not sums not yet out: a window of
             # unanswered sums deadlocks when workers' windows fill with different keys. (A replay holds no window.)
             if not replay:
-                self._ack(slot.sender, slot.key, slot.round)
+                self.outbox.ack(slot.sender, slot.key, slot.round)
         else:  # complete: the RESULT is the last pusher's acknowledgement too
             self._complete(state, slot.key, slot.dtype, r)
 
@@ -328,24 +314,4 @@ class Engine(Landing, Seeding, Membership):
         state.op.finish(state, r)
         if state.narrow:
             state.sums.narrow(state.dtype, r.acc, r.out)
-        state.op.answer(self, state, key, code, r, state.everyone & ~r.virtual)
-
-    def answer_round(self, key: int, code: int, r: Round, ranks: int, sent: Callable[[], None] | None = None) -> None:
-        """Send the result of round `r` to `ranks`: all of it, or each rank its slice (`sent`: SendResult's). A held
-        round's receipts are waited for from them (server/receipts.py)."""
-        if r.held and self.receipts is not None:
-            self.receipts.expect(key, r.number, ranks)
-        self._reply(key, r.number, code, r.result, r.pulls, ranks, sent, AVERAGED if r.seeded and r.averaged else 0)
-
-    def reply(
-        self,
-        key: int,
-        rnd: int,
-        code: int,
-        payload: memoryview,
-        pulls: list[int],
-        ranks: int,
-        sent: Callable[[], None] | None = None,
-    ) -> None:
-        """Send `payload` to `ranks` (from any thread: the repliers' queues are thread-safe)."""
-        self._reply(key, rnd, code, payload, pulls, ranks, sent)
+        state.op.answer(self.outbox, state, key, code, r, state.everyone & ~r.virtual)

@@ -135,16 +135,16 @@ class ServerUpdate(KeyOp):
                 rnd,
             )
 
-    def answer(self, engine: Outbox, state: KeyState, key: int, code: int, r: Round, ranks: int) -> None:
+    def answer(self, outbox: Outbox, state: KeyState, key: int, code: int, r: Round, ranks: int) -> None:
         """Answer a round once its replica has it (if the key has one): what was applied goes there first."""
         held = state.held
-        if held.replica is None or engine.forward is None:
-            engine.answer_round(key, code, r, ranks)
+        if held.replica is None or outbox.forward is None:
+            outbox.answer_round(key, code, r, ranks)
             return
         rnd, payload, pulls = r.number, r.result, list(r.pulls)
         assert isinstance(payload, memoryview)
         parts = [memoryview(r.acc[: held.m]).cast("B"), memoryview(held.trailer[r.index]).cast("B")]
-        engine.forward(held.replica, key, rnd, code, parts, lambda: engine.reply(key, rnd, code, payload, pulls, ranks))
+        outbox.forward(held.replica, key, rnd, code, parts, lambda: outbox.reply(key, rnd, code, payload, pulls, ranks))
 
     def _apply_replica(self, state: KeyState, slot: Slot, wire: np.ndarray) -> None:
         """The replica's side: apply what the key's primary applied, then acknowledge it."""
@@ -163,7 +163,7 @@ class ServerUpdate(KeyOp):
         held.replicated += 1
         replica.acknowledge(slot.conn, slot.key, slot.round, slot.pull)
 
-    def intercept(self, engine: Outbox, state: KeyState, slot: Slot) -> bool:
+    def intercept(self, outbox: Outbox, state: KeyState, slot: Slot) -> bool:
         """Reads and writes (answered to their sender alone), replicated updates, and every push of an asynchronous
         key."""
         held = state.held
@@ -182,27 +182,27 @@ class ServerUpdate(KeyOp):
         t = self._trailer(wire)
         kind, which = int(t[0]), int(t[1])
         if kind == update.READ:
-            engine.answer_one(slot, memoryview(held.read(which)).cast("B"))
+            outbox.answer_one(slot, memoryview(held.read(which)).cast("B"))
             return True
         if kind == update.WRITE:
             _check_whole(state, wire, "a write")
             held.write(which, wire[: held.m])
-            if held.replica is None or engine.forward is None:
-                engine.answer_one(slot, _params(state))
+            if held.replica is None or outbox.forward is None:
+                outbox.answer_one(slot, _params(state))
                 return True
             # the data and the writer's answer taken now: the ring slot is reused once this returns
             parts = [memoryview(wire.copy()).cast("B")]
             answer = (slot.key, slot.round, slot.dtype, _params(state), slot.pull, slot.sender)
-            done = partial(engine.answer_rank, *answer)
-            engine.forward(held.replica, slot.key, slot.round, slot.dtype, parts, done)
+            done = partial(outbox.answer_rank, *answer)
+            outbox.forward(held.replica, slot.key, slot.round, slot.dtype, parts, done)
             return True
         if not self.asynchronous:
             return False
-        self._push_async(engine, state, slot, wire, kind, t)
+        self._push_async(outbox, state, slot, wire, kind, t)
         return True
 
     def _push_async(
-        self, engine: Outbox, state: KeyState, slot: Slot, wire: np.ndarray, kind: int, t: np.ndarray
+        self, outbox: Outbox, state: KeyState, slot: Slot, wire: np.ndarray, kind: int, t: np.ndarray
     ) -> None:
         held, w = state.held, slot.sender
         if not state.everyone >> w & 1:
@@ -230,12 +230,12 @@ class ServerUpdate(KeyOp):
         bound = self.args["staleness"]
         ready = [r for r in sorted(held.held) if held.pushes[r] - slowest <= bound]
         if w not in ready:
-            engine.ack(w, slot.key, slot.round)  # its push is in (frees its window); the answer waits
+            outbox.ack(w, slot.key, slot.round)  # its push is in (frees its window); the answer waits
         for r in ready:
             rnd, pull = held.held.pop(r)
             held.seen[r] = held.stepper.count
             held.remember(r)
-            engine.answer_rank(slot.key, rnd, slot.dtype, _params(state), pull, r)
+            outbox.answer_rank(slot.key, rnd, slot.dtype, _params(state), pull, r)
 
 
 def _params(state: KeyState) -> memoryview:

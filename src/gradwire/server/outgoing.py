@@ -2,7 +2,7 @@
 held sum), each through the worker's `Replier` (replier.py). On an engine's thread (or the link loop, where the one
 engine runs inline) replies are held over each batch of the engine's ring and sent when the batch ends
 (`HeldReplies`: one ACKS frame and one send per worker per batch); on any other thread they go at once. (What a
-per-key operation may send the engine is rounds.py's `Outbox`; this is what the engine hands it on to.)"""
+per-key operation may send is rounds.py's `Outbox`, which the engine hands it; this is what the outbox hands on to.)"""
 
 from __future__ import annotations
 

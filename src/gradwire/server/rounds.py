@@ -5,8 +5,9 @@ are in (rank order, staging, seeds: server/engine.py says why), and its accumula
 key's two rounds and who contributes to them; its buffers' life (`Lending`, which it inherits): lent by the engine's
 pool while a round needs them, given back once its replies are sent, and a replica's one buffer for both rounds.
 `KeyOp`: the interface of a per-key operation (the engine's one extension point; server/ops.py and
-server/optimizer_op.py implement it). `Outbox`: what an operation may send, and nothing else of the engine's (the
-engine implements it).
+server/optimizer_op.py implement it). `Outbox`: what an operation may send, and nothing else of the engine's: the
+engine hands it to the operation, which hands its replies on through it to the server's repliers (server/outgoing.py),
+so the way runs one direction, engine -> operation -> outbox -> repliers, with no call back into the engine.
 
 Why lend: a server held two round buffers per key, and a replica two per key it keeps; on a 1.2 GB tensor that was 5-6
 copies of each server's share, and each of the first two calls paid for fresh pages. Lent, a server holds buffers for
@@ -22,10 +23,12 @@ import numpy as np
 
 from gradwire.errors import TensorError
 from gradwire.protocol import dtypes
+from gradwire.protocol.frames import AVERAGED
 from gradwire.server.sums import NUMPY, Sums
 from gradwire.transport.shm import NO_SLOT
 
 if TYPE_CHECKING:
+    from gradwire.server.receipts import Receipts
     from gradwire.server.slot import Slot
     from gradwire.server.staging import BufferPool
 
@@ -268,21 +271,45 @@ class Batching(Protocol):
         """The batch is done: send what is held."""
 
 
-class Outbox(Protocol):
+class Outbox:
     """What a per-key operation may send: a round's result, one push's answer, an acknowledgement, a payload of its
-    own, an update forwarded to the key's replica (None: no replicas)."""
+    own, an update forwarded to the key's replica (`forward`; None: no replicas). Each goes on to the server's
+    repliers (the callables it is built with: server/outgoing.py's); a held round's answer first tells `receipts`
+    whom to wait for."""
 
-    forward: Callable[[int, int, int, int, list, Callable[[], None]], None] | None
+    def __init__(
+        self,
+        reply: SendResult,
+        ack: Ack,
+        num_workers: int,
+        forward: Forward | None = None,
+        receipts: Receipts | None = None,
+    ) -> None:
+        self._reply = reply
+        self._ack = ack
+        self.num_workers = num_workers  # the engine's, kept current across an elastic reset
+        self.forward = forward
+        self.receipts = receipts
 
-    def answer_round(
-        self, key: int, code: int, r: Round, ranks: int, sent: Callable[[], None] | None = None
-    ) -> None: ...
+    def answer_round(self, key: int, code: int, r: Round, ranks: int, sent: Callable[[], None] | None = None) -> None:
+        """Send the result of round `r` to `ranks`: all of it, or each rank its slice (`sent`: SendResult's). A held
+        round's receipts are waited for from them (server/receipts.py)."""
+        if r.held and self.receipts is not None:
+            self.receipts.expect(key, r.number, ranks)
+        self._reply(key, r.number, code, r.result, r.pulls, ranks, sent, AVERAGED if r.seeded and r.averaged else 0)
 
-    def answer_one(self, slot: Slot, payload: memoryview) -> None: ...
+    def answer_one(self, slot: Slot, payload: memoryview) -> None:
+        """Answer one push alone (a key's operation handled it outside the rounds)."""
+        self.answer_rank(slot.key, slot.round, slot.dtype, payload, slot.pull, slot.sender)
 
-    def answer_rank(self, key: int, rnd: int, code: int, payload: memoryview, pull: int, rank: int) -> None: ...
+    def answer_rank(self, key: int, rnd: int, code: int, payload: memoryview, pull: int, rank: int) -> None:
+        pulls = [NO_SLOT] * self.num_workers
+        pulls[rank] = pull
+        self._reply(key, rnd, code, payload, pulls, 1 << rank, None)
 
-    def ack(self, rank: int, key: int, rnd: int) -> None: ...
+    def ack(self, rank: int, key: int, rnd: int) -> None:
+        """Tell worker `rank` its contribution to round `rnd` of `key` is in."""
+        self._ack(rank, key, rnd)
 
     def reply(
         self,
@@ -293,7 +320,9 @@ class Outbox(Protocol):
         pulls: list[int],
         ranks: int,
         sent: Callable[[], None] | None = None,
-    ) -> None: ...
+    ) -> None:
+        """Send `payload` to `ranks` (from any thread: the repliers' queues are thread-safe)."""
+        self._reply(key, rnd, code, payload, pulls, ranks, sent)
 
 
 class KeyOp:

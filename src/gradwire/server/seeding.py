@@ -5,12 +5,10 @@ Engine's, split out of its event loop (server/engine.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from gradwire.protocol import dtypes
 from gradwire.protocol.frames import AVERAGED, REPLICA
 from gradwire.server import replica
-from gradwire.server.rounds import KeyState, Round
+from gradwire.server.rounds import KeyState, Outbox, Round
 from gradwire.server.slot import Slot
 from gradwire.server.staging import BufferPool
 
@@ -22,7 +20,7 @@ class Seeding:
     num_workers: int
     seeded_answers: int
     replicated: int
-    answer_round: Callable[..., None]
+    outbox: Outbox
 
     @staticmethod
     def _stale_replay(state: KeyState, r: Round, rnd: int, bit: int) -> bool:
@@ -50,7 +48,7 @@ class Seeding:
         r.averaged = bool(slot.flags & AVERAGED)  # answered as it is: its workers do not divide it again
         if waiting:
             self.seeded_answers += bin(waiting).count("1")
-            self.answer_round(slot.key, slot.dtype, r, waiting)
+            self.outbox.answer_round(slot.key, slot.dtype, r, waiting)
 
     def _seed(self, state: KeyState, r: Round, slot: Slot, dtype: dtypes.DType) -> None:
         """A seed (SEED, from a worker) or a round its key's server answered (REPLICA, kept here: server/replica.py,
