@@ -6,8 +6,11 @@ connection, connecting, re-cuts and re-tunes (recut.py), failover and seeds, ela
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from gradwire.admin import timeline
 from gradwire.admin.node import NodeAdmin
@@ -33,6 +36,17 @@ from gradwire.worker.tensors import TensorTable
 log = logging.getLogger("gradwire.worker")
 
 
+def _of_part(part: str, method: Callable[..., Any]) -> Callable[..., Any]:
+    """`method` of the worker's part `part` (an attribute of the Worker) as a method of the Worker: its name,
+    signature and docstring are the part's (functools.wraps), so `help()` and a reader follow it there."""
+
+    @functools.wraps(method)
+    def call(self: Worker, *args: Any, **kwargs: Any) -> Any:
+        return method(getattr(self, part), *args, **kwargs)
+
+    return call
+
+
 class Worker:
     """A worker's connection to the job.
 
@@ -54,13 +68,19 @@ class Worker:
         self.control.report = Report(state, self.table, self.control, self.declaring, self.failover, self.retuning)
         self.calls = Calls(state, self.table, self.control, self.declaring, self.retuning.recut)
         self.admin: NodeAdmin | None = None
-        # the API (gradwire/__init__.py and the adapters call these)
-        self.declare = self.declaring.declare
-        self.push_pull_async, self.push_pull = self.calls.push_pull_async, self.calls.push_pull
-        self.push_pull_inplace, self.synchronize = self.calls.push_pull_inplace, self.calls.synchronize
-        self.reduce_scatter_async, self.gather_async = self.calls.reduce_scatter_async, self.calls.gather_async
-        self.update_async, self.join = self.calls.update_async, self.calls.join
-        self.barrier, self.reset = self.control.barrier, self.elastic.reset
+
+    # the API (gradwire/__init__.py and the adapters call these): each is the method of the part that holds it
+    declare = _of_part("declaring", Declaring.declare)
+    push_pull_async = _of_part("calls", Calls.push_pull_async)
+    push_pull = _of_part("calls", Calls.push_pull)
+    push_pull_inplace = _of_part("calls", Calls.push_pull_inplace)
+    synchronize = _of_part("calls", Calls.synchronize)
+    reduce_scatter_async = _of_part("calls", Calls.reduce_scatter_async)
+    gather_async = _of_part("calls", Calls.gather_async)
+    update_async = _of_part("calls", Calls.update_async)
+    join = _of_part("calls", Calls.join)
+    barrier = _of_part("control", Control.barrier)
+    reset = _of_part("elastic", Elastic.reset)
 
     # what the API and tools read of this worker
     config = property(lambda self: self.state.config)
