@@ -98,8 +98,7 @@ def _training_arguments(parser: argparse.ArgumentParser) -> None:
         "--compression",
         action="store_true",
         help="with --train: DistributedOptimizer with onebit, top-k 1%% (error feedback) and PowerSGD rank 2 beside "
-        "uncompressed, against DDP over gloo plain and with torch's PowerSGD hook (rank 2); with --ps: ServerOptimizer "
-        "on digits with onebit and top-k 1%% beside uncompressed (accuracy, bytes pushed), on --async-runs seeds",
+        "uncompressed, against DDP over gloo plain and with torch's PowerSGD hook (rank 2)",
     )
     parser.add_argument(
         "--keras",
