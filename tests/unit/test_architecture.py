@@ -172,3 +172,49 @@ def test_nothing_in_the_package_imports_the_lab():
             names += [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
             reaching += [f"{name} imports {n}" for n in names if n.split(".")[0] == "benchmarks"]
     assert not reaching, reaching
+
+
+# Each role's data path as a pipeline, its stages in the order a call's bytes go through them (docs/architecture.md,
+# "One push_pull, as data"): a stage hands its work on to the stages after it and never imports one before it, so no
+# call runs back into its caller. Modules every stage shares (a role's state, its tensors) are no stage.
+PIPELINES = {
+    "gradwire.worker": [
+        ["calls"],
+        ["launching"],
+        ["native_path", "link"],
+        ["pushes", "answers", "link_state", "flow", "credit", "holding"],
+        ["work", "handle"],
+    ],
+    "gradwire.server": [
+        ["reader"],
+        ["engine"],
+        ["ops", "compressed", "optimizer_op", "landing", "seeding", "membership"],
+        ["rounds"],
+        ["outgoing", "replier"],
+    ],
+}
+
+
+def arrows_back(graph: dict[str, set[str]], role: str, stages: list[list[str]]) -> list[str]:
+    """Imports from a stage of `role`'s pipeline into one before it."""
+    place = {f"{role}.{name}": i for i, stage in enumerate(stages) for name in stage}
+    return sorted(
+        f"{module} -> {target}"
+        for module, at in place.items()
+        for target in graph.get(module, ())
+        if place.get(target, at) < at
+    )
+
+
+def test_each_role_s_data_path_runs_one_way():
+    mods = modules()
+    graph = imports(mods)
+    for role, stages in PIPELINES.items():
+        missing = [f"{role}.{name}" for stage in stages for name in stage if f"{role}.{name}" not in mods]
+        assert not missing, f"the pipeline names modules that do not exist: {missing}"
+        assert not arrows_back(graph, role, stages), f"{role}: a stage reaches back: {arrows_back(graph, role, stages)}"
+
+
+def test_the_pipeline_check_sees_an_arrow_back():
+    graph = {"r.a": {"r.b"}, "r.b": {"r.c", "r.a"}, "r.c": set()}
+    assert arrows_back(graph, "r", [["a"], ["b"], ["c"]]) == ["r.b -> r.a"]
