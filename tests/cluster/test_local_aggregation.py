@@ -17,6 +17,13 @@ from gradwire.worker.aggregation import CHUNK_BYTES, LOCAL_MIN_BYTES, Hierarchy
 N = 300_001  # float32: 1.2 MB, not a multiple of the local workers' count
 
 
+@pytest.fixture
+def two_hosts():
+    """Two hosts of two workers each, a colocated server on each: local aggregation's layout, a cluster per test."""
+    with LocalCluster(num_workers=4, num_servers=2, colocated=2, hosts=2) as c:
+        yield c
+
+
 def _each(cluster, fn):
     with ThreadPoolExecutor(len(cluster.workers)) as pool:
         return list(pool.map(fn, cluster.workers))
@@ -30,26 +37,25 @@ def _network_bytes(worker) -> int:
     return int(worker.elastic.link_use()[messages.LINK_USE[1]])
 
 
-def test_two_hosts_of_two_sum_every_worker_s_tensor_and_each_host_sends_its_sum_once():
-    with LocalCluster(num_workers=4, num_servers=2, colocated=2, hosts=2) as c:
-        assert all(w.calls.aggregation is not None for w in c.workers)
-        expected = sum(_value(r) for r in range(4))
-        got = _each(c, lambda w: w.push_pull(_value(w.rank), "grad"))
-        for g in got:
-            np.testing.assert_allclose(g, expected, rtol=1e-6)
-        assert all(np.array_equal(g, got[0]) for g in got)  # every worker holds the same bytes
-        status = c.workers[3].status()["local_aggregation"]
-        assert status["local_workers"] == [2, 3] and status["cross"] == [1, 3] and status["reductions"] == 1
-        # a host's workers pushed one slice each over the network: its sum's bytes (half of them to the other host's
-        # server), never a copy per worker
-        job = c.scheduler.status()
-        local = job["local_aggregation"]
-        assert local["on"] and [h["workers"] for h in local["hosts"]] == [[0, 1], [2, 3]]
-        assert sorted(s for h in local["hosts"] for s in h["colocated_servers"]) == [0, 1]
-        assert "local aggregation: on (2 hosts x 2 workers" in render(job)
-        per_host = [_network_bytes(c.workers[0]) + _network_bytes(c.workers[1]), 0]
-        per_host[1] = _network_bytes(c.workers[2]) + _network_bytes(c.workers[3])
-        assert all(0 < b <= 0.75 * N * 4 for b in per_host), per_host
+def test_two_hosts_of_two_sum_every_worker_s_tensor_and_each_host_sends_its_sum_once(two_hosts):
+    assert all(w.calls.aggregation is not None for w in two_hosts.workers)
+    expected = sum(_value(r) for r in range(4))
+    got = _each(two_hosts, lambda w: w.push_pull(_value(w.rank), "grad"))
+    for g in got:
+        np.testing.assert_allclose(g, expected, rtol=1e-6)
+    assert all(np.array_equal(g, got[0]) for g in got)  # every worker holds the same bytes
+    status = two_hosts.workers[3].status()["local_aggregation"]
+    assert status["local_workers"] == [2, 3] and status["cross"] == [1, 3] and status["reductions"] == 1
+    # a host's workers pushed one slice each over the network: its sum's bytes (half of them to the other host's
+    # server), never a copy per worker
+    job = two_hosts.scheduler.status()
+    local = job["local_aggregation"]
+    assert local["on"] and [h["workers"] for h in local["hosts"]] == [[0, 1], [2, 3]]
+    assert sorted(s for h in local["hosts"] for s in h["colocated_servers"]) == [0, 1]
+    assert "local aggregation: on (2 hosts x 2 workers" in render(job)
+    per_host = [_network_bytes(two_hosts.workers[0]) + _network_bytes(two_hosts.workers[1]), 0]
+    per_host[1] = _network_bytes(two_hosts.workers[2]) + _network_bytes(two_hosts.workers[3])
+    assert all(0 < b <= 0.75 * N * 4 for b in per_host), per_host
 
 
 # "held": every tensor past the workers' failover budget, so the stage that crosses hosts holds its sums in the
@@ -78,19 +84,19 @@ def test_the_host_s_sum_is_deterministic_averages_divide_by_every_worker_and_in_
         assert _cross_stage_held(c, budget)
 
 
-def test_small_tensors_process_sets_and_other_reductions_keep_their_way():
-    with LocalCluster(num_workers=4, num_servers=2, colocated=2, hosts=2) as c:
-        small = LOCAL_MIN_BYTES // 4 - 1
-        got = _each(c, lambda w: w.push_pull(_value(w.rank, small), "small"))
-        np.testing.assert_allclose(got[0], sum(_value(r, small) for r in range(4)), rtol=1e-6)
-        assert all(w.calls.aggregation.count == 0 for w in c.workers)  # direct: too small to pay for three stages
-        got = _each(c, lambda w: w.push_pull(_value(w.rank), "most", op="max"))
-        np.testing.assert_array_equal(got[0], _value(3))
-        pairs = {0: [0, 2], 2: [0, 2], 1: [1, 3], 3: [1, 3]}
-        got = _each(
-            c, lambda w: w.synchronize(w.push_pull_async(_value(w.rank), f"set{pairs[w.rank]}", members=pairs[w.rank]))
-        )
-        np.testing.assert_allclose(got[0], _value(0) + _value(2), rtol=1e-6)
+def test_small_tensors_process_sets_and_other_reductions_keep_their_way(two_hosts):
+    small = LOCAL_MIN_BYTES // 4 - 1
+    got = _each(two_hosts, lambda w: w.push_pull(_value(w.rank, small), "small"))
+    np.testing.assert_allclose(got[0], sum(_value(r, small) for r in range(4)), rtol=1e-6)
+    assert all(w.calls.aggregation.count == 0 for w in two_hosts.workers)  # direct: too small to pay for three stages
+    got = _each(two_hosts, lambda w: w.push_pull(_value(w.rank), "most", op="max"))
+    np.testing.assert_array_equal(got[0], _value(3))
+    pairs = {0: [0, 2], 2: [0, 2], 1: [1, 3], 3: [1, 3]}
+    got = _each(
+        two_hosts,
+        lambda w: w.synchronize(w.push_pull_async(_value(w.rank), f"set{pairs[w.rank]}", members=pairs[w.rank])),
+    )
+    np.testing.assert_allclose(got[0], _value(0) + _value(2), rtol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -119,14 +125,13 @@ def test_the_hierarchy_groups_hosts_in_rank_order_and_can_be_turned_off():
         assert c.scheduler.status()["local_aggregation"]["why"] == "GRADWIRE_LOCAL_AGGREGATION=0"
 
 
-def test_a_large_tensor_goes_in_chunks_whose_stages_pipeline():
+def test_a_large_tensor_goes_in_chunks_whose_stages_pipeline(two_hosts):
     n = 3 * CHUNK_BYTES // 4 + 5  # three chunks, not a multiple of anything
-    with LocalCluster(num_workers=4, num_servers=2, colocated=2, hosts=2) as c:
-        got = _each(c, lambda w: w.push_pull(_value(w.rank, n), "big", average=True))
-        np.testing.assert_allclose(got[0], sum(_value(r, n) for r in range(4)) / 4, rtol=1e-6)
-        assert all(np.array_equal(g, got[0]) for g in got)
-        names = set(c.workers[0].table.tensors)
-        assert {"big@0@host", "big@2@gather"} <= {n.split("@ranks")[0] for n in names}
+    got = _each(two_hosts, lambda w: w.push_pull(_value(w.rank, n), "big", average=True))
+    np.testing.assert_allclose(got[0], sum(_value(r, n) for r in range(4)) / 4, rtol=1e-6)
+    assert all(np.array_equal(g, got[0]) for g in got)
+    names = set(two_hosts.workers[0].table.tensors)
+    assert {"big@0@host", "big@2@gather"} <= {n.split("@ranks")[0] for n in names}
 
 
 @BUDGETS
@@ -144,12 +149,11 @@ def test_a_dead_colocated_server_fails_over_and_the_sums_go_on_exact(budget):
         assert _cross_stage_held(c, budget)
 
 
-def test_a_dead_worker_ends_the_job_with_an_error_not_a_hang():
-    with LocalCluster(num_workers=4, num_servers=2, colocated=2, hosts=2) as c:
-        _each(c, lambda w: w.push_pull(_value(w.rank), "g"))
-        c.kill_worker(1)
-        with pytest.raises(GradwireError, match="worker 1"):  # named, at once (not after a timeout)
-            _each(c, lambda w: w.push_pull(_value(w.rank), "g"))
+def test_a_dead_worker_ends_the_job_with_an_error_not_a_hang(two_hosts):
+    _each(two_hosts, lambda w: w.push_pull(_value(w.rank), "g"))
+    two_hosts.kill_worker(1)
+    with pytest.raises(GradwireError, match="worker 1"):  # named, at once (not after a timeout)
+        _each(two_hosts, lambda w: w.push_pull(_value(w.rank), "g"))
 
 
 def test_a_compressed_sum_encodes_each_hosts_sum_once_and_its_running_mean_converges():

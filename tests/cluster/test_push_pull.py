@@ -35,6 +35,14 @@ def cluster():
         yield c
 
 
+@pytest.fixture
+def pair():
+    """Two workers and one server of the test's own: the tests that end a worker, fail a declaration or hold a barrier
+    leave a cluster no other test may share."""
+    with LocalCluster(num_workers=2, num_servers=1) as c:
+        yield c
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [1, 7, 1023, 1024, 1025, 50_001])
 def test_sums_of_every_dtype_and_odd_sizes(cluster, dtype, n):
@@ -144,58 +152,55 @@ def test_a_malformed_frame_closes_only_that_connection(cluster):
     assert all(np.all(r == 3.0) for r in results)
 
 
-def test_a_worker_pushing_the_wrong_size_gets_an_error_for_that_tensor():
-    with LocalCluster(num_workers=2, num_servers=1) as c:
-        good, bad = c.workers
-        c.run(lambda w: w.declare("t", (8,), np.float32))  # a declaration completes once every worker made it
-        key = bad.table.tensors["t"].keys[0]
-        good_handle = good.push_pull_async(np.ones(8, np.float32), "t")
-        # below the worker API's checks: round 1 well-formed, round 2 with 16 bytes for an 8-element key.
-        # One send, because the bad worker's own link rightly drops the connection on replies it never asked for.
-        fields = dict(dtype=2, epoch=bad.epoch, sender=bad.rank, key=key)
-        bad.links[0].conn.send(
-            [
-                frames.encode_header(FrameType.PUSHPULL, 32, round=1, **fields),
-                np.ones(8, np.float32),
-                frames.encode_header(FrameType.PUSHPULL, 16, round=2, **fields),
-                np.ones(4, np.float32),
-            ]
-        )
-        # the well-formed round completes; the wrong-sized one is refused; the server lives on
-        assert np.all(good.synchronize(good_handle) == 2.0)
-        assert c.servers[0].rounds_completed == 1
-        server = c.servers[0]
-        assert server.wait(0.2) is None  # still serving: not stopped, no error
-        python = server.state.loop.alive and all(e.inline for e in server.engines)  # the loop runs the engine
-        assert server.state.native.alive if server.state.native else python
+def test_a_worker_pushing_the_wrong_size_gets_an_error_for_that_tensor(pair):
+    good, bad = pair.workers
+    pair.run(lambda w: w.declare("t", (8,), np.float32))  # a declaration completes once every worker made it
+    key = bad.table.tensors["t"].keys[0]
+    good_handle = good.push_pull_async(np.ones(8, np.float32), "t")
+    # below the worker API's checks: round 1 well-formed, round 2 with 16 bytes for an 8-element key.
+    # One send, because the bad worker's own link rightly drops the connection on replies it never asked for.
+    fields = dict(dtype=2, epoch=bad.epoch, sender=bad.rank, key=key)
+    bad.links[0].conn.send(
+        [
+            frames.encode_header(FrameType.PUSHPULL, 32, round=1, **fields),
+            np.ones(8, np.float32),
+            frames.encode_header(FrameType.PUSHPULL, 16, round=2, **fields),
+            np.ones(4, np.float32),
+        ]
+    )
+    # the well-formed round completes; the wrong-sized one is refused; the server lives on
+    assert np.all(good.synchronize(good_handle) == 2.0)
+    assert pair.servers[0].rounds_completed == 1
+    server = pair.servers[0]
+    assert server.wait(0.2) is None  # still serving: not stopped, no error
+    python = server.state.loop.alive and all(e.inline for e in server.engines)  # the loop runs the engine
+    assert server.state.native.alive if server.state.native else python
 
 
-def test_conflicting_declarations_fail_the_tensor_on_every_worker_and_the_job_goes_on():
-    with LocalCluster(num_workers=2, num_servers=1) as c:
-        a, b = c.workers
-        ha = a.push_pull_async(np.ones(10, np.float32), "w")
-        hb = b.push_pull_async(np.ones(11, np.float32), "w")  # no byte has moved: a's push waits for b's declaration
-        for worker, handle in ((a, ha), (b, hb)):
-            with pytest.raises(
-                TensorMismatch, match=r"'w'.*worker 0: sum of float32\[10\]; worker 1: sum of float32\[11\]"
-            ):
-                worker.synchronize(handle)
-        # the name is free again, and the job goes on
-        out = c.run(lambda w: w.push_pull(np.full(10, w.rank + 1, np.float32), "w"))
-        assert all(np.all(o == 3) for o in out)
-        assert c.scheduler.wait(0.1) is None
+def test_conflicting_declarations_fail_the_tensor_on_every_worker_and_the_job_goes_on(pair):
+    a, b = pair.workers
+    ha = a.push_pull_async(np.ones(10, np.float32), "w")
+    hb = b.push_pull_async(np.ones(11, np.float32), "w")  # no byte has moved: a's push waits for b's declaration
+    for worker, handle in ((a, ha), (b, hb)):
+        with pytest.raises(
+            TensorMismatch, match=r"'w'.*worker 0: sum of float32\[10\]; worker 1: sum of float32\[11\]"
+        ):
+            worker.synchronize(handle)
+    # the name is free again, and the job goes on
+    out = pair.run(lambda w: w.push_pull(np.full(10, w.rank + 1, np.float32), "w"))
+    assert all(np.all(o == 3) for o in out)
+    assert pair.scheduler.wait(0.1) is None
 
 
-def test_a_declaration_waiting_for_a_worker_that_shut_down_fails_at_once():
-    with LocalCluster(num_workers=2, num_servers=1) as c:
-        a, b = c.workers
-        handle = a.push_pull_async(np.ones(4, np.float32), "never")
-        b.shutdown(final=False)
-        started = time.monotonic()
-        with pytest.raises(TensorError, match=r"'never'.*worker 1 left the job"):
-            a.synchronize(handle)
-        assert time.monotonic() - started < 2
-        b.leave()
+def test_a_declaration_waiting_for_a_worker_that_shut_down_fails_at_once(pair):
+    a, b = pair.workers
+    handle = a.push_pull_async(np.ones(4, np.float32), "never")
+    b.shutdown(final=False)
+    started = time.monotonic()
+    with pytest.raises(TensorError, match=r"'never'.*worker 1 left the job"):
+        a.synchronize(handle)
+    assert time.monotonic() - started < 2
+    b.leave()
 
 
 def test_a_round_that_needs_a_worker_that_shut_down_fails_at_once_and_one_it_pushed_completes():
@@ -226,73 +231,69 @@ def test_a_round_that_needs_a_worker_that_shut_down_fails_at_once_and_one_it_pus
         b.leave()
 
 
-def test_a_worker_whose_process_ends_mid_job_fails_the_rounds_it_owes_after_a_moment():
+def test_a_worker_whose_process_ends_mid_job_fails_the_rounds_it_owes_after_a_moment(pair):
     """At process exit (a script that raised, or sys.exit) the bye is final: the rounds it owes fail after
     DEPARTED_GRACE_SECONDS, so a launcher sees that worker's exit before the others' and names it."""
-    with LocalCluster(num_workers=2, num_servers=1) as c:
-        a, b = c.workers
-        x = np.ones(1000, np.float32)
-        c.run(lambda w: w.push_pull(x, "g"))
-        b.shutdown(final=True)
-        started = time.monotonic()
-        with pytest.raises(TensorError, match=r"worker 1 left the job .* round 2 of 'g'"):
-            a.push_pull(x, "g")
-        assert DEPARTED_GRACE_SECONDS - 0.5 < time.monotonic() - started < DEPARTED_GRACE_SECONDS + 5
+    a, b = pair.workers
+    x = np.ones(1000, np.float32)
+    pair.run(lambda w: w.push_pull(x, "g"))
+    b.shutdown(final=True)
+    started = time.monotonic()
+    with pytest.raises(TensorError, match=r"worker 1 left the job .* round 2 of 'g'"):
+        a.push_pull(x, "g")
+    assert DEPARTED_GRACE_SECONDS - 0.5 < time.monotonic() - started < DEPARTED_GRACE_SECONDS + 5
 
 
-def test_a_collective_one_worker_skipped_for_a_barrier_fails_at_once():
-    with LocalCluster(num_workers=2, num_servers=1) as c:
-        a, b = c.workers
-        handle = a.push_pull_async(np.ones(4, np.float32), "skipped")
-        entered = threading.Thread(target=b.barrier)
-        entered.start()
-        started = time.monotonic()
-        with pytest.raises(TensorError, match=r"'skipped'.*worker 1 entered a barrier without calling it"):
-            a.synchronize(handle)
-        assert time.monotonic() - started < 2
-        a.barrier()  # the two meet in the barrier, and the job goes on
-        entered.join(5)
-        out = c.run(lambda w: w.push_pull(np.ones(4, np.float32), "skipped"))
-        assert all(np.all(o == 2) for o in out)
+def test_a_collective_one_worker_skipped_for_a_barrier_fails_at_once(pair):
+    a, b = pair.workers
+    handle = a.push_pull_async(np.ones(4, np.float32), "skipped")
+    entered = threading.Thread(target=b.barrier)
+    entered.start()
+    started = time.monotonic()
+    with pytest.raises(TensorError, match=r"'skipped'.*worker 1 entered a barrier without calling it"):
+        a.synchronize(handle)
+    assert time.monotonic() - started < 2
+    a.barrier()  # the two meet in the barrier, and the job goes on
+    entered.join(5)
+    out = pair.run(lambda w: w.push_pull(np.ones(4, np.float32), "skipped"))
+    assert all(np.all(o == 2) for o in out)
 
 
-def test_a_collective_called_after_another_worker_entered_a_barrier_fails_at_once():
-    with LocalCluster(num_workers=2, num_servers=1) as c:
-        a, b = c.workers
-        entered = threading.Thread(target=b.barrier)
-        entered.start()
-        deadline = time.monotonic() + 5
-        while not c.scheduler.roster.barrier:  # b waits in the barrier
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        with pytest.raises(TensorError, match=r"'late'.*worker 1 entered a barrier without calling it"):
-            a.push_pull(np.ones(4, np.float32), "late")
-        a.barrier()
-        entered.join(5)
+def test_a_collective_called_after_another_worker_entered_a_barrier_fails_at_once(pair):
+    a, b = pair.workers
+    entered = threading.Thread(target=b.barrier)
+    entered.start()
+    deadline = time.monotonic() + 5
+    while not pair.scheduler.roster.barrier:  # b waits in the barrier
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    with pytest.raises(TensorError, match=r"'late'.*worker 1 entered a barrier without calling it"):
+        a.push_pull(np.ones(4, np.float32), "late")
+    a.barrier()
+    entered.join(5)
 
 
-def test_a_collective_started_before_a_barrier_and_joined_after_it_completes():
+def test_a_collective_started_before_a_barrier_and_joined_after_it_completes(pair):
     # not a skipped collective: worker 0 starts it and does not wait for it before the barrier; worker 1 calls it after
-    with LocalCluster(num_workers=2, num_servers=1) as c:
-        a, b = c.workers
+    a, b = pair.workers
 
-        def first():
-            handle = a.push_pull_async(np.ones(4, np.float32), "across")
-            time.sleep(0.2)  # worker 1 is in the barrier by now
-            a.barrier()
-            return a.synchronize(handle)
+    def first():
+        handle = a.push_pull_async(np.ones(4, np.float32), "across")
+        time.sleep(0.2)  # worker 1 is in the barrier by now
+        a.barrier()
+        return a.synchronize(handle)
 
-        def second():
-            b.barrier()
-            return b.push_pull(np.ones(4, np.float32), "across")
+    def second():
+        b.barrier()
+        return b.push_pull(np.ones(4, np.float32), "across")
 
-        results = {}
-        threads = [threading.Thread(target=lambda f=f: results.__setitem__(f.__name__, f())) for f in (first, second)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(10)
-        assert all(np.all(results[k] == 2) for k in ("first", "second"))
+    results = {}
+    threads = [threading.Thread(target=lambda f=f: results.__setitem__(f.__name__, f())) for f in (first, second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert all(np.all(results[k] == 2) for k in ("first", "second"))
 
 
 def test_an_empty_tensor_is_a_round_and_the_servers_live_on(cluster):
