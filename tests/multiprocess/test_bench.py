@@ -29,3 +29,15 @@ def test_bench_times_a_compressed_allreduce_against_gloos_plain_one():
     records = _bench("--collective", "allreduce-onebit")
     assert {r["system"] for r in records} == {"gradwire", "gradwire-tcp", "gloo"}
     assert all(r["seconds_median"] > 0 for r in records)
+
+
+def test_the_cross_barrier_training_way_runs_under_the_launcher():
+    # `gradwire bench --netem --train --ways crossbarrier`'s workers: the step returns at once, the last one applies
+    # every update, and the job ends cleanly
+    argv = [sys.executable, "-m", "gradwire", "launch", "-n", "2", "-s", "1", "--"]
+    argv += [sys.executable, "-m", "gradwire.bench.train", "crossbarrier", "3", "1"]
+    out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    line = next(line for line in out.stdout.splitlines() if '"way": "crossbarrier"' in line)
+    row = json.loads(line[line.index("{") :])
+    assert row["optimizer"] == "CrossBarrier" and len(row["times"]) == 3 and row["pushed_bytes_per_step"] > 0, row

@@ -92,7 +92,10 @@ def _training_arguments(parser: argparse.ArgumentParser) -> None:
         "2048x1024 and 1024x10: most bytes in two matrices beside small tensors; batch 16)",
     )
     parser.add_argument(
-        "--ways", default=None, help="with --train: only these of its ways, comma-separated (their peer included)"
+        "--ways",
+        default=None,
+        help="with --train: only these of its ways, comma-separated (their peer included); `crossbarrier` (named "
+        "only): DistributedOptimizer under the cross barrier, the next forward overlapping this step's sums",
     )
     parser.add_argument(
         "--compression",

@@ -13,6 +13,7 @@ from gradwire.bench.netem import DEFAULT_CONFIGS, Record, plot, run_config, tabl
 from gradwire.bench.netem_train import (
     COMPRESSION_WAYS,
     KERAS_WAYS,
+    OPT_IN_WAYS,
     PEERS,
     TRAIN_WAYS,
     run_train_config,
@@ -74,6 +75,20 @@ def run_netem(args: argparse.Namespace, sizes: list[int], env: dict[str, str]) -
     return 0
 
 
+def train_ways(args: argparse.Namespace) -> tuple[str, ...]:
+    """The ways `--train` runs: its set's (plain, `--compression`'s or `--keras`'s), or those `--ways` names with their
+    peer; the opt-in ways only where named."""
+    ways = COMPRESSION_WAYS if args.compression else KERAS_WAYS if args.keras else TRAIN_WAYS
+    if not args.ways:
+        return ways
+    ways += OPT_IN_WAYS if ways == TRAIN_WAYS else ()
+    asked = set(args.ways.split(","))
+    unknown = sorted(asked - set(ways))
+    if unknown:
+        raise SystemExit(f"--ways: no such way here: {unknown} (these are: {', '.join(ways)})")
+    return tuple(w for w in ways if w in asked or w in PEERS)
+
+
 def run_train(args: argparse.Namespace, env: dict[str, str]) -> int:
     """`--netem --train`: end-to-end training against DDP over gloo, per configuration (default: n = 4, k = 4,
     100 Mbit/s)."""
@@ -83,13 +98,7 @@ def run_train(args: argparse.Namespace, env: dict[str, str]) -> int:
         drift = tuple(args.drift.split(":", 1)) if args.drift else None
         settle = args.settle if drift else 0
         chosen = (topo.tuning() if args.hand_tuned else {}) | env | {"GRADWIRE_BENCH_MODEL": args.train_model}
-        ways = COMPRESSION_WAYS if args.compression else KERAS_WAYS if args.keras else TRAIN_WAYS
-        if args.ways:
-            asked = set(args.ways.split(","))
-            unknown = sorted(asked - set(ways))
-            if unknown:
-                raise SystemExit(f"--ways: no such way here: {unknown} (these are: {', '.join(ways)})")
-            ways = tuple(w for w in ways if w in asked or w in PEERS)
+        ways = train_ways(args)
         results = run_train_config(topo, args.steps, args.warmup, chosen, drift=drift, settle=settle, ways=ways)  # type: ignore[arg-type]
         every += results
         for r in results:

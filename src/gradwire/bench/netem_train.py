@@ -19,6 +19,9 @@ from gradwire.netem import EmulatedCluster, Topology
 from gradwire.netem.jobs import start_gloo, start_gradwire, start_tf_ring
 
 TRAIN_WAYS = ("optimizer", "hook", "ddp")  # gradwire's DistributedOptimizer, DDP with gradwire's hook, DDP over gloo
+# asked for by name only (`--ways`): DistributedOptimizer under the cross barrier, the next forward pass overlapping
+# this step's sums (an API a user opts into, as BytePS's users do)
+OPT_IN_WAYS = ("crossbarrier",)
 
 
 # --drift: links that change rate mid-job, with gradwire following them (the default), with GRADWIRE_ADAPT=0, and a

@@ -12,6 +12,9 @@ from a profile instead (gradwire/profiles: `python -m benchmarks --netem --scale
   (onebit, top-k 1%, error feedback) and PowerSGD rank 2 through the servers (docs/compression.md); `ddp-powersgd`: DDP
   over gloo with torch's PowerSGD hook (rank 2), the peer's own compression; `hook-powersgd`: DDP with gradwire's
   comm hook carrying PowerSGD rank 2 through the servers;
+- `crossbarrier`: DistributedOptimizer under BytePS's CrossBarrier (gradwire.torch.cross_barrier, which a user opts
+  into): `step()` returns at once and each layer's update waits for its sums at its next forward, so the next forward
+  pass overlaps this step's communication (per-step times are then the pipeline's: each step's start to its `step()`);
 - `optimizer-fp16`, `optimizer-bf16`: DistributedOptimizer with Horovod's `Compression.fp16` and `.bf16` (gradients
   travel in half precision; the servers sum them in float32, with numpy's or the native kernels: GRADWIRE_DATAPATH).
 Rank 0 prints one JSON line: every timed step's seconds, the samples per step, the parameter count, and gradwire's
@@ -125,7 +128,7 @@ def main(way: str, steps: int, warmup: int) -> None:
     import torch
 
     torch.set_num_threads(1)
-    net, opt, rank, world = _distributed(way)
+    net, opt, rank, world = _distributed(way, warmup + steps)
     g = torch.Generator().manual_seed(rank)
     batch = batch_size()
     times = []
@@ -154,6 +157,7 @@ def main(way: str, steps: int, warmup: int) -> None:
     partitions.append(data_path.get("partition_bytes"))
     if rank == 0:
         row = {"way": way, "times": times, "samples_per_step": batch * world, "parameters": params}
+        row["optimizer"] = type(opt).__name__  # what stepped: a torch optimizer, DistributedOptimizer, CrossBarrier
         recuts = [bisect.bisect(starts, r["at"]) - 1 for r in data_path.get("recuts") or []]
         row |= {"partition_bytes": partitions, "derived_again": data_path.get("derived_again"), "recut_steps": recuts}
         row["window"] = data_path.get("window")
@@ -199,8 +203,9 @@ def ddp_of(net: Any, powersgd: bool = False) -> Any:
     return ddp
 
 
-def _distributed(way: str) -> tuple:
-    """The model and its optimizer made distributed `way`'s way (ddp, optimizer, hook), and this rank and the size."""
+def _distributed(way: str, steps: int) -> tuple:
+    """The model and its optimizer made distributed `way`'s way (ddp, optimizer, hook, ...), and this rank and the size;
+    `steps`: how many the job runs (the cross barrier applies every update at the last)."""
     import torch
 
     net = model()
@@ -215,6 +220,9 @@ def _distributed(way: str) -> tuple:
 
     gw.init()
     rank, world = gw.rank(), gw.size()
+    if way == "crossbarrier":
+        wrapped = gw.DistributedOptimizer(opt, net.named_parameters())
+        return net, gw.cross_barrier.CrossBarrier(net, wrapped, num_steps=steps), rank, world
     if way.startswith("optimizer"):
         compression = {
             "optimizer-onebit": gw.Compression.onebit(),
