@@ -39,6 +39,23 @@ BATCH = 32
 MIXED_BATCH = 16
 
 
+# every way `main` trains (the docstring above says what each is): a name not here is an error, not another way
+WAYS = (
+    "optimizer",
+    "hook",
+    "ddp",
+    "plain",
+    "crossbarrier",
+    "optimizer-onebit",
+    "optimizer-topk",
+    "optimizer-powersgd",
+    "optimizer-fp16",
+    "optimizer-bf16",
+    "ddp-powersgd",
+    "hook-powersgd",
+)
+
+
 def batch_size() -> int:
     return MIXED_BATCH if os.environ.get("GRADWIRE_BENCH_MODEL") == "mixed" else BATCH
 
@@ -127,6 +144,8 @@ def main(way: str, steps: int, warmup: int) -> None:
 
     import torch
 
+    if way not in WAYS:
+        raise SystemExit(f"gradwire.bench.train: no way {way!r} (these are: {', '.join(WAYS)})")
     torch.set_num_threads(1)
     net, opt, rank, world = _distributed(way, warmup + steps)
     g = torch.Generator().manual_seed(rank)
