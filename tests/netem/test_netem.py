@@ -52,6 +52,27 @@ def test_the_link_sampler_sees_a_transfer_on_the_links_it_crossed(tmp_path):
     assert json.loads((tmp_path / "links.json").read_text())["rates_bytes_per_s"]["w0 up"] == 40e6 / 8
 
 
+@pytest.mark.parametrize("mtu", [1500, 9000])
+def test_every_link_carries_frames_of_the_topologys_mtu(mtu):
+    """The MTU holds end to end: a TCP connection between two hosts (through both veths and the bridge) settles on
+    segments that fill frames of that size (MSS = MTU - 40 bytes of headers - 12 of timestamps)."""
+    topo = Topology(workers=1, servers=1, worker_rate="80mbit", server_rate="80mbit", mtu=mtu)
+    sender = (
+        "import socket, sys; c = socket.create_connection((sys.argv[1], int(sys.argv[2]))); c.sendall(b'x' * 100000);"
+        "print(c.getsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG), flush=True)"
+    )
+    with EmulatedCluster(topo) as c:
+        worker, server = topo.of("worker")[0], topo.of("server")[0]
+        rx = c.spawn(server, [sys.executable, "-c", RECEIVER, server.address], stdout=subprocess.PIPE, text=True)
+        port = rx.stdout.readline().strip()
+        tx = c.spawn(worker, [sys.executable, "-c", sender, server.address, port], stdout=subprocess.PIPE, text=True)
+        segment = int(tx.communicate(timeout=60)[0])
+        rx.communicate(timeout=60)
+    assert mtu - 64 <= segment <= mtu - 40, segment
+    with pytest.raises(ValueError, match="MTU"):
+        Topology(workers=1, servers=1, mtu=65536)
+
+
 def test_netem_run_runs_a_job_and_cleans_up():
     out = subprocess.run(
         [

@@ -51,6 +51,10 @@ def test_bench_configs_name_colocation_and_workers_per_host():
     a, b, c = parse_configs("8:0:100mbit:100mbit:c:x4,8:2:100mbit:100mbit:x4,4:4:100mbit:25mbit")
     assert (a.workers, a.worker_hosts, a.colocate, a.per_host) == (8, 2, True, 4)
     assert (b.servers, b.colocate, b.per_host) == (2, False, 4) and (c.per_host, c.server_rate) == (1, "25mbit")
-    for bad in ("8:0:100mbit:100mbit:x4:c", "8:1:100mbit:100mbit:xx", "6:1:100mbit:100mbit:x4"):
+    assert (a.mtu, b.mtu, c.mtu) == (1500, 1500, 1500)
+    (d,) = parse_configs("8:0:100mbit:100mbit:c:x4:m9000")
+    assert (d.colocate, d.per_host, d.mtu) == (True, 4, 9000)
+    bad_ones = ("8:1:100mbit:100mbit:m9000:x4", "8:1:100mbit:100mbit:m", "8:1:100mbit:100mbit:m100000")
+    for bad in ("8:0:100mbit:100mbit:x4:c", "8:1:100mbit:100mbit:xx", "6:1:100mbit:100mbit:x4", *bad_ones):
         with pytest.raises(SystemExit):
             parse_configs(bad)

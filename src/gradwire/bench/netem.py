@@ -52,6 +52,7 @@ class Record:
     per_host: int = 1  # workers per worker host, sharing its link
     calls_cpu_utilization: float | None = None  # the same over the timed calls alone (`timed_calls`)
     call_cpu_seconds: float | None = None  # CPU seconds of all the job's processes per timed call: the work itself
+    mtu: int = 1500  # every link's MTU
 
     @property
     def layout(self) -> str:
@@ -181,6 +182,7 @@ def run_config(
                         busy,
                         topo.per_host,
                         *_cpu_fields(calls_cpu.get(row["bytes"])),
+                        topo.mtu,
                     )
                 )
     return records
@@ -194,7 +196,8 @@ def _links(sampler: LinkSampler, topo: Topology, system: str, links_dir: str) ->
     """Write one job's link samples and plot; return the mean use of each kind of link while data moved."""
     shared = f"x{topo.per_host}" if topo.per_host > 1 else ""
     colocated = "c" if topo.colocate else ""
-    name = f"{topo.workers}{shared}x{topo.servers}{colocated}-{topo.worker_rate}-{topo.server_rate}-{system}"
+    mtu = f"-mtu{topo.mtu}" if topo.mtu != 1500 else ""
+    name = f"{topo.workers}{shared}x{topo.servers}{colocated}-{topo.worker_rate}-{topo.server_rate}{mtu}-{system}"
     os.makedirs(links_dir, exist_ok=True)
     sampler.write(os.path.join(links_dir, name + ".json"))
     links.plot(sampler, os.path.join(links_dir, name + ".png"), f"{system}: {name}")
@@ -232,7 +235,8 @@ def table(configs: list[list[Record]]) -> str:
             if r.placement and r.placement != "model":
                 servers += f" ({r.placement})"
             lines.append(
-                f"| {r.layout} | {servers} | {r.worker_rate_bps / 1e6:g} / {r.server_rate_bps / 1e6:g} Mbit/s "
+                f"| {r.layout} | {servers} | {r.worker_rate_bps / 1e6:g} / {r.server_rate_bps / 1e6:g} Mbit/s"
+                f"{_mtu(r.mtu)} "
                 f"| {r.partition_bytes // 1024} KiB, {r.window} | {r.bytes / MiB:g} MiB "
                 f"| {r.seconds_median:.2f} | {r.ratio_to_bound:.2f} "
                 f"| {g.seconds_median:.2f} | {g.ratio_to_bound:.2f} | {g.seconds_median / r.seconds_median:.2f}x "
@@ -240,6 +244,10 @@ def table(configs: list[list[Record]]) -> str:
                 f"{_pct(g.calls_cpu_utilization)} | {_per_call(r.call_cpu_seconds, g.call_cpu_seconds)} |"
             )
     return "\n".join(lines)
+
+
+def _mtu(mtu: int) -> str:
+    return "" if mtu == 1500 else f", MTU {mtu}"
 
 
 def _per_call(ours: float | None, peer: float | None) -> str:

@@ -26,8 +26,9 @@ HEADINGS = {"netem": "Emulated network (issue 4)", "placement": "Colocated serve
 
 
 def parse_configs(text: str | None) -> list[Topology]:
-    """`n:k:worker_rate:server_rate`, comma-separated, then optionally `c` (a colocated server on every worker host)
-    and `xM` (M workers per host, sharing its link: n/M worker hosts): `8:0:100mbit:100mbit:c:x4`."""
+    """`n:k:worker_rate:server_rate`, comma-separated, then optionally `c` (a colocated server on every worker host),
+    `xM` (M workers per host, sharing its link: n/M worker hosts) and `mB` (every link's MTU in bytes, 1500 unless
+    given): `8:0:100mbit:100mbit:c:x4`, `8:8:50mbit:50mbit:m9000`."""
     if not text:
         return [Topology(*c) for c in DEFAULT_CONFIGS]
     out = []
@@ -36,10 +37,11 @@ def parse_configs(text: str | None) -> list[Topology]:
         colocate = rest[:1] == ["c"]
         rest = rest[1:] if colocate else rest
         per_host = rest.pop(0)[1:] if rest and rest[0][:1] == "x" else "1"
-        if rest or not per_host.isdigit():
-            raise SystemExit(f"gradwire bench --configs: {item!r} is not n:k:worker_rate:server_rate[:c][:xM]")
+        mtu = rest.pop(0)[1:] if rest and rest[0][:1] == "m" else "1500"
+        if rest or not per_host.isdigit() or not mtu.isdigit():
+            raise SystemExit(f"gradwire bench --configs: {item!r} is not n:k:worker_rate:server_rate[:c][:xM][:mB]")
         try:
-            out.append(Topology(int(n), int(k), wr, sr, colocate=colocate, per_host=int(per_host)))
+            out.append(Topology(int(n), int(k), wr, sr, colocate=colocate, per_host=int(per_host), mtu=int(mtu)))
         except ValueError as e:
             raise SystemExit(f"gradwire bench --configs: {item!r}: {e}") from None
     return out

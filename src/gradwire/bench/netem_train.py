@@ -122,6 +122,7 @@ def _train_row(topo: Topology, way: str, rate: str, drift: tuple[str, str] | Non
         "colocated": topo.worker_hosts if topo.colocate else 0,
         "worker_rate": rate,
         "server_rate": rate if drift else topo.server_rate,
+        "mtu": topo.mtu,
         "parameters": row["parameters"],
         "partition_bytes": row.get("partition_bytes"),
         "derived_again": row.get("derived_again"),  # why the settings changed mid-job (scheduler/adapt.py)
@@ -162,7 +163,8 @@ def _servers(r: dict) -> str:
 def _rates(r: dict) -> str:
     """The workers' and the servers' link rate, once where they are the same."""
     same = r["worker_rate"] == r["server_rate"]
-    return r["worker_rate"] if same else f"{r['worker_rate']} / {r['server_rate']}"
+    rates = r["worker_rate"] if same else f"{r['worker_rate']} / {r['server_rate']}"
+    return rates if r.get("mtu", 1500) == 1500 else f"{rates}, MTU {r['mtu']}"
 
 
 def _partitions(sizes: list | None) -> str:

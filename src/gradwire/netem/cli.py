@@ -38,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--per-host", type=int, default=1, help="workers per worker host, sharing its link (torchrun's nproc-per-node)"
     )
+    run.add_argument("--mtu", type=int, default=1500, help="every link's MTU in bytes (9000: jumbo frames)")
     run.add_argument("--timeout", type=float, default=3600)
     run.add_argument("command", nargs=argparse.REMAINDER, help="the worker command, after --")
     check = sub.add_parser("check", help="measure one emulated link against its configured rate")
@@ -65,6 +66,7 @@ def main(args: argparse.Namespace) -> int:
         args.delay_ms,
         colocate=args.colocate,
         per_host=args.per_host,
+        mtu=args.mtu,
     )
     with EmulatedCluster(topo) as cluster:
         print(

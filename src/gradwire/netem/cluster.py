@@ -2,7 +2,8 @@
 
 Layout, for a run id R (unique per run, so two runs never collide):
 - namespace `gwR-br` holds the bridge `br0`; the root namespace is never touched;
-- namespace `gwR-<host>` per host, with `eth0` (one end of a veth) at the host's address in 198.18.0.0/16;
+- namespace `gwR-<host>` per host, with `eth0` (one end of a veth) at the host's address in 198.18.0.0/16; both
+  ends of every veth take the topology's MTU;
 - the veth's other end, `vR<i>`, is a port of the bridge;
 - tbf on the host's `eth0` shapes its upload, tbf on the bridge port shapes its download (tbf `burst 64kb latency
   50ms`, which measured 95.7% of the rate for one TCP stream); an optional delay is netem under the tbf.
@@ -84,7 +85,8 @@ class EmulatedCluster:
             self._add_namespace(ns)
             _ip("link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", ns)
             _ip("link", "set", port, "netns", br)
-            _ip("-n", br, "link", "set", port, "master", "br0", "up")
+            _ip("-n", br, "link", "set", port, "mtu", str(self.topology.mtu), "master", "br0", "up")
+            _ip("-n", ns, "link", "set", "eth0", "mtu", str(self.topology.mtu))
             _ip("-n", ns, "addr", "add", f"{host.address}/16", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
             _ip("-n", ns, "link", "set", "lo", "up")

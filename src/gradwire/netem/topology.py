@@ -31,6 +31,9 @@ class Host:
 class Topology:
     """n workers on n / per_host worker hosts, k (dedicated) server hosts and a scheduler host, with per-role rates.
 
+    Every link carries frames of at most `mtu` bytes (Ethernet's 1500 by default; many GPU clusters run 9000, jumbo
+    frames), and tc's rate counts whole frames: headers are part of the rate, as on a wire.
+
     With `colocate`, every worker host also runs a server (BytePS's colocated servers; k may then be 0). With
     `per_host` > 1, that many workers share each worker host and its one link, as torchrun's --nproc-per-node does:
     worker ranks host * per_host ... host * per_host + per_host - 1 run on worker host `host`.
@@ -43,6 +46,7 @@ class Topology:
     delay_ms: float = 0.0
     colocate: bool = False
     per_host: int = 1
+    mtu: int = 1500  # every link's MTU: Ethernet's 1500, or a data centre's jumbo frames (9000)
     hosts: list[Host] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -52,6 +56,8 @@ class Topology:
             raise ValueError(f"need 1-250 hosts, got {self.worker_hosts} worker hosts and {self.servers} servers")
         if self.servers == 0 and not self.colocate:
             raise ValueError("need a server: k >= 1, or colocated servers")
+        if not 576 <= self.mtu <= 9000:
+            raise ValueError(f"an MTU of {self.mtu}: give 576-9000 (Ethernet's 1500, jumbo frames' 9000)")
         parse_rate(self.worker_rate), parse_rate(self.server_rate)
         hosts = [Host("sched", "scheduler", 0, f"{SUBNET}.0.1", "1gbit", "1gbit")]
         for i in range(self.worker_hosts):
