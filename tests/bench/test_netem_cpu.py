@@ -45,3 +45,17 @@ def test_a_job_s_rows_and_cpu_figures_come_back_for_calls_and_for_training_rows(
     assert calls[16].seconds_per_call == 0.25
     rows, _, calls = timed_calls(lambda: _Job(['{"way": "ddp", "step_s": 0.3}']), timeout=5)  # bench --netem --train's
     assert rows == [{"way": "ddp", "step_s": 0.3}] and calls == {}
+
+
+def test_the_table_says_how_far_the_wires_framing_alone_puts_every_job_from_its_bound():
+    from gradwire.bench.netem import Record, table
+    from gradwire.netem.topology import framing
+
+    def record(system: str, mtu: int) -> Record:
+        return Record(system, 4, 4 if system == "gradwire" else 0, 1e8, 1e8, 16 << 20, 1.4, 1.34, [1.4], 0.2, mtu=mtu)
+
+    text = table([[record("gradwire", 1500), record("gloo", 1500)], [record("gradwire", 9000), record("gloo", 9000)]])
+    assert "| 100 / 100 Mbit/s |" in text and "| 100 / 100 Mbit/s, MTU 9000 |" in text
+    assert "At MTU 1500 TCP's headers alone put every job at 1.046x" in text
+    assert "At MTU 9000 TCP's headers alone put every job at 1.007x" in text
+    assert abs(framing(1500) - 1514 / 1448) < 1e-12

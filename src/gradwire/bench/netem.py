@@ -20,6 +20,7 @@ from gradwire.bench.runner import CpuSampler
 from gradwire.netem import EmulatedCluster, Topology, links, parse_rate
 from gradwire.netem.jobs import start_gloo, start_gradwire
 from gradwire.netem.links import LinkSampler
+from gradwire.netem.topology import framing
 
 MiB = 1 << 20
 # The default matrix: n = k at equal rates, n = 4 with k = 2, and servers at a quarter of the workers' rate.
@@ -243,6 +244,11 @@ def table(configs: list[list[Record]]) -> str:
                 f"| {r.cpu_utilization:.0%}, {g.cpu_utilization:.0%}; {_pct(r.calls_cpu_utilization)}, "
                 f"{_pct(g.calls_cpu_utilization)} | {_per_call(r.call_cpu_seconds, g.call_cpu_seconds)} |"
             )
+    mtus = sorted({r.mtu for records in configs for r in records if r.system == "gradwire"})
+    lines += [
+        f"\nAt MTU {mtu} TCP's headers alone put every job at {framing(mtu):.3f}x its bound or more (tc counts them)."
+        for mtu in mtus
+    ]
     return "\n".join(lines)
 
 
