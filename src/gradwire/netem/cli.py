@@ -9,7 +9,7 @@ import threading
 
 from gradwire.netem.cluster import EmulatedCluster, NetemUnavailable, check_available
 from gradwire.netem.jobs import start_gradwire
-from gradwire.netem.topology import Topology, parse_rate
+from gradwire.netem.topology import Topology, framing, parse_rate
 
 RECEIVER = """
 import socket, sys, time
@@ -44,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     check = sub.add_parser("check", help="measure one emulated link against its configured rate")
     check.add_argument("--rate", default="20mbit")
     check.add_argument("--megabytes", type=float, default=6)
+    check.add_argument("--mtu", type=int, default=1500, help="the link's MTU in bytes")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -53,7 +54,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"gradwire netem: {e}", file=sys.stderr)
         return 2
     if args.netem_command == "check":
-        return _check(args.rate, int(args.megabytes * (1 << 20)))
+        return _check(args.rate, int(args.megabytes * (1 << 20)), args.mtu)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         print("gradwire netem run: give the worker command after --", file=sys.stderr)
@@ -97,9 +98,9 @@ def _pump(proc: subprocess.Popen, prefix: str) -> None:
     proc.stdout = None  # consumed here; Job.wait must not read it again
 
 
-def measure_link(rate: str, nbytes: int) -> float:
-    """Bits per second that one TCP stream gets across a two-host emulated link of `rate`."""
-    topo = Topology(workers=1, servers=1, worker_rate=rate, server_rate=rate)
+def measure_link(rate: str, nbytes: int, mtu: int = 1500) -> float:
+    """Bits per second of payload that one TCP stream gets across a two-host emulated link of `rate` and `mtu`."""
+    topo = Topology(workers=1, servers=1, worker_rate=rate, server_rate=rate, mtu=mtu)
     with EmulatedCluster(topo) as c:
         worker, server = topo.of("worker")[0], topo.of("server")[0]
         rx = c.spawn(server, [sys.executable, "-c", RECEIVER, server.address], stdout=subprocess.PIPE, text=True)
@@ -110,11 +111,11 @@ def measure_link(rate: str, nbytes: int) -> float:
         return float(rx.communicate(timeout=300)[0].strip())
 
 
-def _check(rate: str, nbytes: int) -> int:
-    measured = measure_link(rate, nbytes)
+def _check(rate: str, nbytes: int, mtu: int) -> int:
+    measured = measure_link(rate, nbytes, mtu)
     configured = parse_rate(rate)
     print(
-        f"configured {configured / 1e6:g} Mbit/s, measured {measured / 1e6:.1f} Mbit/s "
-        f"({measured / configured:.0%}) for one TCP stream"
+        f"configured {configured / 1e6:g} Mbit/s at MTU {mtu}, measured {measured / 1e6:.1f} Mbit/s "
+        f"({measured / configured:.0%}; the headers' share {1 - 1 / framing(mtu):.1%}) for one TCP stream"
     )
     return 0 if 0.8 <= measured / configured <= 1.2 else 1
