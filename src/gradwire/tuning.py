@@ -122,6 +122,13 @@ def derive(
     return Tuning(partition, window, cap, rate, rtt_seconds, reason)
 
 
+def framing(mtu: int) -> float:
+    """Bytes on the wire per byte of TCP payload at `mtu`: Ethernet's 14-byte header, IP's 20 and TCP's 32 (with the
+    timestamps Linux sends) around every segment. A link's rate counts them, so no TCP job gets below S/B times this
+    (1.046 at 1500 bytes, 1.007 at 9000), the other direction's acknowledgements aside."""
+    return (mtu + 14) / (mtu - 52)
+
+
 def parse_rate(rate: str) -> float:
     """'100mbit' -> 1e8 bits per second (tc's spelling: kbit, mbit, gbit), as GRADWIRE_LINK_RATE and the emulated
     network's links are given."""

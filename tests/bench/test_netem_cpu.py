@@ -49,7 +49,7 @@ def test_a_job_s_rows_and_cpu_figures_come_back_for_calls_and_for_training_rows(
 
 def test_the_table_says_how_far_the_wires_framing_alone_puts_every_job_from_its_bound():
     from gradwire.bench.netem import Record, table
-    from gradwire.netem.topology import framing
+    from gradwire.tuning import framing
 
     def record(system: str, mtu: int) -> Record:
         return Record(system, 4, 4 if system == "gradwire" else 0, 1e8, 1e8, 16 << 20, 1.4, 1.34, [1.4], 0.2, mtu=mtu)

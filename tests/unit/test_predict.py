@@ -123,3 +123,22 @@ def test_gradwire_plan_predict_takes_the_measured_cpu_of_the_data_path_a_server_
     assert f"servers' CPU {predict.SERVER_CPU_S_PER_GB[path]:g} s per GB (the {path} data path's, measured)" in head
     assert plan.main(parser.parse_args(["--predict", "-n", "2", "--server-cpu-per-gb", "1.5"])) == 0
     assert "servers' CPU 1.5 s per GB (as given)" in capsys.readouterr().out
+
+
+def test_gradwire_plan_predict_at_jumbo_frames_moves_the_same_bytes_sooner(capsys):
+    """--mtu: the links' goodput is their rate less the headers of that MTU's frames (tuning.framing)."""
+    import argparse
+
+    from gradwire import tuning
+    from gradwire.launch import plan
+
+    parser = argparse.ArgumentParser()
+    plan.add_arguments(parser)
+    steps = {}
+    for mtu in (1500, 9000):
+        assert plan.main(parser.parse_args(["--predict", "-n", "8", "--rates", "1gbit", "--mtu", str(mtu)])) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert f"MTU {mtu};" in out[0]
+        steps[mtu] = float(next(r.split() for r in out[2:] if r.split()[:2] == ["1gbit", "8"])[2])  # the ring's
+    assert steps[9000] == pytest.approx(steps[1500] * tuning.framing(9000) / tuning.framing(1500), rel=0.05)
+    assert predict.TCP_PAYLOAD == pytest.approx(1448 / 1514)

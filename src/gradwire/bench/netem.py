@@ -20,7 +20,7 @@ from gradwire.bench.runner import CpuSampler
 from gradwire.netem import EmulatedCluster, Topology, links, parse_rate
 from gradwire.netem.jobs import start_gloo, start_gradwire
 from gradwire.netem.links import LinkSampler
-from gradwire.netem.topology import framing
+from gradwire.tuning import framing
 
 MiB = 1 << 20
 # The default matrix: n = k at equal rates, n = 4 with k = 2, and servers at a quarter of the workers' rate.

@@ -6,7 +6,7 @@ import argparse
 import os
 
 from gradwire import split
-from gradwire.netem.topology import parse_rate
+from gradwire.tuning import framing, parse_rate
 
 MiB = 1 << 20
 
@@ -40,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--delay-ms", type=float, default=0.025, help="with --predict: one-way delay between two hosts (ms)"
     )
+    parser.add_argument("--mtu", type=int, default=1500, help="with --predict: the links' MTU in bytes (9000: jumbo)")
     parser.add_argument(
         "--server-cpu-per-gb",
         type=float,
@@ -124,7 +125,8 @@ def predict_table(args: argparse.Namespace) -> int:
     ns = [1 << i for i in range(largest.bit_length()) if 1 << i <= largest]
     print(
         f"{profile['model']}: {total / MiB:.1f} MiB of gradient, compute {predict.compute_s(layers) * 1e3:.1f} ms per "
-        f"step ({profile['device']}, divided by {scale:g}); one-way delay {args.delay_ms:g} ms; servers' CPU "
+        f"step ({profile['device']}, divided by {scale:g}); one-way delay {args.delay_ms:g} ms, MTU {args.mtu}; "
+        f"servers' CPU "
         f"{cpu_per_gb:g} s per GB ({path})"
     )
     print(
@@ -132,7 +134,7 @@ def predict_table(args: argparse.Namespace) -> int:
         f"{'coloc s':>8} {'eff':>5} {'servers':>7} {'cores each':>10}"
     )
     for rate in args.rates.split(","):
-        links = predict.Links(parse_rate(rate) / 8, parse_rate(rate) / 8, args.delay_ms / 1e3)
+        links = predict.Links(parse_rate(rate) / 8, parse_rate(rate) / 8, args.delay_ms / 1e3, 1 / framing(args.mtu))
         one = {}
         for n in ns:
             ring = predict.ring_step(layers, n, links).step_s

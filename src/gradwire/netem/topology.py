@@ -7,18 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gradwire.tuning import parse_rate
+from gradwire.tuning import framing, parse_rate
 
 __all__ = ["Host", "Topology", "framing", "parse_rate"]
 
 SUBNET = "198.18"  # RFC 2544's range for benchmarking, used only inside namespaces this package creates
-
-
-def framing(mtu: int) -> float:
-    """Bytes on the wire per byte of TCP payload at `mtu`: Ethernet's 14-byte header, IP's 20 and TCP's 32 (with the
-    timestamps Linux sends) around every segment; tc's rate counts them, so no TCP job gets below S/B times this
-    (1.046 at 1500 bytes, 1.007 at 9000), the other direction's acknowledgements aside."""
-    return (mtu + 14) / (mtu - 52)
 
 
 @dataclass(frozen=True)
