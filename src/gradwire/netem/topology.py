@@ -56,8 +56,8 @@ class Topology:
             raise ValueError(f"need 1-250 hosts, got {self.worker_hosts} worker hosts and {self.servers} servers")
         if self.servers == 0 and not self.colocate:
             raise ValueError("need a server: k >= 1, or colocated servers")
-        if not 576 <= self.mtu <= 9000:
-            raise ValueError(f"an MTU of {self.mtu}: give 576-9000 (Ethernet's 1500, jumbo frames' 9000)")
+        if not 576 <= self.mtu <= 9216:
+            raise ValueError(f"an MTU of {self.mtu}: give 576-9216 (Ethernet's 1500, jumbo frames' 9000)")
         parse_rate(self.worker_rate), parse_rate(self.server_rate)
         hosts = [Host("sched", "scheduler", 0, f"{SUBNET}.0.1", "1gbit", "1gbit")]
         for i in range(self.worker_hosts):
