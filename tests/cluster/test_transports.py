@@ -25,6 +25,9 @@ def test_sums_over_every_transport(transport, shared, unix):
         links = [link for w in c.workers for link in w.links]
         assert all((link.arena is not None) == shared for link in links)
         assert all(link.conn.peer.startswith("unix:") == unix for link in links)
+        # /status says the TCP segment size of each TCP link (its path's MTU: loopback's is 65536), none elsewhere
+        segments = [entry["tcp_segment_bytes"] for w in c.workers for entry in w.status()["servers"]]
+        assert all((s is None) == unix for s in segments) and all(s > 1448 for s in segments if s is not None)
         assert not _ours()  # attached and unlinked: nothing left in /dev/shm
 
         def job(w):

@@ -73,6 +73,22 @@ def test_every_link_carries_frames_of_the_topologys_mtu(mtu):
         Topology(workers=1, servers=1, mtu=65536)
 
 
+def test_a_workers_status_shows_its_links_jumbo_frames():
+    """/status's servers[].tcp_segment_bytes: what a user checks to see that the job's links run jumbo frames."""
+    topo = Topology(workers=2, servers=2, worker_rate="200mbit", server_rate="200mbit", mtu=9000)
+    code = (
+        "import json, numpy as np, gradwire as gw; gw.init(); gw.push_pull(np.ones(1000, np.float32), name='x');"
+        "print('SEGMENTS ' + json.dumps([s['tcp_segment_bytes'] for s in gw.current_worker().status()['servers']]),"
+        " flush=True); gw.shutdown()"
+    )
+    with EmulatedCluster(topo) as c:
+        with start_gradwire(c, [sys.executable, "-c", code], env={"GRADWIRE_TRANSPORT": "tcp"}) as job:
+            outputs = job.wait(timeout=120)
+    for out in outputs:
+        (line,) = [line for line in out.splitlines() if line.startswith("SEGMENTS ")]
+        assert json.loads(line.split(" ", 1)[1]) == [8948, 8948], out
+
+
 def test_netem_run_runs_a_job_and_cleans_up():
     out = subprocess.run(
         [

@@ -66,6 +66,16 @@ class Connection:
     def __repr__(self) -> str:
         return f"<Connection {self.peer_role} {self.peer_rank} at {self.peer}>"
 
+    def segment_bytes(self) -> int | None:
+        """The TCP segment size this connection settled on: its path's MTU less the headers (1448 bytes at Ethernet's
+        1500, 8948 with jumbo frames), or None off TCP (a Unix socket) and once closed."""
+        if self.sock.family == socket.AF_UNIX:
+            return None
+        try:
+            return self.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG)
+        except OSError:
+            return None
+
     # -- sending ---------------------------------------------------------------------------------
 
     def send(self, parts: Sequence[bytes | bytearray | memoryview]) -> None:

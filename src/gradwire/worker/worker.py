@@ -194,6 +194,7 @@ class Worker:
                 "server": link.server,
                 "peer": link.conn.peer,
                 "transport": link.transport,
+                "tcp_segment_bytes": link.conn.segment_bytes(),  # 8948 where the path runs jumbo frames
                 "outstanding_tensors": len(link.outstanding()),
             }
             for link in state.links
