@@ -39,7 +39,7 @@ class Layer:
     backward_s: float
 
 
-TCP_PAYLOAD = 1 / tuning.framing(1500)  # 1448 / 1514: TCP payload per Ethernet frame at a 1,500-byte MTU
+TCP_PAYLOAD = 1 / tuning.framing(tuning.ETHERNET_MTU)  # 1448 / 1514: TCP payload per frame at a 1,500-byte MTU
 
 
 @dataclass(frozen=True)

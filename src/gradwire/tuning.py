@@ -122,6 +122,9 @@ def derive(
     return Tuning(partition, window, cap, rate, rtt_seconds, reason)
 
 
+ETHERNET_MTU = 1500  # a link's MTU unless told otherwise (jumbo frames: 9000)
+
+
 def framing(mtu: int) -> float:
     """Bytes on the wire per byte of TCP payload at `mtu`: Ethernet's 14-byte header, IP's 20 and TCP's 32 (with the
     timestamps Linux sends) around every segment. A link's rate counts them, so no TCP job gets below S/B times this

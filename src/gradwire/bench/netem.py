@@ -20,7 +20,7 @@ from gradwire.bench.runner import CpuSampler
 from gradwire.netem import EmulatedCluster, Topology, links, parse_rate
 from gradwire.netem.jobs import start_gloo, start_gradwire
 from gradwire.netem.links import LinkSampler
-from gradwire.tuning import framing
+from gradwire.tuning import ETHERNET_MTU, framing
 
 MiB = 1 << 20
 # The default matrix: n = k at equal rates, n = 4 with k = 2, and servers at a quarter of the workers' rate.
@@ -53,7 +53,7 @@ class Record:
     per_host: int = 1  # workers per worker host, sharing its link
     calls_cpu_utilization: float | None = None  # the same over the timed calls alone (`timed_calls`)
     call_cpu_seconds: float | None = None  # CPU seconds of all the job's processes per timed call: the work itself
-    mtu: int = 1500  # every link's MTU
+    mtu: int = ETHERNET_MTU  # every link's MTU
 
     @property
     def layout(self) -> str:
@@ -197,7 +197,7 @@ def _links(sampler: LinkSampler, topo: Topology, system: str, links_dir: str) ->
     """Write one job's link samples and plot; return the mean use of each kind of link while data moved."""
     shared = f"x{topo.per_host}" if topo.per_host > 1 else ""
     colocated = "c" if topo.colocate else ""
-    mtu = f"-mtu{topo.mtu}" if topo.mtu != 1500 else ""
+    mtu = mtu_label(topo.mtu, "-mtu{}")
     name = f"{topo.workers}{shared}x{topo.servers}{colocated}-{topo.worker_rate}-{topo.server_rate}{mtu}-{system}"
     os.makedirs(links_dir, exist_ok=True)
     sampler.write(os.path.join(links_dir, name + ".json"))
@@ -237,7 +237,7 @@ def table(configs: list[list[Record]]) -> str:
                 servers += f" ({r.placement})"
             lines.append(
                 f"| {r.layout} | {servers} | {r.worker_rate_bps / 1e6:g} / {r.server_rate_bps / 1e6:g} Mbit/s"
-                f"{_mtu(r.mtu)} "
+                f"{mtu_label(r.mtu)} "
                 f"| {r.partition_bytes // 1024} KiB, {r.window} | {r.bytes / MiB:g} MiB "
                 f"| {r.seconds_median:.2f} | {r.ratio_to_bound:.2f} "
                 f"| {g.seconds_median:.2f} | {g.ratio_to_bound:.2f} | {g.seconds_median / r.seconds_median:.2f}x "
@@ -252,8 +252,9 @@ def table(configs: list[list[Record]]) -> str:
     return "\n".join(lines)
 
 
-def _mtu(mtu: int) -> str:
-    return "" if mtu == 1500 else f", MTU {mtu}"
+def mtu_label(mtu: int, form: str = ", MTU {}") -> str:
+    """How a table or a file name says a run's MTU: nothing at Ethernet's 1500, else `form` with it."""
+    return "" if mtu == ETHERNET_MTU else form.format(mtu)
 
 
 def _per_call(ours: float | None, peer: float | None) -> str:

@@ -21,6 +21,7 @@ from gradwire.bench.netem_train import (
 )
 from gradwire.netem import NetemUnavailable, Topology
 from gradwire.netem.cluster import check_available
+from gradwire.tuning import ETHERNET_MTU
 
 HEADINGS = {"netem": "Emulated network (issue 4)", "placement": "Colocated servers and placement (issue 5)"}
 
@@ -37,7 +38,7 @@ def parse_configs(text: str | None) -> list[Topology]:
         colocate = rest[:1] == ["c"]
         rest = rest[1:] if colocate else rest
         per_host = rest.pop(0)[1:] if rest and rest[0][:1] == "x" else "1"
-        mtu = rest.pop(0)[1:] if rest and rest[0][:1] == "m" else "1500"
+        mtu = rest.pop(0)[1:] if rest and rest[0][:1] == "m" else str(ETHERNET_MTU)
         if rest or not per_host.isdigit() or not mtu.isdigit():
             raise SystemExit(f"gradwire bench --configs: {item!r} is not n:k:worker_rate:server_rate[:c][:xM][:mB]")
         try:

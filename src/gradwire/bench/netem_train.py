@@ -13,10 +13,11 @@ import threading
 import time
 from collections.abc import Callable
 
-from gradwire.bench.netem import timed
+from gradwire.bench.netem import mtu_label, timed
 from gradwire.errors import GradwireError
 from gradwire.netem import EmulatedCluster, Topology
 from gradwire.netem.jobs import start_gloo, start_gradwire, start_tf_ring
+from gradwire.tuning import ETHERNET_MTU
 
 TRAIN_WAYS = ("optimizer", "hook", "ddp")  # gradwire's DistributedOptimizer, DDP with gradwire's hook, DDP over gloo
 # asked for by name only (`--ways`): DistributedOptimizer under the cross barrier, the next forward pass overlapping
@@ -164,7 +165,7 @@ def _rates(r: dict) -> str:
     """The workers' and the servers' link rate, once where they are the same."""
     same = r["worker_rate"] == r["server_rate"]
     rates = r["worker_rate"] if same else f"{r['worker_rate']} / {r['server_rate']}"
-    return rates if r.get("mtu", 1500) == 1500 else f"{rates}, MTU {r['mtu']}"
+    return rates + mtu_label(r.get("mtu", ETHERNET_MTU))  # rows written before the MTU was a field: 1500
 
 
 def _partitions(sizes: list | None) -> str:

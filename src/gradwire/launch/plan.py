@@ -6,7 +6,7 @@ import argparse
 import os
 
 from gradwire import split
-from gradwire.tuning import framing, parse_rate
+from gradwire.tuning import ETHERNET_MTU, framing, parse_rate
 
 MiB = 1 << 20
 
@@ -40,7 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--delay-ms", type=float, default=0.025, help="with --predict: one-way delay between two hosts (ms)"
     )
-    parser.add_argument("--mtu", type=int, default=1500, help="with --predict: the links' MTU in bytes (9000: jumbo)")
+    parser.add_argument(
+        "--mtu", type=int, default=ETHERNET_MTU, help="with --predict: the links' MTU in bytes (9000: jumbo)"
+    )
     parser.add_argument(
         "--server-cpu-per-gb",
         type=float,

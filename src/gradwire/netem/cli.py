@@ -9,7 +9,7 @@ import threading
 
 from gradwire.netem.cluster import EmulatedCluster, NetemUnavailable, check_available
 from gradwire.netem.jobs import start_gradwire
-from gradwire.netem.topology import Topology, framing, parse_rate
+from gradwire.netem.topology import ETHERNET_MTU, Topology, framing, parse_rate
 
 RECEIVER = """
 import socket, sys, time
@@ -38,13 +38,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--per-host", type=int, default=1, help="workers per worker host, sharing its link (torchrun's nproc-per-node)"
     )
-    run.add_argument("--mtu", type=int, default=1500, help="every link's MTU in bytes (9000: jumbo frames)")
+    run.add_argument("--mtu", type=int, default=ETHERNET_MTU, help="every link's MTU in bytes (9000: jumbo frames)")
     run.add_argument("--timeout", type=float, default=3600)
     run.add_argument("command", nargs=argparse.REMAINDER, help="the worker command, after --")
     check = sub.add_parser("check", help="measure one emulated link against its configured rate")
     check.add_argument("--rate", default="20mbit")
     check.add_argument("--megabytes", type=float, default=6)
-    check.add_argument("--mtu", type=int, default=1500, help="the link's MTU in bytes")
+    check.add_argument("--mtu", type=int, default=ETHERNET_MTU, help="the link's MTU in bytes")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -98,7 +98,7 @@ def _pump(proc: subprocess.Popen, prefix: str) -> None:
     proc.stdout = None  # consumed here; Job.wait must not read it again
 
 
-def measure_link(rate: str, nbytes: int, mtu: int = 1500) -> float:
+def measure_link(rate: str, nbytes: int, mtu: int = ETHERNET_MTU) -> float:
     """Bits per second of payload that one TCP stream gets across a two-host emulated link of `rate` and `mtu`."""
     topo = Topology(workers=1, servers=1, worker_rate=rate, server_rate=rate, mtu=mtu)
     with EmulatedCluster(topo) as c:

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gradwire.tuning import framing, parse_rate
+from gradwire.tuning import ETHERNET_MTU, framing, parse_rate
 
-__all__ = ["Host", "Topology", "framing", "parse_rate"]
+__all__ = ["ETHERNET_MTU", "Host", "Topology", "framing", "parse_rate"]
 
 SUBNET = "198.18"  # RFC 2544's range for benchmarking, used only inside namespaces this package creates
 
@@ -46,7 +46,7 @@ class Topology:
     delay_ms: float = 0.0
     colocate: bool = False
     per_host: int = 1
-    mtu: int = 1500  # every link's MTU: Ethernet's 1500, or a data centre's jumbo frames (9000)
+    mtu: int = ETHERNET_MTU  # every link's MTU: Ethernet's 1500, or a data centre's jumbo frames (9000)
     hosts: list[Host] = field(init=False)
 
     def __post_init__(self) -> None:
